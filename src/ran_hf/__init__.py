@@ -1,0 +1,46 @@
+"""ran_hf: the Recurrent Attention Network (RAN) as a Hugging Face Transformers model family.
+
+Importing the package registers `RANConfig` and every RAN model with the Auto classes, and marks them for remote
+code, so that `save_pretrained` writes a folder (or Hub repo) that loads with `trust_remote_code=True` anywhere.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from .configuration_ran import RANConfig
+from .modeling_ran import (
+    RANForMaskedLM,
+    RANForSequenceClassification,
+    RANForTokenClassification,
+    RANModel,
+    RANPreTrainedModel,
+)
+
+__version__ = "0.1.0"
+
+AUTO_CLASSES = {
+    AutoModel: RANModel,
+    AutoModelForMaskedLM: RANForMaskedLM,
+    AutoModelForSequenceClassification: RANForSequenceClassification,
+    AutoModelForTokenClassification: RANForTokenClassification,
+}
+
+AutoConfig.register(RANConfig.model_type, RANConfig, exist_ok=True)
+RANConfig.register_for_auto_class()
+for auto_class, model_class in AUTO_CLASSES.items():
+    auto_class.register(RANConfig, model_class, exist_ok=True)
+    model_class.register_for_auto_class(auto_class.__name__)
+
+__all__ = [
+    "RANConfig",
+    "RANForMaskedLM",
+    "RANForSequenceClassification",
+    "RANForTokenClassification",
+    "RANModel",
+    "RANPreTrainedModel",
+]

@@ -1,0 +1,158 @@
+"""Configuration of the Recurrent Attention Network (RAN)."""
+
+from transformers import PreTrainedConfig
+
+_CELL_POOLINGS = ("last", "mean", "max")
+
+REMOTE_CODE_AUTO_MAP = {
+    "AutoConfig": "configuration_ran.RANConfig",
+    "AutoModel": "modeling_ran.RANModel",
+    "AutoModelForMaskedLM": "modeling_ran.RANForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_ran.RANForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_ran.RANForTokenClassification",
+}
+
+
+class RANConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`RANModel`]: the Recurrent Attention Network of Li et al. (ACL 2023), which reads a document in
+    windows and carries a global perception cell from window to window. Defaults follow the official "V3 EN base"
+    model (2 RAN layers, window 256, minimum window 16).
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to 30522):
+            Size of the token vocabulary.
+        hidden_size (`int`, *optional*, defaults to 768):
+            Width D of token states and cells (`embedding_size` in the official code).
+        num_hidden_layers (`int`, *optional*, defaults to 2):
+            Number of RAN layers (`ran_layers`).
+        num_attention_heads (`int`, *optional*, defaults to 12):
+            Heads of the window attention (`head_num`).
+        head_dim (`int`, *optional*, defaults to 64):
+            Size of one head (`head_size`). Queries, keys and values project D -> heads * head_dim; it need not divide
+            `hidden_size`.
+        window_size (`int`, *optional*, defaults to 256):
+            Tokens per window W.
+        min_window_size (`int`, *optional*, defaults to 16):
+            A final window shorter than this is merged into the window before it.
+        cell_pooling (`str`, *optional*, defaults to `"last"`):
+            How the per-window cells become one document cell: `"last"` (final cell), `"mean"` or `"max"` (over the
+            raw cell outputs of all windows).
+        memory_review (`bool`, *optional*, defaults to `True`):
+            Whether token states attend to the cells of all windows at the end of each layer.
+        window_overlap (`int`, *optional*, defaults to 0):
+            Breaking-point enrichment: every window also reads the last `window_overlap` tokens of the window before
+            it (their outputs are dropped). 0 reproduces the official model.
+        is_causal (`bool`, *optional*, defaults to `False`):
+            Strictly causal mode for language modelling: tokens see the read cell and earlier tokens of their window,
+            memory review sees only earlier windows' cells, and every layer starts from its own learned cell.
+        hidden_act (`str`, *optional*, defaults to `"silu"`):
+            Activation of every projection (swish in the paper).
+        hidden_dropout_prob (`float`, *optional*, defaults to 0.1):
+            Dropout on embeddings, token states, cells and head inputs.
+        attention_probs_dropout_prob (`float`, *optional*, defaults to 0.1):
+            Dropout on attention probabilities.
+        layer_norm_eps (`float`, *optional*, defaults to 1e-07):
+            Epsilon of the layer norms.
+        rope_theta (`float`, *optional*, defaults to 10000.0):
+            Base of the rotary embedding inside each window.
+        initializer_range (`float`, *optional*, defaults to 0.02):
+            Standard deviation of the normal weight initialisation.
+        pad_token_id (`int`, *optional*, defaults to 0):
+            Padding token id.
+        bos_token_id (`int`, *optional*):
+            Beginning-of-sequence token id.
+        eos_token_id (`int`, *optional*):
+            End-of-sequence token id.
+        tie_word_embeddings (`bool`, *optional*, defaults to `True`):
+            Whether language-model heads share the token embedding.
+
+    Example:
+
+    ```python
+    >>> from ran_hf import RANConfig, RANModel
+
+    >>> config = RANConfig(hidden_size=256, num_attention_heads=4, window_size=128, min_window_size=8)
+    >>> model = RANModel(config)
+    ```
+    """
+
+    model_type = "ran"
+    keys_to_ignore_at_inference = ["past_key_values", "cells", "last_cell"]
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 12
+    head_dim: int = 64
+    window_size: int = 256
+    min_window_size: int = 16
+    cell_pooling: str = "last"
+    memory_review: bool = True
+    window_overlap: int = 0
+    is_causal: bool = False
+    hidden_act: str = "silu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    layer_norm_eps: float = 1e-7
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs):
+        self._validate_ran_fields()
+        # Every saved folder names the code of every head, so that any Auto class loads it as remote code.
+        self.auto_map = dict(REMOTE_CODE_AUTO_MAP)
+        super().__post_init__(**kwargs)
+
+    def _validate_ran_fields(self):
+        """Reject values that would make windows, heads or pooling ill-defined, naming the field."""
+        positive_ints = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "window_size",
+            "min_window_size",
+        )
+        for name in positive_ints + ("window_overlap",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"`{name}` must be an int, got {value!r} ({type(value).__name__}).")
+        for name in positive_ints:
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        if self.min_window_size >= self.window_size:
+            raise ValueError(
+                f"`min_window_size` ({self.min_window_size}) must be smaller than `window_size` ({self.window_size})."
+            )
+        if self.window_overlap < 0:
+            raise ValueError(f"`window_overlap` must be >= 0, got {self.window_overlap}.")
+        if self.window_overlap >= self.window_size:
+            raise ValueError(
+                f"`window_overlap` ({self.window_overlap}) must be smaller than `window_size` ({self.window_size})."
+            )
+        if self.cell_pooling not in _CELL_POOLINGS:
+            raise ValueError(f"`cell_pooling` must be one of {_CELL_POOLINGS}, got {self.cell_pooling!r}.")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
+        if self.layer_norm_eps <= 0:
+            raise ValueError(f"`layer_norm_eps` must be > 0, got {self.layer_norm_eps}.")
+        if self.head_dim % 2:
+            raise ValueError(f"`head_dim` must be even (rotary embedding rotates pairs), got {self.head_dim}.")
+        if self.rope_theta <= 0:
+            raise ValueError(f"`rope_theta` must be > 0, got {self.rope_theta}.")
+
+    @property
+    def max_window_length(self) -> int:
+        """Longest window a layer can see: a full window plus a merged tail, plus the enrichment tokens."""
+        return self.window_size + self.min_window_size - 1 + self.window_overlap
+
+
+__all__ = ["RANConfig"]

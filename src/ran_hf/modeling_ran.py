@@ -1,0 +1,817 @@
+"""PyTorch Recurrent Attention Network (RAN), Li et al., ACL 2023.
+
+A RAN layer reads a sequence in windows. Each window attends over itself and a global perception cell; the cell
+written by window i is read by window i + 1, and at the end every token reviews the cells of all windows. The layer
+is computed in three phases (see `RANLayer.forward`): per-token projections for all windows at once, a small
+sequential scan over the cells, and one batched attention call for the tokens of every window.
+
+Shapes: B batch, L padded length, T real tokens in the batch, K windows in the batch, N windows of the longest
+sequence, S slots of a window (enrichment tokens + the longest window), H heads, d head size, D hidden size.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MaskedLMOutput, SequenceClassifierOutput, TokenClassifierOutput
+from transformers.utils import ModelOutput, logging
+from transformers.utils.generic import can_return_tuple
+
+from .configuration_ran import RANConfig
+
+logger = logging.get_logger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def standard_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean(x)) / sqrt(mean(x^2) + eps) over the last axis: the official RAN normalisation.
+
+    Note the denominator: the mean of x^2, not the variance. Computed in float32 so that bf16/fp16 inputs keep
+    their precision.
+    """
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.float()
+    mean = hidden_states.mean(-1, keepdim=True)
+    mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
+    return ((hidden_states - mean) * torch.rsqrt(mean_square + eps)).to(input_dtype)
+
+
+class RANLayerNorm(nn.Module):
+    """`standard_normalize` followed by a learned scale and shift (langml's LayerNorm, which RAN checkpoints use)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.weight * standard_normalize(hidden_states, self.eps) + self.bias
+
+
+class RANGatedLinearUnit(nn.Module):
+    """GLU(x) = (A x + a) * sigmoid(G x + g), with A and G fused into one projection."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, 2 * hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        value, gate = self.proj(hidden_states).chunk(2, dim=-1)
+        return value * torch.sigmoid(gate)
+
+
+def rotary_cos_sin(num_positions: int, head_dim: int, theta: float, device: torch.device):
+    """cos and sin tables (num_positions, head_dim / 2) for positions 0 .. num_positions - 1."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.arange(num_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_interleaved_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x_2i, x_2i+1) of the last axis; `cos`/`sin` broadcast against (..., d / 2).
+
+    RAN rotates neighbouring pairs, not the two halves of the head as Llama does.
+    """
+    even, odd = states[..., 0::2].float(), states[..., 1::2].float()
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return rotated.flatten(-2).to(states.dtype)
+
+
+@dataclass
+class RANWindowLayout:
+    """Where every real token sits in the windows of its sequence.
+
+    The layout depends on each sequence's true length only, never on the padded length, so padding (left or right)
+    cannot change what a sequence computes. Windows of W tokens start at the sequence's first real token; a final
+    window shorter than `min_window_size` joins the one before it. With `window_overlap` m > 0 every window after
+    the first is preceded by the last m tokens of the window before it (read, but not output).
+
+    Real tokens live in a flat (T, ...) tensor, in batch order; windows are packed, K of them for the whole batch.
+    """
+
+    lengths: torch.Tensor  # (B,) real tokens per sequence
+    num_windows: torch.Tensor  # (B,) windows per sequence, 0 for an all-padding row
+    token_index: torch.Tensor  # (T,) position of each real token in the flattened (B * L) padded input
+    window_slots: torch.Tensor  # (K, S) flat token index of each window slot; T marks an empty slot
+    slot_mask: torch.Tensor  # (K, S) the slot holds a token
+    output_slot: torch.Tensor  # (T,) slot (k * S + s) whose output is the token's state
+    window_sequence: torch.Tensor  # (K,) sequence of each window
+    window_number: torch.Tensor  # (K,) index of each window inside its sequence
+    step_windows: torch.Tensor  # (N, B) window index k read at scan step j by sequence b; K when it has none
+    token_window: torch.Tensor  # (B, L) window number of each padded position (0 for padding)
+    batch_size: int
+    padded_length: int
+
+    @property
+    def num_steps(self) -> int:
+        return self.step_windows.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.window_slots.shape[1]
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: torch.Tensor, config: RANConfig) -> "RANWindowLayout":
+        window, min_window, overlap = config.window_size, config.min_window_size, config.window_overlap
+        batch_size, padded_length = attention_mask.shape
+        device = attention_mask.device
+        real = attention_mask.bool()
+        lengths = real.sum(-1)  # (B,)
+
+        full, remainder = lengths // window, lengths % window
+        merged_tail = (remainder == 0) | (remainder < min_window)
+        num_windows = torch.where(lengths <= window, (lengths > 0).long(), torch.where(merged_tail, full, full + 1))
+
+        token_index = real.flatten().nonzero().squeeze(-1)  # (T,)
+        total_tokens = token_index.numel()
+        sequence_start = torch.cumsum(lengths, 0) - lengths  # (B,) offset of each sequence in the flat tokens
+
+        window_sequence = torch.repeat_interleave(torch.arange(batch_size, device=device), num_windows)  # (K,)
+        first_window = torch.cumsum(num_windows, 0) - num_windows
+        num_packed = window_sequence.numel()
+        window_number = torch.arange(num_packed, device=device) - first_window[window_sequence]  # (K,)
+
+        start = window_number * window  # (K,) first own token, relative to the sequence
+        is_last = window_number == num_windows[window_sequence] - 1
+        end = torch.where(is_last, lengths[window_sequence], start + window)  # (K,)
+        enrichment = torch.where(window_number > 0, overlap, 0)  # (K,) tokens read from the window before
+        num_slots = overlap + window + min_window - 1
+        slot = torch.arange(num_slots, device=device)
+        position = (start - enrichment)[:, None] + slot[None, :]  # (K, S)
+        slot_mask = position < end[:, None]
+        window_slots = torch.where(slot_mask, sequence_start[window_sequence][:, None] + position, total_tokens)
+
+        is_output = slot_mask & (slot[None, :] >= enrichment[:, None])  # (K, S)
+        output_slot = torch.empty(total_tokens, dtype=torch.long, device=device)
+        output_slot[window_slots[is_output]] = is_output.flatten().nonzero().squeeze(-1)
+
+        num_steps = int(num_windows.max()) if batch_size > 0 else 0
+        step_windows = torch.full((batch_size, num_steps), num_packed, dtype=torch.long, device=device)
+        step_windows[window_sequence, window_number] = torch.arange(num_packed, device=device)
+
+        token_window = torch.zeros(batch_size * padded_length, dtype=torch.long, device=device)
+        token_window[token_index] = window_number[output_slot // num_slots]
+
+        return cls(
+            lengths=lengths,
+            num_windows=num_windows,
+            token_index=token_index,
+            window_slots=window_slots,
+            slot_mask=slot_mask,
+            output_slot=output_slot,
+            window_sequence=window_sequence,
+            window_number=window_number,
+            step_windows=step_windows.T.contiguous(),
+            token_window=token_window.view(batch_size, padded_length),
+            batch_size=batch_size,
+            padded_length=padded_length,
+        )
+
+    def to_windows(self, token_states: torch.Tensor) -> torch.Tensor:
+        """(T, F) flat token features -> (K, S, F) window slots, zeros in empty slots."""
+        padded = F.pad(token_states, (0, 0, 0, 1))  # row T is the empty slot
+        return padded[self.window_slots]
+
+    def from_windows(self, window_states: torch.Tensor) -> torch.Tensor:
+        """(K, S, F) window slot outputs -> (T, F): each token's state from its own (non-enrichment) slot."""
+        return window_states.flatten(0, 1)[self.output_slot]
+
+    def to_padded(self, token_states: torch.Tensor) -> torch.Tensor:
+        """(T, F) flat token features -> (B, L, F), zeros at padding."""
+        padded = token_states.new_zeros(self.batch_size * self.padded_length, token_states.shape[-1])
+        padded[self.token_index] = token_states
+        return padded.view(self.batch_size, self.padded_length, -1)
+
+    def from_padded(self, padded_states: torch.Tensor) -> torch.Tensor:
+        """(B, L, F) -> (T, F): the real tokens only."""
+        return padded_states.flatten(0, 1)[self.token_index]
+
+    def per_sequence(self, step_states: torch.Tensor) -> torch.Tensor:
+        """(N, B, F) per-step states -> (K, F) the state of every packed window."""
+        return step_states[self.window_number, self.window_sequence]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The RAN layer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class RANMemoryReview(nn.Module):
+    """Single-head attention of every token over the cells of its sequence's windows, with a gated residual."""
+
+    def __init__(self, config: RANConfig):
+        super().__init__()
+        hidden_size = config.hidden_size
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.kv_proj = nn.Linear(hidden_size, 2 * hidden_size)
+        self.o_proj = nn.Linear(hidden_size, hidden_size)
+        self.glu = RANGatedLinearUnit(hidden_size)
+        self.norm = RANLayerNorm(hidden_size, config.layer_norm_eps)
+        self.act = ACT2FN[config.hidden_act]
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.attention_dropout = config.attention_probs_dropout_prob
+
+    def forward(self, token_states: torch.Tensor, cells: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
+        # token_states (B, L, D), cells (B, N, D), cell_mask (B or 1, L or 1, N): which cells each token may read
+        query = self.act(self.q_proj(token_states))  # (B, L, D)
+        key, value = self.act(self.kv_proj(cells)).chunk(2, dim=-1)  # (B, N, D) each
+        review = F.scaled_dot_product_attention(
+            query[:, None],
+            key[:, None],
+            value[:, None],
+            attn_mask=cell_mask[:, None],
+            dropout_p=self.attention_dropout if self.training else 0.0,
+        )[:, 0]  # (B, L, D)
+        review = self.dropout(self.act(self.o_proj(review)))
+        return self.norm(review + self.glu(query))
+
+
+class RANLayer(GradientCheckpointingLayer):
+    """One RAN layer over all windows of a batch (bidirectional, or causal when `config.is_causal`)."""
+
+    def __init__(self, config: RANConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        hidden_size, inner_size, eps = config.hidden_size, config.num_attention_heads * config.head_dim, config.layer_norm_eps
+
+        # The layer's own starting cell. The official encoder only uses the first layer's; later layers continue
+        # from the cell of the layer below, except in causal mode, where that cell has read the future.
+        self.initial_cell = nn.Parameter(torch.zeros(hidden_size))
+        self.input_norm = RANLayerNorm(hidden_size, eps)
+        self.qkv_proj = nn.Linear(hidden_size, 3 * inner_size)
+        self.o_proj = nn.Linear(inner_size, hidden_size)
+        self.attention_glu = RANGatedLinearUnit(hidden_size)
+        self.attention_norm = RANLayerNorm(hidden_size, eps)
+        self.cell_glu = RANGatedLinearUnit(hidden_size)
+        self.cell_norm = RANLayerNorm(hidden_size, eps)
+        if config.memory_review:
+            self.memory_review = RANMemoryReview(config)
+        else:
+            self.output_norm = RANLayerNorm(hidden_size, eps)
+
+        self.act = ACT2FN[config.hidden_act]
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.attention_dropout = config.attention_probs_dropout_prob
+
+    # ---- shared per-position maths -------------------------------------------------------------------------------
+
+    def normalize_input(self, states: torch.Tensor) -> torch.Tensor:
+        """Concat-LayerNorm of tokens and cells alike; the result feeds both the projections and the residual GLU."""
+        return self.dropout(self.input_norm(states))
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., 3, H, d) activated queries, keys and values."""
+        qkv = self.act(self.qkv_proj(normed))
+        return qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
+
+    def finish_attention(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """Output projection, gated residual and the two normalisations: (..., H * d) -> standardised (..., D)."""
+        output = self.dropout(self.act(self.o_proj(attended)))
+        output = self.attention_norm(output + self.attention_glu(normed))
+        return self.dropout(standard_normalize(output, self.config.layer_norm_eps))
+
+    # ---- phase 1 ---------------------------------------------------------------------------------------------------
+
+    def project_windows(self, normed_tokens: torch.Tensor, layout: RANWindowLayout):
+        """Queries, keys and values of every token in every window slot, rotary applied (slot s is position s + 1)."""
+        qkv = layout.to_windows(self.project(normed_tokens).flatten(-3))  # (K, S, 3 * H * d)
+        qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)  # (3, K, H, S, d)
+        cos, sin = rotary_cos_sin(layout.num_slots + 1, self.head_dim, self.config.rope_theta, qkv.device)
+        cos, sin = cos[1:], sin[1:]  # position 0 belongs to the cell, where the rotation is the identity
+        query = apply_interleaved_rotary(qkv[0], cos, sin)
+        key = apply_interleaved_rotary(qkv[1], cos, sin)
+        return query, key, qkv[2]  # (K, H, S, d) each
+
+    # ---- phase 2 ---------------------------------------------------------------------------------------------------
+
+    def scan_cells(self, initial_cell: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: RANWindowLayout):
+        """The only sequential part: window by window, the cell attends over itself and its window, then is updated.
+
+        Returns, per step j (window j of every sequence), stacked as (N, B, ...):
+        the key and value of the cell that window j reads, the raw cell output ĉ_j, and the updated cell c_j.
+        """
+        scale = 1.0 / math.sqrt(self.head_dim)
+        # Step-major views of every sequence's windows; sequences that have run out read an empty window.
+        step_keys = F.pad(keys, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows]  # (N, B, H, S, d)
+        step_values = F.pad(values, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows]  # (N, B, H, S, d)
+        step_mask = F.pad(layout.slot_mask, (0, 0, 0, 1))[layout.step_windows]  # (N, B, S)
+
+        cell, previous_raw = initial_cell, None
+        read_keys, read_values, raw_cells, cells = [], [], [], []
+        for step in range(layout.num_steps):
+            normed = self.normalize_input(cell)  # (B, D)
+            query, key, value = self.project(normed).unbind(-3)  # (B, H, d) each
+            token_scores = (query[:, :, None, :] @ step_keys[step].transpose(-1, -2)).squeeze(-2)  # (B, H, S)
+            token_scores = token_scores.masked_fill(~step_mask[step][:, None, :], float("-inf"))
+            cell_score = (query * key).sum(-1, keepdim=True)  # (B, H, 1)
+            probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
+            probs = F.dropout(probs, self.attention_dropout, self.training)
+            attended = probs[..., :1] * value + (probs[..., None, 1:] @ step_values[step]).squeeze(-2)  # (B, H, d)
+            raw = self.finish_attention(attended.flatten(-2), normed)  # (B, D)
+            if previous_raw is None:
+                cell = raw
+            else:
+                cell = self.dropout(self.cell_norm(raw + self.cell_glu(previous_raw)))
+            previous_raw = raw
+            read_keys.append(key)
+            read_values.append(value)
+            raw_cells.append(raw)
+            cells.append(cell)
+        return torch.stack(read_keys), torch.stack(read_values), torch.stack(raw_cells), torch.stack(cells)
+
+    # ---- phase 3 ---------------------------------------------------------------------------------------------------
+
+    def attend_windows(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout) -> torch.Tensor:
+        """Token attention of all windows in one call: window k's keys are its read cell followed by its slots."""
+        key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
+        value = torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
+        key_mask = F.pad(layout.slot_mask, (1, 0), value=True)  # (K, 1 + S)
+        if self.config.is_causal:
+            slots = layout.num_slots
+            causal = torch.ones(slots, slots + 1, dtype=torch.bool, device=key.device).tril(diagonal=1)
+            attention_mask = key_mask[:, None, None, :] & causal  # (K, 1, S, 1 + S)
+        else:
+            attention_mask = key_mask[:, None, None, :]  # (K, 1, 1, 1 + S)
+        attended = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+        )  # (K, H, S, d)
+        return layout.from_windows(attended.transpose(1, 2).flatten(-2))  # (T, H * d)
+
+    def review_memory(self, token_states, raw_cells, initial_cell, layout: RANWindowLayout) -> torch.Tensor:
+        """Every token reads the cells of its sequence (causal: the initial cell and the cells of earlier windows)."""
+        padded_states = layout.to_padded(token_states)  # (B, L, D)
+        cells = raw_cells.transpose(0, 1)  # (B, N, D)
+        step = torch.arange(layout.num_steps, device=cells.device)
+        if self.config.is_causal:
+            cells = torch.cat([initial_cell[:, None], cells], dim=1)  # (B, 1 + N, D)
+            cell_mask = layout.token_window[:, :, None] > step[None, None, :]  # (B, L, N): earlier windows only
+            cell_mask = F.pad(cell_mask, (1, 0), value=True)  # (B, L, 1 + N)
+        else:
+            # A row without windows (all padding) still reads one cell so that the softmax stays finite.
+            readable = torch.clamp(layout.num_windows, min=1)
+            cell_mask = (step[None, :] < readable[:, None])[:, None, :]  # (B, 1, N)
+        reviewed = self.memory_review(padded_states, cells, cell_mask)
+        return layout.from_padded(reviewed)
+
+    # ---- the layer -------------------------------------------------------------------------------------------------
+
+    def forward(self, token_states: torch.Tensor, initial_cell: torch.Tensor, layout: RANWindowLayout):
+        """token_states (T, D) flat real tokens; initial_cell (B, D). Returns token states, raw cells, cells."""
+        normed_tokens = self.normalize_input(token_states)  # (T, D)
+
+        # 1. Everything that does not depend on the cell, for all windows at once.
+        query, key, value = self.project_windows(normed_tokens, layout)  # (K, H, S, d) each
+
+        # 2. The cell scan: the only sequential step.
+        read_keys, read_values, raw_cells, cells = self.scan_cells(initial_cell, key, value, layout)
+
+        # 3. Token attention of all windows in one batched call, then the per-token tail.
+        attended = self.attend_windows(
+            query, key, value, layout.per_sequence(read_keys), layout.per_sequence(read_values), layout
+        )  # (T, H * d)
+        token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
+
+        if self.config.memory_review:
+            token_states = self.review_memory(token_states, raw_cells, initial_cell, layout)
+        else:
+            token_states = self.output_norm(token_states)
+        return token_states, raw_cells, cells
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class RANEmbeddings(nn.Module):
+    """Token embedding, LayerNorm and dropout. RAN has no position embedding: positions enter as rotary, per window."""
+
+    def __init__(self, config: RANConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None):
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        return self.dropout(self.norm(inputs_embeds))
+
+
+class RANPooler(nn.Module):
+    """The official "cell transform" (paper eq. 10-11): GLU(swish(Dense(pooled cell))) + Dense(max-pooled tokens)."""
+
+    def __init__(self, config: RANConfig):
+        super().__init__()
+        self.cell_dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.cell_glu = RANGatedLinearUnit(config.hidden_size)
+        self.token_dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, pooled_cell: torch.Tensor, token_states: torch.Tensor, attention_mask: torch.Tensor):
+        cell = self.cell_glu(self.dropout(self.act(self.cell_dense(pooled_cell))))  # (B, D)
+        return cell + self.token_dense(masked_max(token_states, attention_mask.bool()))  # (B, D)
+
+
+def masked_max(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max over axis 1 of (B, X, D) where mask (B, X) is True; 0 for rows with nothing to pool."""
+    filled = states.masked_fill(~mask[..., None], torch.finfo(states.dtype).min)
+    return torch.where(mask.any(1)[:, None], filled.amax(1), torch.zeros_like(filled[:, 0]))
+
+
+def masked_mean(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over axis 1 of (B, X, D) where mask (B, X) is True; 0 for rows with nothing to pool."""
+    total = (states * mask[..., None]).sum(1)
+    return total / mask.sum(1, keepdim=True).clamp(min=1)
+
+
+class RANPreTrainedModel(PreTrainedModel):
+    config: RANConfig
+    config_class = RANConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["RANLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        super()._init_weights(module)
+        if isinstance(module, RANLayer):
+            # Zero is what the official initialiser gives: LayerNorm(swish(U * 0)) = the norm's zero-initialised bias.
+            module.initial_cell.zero_()
+        elif isinstance(module, RANForMaskedLM) and module.decoder.bias is not None:
+            module.decoder.bias.zero_()
+
+
+@dataclass
+class RANModelOutput(ModelOutput):
+    """
+    Outputs of [`RANModel`].
+
+    Args:
+        last_hidden_state (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`):
+            Token states of the last layer; zeros at padding positions.
+        pooler_output (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            Document representation: the cell transform of the pooled cell plus the max-pooled token states
+            (`None` when the model was built with `add_pooling_layer=False`).
+        pooled_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`):
+            The last layer's cells pooled as `config.cell_pooling` says.
+        last_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`):
+            The cell after the last window of the last layer.
+        cells (`torch.FloatTensor` of shape `(batch_size, num_windows, hidden_size)`):
+            The raw cell written by every window of the last layer; zeros past a sequence's own windows.
+        cells_mask (`torch.BoolTensor` of shape `(batch_size, num_windows)`):
+            Which entries of `cells` belong to a real window.
+        hidden_states (`tuple(torch.FloatTensor)`, *optional*, returned when `output_hidden_states=True`):
+            The embedding output and the token states after every layer, each `(batch_size, sequence_length,
+            hidden_size)`.
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    pooler_output: torch.FloatTensor | None = None
+    pooled_cell: torch.FloatTensor | None = None
+    last_cell: torch.FloatTensor | None = None
+    cells: torch.FloatTensor | None = None
+    cells_mask: torch.BoolTensor | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embeds) -> None:
+    """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+    if input_ids is not None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must have shape (batch_size, sequence_length), got {tuple(input_ids.shape)}.")
+        if input_ids.is_floating_point():
+            raise ValueError(f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}.")
+        shape = tuple(input_ids.shape)
+        if input_ids.numel() > 0:
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= config.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"`input_ids` holds token id {bad}, outside the vocabulary [0, {config.vocab_size - 1}]."
+                )
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"`inputs_embeds` must have shape (batch_size, sequence_length, {config.hidden_size}), "
+                f"got {tuple(inputs_embeds.shape)}."
+            )
+        shape = tuple(inputs_embeds.shape[:2])
+    if shape[1] == 0:
+        raise ValueError("Got sequences of length 0: RAN needs at least one token per batch.")
+    if attention_mask is not None and tuple(attention_mask.shape) != shape:
+        raise ValueError(
+            f"`attention_mask` must have the shape of the inputs {shape}, got {tuple(attention_mask.shape)}."
+        )
+
+
+class RANModel(RANPreTrainedModel):
+    """The bare RAN encoder (or causal decoder when `config.is_causal`): embeddings, RAN layers, optional pooler."""
+
+    def __init__(self, config: RANConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.embeddings = RANEmbeddings(config)
+        self.layers = nn.ModuleList([RANLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)])
+        self.pooler = RANPooler(config) if add_pooling_layer else None
+        self.cell_dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    def initial_cell(self, layer: RANLayer, batch_size: int) -> torch.Tensor:
+        return self.cell_dropout(layer.initial_cell[None].expand(batch_size, -1))
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> RANModelOutput:
+        r"""
+        input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`):
+            Token ids. Padding may sit on either side; it never changes what a sequence computes.
+        attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*):
+            1 for real tokens, 0 for padding. Defaults to all ones.
+        inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
+            Token embeddings to use instead of `input_ids`.
+        output_hidden_states (`bool`, *optional*):
+            Also return the embedding output and every layer's token states.
+        """
+        check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
+        batch_size, padded_length = embeddings.shape[:2]
+        if attention_mask is None:
+            attention_mask = torch.ones(batch_size, padded_length, dtype=torch.bool, device=embeddings.device)
+        layout = RANWindowLayout.from_attention_mask(attention_mask, self.config)
+
+        token_states = layout.from_padded(embeddings)  # (T, D)
+        cell = self.initial_cell(self.layers[0], batch_size)  # (B, D)
+        all_hidden_states = (layout.to_padded(token_states),) if output_hidden_states else None
+        raw_cells = embeddings.new_zeros(0, batch_size, self.config.hidden_size)  # (N, B, D)
+        has_windows = layout.num_windows > 0
+        last_step = (layout.num_windows - 1).clamp(min=0)
+        for layer in self.layers:
+            if self.config.is_causal and layer.layer_idx > 0:
+                cell = self.initial_cell(layer, batch_size)
+            if layout.num_steps > 0:
+                token_states, raw_cells, cells = layer(token_states, cell, layout=layout)
+                # A sequence's last cell starts the next layer; an all-padding row keeps the cell it came with.
+                cell = torch.where(has_windows[:, None], cells[last_step, torch.arange(batch_size)], cell)
+            if output_hidden_states:
+                all_hidden_states += (layout.to_padded(token_states),)
+
+        last_hidden_state = layout.to_padded(token_states)
+        cells = raw_cells.transpose(0, 1)  # (B, N, D)
+        cells_mask = torch.arange(cells.shape[1], device=cells.device)[None, :] < layout.num_windows[:, None]
+        cells = cells * cells_mask[..., None]
+        if self.config.cell_pooling == "last":
+            pooled_cell = cell
+        elif self.config.cell_pooling == "mean":
+            pooled_cell = masked_mean(cells, cells_mask)
+        else:
+            pooled_cell = masked_max(cells, cells_mask)
+        pooler_output = self.pooler(pooled_cell, last_hidden_state, attention_mask) if self.pooler else None
+
+        return RANModelOutput(
+            last_hidden_state=last_hidden_state,
+            pooler_output=pooler_output,
+            pooled_cell=pooled_cell,
+            last_cell=cell,
+            cells=cells,
+            cells_mask=cells_mask,
+            hidden_states=all_hidden_states,
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Heads
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def ignore_padding(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Token labels at padding positions never count, whatever the caller put there."""
+    if attention_mask is None:
+        return labels
+    return labels.masked_fill(~attention_mask.bool().to(labels.device), -100)
+
+
+def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: int, name: str) -> None:
+    if tuple(labels.shape) != batch_shape:
+        raise ValueError(f"`labels` must have shape {batch_shape} (one {name} per token), got {tuple(labels.shape)}.")
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(f"`labels` must hold integer {name}s, got dtype {labels.dtype}.")
+    real = labels[labels != -100]
+    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= num_classes):
+        raise ValueError(f"`labels` holds a {name} outside [0, {num_classes - 1}] (use -100 to ignore a position).")
+
+
+class RANPredictionHead(nn.Module):
+    """MLM transform of the official model: dropout -> swish(Dense) -> LayerNorm."""
+
+    def __init__(self, config: RANConfig):
+        super().__init__()
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(self.dropout(hidden_states))))
+
+
+class RANForMaskedLM(RANPreTrainedModel):
+    _tied_weights_keys = {"decoder.weight": "model.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: RANConfig):
+        super().__init__(config)
+        self.model = RANModel(config, add_pooling_layer=False)
+        self.head = RANPredictionHead(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear):
+        self.decoder = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Token ids to predict at masked positions; -100 (and every padding position) is ignored.
+        """
+        if labels is not None:
+            check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
+            batch_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+            check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        logits = self.decoder(self.head(outputs.last_hidden_state))
+
+        loss = None
+        if labels is not None:
+            labels = ignore_padding(labels, attention_mask)
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+class RANForSequenceClassification(RANPreTrainedModel):
+    def __init__(self, config: RANConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = RANModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def check_labels(self, labels: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """Validate labels for the configured (or inferred, as Transformers does) problem type."""
+        num_labels = self.num_labels
+        problem_type = self.config.problem_type
+        if problem_type is None:
+            if num_labels == 1:
+                problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                problem_type = "single_label_classification"
+            else:
+                problem_type = "multi_label_classification"
+        if labels.shape[0] != batch_size:
+            raise ValueError(f"`labels` has {labels.shape[0]} rows for a batch of {batch_size}.")
+        if problem_type == "single_label_classification":
+            if labels.is_floating_point() or labels.dim() != 1:
+                raise ValueError(
+                    f"Single-label classification needs integer labels of shape ({batch_size},), got "
+                    f"{labels.dtype} of shape {tuple(labels.shape)}."
+                )
+            real = labels[labels != -100]
+            if real.numel() and (int(real.min()) < 0 or int(real.max()) >= num_labels):
+                raise ValueError(f"`labels` holds a class outside [0, {num_labels - 1}].")
+        elif problem_type == "multi_label_classification":
+            if tuple(labels.shape) != (batch_size, num_labels):
+                raise ValueError(
+                    f"Multi-label classification needs labels of shape ({batch_size}, {num_labels}), "
+                    f"got {tuple(labels.shape)}."
+                )
+            labels = labels.float()
+        else:
+            if labels.numel() != batch_size * num_labels:
+                raise ValueError(
+                    f"Regression needs {num_labels} target(s) per example, got labels of shape {tuple(labels.shape)}."
+                )
+            labels = labels.float()
+        return labels
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        r"""
+        labels (`torch.Tensor`, *optional*):
+            `(batch_size,)` class ids for single-label classification, `(batch_size, num_labels)` 0/1 targets for
+            multi-label classification, or float targets for regression (`num_labels == 1`); the problem type follows
+            `config.problem_type` and is inferred as in Transformers when unset.
+        """
+        if labels is not None:
+            check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
+            batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+            labels = self.check_labels(labels, batch_size)
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        logits = self.classifier(self.dropout(outputs.pooler_output))
+
+        loss = None
+        if labels is not None:
+            loss_logits = logits
+            if attention_mask is not None and not attention_mask.bool().any(-1).all():
+                # Rows that hold only padding carry no document: leave them out of the loss.
+                has_tokens = attention_mask.bool().any(-1).to(logits.device)
+                loss_logits, labels = logits[has_tokens], labels.to(logits.device)[has_tokens]
+            loss = self.loss_function(labels=labels, pooled_logits=loss_logits, config=self.config, **kwargs)
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+class RANForTokenClassification(RANPreTrainedModel):
+    def __init__(self, config: RANConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = RANModel(config, add_pooling_layer=False)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> TokenClassifierOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Class id of every token; -100 (and every padding position) is ignored.
+        """
+        if labels is not None:
+            check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
+            batch_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+            check_token_labels(labels, batch_shape, self.num_labels, "class id")
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+
+        loss = None
+        if labels is not None:
+            labels = ignore_padding(labels, attention_mask)
+            loss = self.loss_function(logits, labels, self.config, **kwargs)
+        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+__all__ = [
+    "RANForMaskedLM",
+    "RANForSequenceClassification",
+    "RANForTokenClassification",
+    "RANModel",
+    "RANPreTrainedModel",
+]
