@@ -1,0 +1,143 @@
+"""A plain, per-window RAN written straight from ../shared/design/RAN_ARCHITECTURE.md.
+
+It reads one unpadded sequence at a time, window after window, with explicit concatenations and full attention
+matrices: slow and obvious on purpose. It shares nothing with `ran_hf` but the weights (read from the model's
+parameters), so that the fast layer is checked against an independent statement of the maths.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def standard_norm(x, eps):
+    return (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def layer_norm(x, norm, eps):
+    return norm.weight * standard_norm(x, eps) + norm.bias
+
+
+def linear(x, module):
+    return x @ module.weight.T + module.bias
+
+
+def glu(x, module):
+    size = module.proj.weight.shape[0] // 2
+    weight, bias = module.proj.weight, module.proj.bias
+    return (x @ weight[:size].T + bias[:size]) * torch.sigmoid(x @ weight[size:].T + bias[size:])
+
+
+def rotate(x, positions, theta):
+    """Interleaved rotary embedding of x (P, H, d) at integer positions (P,)."""
+    d = x.shape[-1]
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angle = positions[:, None].float() * freqs[None, :]  # (P, d / 2)
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = odd * cos + even * sin
+    return out
+
+
+def window_bounds(n, window, min_window):
+    """[(start, end)] of the windows of a sequence of n tokens, the short tail merged into the window before."""
+    if n <= window:
+        return [(0, n)]
+    bounds = [(start, min(start + window, n)) for start in range(0, n, window)]
+    if bounds[-1][1] - bounds[-1][0] < min_window:
+        last = bounds.pop()
+        bounds[-1] = (bounds[-1][0], last[1])
+    return bounds
+
+
+def window_attention(layer, cell, tokens, config, causal):
+    """One window: the cell at position 0, tokens at 1..w. Returns (raw cell, token outputs, cell key, cell value)."""
+    eps, heads, d = config.layer_norm_eps, config.num_attention_heads, config.head_dim
+    act = F.silu if config.hidden_act == "silu" else getattr(F, config.hidden_act)
+    x = layer_norm(torch.cat([cell[None], tokens]), layer.input_norm, eps)  # (1 + w, D)
+    q, k, v = act(linear(x, layer.qkv_proj)).view(x.shape[0], 3, heads, d).unbind(1)
+    positions = torch.arange(x.shape[0])
+    q, k = rotate(q, positions, config.rope_theta), rotate(k, positions, config.rope_theta)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+    if causal:
+        allowed = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool).tril()
+        allowed[0] = True  # the cell is written after its window: it reads all of it
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], heads * d)
+    out = act(linear(out, layer.o_proj))
+    out = layer_norm(out + glu(x, layer.attention_glu), layer.attention_norm, eps)
+    return standard_norm(out[0], eps), standard_norm(out[1:], eps), k[0], v[0]
+
+
+def memory_review(layer, outputs, cells, token_windows, initial_cell, config, causal):
+    eps = config.layer_norm_eps
+    act = F.silu if config.hidden_act == "silu" else getattr(F, config.hidden_act)
+    review = layer.memory_review
+    if causal:
+        cells = torch.cat([initial_cell[None], cells])
+    q = act(linear(outputs, review.q_proj))
+    kv = act(linear(cells, review.kv_proj))
+    k, v = kv.chunk(2, -1)
+    scores = q @ k.T / math.sqrt(q.shape[-1])  # (n, m)
+    if causal:  # a token of window i reads the initial cell and the cells of windows < i
+        allowed = torch.arange(cells.shape[0])[None, :] <= torch.tensor(token_windows)[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    out = act(linear(scores.softmax(-1) @ v, review.o_proj))
+    return layer_norm(out + glu(q, review.glu), review.norm, eps)
+
+
+def reference_forward(model, input_ids):
+    """Run `model` (a RANModel) on one unpadded sequence of token ids, window by window.
+
+    Returns a dict with `last_hidden_state` (n, D), `cells` (m, D) raw cells of the last layer, `last_cell`,
+    `pooled_cell`, `pooler_output` (if the model has a pooler), `hidden_states` (list, embeddings first).
+    """
+    config = model.config
+    eps, window, overlap = config.layer_norm_eps, config.window_size, config.window_overlap
+    causal = config.is_causal
+    embeddings = model.embeddings.word_embeddings.weight[input_ids]
+    hidden = layer_norm(embeddings, model.embeddings.norm, eps)
+    bounds = window_bounds(len(input_ids), window, config.min_window_size)
+    token_windows = [i for i, (start, end) in enumerate(bounds) for _ in range(start, end)]
+    hidden_states = [hidden]
+
+    cell = model.layers[0].initial_cell
+    for layer in model.layers:
+        if causal:
+            cell = layer.initial_cell
+        initial_cell = cell
+        outputs, raw_cells, previous_raw = [], [], None
+        for i, (start, end) in enumerate(bounds):
+            enrichment = overlap if i > 0 else 0
+            raw, token_out, _, _ = window_attention(layer, cell, hidden[start - enrichment : end], config, causal)
+            outputs.append(token_out[enrichment:])
+            raw_cells.append(raw)
+            if previous_raw is None:
+                cell = raw
+            else:
+                cell = layer_norm(raw + glu(previous_raw, layer.cell_glu), layer.cell_norm, eps)
+            previous_raw = raw
+        outputs, raw_cells = torch.cat(outputs), torch.stack(raw_cells)
+        if config.memory_review:
+            hidden = memory_review(layer, outputs, raw_cells, token_windows, initial_cell, config, causal)
+        else:
+            hidden = layer_norm(outputs, layer.output_norm, eps)
+        hidden_states.append(hidden)
+
+    pooled = {"last": cell, "mean": raw_cells.mean(0), "max": raw_cells.amax(0)}[config.cell_pooling]
+    result = {
+        "last_hidden_state": hidden,
+        "cells": raw_cells,
+        "last_cell": cell,
+        "pooled_cell": pooled,
+        "hidden_states": hidden_states,
+    }
+    if model.pooler is not None:
+        act = F.silu if config.hidden_act == "silu" else getattr(F, config.hidden_act)
+        pooler = model.pooler
+        document = glu(act(linear(pooled, pooler.cell_dense)), pooler.cell_glu)
+        result["pooler_output"] = document + linear(hidden.amax(0), pooler.token_dense)
+    return result
