@@ -225,13 +225,11 @@ class RANMemoryReview(nn.Module):
         # token_states (B, L, D), cells (B, N, D), cell_mask (B or 1, L or 1, N): which cells each token may read
         query = self.act(self.q_proj(token_states))  # (B, L, D)
         key, value = self.act(self.kv_proj(cells)).chunk(2, dim=-1)  # (B, N, D) each
-        review = F.scaled_dot_product_attention(
-            query[:, None],
-            key[:, None],
-            value[:, None],
-            attn_mask=cell_mask[:, None],
-            dropout_p=self.attention_dropout if self.training else 0.0,
-        )[:, 0]  # (B, L, D)
+        # Few keys (one per window) and many queries: plain matmuls beat fused attention kernels here, whose
+        # CPU backward is tuned for long key sequences.
+        scores = (query @ key.transpose(1, 2)) / math.sqrt(query.shape[-1])  # (B, L, N)
+        probs = torch.softmax(scores.masked_fill(~cell_mask, float("-inf")), dim=-1)
+        review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, L, D)
         review = self.dropout(self.act(self.o_proj(review)))
         return self.norm(review + self.glu(query))
 
@@ -304,21 +302,22 @@ class RANLayer(GradientCheckpointingLayer):
         """
         scale = 1.0 / math.sqrt(self.head_dim)
         # Step-major views of every sequence's windows; sequences that have run out read an empty window.
-        step_keys = F.pad(keys, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows]  # (N, B, H, S, d)
-        step_values = F.pad(values, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows]  # (N, B, H, S, d)
-        step_mask = F.pad(layout.slot_mask, (0, 0, 0, 1))[layout.step_windows]  # (N, B, S)
+        # `unbind` (not indexing inside the loop) keeps the backward pass linear in the number of steps.
+        step_keys = F.pad(keys, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows].unbind(0)  # N x (B, H, S, d)
+        step_values = F.pad(values, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows].unbind(0)  # N x (B, H, S, d)
+        step_mask = F.pad(layout.slot_mask, (0, 0, 0, 1))[layout.step_windows].unbind(0)  # N x (B, S)
 
         cell, previous_raw = initial_cell, None
         read_keys, read_values, raw_cells, cells = [], [], [], []
         for step in range(layout.num_steps):
             normed = self.normalize_input(cell)  # (B, D)
             query, key, value = self.project(normed).unbind(-3)  # (B, H, d) each
-            token_scores = (query[:, :, None, :] @ step_keys[step].transpose(-1, -2)).squeeze(-2)  # (B, H, S)
+            token_scores = torch.einsum("bhd,bhsd->bhs", query, step_keys[step])  # (B, H, S)
             token_scores = token_scores.masked_fill(~step_mask[step][:, None, :], float("-inf"))
             cell_score = (query * key).sum(-1, keepdim=True)  # (B, H, 1)
             probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
             probs = F.dropout(probs, self.attention_dropout, self.training)
-            attended = probs[..., :1] * value + (probs[..., None, 1:] @ step_values[step]).squeeze(-2)  # (B, H, d)
+            attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], step_values[step])
             raw = self.finish_attention(attended.flatten(-2), normed)  # (B, D)
             if previous_raw is None:
                 cell = raw
