@@ -100,7 +100,9 @@ def reference_forward(model, input_ids):
     causal = config.is_causal
     embeddings = model.embeddings.word_embeddings.weight[input_ids]
     hidden = layer_norm(embeddings, model.embeddings.norm, eps)
-    bounds = window_bounds(len(input_ids), window, config.min_window_size)
+    # A causal model cannot know where the text ends, so its last window never merges into the one before.
+    min_window = 1 if causal else config.min_window_size
+    bounds = window_bounds(len(input_ids), window, min_window)
     token_windows = [i for i, (start, end) in enumerate(bounds) for _ in range(start, end)]
     hidden_states = [hidden]
 

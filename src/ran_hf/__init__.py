@@ -7,13 +7,16 @@ code, so that `save_pretrained` writes a folder (or Hub repo) that loads with `t
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
 
+from .cache_ran import RANCache
 from .configuration_ran import RANConfig
 from .modeling_ran import (
+    RANForCausalLM,
     RANForMaskedLM,
     RANForSequenceClassification,
     RANForTokenClassification,
@@ -25,6 +28,7 @@ __version__ = "0.1.0"
 
 AUTO_CLASSES = {
     AutoModel: RANModel,
+    AutoModelForCausalLM: RANForCausalLM,
     AutoModelForMaskedLM: RANForMaskedLM,
     AutoModelForSequenceClassification: RANForSequenceClassification,
     AutoModelForTokenClassification: RANForTokenClassification,
@@ -37,7 +41,9 @@ for auto_class, model_class in AUTO_CLASSES.items():
     model_class.register_for_auto_class(auto_class.__name__)
 
 __all__ = [
+    "RANCache",
     "RANConfig",
+    "RANForCausalLM",
     "RANForMaskedLM",
     "RANForSequenceClassification",
     "RANForTokenClassification",

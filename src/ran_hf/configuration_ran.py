@@ -7,6 +7,7 @@ _CELL_POOLINGS = ("last", "mean", "max")
 REMOTE_CODE_AUTO_MAP = {
     "AutoConfig": "configuration_ran.RANConfig",
     "AutoModel": "modeling_ran.RANModel",
+    "AutoModelForCausalLM": "modeling_ran.RANForCausalLM",
     "AutoModelForMaskedLM": "modeling_ran.RANForMaskedLM",
     "AutoModelForSequenceClassification": "modeling_ran.RANForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_ran.RANForTokenClassification",

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MaskedLMOutput, SequenceClassifierOutput, TokenClassifierOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput, SequenceClassifierOutput, TokenClassifierOutput
 from transformers.utils import ModelOutput, logging
 from transformers.utils.generic import can_return_tuple
 
+from .cache_ran import RANCache, RANCacheLayer
 from .configuration_ran import RANConfig
 
 logger = logging.get_logger(__name__)
@@ -92,23 +93,31 @@ class RANWindowLayout:
     """Where every real token sits in the windows of its sequence.
 
     The layout depends on each sequence's true length only, never on the padded length, so padding (left or right)
-    cannot change what a sequence computes. Windows of W tokens start at the sequence's first real token; a final
-    window shorter than `min_window_size` joins the one before it. With `window_overlap` m > 0 every window after
-    the first is preceded by the last m tokens of the window before it (read, but not output).
+    cannot change what a sequence computes. Windows of W tokens start at the sequence's first real token; in the
+    bidirectional encoder a final window shorter than `min_window_size` joins the one before it (a causal model
+    cannot know where the text will end, so it never merges). With `window_overlap` m > 0 every window after the
+    first is preceded by the last m tokens of the window before it (read, but not output).
 
-    Real tokens live in a flat (T, ...) tensor, in batch order; windows are packed, K of them for the whole batch.
+    New real tokens live in a flat (T, ...) tensor, in batch order; windows are packed, K of them for the whole
+    batch. When a causal model continues cached sequences (`past_lengths`), windows may also read cached tokens:
+    the "tail" of each row (the tokens of its unfinished window, plus its enrichment tokens), P of them in all.
+    Window slots index the concatenation [new tokens (T); cached tail tokens (P); an empty row].
     """
 
-    lengths: torch.Tensor  # (B,) real tokens per sequence
-    num_windows: torch.Tensor  # (B,) windows per sequence, 0 for an all-padding row
-    token_index: torch.Tensor  # (T,) position of each real token in the flattened (B * L) padded input
-    window_slots: torch.Tensor  # (K, S) flat token index of each window slot; T marks an empty slot
+    lengths: torch.Tensor  # (B,) new real tokens per sequence
+    num_windows: torch.Tensor  # (B,) windows holding new tokens, 0 for an all-padding row
+    first_window: torch.Tensor  # (B,) number of the first such window in the whole sequence (> 0 when continuing)
+    token_index: torch.Tensor  # (T,) position of each new token in the flattened (B * L) padded input
+    window_slots: torch.Tensor  # (K, S) index of each slot's token in [new; cached tail; empty]
     slot_mask: torch.Tensor  # (K, S) the slot holds a token
     output_slot: torch.Tensor  # (T,) slot (k * S + s) whose output is the token's state
     window_sequence: torch.Tensor  # (K,) sequence of each window
-    window_number: torch.Tensor  # (K,) index of each window inside its sequence
+    window_number: torch.Tensor  # (K,) index of each window among its sequence's windows in this pass
     step_windows: torch.Tensor  # (N, B) window index k read at scan step j by sequence b; K when it has none
-    token_window: torch.Tensor  # (B, L) window number of each padded position (0 for padding)
+    token_window: torch.Tensor  # (B, L) number of each new token's window in the whole sequence (0 for padding)
+    finished_windows: torch.Tensor  # (B,) windows of the whole sequence complete after this pass (causal)
+    cached_tail: torch.Tensor | None  # (B, P_max) which cached tail entries are read, or None without a cache
+    next_tail: torch.Tensor | None  # (B, P_max') index in [new; cached tail; empty] of the tail to cache next
     batch_size: int
     padded_length: int
 
@@ -121,37 +130,58 @@ class RANWindowLayout:
         return self.window_slots.shape[1]
 
     @classmethod
-    def from_attention_mask(cls, attention_mask: torch.Tensor, config: RANConfig) -> "RANWindowLayout":
-        window, min_window, overlap = config.window_size, config.min_window_size, config.window_overlap
+    def from_attention_mask(
+        cls, attention_mask: torch.Tensor, config: RANConfig, past_lengths: torch.Tensor | None = None
+    ) -> "RANWindowLayout":
+        window, overlap = config.window_size, config.window_overlap
+        min_window = 1 if config.is_causal else config.min_window_size
         batch_size, padded_length = attention_mask.shape
         device = attention_mask.device
         real = attention_mask.bool()
         lengths = real.sum(-1)  # (B,)
+        past = torch.zeros_like(lengths) if past_lengths is None else past_lengths.to(device)
+        total = past + lengths  # (B,) sequence length after this pass
 
-        full, remainder = lengths // window, lengths % window
+        full, remainder = total // window, total % window
         merged_tail = (remainder == 0) | (remainder < min_window)
-        num_windows = torch.where(lengths <= window, (lengths > 0).long(), torch.where(merged_tail, full, full + 1))
+        total_windows = torch.where(total <= window, (total > 0).long(), torch.where(merged_tail, full, full + 1))
+        first_window = past // window  # windows already finished before this pass
+        num_windows = torch.where(lengths > 0, total_windows - first_window, 0)  # (B,)
 
+        # Cached tail read by this pass: the unfinished window's tokens and the enrichment before them.
+        tail_lengths = torch.minimum(past, past % window + overlap)  # (B,)
         token_index = real.flatten().nonzero().squeeze(-1)  # (T,)
-        total_tokens = token_index.numel()
-        sequence_start = torch.cumsum(lengths, 0) - lengths  # (B,) offset of each sequence in the flat tokens
+        total_tokens, total_tail = token_index.numel(), int(tail_lengths.sum())
+        empty = total_tokens + total_tail
+        new_start = torch.cumsum(lengths, 0) - lengths  # (B,) offset of each row in the new tokens
+        tail_start = total_tokens + torch.cumsum(tail_lengths, 0) - tail_lengths  # (B,) offset in the cached tail
+
+        def source_index(rows, position):
+            """Index in [new; cached tail] of the token at sequence `position` of row `rows`."""
+            is_new = position >= past[rows]
+            from_new = new_start[rows] + position - past[rows]
+            from_tail = tail_start[rows] + position - (past[rows] - tail_lengths[rows])
+            return torch.where(is_new, from_new, from_tail)
 
         window_sequence = torch.repeat_interleave(torch.arange(batch_size, device=device), num_windows)  # (K,)
-        first_window = torch.cumsum(num_windows, 0) - num_windows
         num_packed = window_sequence.numel()
-        window_number = torch.arange(num_packed, device=device) - first_window[window_sequence]  # (K,)
+        window_number = torch.arange(num_packed, device=device) - (torch.cumsum(num_windows, 0) - num_windows)[
+            window_sequence
+        ]  # (K,)
+        absolute_window = first_window[window_sequence] + window_number  # (K,)
 
-        start = window_number * window  # (K,) first own token, relative to the sequence
+        start = absolute_window * window  # (K,) first own token in the sequence
         is_last = window_number == num_windows[window_sequence] - 1
-        end = torch.where(is_last, lengths[window_sequence], start + window)  # (K,)
-        enrichment = torch.where(window_number > 0, overlap, 0)  # (K,) tokens read from the window before
+        end = torch.where(is_last, total[window_sequence], start + window)  # (K,)
+        enrichment = torch.where(absolute_window > 0, overlap, 0)  # (K,) tokens read from the window before
         num_slots = overlap + window + min_window - 1
         slot = torch.arange(num_slots, device=device)
         position = (start - enrichment)[:, None] + slot[None, :]  # (K, S)
         slot_mask = position < end[:, None]
-        window_slots = torch.where(slot_mask, sequence_start[window_sequence][:, None] + position, total_tokens)
+        rows = window_sequence[:, None].expand_as(position)
+        window_slots = torch.where(slot_mask, source_index(rows, position), empty)
 
-        is_output = slot_mask & (slot[None, :] >= enrichment[:, None])  # (K, S)
+        is_output = slot_mask & (slot[None, :] >= enrichment[:, None]) & (position >= past[rows])  # (K, S)
         output_slot = torch.empty(total_tokens, dtype=torch.long, device=device)
         output_slot[window_slots[is_output]] = is_output.flatten().nonzero().squeeze(-1)
 
@@ -160,11 +190,21 @@ class RANWindowLayout:
         step_windows[window_sequence, window_number] = torch.arange(num_packed, device=device)
 
         token_window = torch.zeros(batch_size * padded_length, dtype=torch.long, device=device)
-        token_window[token_index] = window_number[output_slot // num_slots]
+        token_window[token_index] = absolute_window[output_slot // num_slots]
+
+        cached_tail = next_tail = None
+        if past_lengths is not None:
+            cached_tail = torch.arange(int(tail_lengths.max()), device=device)[None, :] < tail_lengths[:, None]
+            next_lengths = torch.minimum(total, total % window + overlap)  # (B,)
+            offset = torch.arange(int(next_lengths.max()), device=device)[None, :]  # (1, P')
+            next_position = (total - next_lengths)[:, None] + offset  # (B, P')
+            rows = torch.arange(batch_size, device=device)[:, None].expand_as(next_position)
+            next_tail = torch.where(offset < next_lengths[:, None], source_index(rows, next_position), empty)
 
         return cls(
             lengths=lengths,
             num_windows=num_windows,
+            first_window=first_window,
             token_index=token_index,
             window_slots=window_slots,
             slot_mask=slot_mask,
@@ -173,14 +213,28 @@ class RANWindowLayout:
             window_number=window_number,
             step_windows=step_windows.T.contiguous(),
             token_window=token_window.view(batch_size, padded_length),
+            finished_windows=total // window,
+            cached_tail=cached_tail,
+            next_tail=next_tail,
             batch_size=batch_size,
             padded_length=padded_length,
         )
 
-    def to_windows(self, token_states: torch.Tensor) -> torch.Tensor:
-        """(T, F) flat token features -> (K, S, F) window slots, zeros in empty slots."""
-        padded = F.pad(token_states, (0, 0, 0, 1))  # row T is the empty slot
-        return padded[self.window_slots]
+    def to_windows(self, token_states: torch.Tensor, tail_states: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, F) new token features (and (B, P, F) cached tail features) -> (K, S, F) window slots, zeros if empty."""
+        parts = [token_states]
+        if tail_states is not None:
+            parts.append(tail_states[self.cached_tail])
+        parts.append(token_states.new_zeros(1, *token_states.shape[1:]))
+        return torch.cat(parts)[self.window_slots]
+
+    def next_tail_states(self, token_states: torch.Tensor, tail_states: torch.Tensor | None) -> torch.Tensor:
+        """The (B, P', F) features of the tail to cache after this pass, zeros past each row's tail."""
+        parts = [token_states]
+        if tail_states is not None:
+            parts.append(tail_states[self.cached_tail])
+        parts.append(token_states.new_zeros(1, *token_states.shape[1:]))
+        return torch.cat(parts)[self.next_tail]
 
     def from_windows(self, window_states: torch.Tensor) -> torch.Tensor:
         """(K, S, F) window slot outputs -> (T, F): each token's state from its own (non-enrichment) slot."""
@@ -282,23 +336,31 @@ class RANLayer(GradientCheckpointingLayer):
 
     # ---- phase 1 ---------------------------------------------------------------------------------------------------
 
-    def project_windows(self, normed_tokens: torch.Tensor, layout: RANWindowLayout):
-        """Queries, keys and values of every token in every window slot, rotary applied (slot s is position s + 1)."""
-        qkv = layout.to_windows(self.project(normed_tokens).flatten(-3))  # (K, S, 3 * H * d)
-        qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)  # (3, K, H, S, d)
+    def project_windows(self, normed_tokens: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None):
+        """Queries, keys and values of every token in every window slot, rotary applied (slot s is position s + 1).
+
+        Slots holding cached tokens take their keys and values from the cache (their queries are never needed).
+        Also returns the un-rotated keys and values of the new tokens, from which the cache keeps its tail.
+        """
+        qkv = self.project(normed_tokens)  # (T, 3, H, d)
+        tail = None
+        if cache is not None and cache.tail_keys is not None:
+            tail = torch.stack([torch.zeros_like(cache.tail_keys), cache.tail_keys, cache.tail_values], 2)
+        windows = layout.to_windows(qkv, tail).permute(2, 0, 3, 1, 4)  # (3, K, H, S, d)
         cos, sin = rotary_cos_sin(layout.num_slots + 1, self.head_dim, self.config.rope_theta, qkv.device)
         cos, sin = cos[1:], sin[1:]  # position 0 belongs to the cell, where the rotation is the identity
-        query = apply_interleaved_rotary(qkv[0], cos, sin)
-        key = apply_interleaved_rotary(qkv[1], cos, sin)
-        return query, key, qkv[2]  # (K, H, S, d) each
+        query = apply_interleaved_rotary(windows[0], cos, sin)
+        key = apply_interleaved_rotary(windows[1], cos, sin)
+        return query, key, windows[2], qkv[:, 1:]  # (K, H, S, d) x 3, (T, 2, H, d)
 
     # ---- phase 2 ---------------------------------------------------------------------------------------------------
 
-    def scan_cells(self, initial_cell: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: RANWindowLayout):
+    def scan_cells(self, cell, previous_raw, keys, values, layout: RANWindowLayout):
         """The only sequential part: window by window, the cell attends over itself and its window, then is updated.
 
-        Returns, per step j (window j of every sequence), stacked as (N, B, ...):
-        the key and value of the cell that window j reads, the raw cell output ĉ_j, and the updated cell c_j.
+        `cell` (B, D) is the cell the first window reads; `previous_raw` (B, D) the raw output of the window before
+        it, if any (continuing a cached sequence). Returns, per step j (the j-th window of every sequence here),
+        stacked as (N, B, ...): the key and value of the cell the window reads, its raw cell ĉ and its cell c.
         """
         scale = 1.0 / math.sqrt(self.head_dim)
         # Step-major views of every sequence's windows; sequences that have run out read an empty window.
@@ -306,8 +368,11 @@ class RANLayer(GradientCheckpointingLayer):
         step_keys = F.pad(keys, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows].unbind(0)  # N x (B, H, S, d)
         step_values = F.pad(values, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows].unbind(0)  # N x (B, H, S, d)
         step_mask = F.pad(layout.slot_mask, (0, 0, 0, 1))[layout.step_windows].unbind(0)  # N x (B, S)
+        # The first window of a sequence has no residual; decided once here, not per step on the device.
+        steps = torch.arange(layout.num_steps, device=cell.device)
+        residual = (layout.first_window[None, :] + steps[:, None]) > 0  # (N, B)
+        residual_kind = ["all" if all(row) else "some" if any(row) else "none" for row in residual.tolist()]
 
-        cell, previous_raw = initial_cell, None
         read_keys, read_values, raw_cells, cells = [], [], [], []
         for step in range(layout.num_steps):
             normed = self.normalize_input(cell)  # (B, D)
@@ -319,10 +384,11 @@ class RANLayer(GradientCheckpointingLayer):
             probs = F.dropout(probs, self.attention_dropout, self.training)
             attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], step_values[step])
             raw = self.finish_attention(attended.flatten(-2), normed)  # (B, D)
-            if previous_raw is None:
+            if residual_kind[step] == "none":
                 cell = raw
             else:
-                cell = self.dropout(self.cell_norm(raw + self.cell_glu(previous_raw)))
+                updated = self.dropout(self.cell_norm(raw + self.cell_glu(previous_raw)))
+                cell = updated if residual_kind[step] == "all" else torch.where(residual[step, :, None], updated, raw)
             previous_raw = raw
             read_keys.append(key)
             read_values.append(value)
@@ -352,33 +418,77 @@ class RANLayer(GradientCheckpointingLayer):
         )  # (K, H, S, d)
         return layout.from_windows(attended.transpose(1, 2).flatten(-2))  # (T, H * d)
 
-    def review_memory(self, token_states, raw_cells, initial_cell, layout: RANWindowLayout) -> torch.Tensor:
+    def sequence_cells(self, raw_cells, layout: RANWindowLayout, cache: RANCacheLayer | None) -> torch.Tensor:
+        """(B, C, D) raw cells of every sequence indexed by window number: cached ones, then this pass's."""
+        cells = raw_cells.transpose(0, 1)  # (B, N, D)
+        if cache is None or cache.raw_cells is None:
+            return cells
+        batch_size, num_steps = layout.batch_size, layout.num_steps
+        capacity = max(cache.raw_cells.shape[1], int((layout.first_window + num_steps).max()))
+        merged = cells.new_zeros(batch_size, capacity, cells.shape[-1])
+        merged[:, : cache.raw_cells.shape[1]] = cache.raw_cells
+        steps = torch.arange(num_steps, device=cells.device)
+        here = steps[None, :] < layout.num_windows[:, None]  # (B, N)
+        rows = torch.arange(batch_size, device=cells.device)[:, None].expand_as(here)
+        merged[rows[here], (layout.first_window[:, None] + steps[None, :])[here]] = cells[here]
+        return merged
+
+    def review_memory(self, token_states, cells, initial_cell, layout: RANWindowLayout) -> torch.Tensor:
         """Every token reads the cells of its sequence (causal: the initial cell and the cells of earlier windows)."""
         padded_states = layout.to_padded(token_states)  # (B, L, D)
-        cells = raw_cells.transpose(0, 1)  # (B, N, D)
-        step = torch.arange(layout.num_steps, device=cells.device)
+        index = torch.arange(cells.shape[1], device=cells.device)
         if self.config.is_causal:
-            cells = torch.cat([initial_cell[:, None], cells], dim=1)  # (B, 1 + N, D)
-            cell_mask = layout.token_window[:, :, None] > step[None, None, :]  # (B, L, N): earlier windows only
-            cell_mask = F.pad(cell_mask, (1, 0), value=True)  # (B, L, 1 + N)
+            cells = torch.cat([initial_cell[:, None], cells], dim=1)  # (B, 1 + C, D)
+            cell_mask = layout.token_window[:, :, None] > index[None, None, :]  # (B, L, C): earlier windows only
+            cell_mask = F.pad(cell_mask, (1, 0), value=True)  # (B, L, 1 + C)
         else:
             # A row without windows (all padding) still reads one cell so that the softmax stays finite.
             readable = torch.clamp(layout.num_windows, min=1)
-            cell_mask = (step[None, :] < readable[:, None])[:, None, :]  # (B, 1, N)
+            cell_mask = (index[None, :] < readable[:, None])[:, None, :]  # (B, 1, C)
         reviewed = self.memory_review(padded_states, cells, cell_mask)
         return layout.from_padded(reviewed)
 
+    def update_cache(self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, sequence_cells, kv):
+        """Keep what the next pass needs: the cell after the last finished window, and the unfinished tail."""
+        finished_here = layout.finished_windows - layout.first_window  # (B,) windows finished in this pass
+        last = (finished_here - 1).clamp(min=0)
+        rows = torch.arange(layout.batch_size, device=last.device)
+        has_finished = (finished_here > 0)[:, None]
+        cache.cell = torch.where(has_finished, cells[last, rows], start[0]) if cells.numel() else start[0]
+        cache.previous_raw_cell = (
+            torch.where(has_finished, raw_cells[last, rows], start[1]) if raw_cells.numel() else start[1]
+        )
+        if self.config.memory_review:
+            kept = int(layout.finished_windows.max())
+            finished = torch.arange(kept, device=last.device)[None, :] < layout.finished_windows[:, None]
+            cache.raw_cells = sequence_cells[:, :kept] * finished[..., None]
+        tail = None if cache.tail_keys is None else torch.stack([cache.tail_keys, cache.tail_values], 2)
+        cache.tail_keys, cache.tail_values = layout.next_tail_states(kv, tail).unbind(2)
+
     # ---- the layer -------------------------------------------------------------------------------------------------
 
-    def forward(self, token_states: torch.Tensor, initial_cell: torch.Tensor, layout: RANWindowLayout):
-        """token_states (T, D) flat real tokens; initial_cell (B, D). Returns token states, raw cells, cells."""
+    def forward(
+        self,
+        token_states: torch.Tensor,
+        initial_cell: torch.Tensor,
+        layout: RANWindowLayout,
+        cache: RANCacheLayer | None = None,
+    ):
+        """token_states (T, D) new real tokens; initial_cell (B, D) the cell of a sequence's first window.
+
+        With a `cache` (causal continuation) the scan starts from the cached cell and the cache is updated in place.
+        Returns token states (T, D), raw cells (N, B, D) and cells (N, B, D) of this pass's windows.
+        """
         normed_tokens = self.normalize_input(token_states)  # (T, D)
+        start_cell, start_previous = initial_cell, torch.zeros_like(initial_cell)
+        if cache is not None and cache.is_initialized:
+            start_cell, start_previous = cache.cell, cache.previous_raw_cell
 
         # 1. Everything that does not depend on the cell, for all windows at once.
-        query, key, value = self.project_windows(normed_tokens, layout)  # (K, H, S, d) each
+        query, key, value, new_kv = self.project_windows(normed_tokens, layout, cache)  # (K, H, S, d) each
 
         # 2. The cell scan: the only sequential step.
-        read_keys, read_values, raw_cells, cells = self.scan_cells(initial_cell, key, value, layout)
+        read_keys, read_values, raw_cells, cells = self.scan_cells(start_cell, start_previous, key, value, layout)
 
         # 3. Token attention of all windows in one batched call, then the per-token tail.
         attended = self.attend_windows(
@@ -386,10 +496,13 @@ class RANLayer(GradientCheckpointingLayer):
         )  # (T, H * d)
         token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
 
+        sequence_cells = self.sequence_cells(raw_cells, layout, cache) if self.config.memory_review else None
         if self.config.memory_review:
-            token_states = self.review_memory(token_states, raw_cells, initial_cell, layout)
+            token_states = self.review_memory(token_states, sequence_cells, initial_cell, layout)
         else:
             token_states = self.output_norm(token_states)
+        if cache is not None:
+            self.update_cache(cache, layout, (start_cell, start_previous), raw_cells, cells, sequence_cells, new_kv)
         return token_states, raw_cells, cells
 
 
@@ -481,6 +594,8 @@ class RANModelOutput(ModelOutput):
         hidden_states (`tuple(torch.FloatTensor)`, *optional*, returned when `output_hidden_states=True`):
             The embedding output and the token states after every layer, each `(batch_size, sequence_length,
             hidden_size)`.
+        past_key_values (`RANCache`, *optional*, returned when `use_cache=True`):
+            Causal models: the recurrent state after these tokens, to continue the text with.
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -490,9 +605,10 @@ class RANModelOutput(ModelOutput):
     cells: torch.FloatTensor | None = None
     cells_mask: torch.BoolTensor | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    past_key_values: RANCache | None = None
 
 
-def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embeds) -> None:
+def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0) -> None:
     """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
@@ -518,9 +634,11 @@ def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embe
         shape = tuple(inputs_embeds.shape[:2])
     if shape[1] == 0:
         raise ValueError("Got sequences of length 0: RAN needs at least one token per batch.")
-    if attention_mask is not None and tuple(attention_mask.shape) != shape:
+    if attention_mask is not None and tuple(attention_mask.shape) not in (shape, (shape[0], past_positions + shape[1])):
         raise ValueError(
-            f"`attention_mask` must have the shape of the inputs {shape}, got {tuple(attention_mask.shape)}."
+            f"`attention_mask` must have the shape of the inputs {shape}"
+            + (f" or of the whole text so far {(shape[0], past_positions + shape[1])}" if past_positions else "")
+            + f", got {tuple(attention_mask.shape)}."
         )
 
 
@@ -551,6 +669,8 @@ class RANModel(RANPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
+        past_key_values: RANCache | None = None,
+        use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         **kwargs,
     ) -> RANModelOutput:
@@ -561,10 +681,17 @@ class RANModel(RANPreTrainedModel):
             1 for real tokens, 0 for padding. Defaults to all ones.
         inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
             Token embeddings to use instead of `input_ids`.
+        past_key_values (`RANCache`, *optional*):
+            Causal models only: the recurrent state after the tokens read so far; the inputs continue them.
+        use_cache (`bool`, *optional*):
+            Causal models only: return the recurrent state (a new `RANCache` when none was passed).
         output_hidden_states (`bool`, *optional*):
             Also return the embedding output and every layer's token states.
         """
-        check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
+        if (past_key_values is not None or use_cache) and not self.config.is_causal:
+            raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
+        past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
+        check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds, past_positions)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -572,25 +699,36 @@ class RANModel(RANPreTrainedModel):
         batch_size, padded_length = embeddings.shape[:2]
         if attention_mask is None:
             attention_mask = torch.ones(batch_size, padded_length, dtype=torch.bool, device=embeddings.device)
-        layout = RANWindowLayout.from_attention_mask(attention_mask, self.config)
+        attention_mask = attention_mask[:, -padded_length:]  # generate() passes the mask of the whole text so far
+        if use_cache and past_key_values is None:
+            past_key_values = RANCache(self.config)
+        past_lengths = None if past_key_values is None else past_key_values.past_lengths(batch_size, embeddings.device)
+        layout = RANWindowLayout.from_attention_mask(attention_mask, self.config, past_lengths)
 
         token_states = layout.from_padded(embeddings)  # (T, D)
         cell = self.initial_cell(self.layers[0], batch_size)  # (B, D)
-        all_hidden_states = (layout.to_padded(token_states),) if output_hidden_states else None
+        all_hidden_states = () if output_hidden_states else None
         raw_cells = embeddings.new_zeros(0, batch_size, self.config.hidden_size)  # (N, B, D)
         has_windows = layout.num_windows > 0
         last_step = (layout.num_windows - 1).clamp(min=0)
         for layer in self.layers:
+            if output_hidden_states:
+                # The returned states stay in the graph: the layer reads its tokens back from them.
+                all_hidden_states += (layout.to_padded(token_states),)
+                token_states = layout.from_padded(all_hidden_states[-1])
             if self.config.is_causal and layer.layer_idx > 0:
                 cell = self.initial_cell(layer, batch_size)
             if layout.num_steps > 0:
-                token_states, raw_cells, cells = layer(token_states, cell, layout=layout)
+                layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
+                token_states, raw_cells, cells = layer(token_states, cell, layout=layout, cache=layer_cache)
                 # A sequence's last cell starts the next layer; an all-padding row keeps the cell it came with.
                 cell = torch.where(has_windows[:, None], cells[last_step, torch.arange(batch_size)], cell)
-            if output_hidden_states:
-                all_hidden_states += (layout.to_padded(token_states),)
 
+        if past_key_values is not None:
+            past_key_values.advance(layout.lengths, padded_length)
         last_hidden_state = layout.to_padded(token_states)
+        if output_hidden_states:
+            all_hidden_states += (last_hidden_state,)
         cells = raw_cells.transpose(0, 1)  # (B, N, D)
         cells_mask = torch.arange(cells.shape[1], device=cells.device)[None, :] < layout.num_windows[:, None]
         cells = cells * cells_mask[..., None]
@@ -610,6 +748,7 @@ class RANModel(RANPreTrainedModel):
             cells=cells,
             cells_mask=cells_mask,
             hidden_states=all_hidden_states,
+            past_key_values=past_key_values,
         )
 
 
@@ -682,7 +821,10 @@ class RANForMaskedLM(RANPreTrainedModel):
             check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
             batch_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
             check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True, **kwargs
+        )
         logits = self.decoder(self.head(outputs.last_hidden_state))
 
         loss = None
@@ -712,8 +854,8 @@ class RANForSequenceClassification(RANPreTrainedModel):
                 problem_type = "single_label_classification"
             else:
                 problem_type = "multi_label_classification"
-        if labels.shape[0] != batch_size:
-            raise ValueError(f"`labels` has {labels.shape[0]} rows for a batch of {batch_size}.")
+        if labels.dim() == 0 or labels.shape[0] != batch_size:
+            raise ValueError(f"`labels` must have one row per example ({batch_size}), got shape {tuple(labels.shape)}.")
         if problem_type == "single_label_classification":
             if labels.is_floating_point() or labels.dim() != 1:
                 raise ValueError(
@@ -757,7 +899,10 @@ class RANForSequenceClassification(RANPreTrainedModel):
             check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
             batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             labels = self.check_labels(labels, batch_size)
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True, **kwargs
+        )
         logits = self.classifier(self.dropout(outputs.pooler_output))
 
         loss = None
@@ -797,7 +942,10 @@ class RANForTokenClassification(RANPreTrainedModel):
             check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
             batch_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
             check_token_labels(labels, batch_shape, self.num_labels, "class id")
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs)
+        # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True, **kwargs
+        )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
 
         loss = None
@@ -807,7 +955,81 @@ class RANForTokenClassification(RANPreTrainedModel):
         return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
 
+class RANForCausalLM(RANPreTrainedModel, GenerationMixin):
+    """Causal language model: a strictly causal, recurrent RAN with the official LM head tied to the embedding.
+
+    Generation carries a `RANCache` whose size does not grow with the context but for one cell per finished window.
+    """
+
+    _tied_weights_keys = {"decoder.weight": "model.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: RANConfig):
+        if not config.is_causal:
+            logger.warning("RANForCausalLM is a causal model: setting `config.is_causal=True`.")
+            config.is_causal = True
+        super().__init__(config)
+        self.model = RANModel(config, add_pooling_layer=False)
+        self.head = RANPredictionHead(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # RAN keeps a recurrent state, not per-token keys and values: forward() creates its own `RANCache`.
+        return False
+
+    def get_output_embeddings(self):
+        return self.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear):
+        self.decoder = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        past_key_values: RANCache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Usually `input_ids`: the loss predicts token t + 1 from tokens up to t; -100 and padding are ignored.
+        logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
+            Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
+        """
+        if labels is not None:
+            check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
+            batch_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+            check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.decoder(self.head(hidden_states[:, keep]))
+
+        loss = None
+        if labels is not None:
+            labels = ignore_padding(labels, attention_mask)
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
+
+
 __all__ = [
+    "RANForCausalLM",
     "RANForMaskedLM",
     "RANForSequenceClassification",
     "RANForTokenClassification",

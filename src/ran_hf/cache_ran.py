@@ -1,0 +1,151 @@
+"""The recurrent cache of a causal RAN: constant-size state per layer, plus one cell per finished window."""
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class RANCacheLayer:
+    """What one causal RAN layer needs to continue a sequence.
+
+    Per row of the batch:
+        cell (B, D): the cell the current window reads (the last finished window's, or the learned initial cell);
+        previous_raw_cell (B, D): the raw output of the last finished window, joined to the next one by the residual;
+        raw_cells (B, C, D): the raw cells of all finished windows, read by memory review (C grows by one per window);
+        tail_keys, tail_values (B, P, H, d): un-rotated keys and values of the tokens a later window still reads:
+            the current window's tokens and, before them, the enrichment tokens of `window_overlap`
+            (P <= window_size - 1 + window_overlap, whatever the context length).
+    """
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self):
+        self.cell = None
+        self.previous_raw_cell = None
+        self.raw_cells = None
+        self.tail_keys = None
+        self.tail_values = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.cell is not None
+
+    def tensors(self) -> dict:
+        names = ("cell", "previous_raw_cell", "raw_cells", "tail_keys", "tail_values")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def _map(self, function) -> None:
+        for name, tensor in self.tensors().items():
+            setattr(self, name, function(tensor))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda tensor: tensor[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def offload(self) -> None:
+        self._map(lambda tensor: tensor.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        return None
+
+
+class RANCache(Cache):
+    """Recurrent state of a causal RAN, in Transformers' `Cache` API: `generate()` creates and reorders it as needed.
+
+    Memory stays flat as the context grows: per layer one cell, one raw cell and the keys/values of at most one
+    window, plus one raw cell (D numbers) per finished window for memory review.
+
+    Streaming an unbounded text chunk by chunk gives exactly the logits of one forward pass over all of it:
+
+    ```python
+    >>> cache = None
+    >>> for chunk in chunks:  # (batch_size, chunk_length) token ids
+    ...     outputs = model(chunk, past_key_values=cache, use_cache=True)
+    ...     cache = outputs.past_key_values
+    ```
+
+    Padding: pass the attention mask of the whole stream so far, or of the new chunk only; padded positions are
+    skipped and each row continues its own windows.
+    """
+
+    def __init__(self, config):
+        super().__init__(layers=[RANCacheLayer() for _ in range(config.num_hidden_layers)])
+        self.window_size = config.window_size
+        self.window_overlap = config.window_overlap
+        self.lengths = None  # (B,) real tokens read by each row
+        self.seen_positions = 0  # padded positions read, what `generate` slices its inputs by
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_positions
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.seen_positions + query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.lengths is not None
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.lengths is None else self.lengths.shape[0]
+
+    def past_lengths(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        if self.lengths is None:
+            return torch.zeros(batch_size, dtype=torch.long, device=device)
+        if self.lengths.shape[0] != batch_size:
+            raise ValueError(
+                f"The cache holds {self.lengths.shape[0]} sequences but the inputs have {batch_size} rows."
+            )
+        return self.lengths
+
+    def advance(self, new_tokens: torch.Tensor, new_positions: int) -> None:
+        """Count what one forward pass read: `new_tokens` (B,) real tokens over `new_positions` padded columns."""
+        self.lengths = new_tokens if self.lengths is None else self.lengths + new_tokens
+        self.seen_positions += new_positions
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.lengths is not None:
+            self.lengths = self.lengths.index_select(0, beam_idx.to(self.lengths.device))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.lengths is not None:
+            self.lengths = self.lengths[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.lengths is not None:
+            self.lengths = self.lengths.repeat_interleave(repeats, dim=0)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("A RAN cache cannot be cropped: its cells have already read the tokens to remove.")
+
+    def reset(self) -> None:
+        super().reset()
+        self.lengths, self.seen_positions = None, 0
+
+    def nbytes(self) -> int:
+        """Bytes held by all cached tensors."""
+        total = 0 if self.lengths is None else self.lengths.numel() * self.lengths.element_size()
+        for layer in self.layers:
+            total += sum(t.numel() * t.element_size() for t in layer.tensors().values())
+        return total
+
+
+__all__ = ["RANCache", "RANCacheLayer"]

@@ -1,0 +1,197 @@
+"""Causal RAN: strictly causal, really recurrent, and a recurrent cache whose decoding equals the full forward."""
+
+import random
+
+import pytest
+import torch
+from transformers import pipeline
+
+from ran_hf import RANCache, RANForCausalLM
+from ran_testing import randomize_, tiny_config
+
+TOLERANCE = 1e-5
+
+
+def causal_model(seed=0, **overrides):
+    return randomize_(RANForCausalLM(tiny_config(is_causal=True, **overrides)), seed=seed)
+
+
+def random_causal_case(seed):
+    rng = random.Random(seed)
+    window = rng.choice([3, 4, 5, 8])
+    overrides = dict(
+        num_hidden_layers=rng.choice([1, 2, 3]),
+        window_size=window,
+        min_window_size=rng.randint(1, window - 1),
+        window_overlap=rng.choice([0, rng.randint(1, window - 1)]),
+        memory_review=rng.random() < 0.8,
+    )
+    return overrides, rng.randint(window + 1, 4 * window + 3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_changing_a_token_never_changes_earlier_logits(seed):
+    overrides, length = random_causal_case(seed)
+    model = causal_model(seed, **overrides)
+    ids = torch.randint(1, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        reference = model(ids).logits
+        for position in range(length):
+            changed = ids.clone()
+            changed[0, position] = 1 + (changed[0, position] % (model.config.vocab_size - 1))
+            logits = model(changed).logits
+            assert torch.equal(logits[:, :position], reference[:, :position]), f"token {position} leaked backwards"
+            assert not torch.equal(logits[:, position:], reference[:, position:])
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_first_window_reaches_the_last_window_in_every_layer(num_layers):
+    """The cell carries the past: unlike the official causal mode (exactly 0.0), the first window matters later."""
+    model = causal_model(1, num_hidden_layers=num_layers, window_size=4, min_window_size=2)
+    ids = torch.randint(1, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
+    changed = ids.clone()
+    changed[0, :4] = (changed[0, :4] % (model.config.vocab_size - 1)) + 1
+    with torch.no_grad():
+        before = model(ids, output_hidden_states=True)
+        after = model(changed, output_hidden_states=True)
+    last_window = slice(16, 20)
+    for layer in range(1, num_layers + 1):
+        change = (before.hidden_states[layer][:, last_window] - after.hidden_states[layer][:, last_window]).abs()
+        assert change.max() > 1e-2, f"layer {layer}: last window untouched by the first ({change.max():.1e})"
+    assert (before.logits[:, last_window] - after.logits[:, last_window]).abs().max() > 1e-2
+
+
+def decode_in_chunks(model, ids, chunk_sizes, attention_mask=None):
+    """Feed `ids` chunk by chunk through a cache; returns the concatenated logits and the final cache."""
+    cache, logits, start = None, [], 0
+    for size in chunk_sizes:
+        chunk = ids[:, start : start + size]
+        mask = None if attention_mask is None else attention_mask[:, : start + size]
+        outputs = model(chunk, attention_mask=mask, past_key_values=cache, use_cache=True)
+        cache, start = outputs.past_key_values, start + size
+        logits.append(outputs.logits)
+    return torch.cat(logits, 1), cache
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({}, id="plain"),
+        pytest.param({"window_overlap": 2}, id="overlap"),
+        pytest.param({"num_hidden_layers": 3, "window_size": 3, "min_window_size": 1}, id="three-layers-window-3"),
+        pytest.param({"memory_review": False, "window_overlap": 1}, id="no-memory-review"),
+    ],
+)
+def test_token_by_token_and_chunked_decoding_equal_the_full_forward(overrides):
+    model = causal_model(2, **overrides)
+    ids = torch.randint(1, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids).logits
+        stepwise, _ = decode_in_chunks(model, ids, [1] * 23)
+        chunked, _ = decode_in_chunks(model, ids, [3, 8, 1, 6, 5])
+    assert (stepwise - full).abs().max() <= TOLERANCE
+    assert (chunked - full).abs().max() <= TOLERANCE
+
+
+def test_cached_decoding_of_a_left_padded_batch_equals_each_sequence_alone():
+    model = causal_model(3, window_overlap=1)
+    lengths, total = [17, 9, 13], 17
+    ids = torch.zeros(3, total, dtype=torch.long)
+    mask = torch.zeros(3, total, dtype=torch.long)
+    sequences = [torch.randint(1, model.config.vocab_size, (n,)) for n in lengths]
+    for row, sequence in enumerate(sequences):
+        ids[row, total - len(sequence) :], mask[row, total - len(sequence) :] = sequence, 1
+    with torch.no_grad():
+        batched, _ = decode_in_chunks(model, ids, [6, 1, 1, 9], attention_mask=mask)
+        for row, sequence in enumerate(sequences):
+            alone = model(sequence[None]).logits[0]
+            assert (batched[row, total - len(sequence) :] - alone).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("generate_kwargs", [{"do_sample": False}, {"do_sample": False, "num_beams": 3}])
+def test_generate_with_cache_matches_generate_without(generate_kwargs):
+    model = causal_model(4, window_overlap=1)
+    ids = torch.randint(2, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0  # left padding
+    common = dict(attention_mask=mask, max_new_tokens=14, pad_token_id=0, **generate_kwargs)
+    with_cache = model.generate(ids, **common)
+    without_cache = model.generate(ids, use_cache=False, **common)
+    assert torch.equal(with_cache, without_cache)
+    alone = model.generate(ids[1:, 3:], max_new_tokens=14, pad_token_id=0, **generate_kwargs)
+    assert torch.equal(alone[0], with_cache[1, 3:]), "left padding changed what a prompt generates"
+
+
+def test_generate_sampling_embeddings_and_continuation():
+    model = causal_model(5)
+    ids = torch.randint(2, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(7))
+    sampled = model.generate(ids, do_sample=True, num_return_sequences=3, max_new_tokens=5, pad_token_id=0)
+    assert sampled.shape == (3, 11) and torch.equal(sampled[:, :6], ids.expand(3, -1))
+
+    embeds = model.get_input_embeddings()(ids)
+    from_embeds = model.generate(inputs_embeds=embeds, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    from_ids = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(from_embeds, from_ids[:, 6:])
+
+    first = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert isinstance(first.past_key_values, RANCache)
+    continued = model.generate(
+        first.sequences, past_key_values=first.past_key_values, max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
+    assert torch.equal(continued, model.generate(ids, max_new_tokens=9, do_sample=False, pad_token_id=0))
+
+
+def test_cache_memory_grows_only_by_one_cell_per_window():
+    """After 512 and 16,384 tokens the caches differ exactly by the cells of the windows in between."""
+    model = causal_model(6, window_size=64, min_window_size=8, window_overlap=4, hidden_size=16)
+    config = model.config
+    ids = torch.randint(1, config.vocab_size, (1, 16384), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        _, short = decode_in_chunks(model, ids[:, :512], [500, 12])
+        _, long = decode_in_chunks(model, ids, [16000, 384])
+    cell_bytes = config.hidden_size * 4 * config.num_hidden_layers
+    extra_windows = 16384 // 64 - 512 // 64
+    assert long.nbytes() - short.nbytes() == extra_windows * cell_bytes
+    for layer in long.layers:
+        assert layer.tail_keys.shape[1] <= config.window_size - 1 + config.window_overlap
+
+
+def test_training_and_no_cache_paths_build_no_cache():
+    model = causal_model(7).train()
+    ids = torch.randint(1, model.config.vocab_size, (2, 11))
+    outputs = model(ids, labels=ids)
+    assert outputs.past_key_values is None
+    outputs.loss.backward()
+    assert model.eval()(ids, use_cache=False).past_key_values is None
+
+
+def test_loss_is_the_shifted_next_token_loss():
+    model = causal_model(8)
+    ids = torch.randint(1, model.config.vocab_size, (2, 9))
+    labels = ids.clone()
+    labels[0, 4] = -100
+    outputs = model(ids, labels=labels)
+    expected = torch.nn.functional.cross_entropy(
+        outputs.logits[:, :-1].reshape(-1, model.config.vocab_size), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+    assert torch.allclose(outputs.loss, expected, atol=1e-6)
+    summed = model(ids, labels=labels, num_items_in_batch=torch.tensor(1)).loss
+    assert torch.allclose(summed, expected * (labels[:, 1:] != -100).sum(), atol=1e-4)
+
+
+def test_bidirectional_models_refuse_a_cache(make_config):
+    from ran_hf import RANModel
+
+    model = RANModel(make_config())
+    with pytest.raises(ValueError, match="causal"):
+        model(torch.ones(1, 3, dtype=torch.long), use_cache=True)
+
+
+def test_text_generation_pipeline(wordpiece_tokenizer):
+    config = tiny_config(is_causal=True, vocab_size=len(wordpiece_tokenizer), pad_token_id=0)
+    model = RANForCausalLM(config).eval()
+    generator = pipeline("text-generation", model=model, tokenizer=wordpiece_tokenizer)
+    results = generator(["the company said on monday", "it was"], max_new_tokens=6, do_sample=False)
+    assert len(results) == 2
+    for prompt, result in zip(["the company said on monday", "it was"], results):
+        assert result[0]["generated_text"].startswith(prompt)
