@@ -110,7 +110,9 @@ class RANWindowLayout:
     token_index: torch.Tensor  # (T,) position of each new token in the flattened (B * L) padded input
     window_slots: torch.Tensor  # (K, S) index of each slot's token in [new; cached tail; empty]
     slot_mask: torch.Tensor  # (K, S) the slot holds a token
-    output_slot: torch.Tensor  # (T,) slot (k * S + s) whose output is the token's state
+    query_slots: torch.Tensor  # (K, Q) slots whose tokens need an output (new, not enrichment), left-aligned
+    query_index: torch.Tensor  # (K, Q) index of those tokens in [new; empty]
+    output_slot: torch.Tensor  # (T,) query (k * Q + q) whose output is the token's state
     window_sequence: torch.Tensor  # (K,) sequence of each window
     window_number: torch.Tensor  # (K,) index of each window among its sequence's windows in this pass
     step_windows: torch.Tensor  # (N, B) window index k read at scan step j by sequence b; K when it has none
@@ -120,6 +122,7 @@ class RANWindowLayout:
     next_tail: torch.Tensor | None  # (B, P_max') index in [new; cached tail; empty] of the tail to cache next
     batch_size: int
     padded_length: int
+    _rotary: tuple | None = None
 
     @property
     def num_steps(self) -> int:
@@ -181,16 +184,23 @@ class RANWindowLayout:
         rows = window_sequence[:, None].expand_as(position)
         window_slots = torch.where(slot_mask, source_index(rows, position), empty)
 
-        is_output = slot_mask & (slot[None, :] >= enrichment[:, None]) & (position >= past[rows])  # (K, S)
+        # Only new own tokens need outputs: a decoding step asks one query per window, not S.
+        first_query = torch.maximum(start, past[window_sequence]) - (start - enrichment)  # (K,) its slot
+        num_queries = end - torch.maximum(start, past[window_sequence])  # (K,)
+        query_offset = torch.arange(int(num_queries.max()) if num_packed else 0, device=device)
+        is_query = query_offset[None, :] < num_queries[:, None]  # (K, Q)
+        query_slots = torch.where(is_query, first_query[:, None] + query_offset[None, :], 0)
+        query_index = torch.where(is_query, window_slots.gather(1, query_slots), total_tokens)  # new tokens only
         output_slot = torch.empty(total_tokens, dtype=torch.long, device=device)
-        output_slot[window_slots[is_output]] = is_output.flatten().nonzero().squeeze(-1)
+        output_slot[query_index[is_query]] = is_query.flatten().nonzero().squeeze(-1)
+        num_queries_max = query_offset.numel()
 
         num_steps = int(num_windows.max()) if batch_size > 0 else 0
         step_windows = torch.full((batch_size, num_steps), num_packed, dtype=torch.long, device=device)
         step_windows[window_sequence, window_number] = torch.arange(num_packed, device=device)
 
         token_window = torch.zeros(batch_size * padded_length, dtype=torch.long, device=device)
-        token_window[token_index] = absolute_window[output_slot // num_slots]
+        token_window[token_index] = absolute_window[output_slot // max(num_queries_max, 1)]
 
         cached_tail = next_tail = None
         if past_lengths is not None:
@@ -208,6 +218,8 @@ class RANWindowLayout:
             token_index=token_index,
             window_slots=window_slots,
             slot_mask=slot_mask,
+            query_slots=query_slots,
+            query_index=query_index,
             output_slot=output_slot,
             window_sequence=window_sequence,
             window_number=window_number,
@@ -220,25 +232,24 @@ class RANWindowLayout:
             padded_length=padded_length,
         )
 
-    def to_windows(self, token_states: torch.Tensor, tail_states: torch.Tensor | None = None) -> torch.Tensor:
-        """(T, F) new token features (and (B, P, F) cached tail features) -> (K, S, F) window slots, zeros if empty."""
+    def sources(self, token_states: torch.Tensor, tail_states: torch.Tensor | None = None) -> torch.Tensor:
+        """[new tokens; cached tail; an empty row]: what window slots and the next tail index into."""
         parts = [token_states]
         if tail_states is not None:
             parts.append(tail_states[self.cached_tail])
         parts.append(token_states.new_zeros(1, *token_states.shape[1:]))
-        return torch.cat(parts)[self.window_slots]
+        return torch.cat(parts)
 
-    def next_tail_states(self, token_states: torch.Tensor, tail_states: torch.Tensor | None) -> torch.Tensor:
-        """The (B, P', F) features of the tail to cache after this pass, zeros past each row's tail."""
-        parts = [token_states]
-        if tail_states is not None:
-            parts.append(tail_states[self.cached_tail])
-        parts.append(token_states.new_zeros(1, *token_states.shape[1:]))
-        return torch.cat(parts)[self.next_tail]
+    def rotary(self, head_dim: int, theta: float, device: torch.device):
+        """cos/sin (S, d / 2) of window slots (slot s is position s + 1; the cell sits at 0), built once a pass."""
+        if self._rotary is None:
+            cos, sin = rotary_cos_sin(self.num_slots + 1, head_dim, theta, device)
+            self._rotary = cos[1:], sin[1:]
+        return self._rotary
 
-    def from_windows(self, window_states: torch.Tensor) -> torch.Tensor:
-        """(K, S, F) window slot outputs -> (T, F): each token's state from its own (non-enrichment) slot."""
-        return window_states.flatten(0, 1)[self.output_slot]
+    def from_windows(self, query_states: torch.Tensor) -> torch.Tensor:
+        """(K, Q, F) outputs of the query slots -> (T, F): each new token's state."""
+        return query_states.flatten(0, 1)[self.output_slot]
 
     def to_padded(self, token_states: torch.Tensor) -> torch.Tensor:
         """(T, F) flat token features -> (B, L, F), zeros at padding."""
@@ -339,19 +350,21 @@ class RANLayer(GradientCheckpointingLayer):
     def project_windows(self, normed_tokens: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None):
         """Queries, keys and values of every token in every window slot, rotary applied (slot s is position s + 1).
 
-        Slots holding cached tokens take their keys and values from the cache (their queries are never needed).
-        Also returns the un-rotated keys and values of the new tokens, from which the cache keeps its tail.
+        Slots holding cached tokens take their keys and values from the cache. Queries exist only for slots whose
+        output is needed (new, non-enrichment tokens): (K, H, Q, d). Also returns the un-rotated keys and values of
+        the new tokens, from which the cache keeps its tail.
         """
         qkv = self.project(normed_tokens)  # (T, 3, H, d)
+        new_kv = qkv[:, 1:]  # (T, 2, H, d)
         tail = None
         if cache is not None and cache.tail_keys is not None:
-            tail = torch.stack([torch.zeros_like(cache.tail_keys), cache.tail_keys, cache.tail_values], 2)
-        windows = layout.to_windows(qkv, tail).permute(2, 0, 3, 1, 4)  # (3, K, H, S, d)
-        cos, sin = rotary_cos_sin(layout.num_slots + 1, self.head_dim, self.config.rope_theta, qkv.device)
-        cos, sin = cos[1:], sin[1:]  # position 0 belongs to the cell, where the rotation is the identity
-        query = apply_interleaved_rotary(windows[0], cos, sin)
-        key = apply_interleaved_rotary(windows[1], cos, sin)
-        return query, key, windows[2], qkv[:, 1:]  # (K, H, S, d) x 3, (T, 2, H, d)
+            tail = torch.stack([cache.tail_keys, cache.tail_values], 2)  # (B, P, 2, H, d)
+        key, value = layout.sources(new_kv, tail)[layout.window_slots].permute(2, 0, 3, 1, 4)  # (K, H, S, d)
+        query = layout.sources(qkv[:, 0])[layout.query_index].transpose(1, 2)  # (K, H, Q, d)
+        cos, sin = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2)
+        query = apply_interleaved_rotary(query, cos[layout.query_slots][:, None], sin[layout.query_slots][:, None])
+        key = apply_interleaved_rotary(key, cos, sin)
+        return query, key, value, new_kv
 
     # ---- phase 2 ---------------------------------------------------------------------------------------------------
 
@@ -404,9 +417,9 @@ class RANLayer(GradientCheckpointingLayer):
         value = torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
         key_mask = F.pad(layout.slot_mask, (1, 0), value=True)  # (K, 1 + S)
         if self.config.is_causal:
-            slots = layout.num_slots
-            causal = torch.ones(slots, slots + 1, dtype=torch.bool, device=key.device).tril(diagonal=1)
-            attention_mask = key_mask[:, None, None, :] & causal  # (K, 1, S, 1 + S)
+            key_slot = torch.arange(-1, layout.num_slots, device=key.device)  # the cell is "slot -1"
+            causal = key_slot[None, None, :] <= layout.query_slots[:, :, None]  # (K, Q, 1 + S)
+            attention_mask = (key_mask[:, None, :] & causal)[:, None]  # (K, 1, Q, 1 + S)
         else:
             attention_mask = key_mask[:, None, None, :]  # (K, 1, 1, 1 + S)
         attended = F.scaled_dot_product_attention(
@@ -415,7 +428,7 @@ class RANLayer(GradientCheckpointingLayer):
             value,
             attn_mask=attention_mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
-        )  # (K, H, S, d)
+        )  # (K, H, Q, d)
         return layout.from_windows(attended.transpose(1, 2).flatten(-2))  # (T, H * d)
 
     def sequence_cells(self, raw_cells, layout: RANWindowLayout, cache: RANCacheLayer | None) -> torch.Tensor:
@@ -463,7 +476,7 @@ class RANLayer(GradientCheckpointingLayer):
             finished = torch.arange(kept, device=last.device)[None, :] < layout.finished_windows[:, None]
             cache.raw_cells = sequence_cells[:, :kept] * finished[..., None]
         tail = None if cache.tail_keys is None else torch.stack([cache.tail_keys, cache.tail_values], 2)
-        cache.tail_keys, cache.tail_values = layout.next_tail_states(kv, tail).unbind(2)
+        cache.tail_keys, cache.tail_values = layout.sources(kv, tail)[layout.next_tail].unbind(2)
 
     # ---- the layer -------------------------------------------------------------------------------------------------
 
