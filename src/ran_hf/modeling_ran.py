@@ -236,7 +236,8 @@ class RANWindowLayout:
         """[new tokens; cached tail; an empty row]: what window slots and the next tail index into."""
         parts = [token_states]
         if tail_states is not None:
-            parts.append(tail_states[self.cached_tail])
+            # A cache whose rows were reselected (beam search) may be wider than its longest tail now.
+            parts.append(tail_states[:, : self.cached_tail.shape[1]][self.cached_tail])
         parts.append(token_states.new_zeros(1, *token_states.shape[1:]))
         return torch.cat(parts)
 
