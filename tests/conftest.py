@@ -1,0 +1,98 @@
+"""Shared fixtures: tiny RAN configurations, the benchmark data folder and a WordPiece tokenizer trained on it."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ran_hf import RANConfig
+
+# The test models are tiny: one intra-op thread is faster than several, and does not oversubscribe shared cores
+# (pytest-xdist workers, other jobs on the machine).
+torch.set_num_threads(1)
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+# Small enough to run in milliseconds, large enough that a 13-token input spans several windows (with a merged tail).
+TINY_CONFIG = {
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "head_dim": 8,
+    "window_size": 4,
+    "min_window_size": 2,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@pytest.fixture
+def make_config():
+    """Factory for a tiny `RANConfig`; keyword arguments override `TINY_CONFIG`."""
+
+    def make(**overrides) -> RANConfig:
+        return RANConfig(**{**TINY_CONFIG, **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The shared benchmark data (see ../shared/data/SOURCES.md); read in place, never copied."""
+    if not DATA_DIR.is_dir():
+        pytest.skip(f"benchmark data not found at {DATA_DIR}")
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def wordpiece_tokenizer_dir(data_dir, tmp_path_factory) -> Path:
+    """A lower-cased BERT-style WordPiece tokenizer (vocab ~2000, [PAD] = 0) trained on CoNLL-2003 and WikiText-2.
+
+    Trained once per session and saved to a temporary folder, whose path is returned.
+    """
+    wikitext = [line for line in (data_dir / "wikitext-2" / "valid.txt").open(encoding="utf-8") if line.strip()]
+    conll_blocks = (data_dir / "conll2003" / "train.txt").read_text(encoding="utf-8").split("\n\n")
+    conll = [
+        " ".join(line.split(" ", 1)[0] for line in block.splitlines())
+        for block in conll_blocks
+        if block.strip() and not block.startswith("-DOCSTART-")
+    ]
+    corpus = wikitext[:3000] + conll[:3000]
+
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=2000, special_tokens=SPECIAL_TOKENS))
+    cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+
+    folder = tmp_path_factory.mktemp("wordpiece_tokenizer")
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=512,
+    ).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def wordpiece_tokenizer(wordpiece_tokenizer_dir) -> PreTrainedTokenizerFast:
+    """A fresh copy of the trained tokenizer, loaded from its folder as a user would load it.
+
+    Pipelines may change a tokenizer's settings (text generation sets `padding_side="left"`), so tests never share one.
+    """
+    return PreTrainedTokenizerFast.from_pretrained(wordpiece_tokenizer_dir)

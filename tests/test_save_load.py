@@ -1,0 +1,231 @@
+"""Saving and loading RAN models: the folder layout, in-process round trips, and loading as remote code."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+import ran_hf
+from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
+
+HEADS = [
+    pytest.param(RANModel, AutoModel, id="model"),
+    pytest.param(RANForMaskedLM, AutoModelForMaskedLM, id="masked-lm"),
+    pytest.param(RANForSequenceClassification, AutoModelForSequenceClassification, id="sequence-classification"),
+    pytest.param(RANForTokenClassification, AutoModelForTokenClassification, id="token-classification"),
+]
+
+EXPECTED_AUTO_MAP = {
+    "AutoConfig": "configuration_ran.RANConfig",
+    "AutoModel": "modeling_ran.RANModel",
+    "AutoModelForMaskedLM": "modeling_ran.RANForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_ran.RANForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_ran.RANForTokenClassification",
+}
+
+# A non-default configuration, so that a field lost on the way would change the outputs.
+SAVED_CONFIG = {"num_labels": 3, "window_overlap": 1, "cell_pooling": "mean"}
+
+
+def batch():
+    """Two sequences spanning several windows, the second right-padded."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1, 64, (2, 13), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 9:] = 0
+    return input_ids, attention_mask
+
+
+def outputs(model, input_ids, attention_mask):
+    """Every tensor a model returns (hidden states included), by name."""
+    with torch.no_grad():
+        result = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    flat = {}
+    for name, value in result.items():
+        if isinstance(value, tuple):
+            flat.update({f"{name}.{i}": tensor for i, tensor in enumerate(value)})
+        else:
+            flat[name] = value
+    return flat
+
+
+def without_path(config_dict):
+    return {key: value for key, value in config_dict.items() if key != "_name_or_path"}
+
+
+@pytest.fixture
+def saved_classifier(make_config, tmp_path):
+    """A `RANForSequenceClassification` saved to a folder, returned with the folder."""
+    torch.manual_seed(0)
+    model = RANForSequenceClassification(make_config(**SAVED_CONFIG)).eval()
+    folder = tmp_path / "ran-classifier"
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def test_save_pretrained_writes_a_remote_code_folder(saved_classifier):
+    """The folder holds safetensors weights, a config whose `auto_map` names every head, and the model's code."""
+    _, folder = saved_classifier
+    files = {path.name for path in folder.iterdir()}
+    assert {"model.safetensors", "config.json", "configuration_ran.py", "modeling_ran.py"} <= files
+    assert "pytorch_model.bin" not in files
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "ran"
+    assert config["architectures"] == ["RANForSequenceClassification"]
+    assert EXPECTED_AUTO_MAP.items() <= config["auto_map"].items()
+    for reference in config["auto_map"].values():
+        assert (folder / f"{reference.split('.')[0]}.py").is_file(), reference
+
+    package = Path(ran_hf.__file__).parent
+    for name in ("configuration_ran.py", "modeling_ran.py"):
+        assert (folder / name).read_text() == (package / name).read_text()
+
+
+@pytest.mark.parametrize("model_class, auto_class", HEADS)
+def test_round_trip_gives_identical_outputs(make_config, tmp_path, model_class, auto_class):
+    """Reloading a saved model, by its class or by its Auto class, restores the config and every output exactly."""
+    torch.manual_seed(0)
+    model = model_class(make_config(**SAVED_CONFIG)).eval()
+    model.save_pretrained(tmp_path)
+    input_ids, attention_mask = batch()
+    expected = outputs(model, input_ids, attention_mask)
+
+    for loader in (model_class, auto_class):
+        reloaded = loader.from_pretrained(tmp_path)
+        assert type(reloaded) is model_class
+        assert not reloaded.training
+        assert without_path(reloaded.config.to_dict()) == without_path(model.config.to_dict())
+        reloaded_state = reloaded.state_dict()
+        assert reloaded_state.keys() == model.state_dict().keys()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(reloaded_state[name], tensor), name
+        # Identical weights; outputs agree to float rounding (loaded tensors may sit at another memory alignment,
+        # which can change the summation order of vectorised kernels).
+        actual = outputs(reloaded, input_ids, attention_mask)
+        assert actual.keys() == expected.keys()
+        for name, tensor in expected.items():
+            torch.testing.assert_close(actual[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert type(AutoConfig.from_pretrained(tmp_path)) is type(model.config)
+
+
+# Runs in a fresh interpreter. `ran_hf` is made unimportable by a meta-path finder placed before every other one (it
+# wins over the editable install's path entry and over a regular install alike); the script checks that, loads the
+# saved folder through the Auto classes as remote code, and compares with the outputs the parent process saved.
+REMOTE_CODE_SCRIPT = r"""
+import importlib.abc
+import json
+import sys
+
+class BlockRanHf(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "ran_hf" or name.startswith("ran_hf."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+        return None
+
+sys.meta_path.insert(0, BlockRanHf())
+report = {}
+try:
+    import ran_hf
+except ImportError as error:
+    report["import_error"] = str(error)
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+folder, expected_file = sys.argv[1], sys.argv[2]
+expected = torch.load(expected_file)
+inputs = dict(input_ids=expected["input_ids"], attention_mask=expected["attention_mask"])
+
+def max_difference(actual, name):
+    return (actual - expected[name]).abs().max().item()
+
+with torch.no_grad():
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    classifier = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True)
+    encoder = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    masked_lm = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)
+    encoded = encoder(**inputs)
+    report["differences"] = {
+        "classifier logits": max_difference(classifier(**inputs).logits, "logits"),
+        "encoder last_hidden_state": max_difference(encoded.last_hidden_state, "last_hidden_state"),
+        "encoder pooler_output": max_difference(encoded.pooler_output, "pooler_output"),
+        "masked-lm last hidden state": max_difference(
+            masked_lm(**inputs, output_hidden_states=True).hidden_states[-1], "last_hidden_state"
+        ),
+    }
+report["classes"] = {
+    "config": type(config).__module__ + "." + type(config).__name__,
+    "classifier": type(classifier).__module__ + "." + type(classifier).__name__,
+    "encoder": type(encoder).__module__ + "." + type(encoder).__name__,
+    "masked_lm": type(masked_lm).__module__ + "." + type(masked_lm).__name__,
+}
+report["masked_lm_decoder_tied"] = masked_lm.decoder.weight is masked_lm.model.embeddings.word_embeddings.weight
+report["ran_hf_imported"] = any(name == "ran_hf" or name.startswith("ran_hf.") for name in sys.modules)
+print(json.dumps(report))
+"""
+
+
+def test_auto_classes_load_the_folder_as_remote_code_without_ran_hf(saved_classifier, tmp_path):
+    """With `ran_hf` unimportable, `trust_remote_code=True` loads the saved code and reproduces the saved outputs."""
+    model, folder = saved_classifier
+    input_ids, attention_mask = batch()
+    with torch.no_grad():
+        encoded = model.model(input_ids=input_ids, attention_mask=attention_mask)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    expected_file = tmp_path / "expected.pt"
+    torch.save(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "logits": logits,
+            "last_hidden_state": encoded.last_hidden_state,
+            "pooler_output": encoded.pooler_output,
+        },
+        expected_file,
+    )
+    script = tmp_path / "load_remote_code.py"
+    script.write_text(REMOTE_CODE_SCRIPT)
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_MODULES_CACHE=str(tmp_path / "modules"),  # a fresh copy of the remote code, never a stale one
+        OMP_NUM_THREADS="1",
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    # -I: no PYTHONPATH, no user site-packages and neither the script's folder nor the working directory on sys.path.
+    completed = subprocess.run(
+        [sys.executable, "-I", str(script), str(folder), str(expected_file)],
+        cwd=workdir,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+
+    assert "ran_hf" in report.get("import_error", ""), "ran_hf must not be importable in the subprocess"
+    assert not report["ran_hf_imported"]
+    for name, qualified_name in report["classes"].items():
+        assert qualified_name.startswith("transformers_modules."), (name, qualified_name)
+    assert report["classes"]["classifier"].endswith(".modeling_ran.RANForSequenceClassification")
+    assert report["classes"]["encoder"].endswith(".modeling_ran.RANModel")
+    assert report["classes"]["masked_lm"].endswith(".modeling_ran.RANForMaskedLM")
+    assert report["masked_lm_decoder_tied"]
+    for name, difference in report["differences"].items():
+        assert difference <= 1e-6, f"{name} differs by {difference}"
