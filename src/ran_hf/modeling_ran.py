@@ -310,9 +310,11 @@ class RANLayer(GradientCheckpointingLayer):
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         hidden_size, inner_size, eps = config.hidden_size, config.num_attention_heads * config.head_dim, config.layer_norm_eps
 
-        # The layer's own starting cell. The official encoder only uses the first layer's; later layers continue
-        # from the cell of the layer below, except in causal mode, where that cell has read the future.
-        self.initial_cell = nn.Parameter(torch.zeros(hidden_size))
+        # A starting cell where one is read: the encoder's first layer (later layers continue from the cell of the
+        # layer below), and every layer of a causal model (the cell below has read the future). No parameter
+        # exists that gets no gradient, so distributed training needs no unused-parameter search for it.
+        if config.is_causal or layer_idx == 0:
+            self.initial_cell = nn.Parameter(torch.zeros(hidden_size))
         self.input_norm = RANLayerNorm(hidden_size, eps)
         self.qkv_proj = nn.Linear(hidden_size, 3 * inner_size)
         self.o_proj = nn.Linear(inner_size, hidden_size)
@@ -579,7 +581,7 @@ class RANPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
         super()._init_weights(module)
-        if isinstance(module, RANLayer):
+        if isinstance(module, RANLayer) and hasattr(module, "initial_cell"):
             # Zero is what the official initialiser gives: LayerNorm(swish(U * 0)) = the norm's zero-initialised bias.
             module.initial_cell.zero_()
         elif isinstance(module, RANForMaskedLM) and module.decoder.bias is not None:
