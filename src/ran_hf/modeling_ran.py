@@ -71,21 +71,21 @@ class RANGatedLinearUnit(nn.Module):
         return value * torch.sigmoid(gate)
 
 
-def rotary_cos_sin(num_positions: int, head_dim: int, theta: float, device: torch.device):
-    """cos and sin tables (num_positions, head_dim / 2) for positions 0 .. num_positions - 1."""
+def rotary_rotations(num_positions: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """Unit complex numbers (num_positions, head_dim / 2): the rotation of each pair at positions 0, 1, ..."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.arange(num_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_interleaved_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x_2i, x_2i+1) of the last axis; `cos`/`sin` broadcast against (..., d / 2).
+def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x_2i, x_2i+1) of the last axis, read as complex numbers x_2i + i x_2i+1.
 
-    RAN rotates neighbouring pairs, not the two halves of the head as Llama does.
+    RAN rotates neighbouring pairs, not the two halves of the head as Llama does. `rotations` broadcasts against
+    (..., d / 2); one complex product replaces the cos/sin arithmetic.
     """
-    even, odd = states[..., 0::2].float(), states[..., 1::2].float()
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
-    return rotated.flatten(-2).to(states.dtype)
+    pairs = torch.view_as_complex(states.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * rotations).flatten(-2).to(states.dtype)
 
 
 @dataclass
@@ -122,7 +122,7 @@ class RANWindowLayout:
     next_tail: torch.Tensor | None  # (B, P_max') index in [new; cached tail; empty] of the tail to cache next
     batch_size: int
     padded_length: int
-    _rotary: tuple | None = None
+    _rotary: torch.Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -241,11 +241,10 @@ class RANWindowLayout:
         parts.append(token_states.new_zeros(1, *token_states.shape[1:]))
         return torch.cat(parts)
 
-    def rotary(self, head_dim: int, theta: float, device: torch.device):
-        """cos/sin (S, d / 2) of window slots (slot s is position s + 1; the cell sits at 0), built once a pass."""
+    def rotary(self, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+        """Rotations (S, d / 2) of window slots (slot s is position s + 1; the cell sits at 0), built once a pass."""
         if self._rotary is None:
-            cos, sin = rotary_cos_sin(self.num_slots + 1, head_dim, theta, device)
-            self._rotary = cos[1:], sin[1:]
+            self._rotary = rotary_rotations(self.num_slots + 1, head_dim, theta, device)[1:]
         return self._rotary
 
     def from_windows(self, query_states: torch.Tensor) -> torch.Tensor:
@@ -364,9 +363,9 @@ class RANLayer(GradientCheckpointingLayer):
             tail = torch.stack([cache.tail_keys, cache.tail_values], 2)  # (B, P, 2, H, d)
         key, value = layout.sources(new_kv, tail)[layout.window_slots].permute(2, 0, 3, 1, 4)  # (K, H, S, d)
         query = layout.sources(qkv[:, 0])[layout.query_index].transpose(1, 2)  # (K, H, Q, d)
-        cos, sin = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2)
-        query = apply_interleaved_rotary(query, cos[layout.query_slots][:, None], sin[layout.query_slots][:, None])
-        key = apply_interleaved_rotary(key, cos, sin)
+        rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2)
+        query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
+        key = apply_interleaved_rotary(key, rotations)
         return query, key, value, new_kv
 
     # ---- phase 2 ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,344 @@
+#!/usr/bin/env python
+"""Tokens per second and peak memory, inference and training, for RAN and the long-document encoders users pick.
+
+    python scripts/benchmark_speed.py                             # CPU, lengths 512 2K 8K 32K, < 15 minutes here
+    python scripts/benchmark_speed.py --device cuda --dtype bfloat16
+    python scripts/benchmark_speed.py --models ran ceiling longformer --lengths 8192 --repeats 3
+
+Models, all at the same width, depth and heads, random weights, dropout off:
+  ran            ran_hf RAN, window `--window_size` (default 256)
+  ran-small      ran_hf RAN, window `--small_window_size` (default 64)
+  ceiling        RAN's per-token work without the recurrence: the same projections, GLUs, norms and memory review,
+                 every window reading the starting cell, so the cell work of all windows runs in one batch and
+                 no scan remains. The best a RAN layer could do.
+  longformer     Transformers' Longformer, sliding window `--window_size`
+  bigbird        Transformers' BigBird, block-sparse attention (block 64, 3 random blocks)
+  modernbert     Transformers' ModernBERT, local window `--window_size`, a global layer every third (layer 0)
+  bert           Transformers' BERT, full attention, up to `--bert_max_length`
+  rannet         the official TensorFlow rannet 0.3.1, when `--rannet_python` points at an interpreter that has it
+
+Each (model, length) runs in a fresh process: a warm-up pass, then inference (no grad) and training (forward and
+backward of the mean token state) timed over `--repeats` passes. Peak memory: growth of resident memory on CPU,
+the allocator's peak on CUDA. Writes JSON, a markdown table and log-log plots under --output_dir.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subprocess
+
+MODELS = ["ran", "ran-small", "ceiling", "longformer", "bigbird", "modernbert", "bert", "rannet"]
+VOCAB_SIZE = 1000
+
+
+def ran_config(args, window_size):
+    from ran_hf import RANConfig
+
+    return RANConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        head_dim=args.hidden_size // args.num_heads,
+        window_size=window_size,
+        min_window_size=min(16, window_size // 4),
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+
+
+def scan_without_recurrence(self, cell, previous_raw, keys, values, layout):
+    """Drop-in for `RANLayer.scan_cells` where every window reads the starting cell: one batched step, no loop.
+
+    The per-window work is the scan's (cell projections, attention over the window, output projection, norms, the
+    residual GLU against the previous window's raw cell), so what remains between RAN and this is the recurrence.
+    """
+    scale = 1.0 / math.sqrt(self.head_dim)
+    normed = self.normalize_input(cell[layout.window_sequence])  # (K, D)
+    query, key, value = self.project(normed).unbind(-3)  # (K, H, d)
+    token_scores = torch.einsum("khd,khsd->khs", query, keys).masked_fill(~layout.slot_mask[:, None], float("-inf"))
+    cell_score = (query * key).sum(-1, keepdim=True)
+    probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (K, H, 1 + S)
+    attended = probs[..., :1] * value + torch.einsum("khs,khsd->khd", probs[..., 1:], values)
+    raw = self.finish_attention(attended.flatten(-2), normed)  # (K, D)
+    previous = torch.cat([raw[:1], raw[:-1]])  # the window before (ignored across sequences: timing only)
+    cells = self.cell_norm(raw + self.cell_glu(previous))
+
+    def step_major(per_window):  # (K, ...) -> (N, B, ...)
+        return torch.cat([per_window, per_window[:1] * 0])[layout.step_windows]
+
+    return step_major(key), step_major(value), step_major(raw), step_major(cells)
+
+
+def build_model(name: str, args, max_length: int) -> torch.nn.Module:
+    import transformers
+
+    width, layers, heads = args.hidden_size, args.num_layers, args.num_heads
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * width,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    if name in ("ran", "ran-small", "ceiling"):
+        from ran_hf import RANModel
+        from ran_hf.modeling_ran import RANLayer
+
+        window = args.small_window_size if name == "ran-small" else args.window_size
+        model = RANModel(ran_config(args, window))
+        if name == "ceiling":
+            for layer in model.layers:
+                layer.scan_cells = scan_without_recurrence.__get__(layer, RANLayer)
+        return model
+    if name == "longformer":
+        config = transformers.LongformerConfig(
+            **common, attention_window=args.window_size, max_position_embeddings=max_length + args.window_size + 2
+        )
+        return transformers.LongformerModel(config, add_pooling_layer=False)
+    if name == "bigbird":
+        config = transformers.BigBirdConfig(
+            **common,
+            attention_type="block_sparse",
+            block_size=64,
+            num_random_blocks=3,
+            max_position_embeddings=max_length + 64,
+        )
+        return transformers.BigBirdModel(config, add_pooling_layer=False)
+    if name == "modernbert":
+        config = transformers.ModernBertConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=2 * width,  # its GLU doubles the inner width: 4 * width parameters as the others
+            local_attention=args.window_size,
+            max_position_embeddings=max_length,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        )
+        return transformers.ModernBertModel(config)
+    if name == "bert":
+        config = transformers.BertConfig(**common, max_position_embeddings=max_length)
+        return transformers.BertModel(config, add_pooling_layer=False)
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def measure(name: str, length: int, batch_size: int, args) -> dict:
+    """Throughput and peak memory of one model at one shape, in this (fresh) process."""
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(name, args, max_length=length).to(device=device, dtype=dtype).train()
+    ids = torch.randint(3, VOCAB_SIZE, (batch_size, length), device=device)
+
+    def forward():
+        return model(input_ids=ids).last_hidden_state
+
+    def train_step():
+        forward().float().mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    def timed(function, repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            function()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / repeats
+
+    with torch.no_grad():
+        model(input_ids=ids[:, : min(length, 512)])  # warm-up at a short length: allocator pools, lazy init
+    memory = PeakMemory(device)
+    memory.reset()
+    with torch.no_grad():
+        inference_seconds = timed(forward, args.repeats)
+    inference_peak = memory.peak_bytes()
+    training_seconds = timed(train_step, args.repeats)
+    training_peak = memory.peak_bytes()
+    tokens = batch_size * length
+    return {
+        "model": name,
+        "length": length,
+        "batch_size": batch_size,
+        "inference_tokens_per_s": tokens / inference_seconds,
+        "training_tokens_per_s": tokens / training_seconds,
+        "inference_peak_bytes": inference_peak,
+        "training_peak_bytes": training_peak,
+    }
+
+
+def shapes(args) -> list:
+    return [(length, 1) for length in args.lengths] + [(args.short_length, args.short_batch_size)]
+
+
+def run_rannet(args, length: int, batch_size: int) -> dict:
+    """The official TensorFlow model, measured by `benchmark_rannet_tf.py` under `--rannet_python`."""
+    import subprocess
+
+    script = Path(__file__).with_name("benchmark_rannet_tf.py")
+    command = [
+        args.rannet_python, str(script), "--length", str(length), "--batch_size", str(batch_size),
+        "--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers), "--num_heads",
+        str(args.num_heads), "--window_size", str(args.window_size), "--repeats", str(args.repeats),
+    ]  # fmt: skip
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    if completed.returncode != 0:
+        return {"error": (completed.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def markdown_table(results: list, info: dict, command: str) -> str:
+    rows = [
+        "| model | batch x length | train tok/s | train vs RAN | infer tok/s | infer vs RAN | train peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    reference = {(r["length"], r["batch_size"]): r for r in results if r["model"] == "ran" and "error" not in r}
+    for r in results:
+        shape = f"{r['batch_size']} x {r['length']}"
+        if "error" in r:
+            rows.append(f"| {r['model']} | {shape} | – | – | – | – | {r['error'][:60]} |")
+            continue
+        ran = reference.get((r["length"], r["batch_size"]))
+        train_ratio = f"{r['training_tokens_per_s'] / ran['training_tokens_per_s']:.2f}" if ran else "–"
+        infer_ratio = f"{r['inference_tokens_per_s'] / ran['inference_tokens_per_s']:.2f}" if ran else "–"
+        rows.append(
+            f"| {r['model']} | {shape} | {r['training_tokens_per_s']:,.0f} | {train_ratio} | "
+            f"{r['inference_tokens_per_s']:,.0f} | {infer_ratio} | {r['training_peak_bytes'] / 2**20:,.0f} |"
+        )
+    header = f"Machine: {machine_line(info)}\n\nCommand: `{command}`\n\nRatios are model / RAN (> 1: faster than RAN).\n"
+    return header + "\n" + "\n".join(rows) + "\n"
+
+
+def plot(results: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [
+        ("training_tokens_per_s", "training tokens / s"),
+        ("inference_tokens_per_s", "inference tokens / s"),
+        ("training_peak_bytes", "training peak MiB"),
+    ]
+    for axis, (key, label) in zip(axes, panels):
+        for model in dict.fromkeys(r["model"] for r in results):
+            points = sorted(
+                (r["length"], r[key] / (2**20 if "bytes" in key else 1))
+                for r in results
+                if r["model"] == model and r["batch_size"] == 1 and "error" not in r
+            )
+            if points:
+                axis.loglog(*zip(*points), "o-" if model.startswith("ran") else "s--", label=model)
+        axis.set(xlabel="tokens (batch 1)", ylabel=label)
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 32768])
+    parser.add_argument("--short_length", type=int, default=512, help="the batched short-document point")
+    parser.add_argument("--short_batch_size", type=int, default=8)
+    parser.add_argument("--hidden_size", type=int, default=128)
+    parser.add_argument("--num_layers", type=int, default=2)
+    parser.add_argument("--num_heads", type=int, default=4)
+    parser.add_argument("--window_size", type=int, default=256)
+    parser.add_argument("--small_window_size", type=int, default=64)
+    parser.add_argument("--bert_max_length", type=int, default=8192, help="full attention beyond this is skipped")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--rannet_python", default=os.environ.get("RANNET_PYTHON"), help="python with rannet")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one measurement may take")
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
+    parser.add_argument("--single", nargs=3, metavar=("MODEL", "LENGTH", "BATCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.single:
+        name, length, batch_size = args.single
+        print(json.dumps(measure(name, int(length), int(batch_size), args)))
+        return
+
+    info = machine_info(args.device)
+    print(machine_line(info))
+    forwarded = [
+        "--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers), "--num_heads",
+        str(args.num_heads), "--window_size", str(args.window_size), "--small_window_size",
+        str(args.small_window_size), "--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype,
+    ]  # fmt: skip
+    results = []
+    print(f"{'model':<11} {'shape':>10} {'train tok/s':>12} {'infer tok/s':>12} {'train MiB':>10}")
+    for length, batch_size in shapes(args):
+        for name in args.models:
+            if name == "bert" and length > args.bert_max_length:
+                continue
+            if name == "rannet":
+                if not args.rannet_python:
+                    continue
+                result = run_rannet(args, length, batch_size)
+            else:
+                try:
+                    result = run_in_subprocess(
+                        __file__, ["--single", name, str(length), str(batch_size), *forwarded], timeout=args.timeout
+                    )
+                except Exception as error:  # a timeout: report it in the table, keep going
+                    result = {"error": f"{type(error).__name__}"}
+            result.update(model=name, length=length, batch_size=batch_size)
+            results.append(result)
+            shape = f"{batch_size}x{length}"
+            if "error" in result:
+                print(f"{name:<11} {shape:>10}  {result['error']}", flush=True)
+            else:
+                print(
+                    f"{name:<11} {shape:>10} {result['training_tokens_per_s']:>12,.0f} "
+                    f"{result['inference_tokens_per_s']:>12,.0f} {result['training_peak_bytes'] / 2**20:>10,.0f}",
+                    flush=True,
+                )
+
+    print_ratios(results)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    name = f"speed_{torch.device(args.device).type}"
+    command = "python scripts/benchmark_speed.py " + " ".join(sys.argv[1:])
+    report = {"machine_info": info, "command": command, "settings": {**vars(args), "output_dir": str(args.output_dir)},
+              "results": results}  # fmt: skip
+    (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (args.output_dir / f"{name}.md").write_text(markdown_table(results, info, command.strip()))
+    plot(results, args.output_dir / f"{name}.png")
+    print(f"wrote {args.output_dir / name}.json, .md and .png")
+
+
+def print_ratios(results: list) -> None:
+    """The figures the targets are stated in, side by side."""
+    by_key = {(r["model"], r["length"], r["batch_size"]): r for r in results if "error" not in r}
+    print("\ntraining throughput relative to RAN (> 1: faster than RAN)")
+    for (model, length, batch_size), result in sorted(by_key.items(), key=lambda item: (item[0][1], item[0][0])):
+        ran = by_key.get(("ran", length, batch_size))
+        if ran and model != "ran":
+            ratio = result["training_tokens_per_s"] / ran["training_tokens_per_s"]
+            print(f"  {model:<11} {batch_size}x{length:<6} {ratio:6.2f}")
+    ran_8k, ran_32k = by_key.get(("ran", 8192, 1)), by_key.get(("ran", 32768, 1))
+    if ran_8k and ran_32k:
+        print(f"RAN training peak memory 32K / 8K: {ran_32k['training_peak_bytes'] / ran_8k['training_peak_bytes']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

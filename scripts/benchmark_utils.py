@@ -1,0 +1,70 @@
+"""What the benchmark scripts share: the machine line, peak-memory readings, and running one measurement per process."""
+
+import json
+import platform
+import resource
+import subprocess
+import sys
+
+import torch
+
+
+def machine_info(device: str = "cpu") -> dict:
+    """CPU/GPU, library versions and the git revision: printed first and saved with every result."""
+    import transformers
+
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        info["git_sha"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["git_sha"] = "unknown"
+    return info
+
+
+def machine_line(info: dict) -> str:
+    hardware = info.get("gpu") or f"{info['cpu']} x{info['threads']} threads"
+    return f"{hardware} | torch {info['torch']} | transformers {info['transformers']} | git {info['git_sha']}"
+
+
+class PeakMemory:
+    """Peak memory of the work done since `reset()`: CUDA's allocator peak, or on CPU the growth of resident memory.
+
+    On CPU the process's resident size only ever reaches a new maximum, so readings are meaningful in a fresh
+    process, taken in order of growing work (inference, then training).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.baseline = 0
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/statm") as statm:
+                self.baseline = int(statm.read().split()[1]) * resource.getpagesize()
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.baseline
+        return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.baseline)
+
+
+def run_in_subprocess(script: str, arguments: list, timeout: float | None = None) -> dict:
+    """Run `script --single ...` in a fresh interpreter and return the JSON it prints on its last line."""
+    command = [sys.executable, script, *arguments]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if completed.returncode != 0:
+        return {"error": (completed.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+    return json.loads(completed.stdout.strip().splitlines()[-1])

@@ -1,0 +1,278 @@
+"""Readers for the files the training scripts accept, and the checks that reject bad data before training starts.
+
+Formats, chosen by the file name:
+
+* `.jsonl`, `.json` (one object per line), optionally gzipped (`.jsonl.gz`): Hyperpartisan, 20 Newsgroups, EURLEX-57K.
+* `.csv`, `.tsv` with a header row.
+* `.txt` and anything else: plain text, one record `{"text": line}` per non-blank line.
+* CoNLL (`read_conll`): one token per line, whitespace-separated columns (token first, tag last), a blank line between
+  sentences, `-DOCSTART-` lines ignored: CoNLL-2003's four columns, or two.
+
+Every reader raises `ValueError` naming the file (and line) for an empty file or a malformed line. Labels go through
+`ClassificationLabels.from_splits` / `TagLabels.from_splits`, which reject missing, mixed or unseen labels.
+"""
+
+import csv
+import gzip
+import io
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DOCSTART = "-DOCSTART-"
+
+
+def open_text(path: str | Path) -> io.TextIOBase:
+    """Open a UTF-8 text file for reading, transparently un-gzipping `*.gz`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist or is not a file.")
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return path.open(encoding="utf-8", newline="")
+
+
+def file_format(path: str | Path) -> str:
+    """"jsonl", "csv", "tsv" or "text", from the file name (a trailing `.gz` is ignored)."""
+    suffixes = Path(path).suffixes
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    suffix = suffixes[-1] if suffixes else ""
+    return {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}.get(suffix, "text")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """One JSON object per non-blank line."""
+    records = []
+    with open_text(path) as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg}).") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}, line {line_number}: expected a JSON object, got {type(record).__name__}.")
+            records.append(record)
+    return records
+
+
+def read_delimited(path: str | Path, delimiter: str) -> list[dict]:
+    """A CSV or TSV file whose first row names the columns."""
+    with open_text(path) as handle:
+        reader = csv.DictReader(handle, delimiter=delimiter)
+        records = []
+        for record in reader:
+            if None in record or None in record.values():
+                raise ValueError(
+                    f"{path}, line {reader.line_num}: {len(reader.fieldnames)} columns in the header "
+                    f"{reader.fieldnames}, a different number in this row."
+                )
+            records.append(record)
+    return records
+
+
+def read_text(path: str | Path) -> list[dict]:
+    """Plain text: every non-blank line is one record `{"text": line}`."""
+    with open_text(path) as handle:
+        return [{"text": line.strip()} for line in handle if line.strip()]
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The records of a jsonl / csv / tsv / text file (see the module docstring); an empty file is an error."""
+    kind = file_format(path)
+    if kind == "jsonl":
+        records = read_jsonl(path)
+    elif kind in ("csv", "tsv"):
+        records = read_delimited(path, "," if kind == "csv" else "\t")
+    else:
+        records = read_text(path)
+    if not records:
+        raise ValueError(f"{path} holds no examples (the file is empty or blank).")
+    return records
+
+
+def read_conll(path: str | Path) -> list[dict]:
+    """Sentences of a CoNLL file as `{"tokens": [...], "tags": [...]}`: the first column and the last.
+
+    Every token line must have as many columns as the first one, and at least two; `-DOCSTART-` lines and the blank
+    line after them are skipped.
+    """
+    sentences, tokens, tags = [], [], []
+    num_columns = None
+    with open_text(path) as handle:
+        for line_number, line in enumerate(handle, start=1):
+            columns = line.split()
+            if not columns:
+                if tokens:
+                    sentences.append({"tokens": tokens, "tags": tags})
+                    tokens, tags = [], []
+                continue
+            if columns[0] == DOCSTART:
+                continue
+            if num_columns is None:
+                if len(columns) < 2:
+                    raise ValueError(
+                        f"{path}, line {line_number}: a CoNLL line needs a token and a tag, got {line.strip()!r}."
+                    )
+                num_columns = len(columns)
+            elif len(columns) != num_columns:
+                raise ValueError(
+                    f"{path}, line {line_number}: {len(columns)} columns, but the file started with {num_columns} "
+                    f"(token ... tag): {line.strip()!r}."
+                )
+            tokens.append(columns[0])
+            tags.append(columns[-1])
+    if tokens:
+        sentences.append({"tokens": tokens, "tags": tags})
+    if not sentences:
+        raise ValueError(f"{path} holds no sentences (the file is empty or holds only -DOCSTART- lines).")
+    return sentences
+
+
+def check_columns(records: Sequence[Mapping], columns: Iterable[str], source: str) -> None:
+    """Every record must hold every one of `columns`; name the first that does not, and the columns it has."""
+    columns = list(columns)
+    for index, record in enumerate(records):
+        missing = [column for column in columns if column not in record]
+        if missing:
+            where = "" if index == 0 else f" (record {index + 1})"
+            raise ValueError(
+                f"{source}{where} has no column {missing[0]!r}; its columns are {sorted(record)}. "
+                "Pick others with --text_column_name / --label_column_name."
+            )
+
+
+def label_name(value, source: str, column: str) -> str:
+    """A single label as a class name: strings as they are, ints as digits, booleans as "true"/"false"."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | str) and value != "":
+        return str(value)
+    kind = "an empty string" if value == "" else f"{type(value).__name__} {value!r}"
+    raise ValueError(
+        f"{source}: column {column!r} holds {kind}; a class label must be a string, an int or a boolean "
+        "(or, for multi-label data, a list of them)."
+    )
+
+
+@dataclass(frozen=True)
+class ClassificationLabels:
+    """The classes of a document classification task and whether a document may carry several of them."""
+
+    names: tuple[str, ...]
+    multi_label: bool
+
+    @classmethod
+    def from_splits(
+        cls, splits: Mapping[str, Sequence], column: str, names: Sequence[str] | None = None
+    ) -> "ClassificationLabels":
+        """Infer the task from the label values of every split (`{"train": [...], "validation": [...]}`).
+
+        All values must be of one kind: single labels (str / int / bool) or lists of them (multi-label). Single-label
+        classes are those of the training split (of the first split without one) and any other split may only use
+        those; multi-label classes are the union over the splits, so that labels seen only in evaluation count as
+        misses. `names` (from a Hub `ClassLabel` feature) fixes the classes and their order instead.
+        """
+        kinds = {}  # "single" / "multi" -> the first example of that kind
+        for split, values in splits.items():
+            for index, value in enumerate(values):
+                source = f"{split} example {index + 1}"
+                if value is None:
+                    raise ValueError(f"{source}: column {column!r} is empty (null); every example needs a label.")
+                kind = "multi" if isinstance(value, list | tuple) else "single"
+                for item in value if kind == "multi" else [value]:
+                    if isinstance(item, list | tuple):
+                        raise ValueError(f"{source}: column {column!r} holds a nested list {value!r}.")
+                    label_name(item, source, column)
+                kinds.setdefault(kind, source)
+                if len(kinds) > 1:
+                    raise ValueError(
+                        f"Column {column!r} mixes single labels ({kinds['single']}) and lists of labels "
+                        f"({kinds['multi']}): use one or the other throughout."
+                    )
+        if not kinds:
+            raise ValueError(f"No labels found in column {column!r}.")
+        multi_label = "multi" in kinds
+
+        if names is not None:
+            return cls(tuple(str(name) for name in names), multi_label)
+        if multi_label:
+            found = {label_name(item, split, column) for values in splits.values() for row in values for item in row}
+            return cls(tuple(sort_names(found)), True)
+        reference = "train" if "train" in splits else next(iter(splits))
+        known = {label_name(value, reference, column) for value in splits[reference]}
+        for split, values in splits.items():
+            unseen = {label_name(value, split, column) for value in values} - known
+            if unseen:
+                raise ValueError(
+                    f"The {split} split has labels the {reference} split never uses: {sort_names(unseen)[:10]} "
+                    f"(known: {sort_names(known)[:10]}{' ...' if len(known) > 10 else ''}). Check "
+                    "--label_column_name and the files."
+                )
+        if len(known) < 2:
+            raise ValueError(f"Column {column!r} of the {reference} split holds a single class {sorted(known)}.")
+        return cls(tuple(sort_names(known)), False)
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        return {name: index for index, name in enumerate(self.names)}
+
+    def encode(self, value) -> int | list[float]:
+        """A class id (single-label) or a multi-hot float vector (multi-label) for one example's label value."""
+        label2id = self.label2id
+        if not self.multi_label:
+            return label2id[label_name(value, "label", "label")]
+        target = [0.0] * len(self.names)
+        for item in value:
+            target[label2id[label_name(item, "label", "label")]] = 1.0
+        return target
+
+
+def sort_names(names: Iterable[str]) -> list[str]:
+    """Numeric names in numeric order ("2" before "10"), then the rest alphabetically."""
+    return sorted(names, key=lambda name: (0, int(name), "") if name.lstrip("-").isdigit() else (1, 0, name))
+
+
+@dataclass(frozen=True)
+class TagLabels:
+    """The tag set of a token classification task ("O" first, then the others in alphabetical order)."""
+
+    names: tuple[str, ...]
+
+    @classmethod
+    def from_splits(cls, splits: Mapping[str, Sequence[Sequence[str]]], names: Sequence[str] | None = None):
+        """Tags of every sentence of every split; tags outside the training split's set are an error."""
+        if names is not None:
+            return cls(tuple(names))
+        reference = "train" if "train" in splits else next(iter(splits))
+        known = {tag for sentence in splits[reference] for tag in sentence}
+        for split, sentences in splits.items():
+            unseen = {tag for sentence in sentences for tag in sentence} - known
+            if unseen:
+                raise ValueError(
+                    f"The {split} split has tags the {reference} split never uses: {sorted(unseen)[:10]}. "
+                    "Check the tag column and the files."
+                )
+        ordered = (["O"] if "O" in known else []) + sorted(known - {"O"})
+        return cls(tuple(ordered))
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        return {name: index for index, name in enumerate(self.names)}
+
+
+__all__ = [
+    "ClassificationLabels",
+    "TagLabels",
+    "check_columns",
+    "file_format",
+    "open_text",
+    "read_conll",
+    "read_delimited",
+    "read_jsonl",
+    "read_records",
+    "read_text",
+]

@@ -1,0 +1,317 @@
+"""Read TensorFlow checkpoints (the "V2" tensor-bundle format) with NumPy alone, no TensorFlow needed.
+
+A checkpoint with prefix `P` is a set of files:
+
+* `P.index`: an SSTable (the LevelDB table format) that maps every tensor name to a serialized `BundleEntryProto`
+  (dtype, shape, shard, offset and size of the tensor's bytes). The empty key holds a `BundleHeaderProto` (number of
+  shards, endianness).
+* `P.data-SSSSS-of-NNNNN`: the raw tensor bytes of each shard, row-major, in the byte order the header names.
+
+TensorFlow writes the index uncompressed and checks block checksums on reading; this reader does the same. Tensor
+bytes carry a CRC32C too, which is not checked here (it would need a compiled CRC32C); their sizes are.
+
+Only what model conversion needs is supported: whole (unpartitioned) numeric tensors. Strings (such as the
+`_CHECKPOINTABLE_OBJECT_GRAPH` entry of object-based checkpoints) are listed but cannot be read.
+
+Example:
+
+```python
+>>> from ran_hf.tf_checkpoint import TFCheckpointReader
+
+>>> reader = TFCheckpointReader("pretrained/model.ckpt")
+>>> reader.shapes()["rannet/token-embedding/embeddings"]
+(30522, 768)
+>>> embeddings = reader.read("rannet/token-embedding/embeddings")  # a numpy.ndarray
+```
+"""
+
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["CheckpointFormatError", "TFCheckpointEntry", "TFCheckpointReader"]
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint file is missing, damaged, or uses a feature this reader does not support."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Protocol buffer wire format (only what BundleHeaderProto and BundleEntryProto need)
+# --------------------------------------------------------------------------------------------------------------------
+
+_VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
+
+
+def _read_varint(buffer: bytes, position: int) -> tuple[int, int]:
+    """Decode a base-128 varint at `position`; returns (value, position after it)."""
+    result, shift = 0, 0
+    while True:
+        if position >= len(buffer):
+            raise CheckpointFormatError("truncated varint")
+        byte = buffer[position]
+        position += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, position
+        shift += 7
+        if shift > 63:
+            raise CheckpointFormatError("varint longer than 64 bits")
+
+
+def _parse_message(buffer: bytes) -> dict[int, list]:
+    """Split a serialized protocol buffer message into {field number: [raw values]} (ints or bytes)."""
+    fields: dict[int, list] = {}
+    position = 0
+    while position < len(buffer):
+        key, position = _read_varint(buffer, position)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT:
+            value, position = _read_varint(buffer, position)
+        elif wire_type == _FIXED64:
+            value, position = int.from_bytes(buffer[position : position + 8], "little"), position + 8
+        elif wire_type == _FIXED32:
+            value, position = int.from_bytes(buffer[position : position + 4], "little"), position + 4
+        elif wire_type == _LENGTH_DELIMITED:
+            length, position = _read_varint(buffer, position)
+            value, position = bytes(buffer[position : position + length]), position + length
+        else:
+            raise CheckpointFormatError(f"unsupported protocol buffer wire type {wire_type}")
+        if position > len(buffer):
+            raise CheckpointFormatError("truncated protocol buffer message")
+        fields.setdefault(number, []).append(value)
+    return fields
+
+
+def _signed(value: int) -> int:
+    """Reinterpret a varint-decoded int32/int64 as signed (negative values are encoded in 64 bits)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CRC32C (Castagnoli), for the checksums of index blocks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+        table.append(crc)
+    return table
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def _crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _unmask_crc(masked: int) -> int:
+    """LevelDB stores checksums "masked" (rotated and offset); undo that."""
+    rotated = (masked - 0xA282EAD8) & 0xFFFFFFFF
+    return ((rotated >> 17) | (rotated << 15)) & 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# SSTable (LevelDB table format)
+# --------------------------------------------------------------------------------------------------------------------
+
+_TABLE_MAGIC = 0xDB4775248B80FB57
+_FOOTER_SIZE = 48  # two block handles padded to 40 bytes, then the 8-byte magic number
+_BLOCK_TRAILER_SIZE = 5  # compression type (1 byte) and masked CRC32C (4 bytes)
+_NO_COMPRESSION = 0
+
+
+def _read_block(table: bytes, handle: bytes, path: str) -> bytes:
+    """The contents of the block that a serialized BlockHandle (offset, size varints) points to, checksum verified."""
+    offset, position = _read_varint(handle, 0)
+    size, _ = _read_varint(handle, position)
+    end = offset + size
+    if end + _BLOCK_TRAILER_SIZE > len(table):
+        raise CheckpointFormatError(f"{path}: a block runs past the end of the file (truncated index?)")
+    block, compression = table[offset:end], table[end]
+    (masked_crc,) = struct.unpack_from("<I", table, end + 1)
+    if _crc32c(table[offset : end + 1]) != _unmask_crc(masked_crc):
+        raise CheckpointFormatError(f"{path}: block checksum mismatch (the index file is damaged)")
+    if compression != _NO_COMPRESSION:
+        raise CheckpointFormatError(
+            f"{path}: compressed index blocks (type {compression}) are not supported; TensorFlow writes checkpoint "
+            "indexes uncompressed"
+        )
+    return block
+
+
+def _block_entries(block: bytes, path: str):
+    """Yield (key, value) of every entry of a block; keys are prefix-compressed against the previous key."""
+    if len(block) < 4:
+        raise CheckpointFormatError(f"{path}: block too short")
+    (num_restarts,) = struct.unpack_from("<I", block, len(block) - 4)
+    entries_end = len(block) - 4 - 4 * num_restarts
+    if entries_end < 0:
+        raise CheckpointFormatError(f"{path}: bad block restart array")
+    key, position = b"", 0
+    while position < entries_end:
+        shared, position = _read_varint(block, position)
+        unshared, position = _read_varint(block, position)
+        value_length, position = _read_varint(block, position)
+        if shared > len(key) or position + unshared + value_length > entries_end:
+            raise CheckpointFormatError(f"{path}: corrupt block entry")
+        key = key[:shared] + block[position : position + unshared]
+        position += unshared
+        yield key, block[position : position + value_length]
+        position += value_length
+
+
+def _read_table(path: str) -> dict[bytes, bytes]:
+    """All key/value pairs of an SSTable file."""
+    with open(path, "rb") as file:
+        table = file.read()
+    if len(table) < _FOOTER_SIZE:
+        raise CheckpointFormatError(f"{path}: too short to be a TensorFlow checkpoint index")
+    footer = table[-_FOOTER_SIZE:]
+    (magic,) = struct.unpack_from("<Q", footer, _FOOTER_SIZE - 8)
+    if magic != _TABLE_MAGIC:
+        raise CheckpointFormatError(
+            f"{path}: not a TensorFlow checkpoint index (bad magic number); only the V2 (tensor bundle) format is read"
+        )
+    _, position = _read_varint(footer, 0)  # metaindex handle: offset (unused)
+    _, position = _read_varint(footer, position)  # metaindex handle: size (unused)
+    index_handle = footer[position:]
+    entries = {}
+    for _, data_handle in _block_entries(_read_block(table, index_handle, path), path):
+        for key, value in _block_entries(_read_block(table, data_handle, path), path):
+            entries[bytes(key)] = bytes(value)
+    return entries
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tensor bundle
+# --------------------------------------------------------------------------------------------------------------------
+
+# TensorFlow DataType enum -> (name, little-endian NumPy dtype). bfloat16 has no NumPy dtype: read as uint16, widened.
+_DTYPES = {
+    1: ("float32", "<f4"),
+    2: ("float64", "<f8"),
+    3: ("int32", "<i4"),
+    4: ("uint8", "u1"),
+    5: ("int16", "<i2"),
+    6: ("int8", "i1"),
+    7: ("string", None),
+    9: ("int64", "<i8"),
+    10: ("bool", "?"),
+    14: ("bfloat16", "<u2"),
+    17: ("uint16", "<u2"),
+    19: ("float16", "<f2"),
+    22: ("uint32", "<u4"),
+    23: ("uint64", "<u8"),
+}
+
+
+@dataclass(frozen=True)
+class TFCheckpointEntry:
+    """Where one tensor lives: its dtype and shape, and the byte range in its data shard."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: int
+    offset: int
+    size: int
+    partitioned: bool
+
+
+def _parse_entry(name: str, value: bytes, path: str) -> TFCheckpointEntry:
+    fields = _parse_message(value)
+    dtype_code = fields.get(1, [0])[-1]
+    if dtype_code not in _DTYPES:
+        raise CheckpointFormatError(f"{path}: tensor {name!r} has an unsupported dtype (TensorFlow enum {dtype_code})")
+    shape = ()
+    if 2 in fields:
+        shape_fields = _parse_message(fields[2][-1])
+        if shape_fields.get(3, [0])[-1]:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has an unknown rank")
+        shape = tuple(_signed(_parse_message(dim).get(1, [0])[-1]) for dim in shape_fields.get(2, []))
+    return TFCheckpointEntry(
+        name=name,
+        dtype=_DTYPES[dtype_code][0],
+        shape=shape,
+        shard=fields.get(3, [0])[-1],
+        offset=fields.get(4, [0])[-1],
+        size=fields.get(5, [0])[-1],
+        partitioned=7 in fields,
+    )
+
+
+class TFCheckpointReader:
+    """List and read the tensors of a TensorFlow V2 checkpoint, given its prefix (e.g. `folder/model.ckpt`)."""
+
+    def __init__(self, prefix: str | os.PathLike):
+        self.prefix = os.fspath(prefix)
+        self.index_path = self.prefix + ".index"
+        if not os.path.isfile(self.index_path):
+            raise FileNotFoundError(f"TensorFlow checkpoint index not found: {self.index_path}")
+        table = _read_table(self.index_path)
+        if b"" not in table:
+            raise CheckpointFormatError(f"{self.index_path}: the bundle header (empty key) is missing")
+        header = _parse_message(table.pop(b""))
+        self.num_shards = header.get(1, [1])[-1]
+        if header.get(2, [0])[-1] != 0:
+            raise CheckpointFormatError(f"{self.index_path}: big-endian checkpoints are not supported")
+        self.entries = {}
+        for key, value in table.items():
+            name = key.decode("utf-8")
+            self.entries[name] = _parse_entry(name, value, self.index_path)
+
+    def data_path(self, shard: int) -> str:
+        return f"{self.prefix}.data-{shard:05d}-of-{self.num_shards:05d}"
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """{tensor name: shape} for every tensor, in name order (what `tf.train.list_variables` lists)."""
+        return {name: self.entries[name].shape for name in sorted(self.entries)}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor `name` as a NumPy array (bfloat16 is widened to float32)."""
+        if name not in self.entries:
+            raise KeyError(f"{self.prefix}: no tensor named {name!r}")
+        entry = self.entries[name]
+        if entry.partitioned:
+            raise CheckpointFormatError(f"{self.index_path}: tensor {name!r} is partitioned, which is not supported")
+        numpy_dtype = _DTYPES_BY_NAME[entry.dtype]
+        if numpy_dtype is None:
+            raise CheckpointFormatError(f"{self.index_path}: tensor {name!r} holds {entry.dtype}s, which are not read")
+        if entry.shard >= self.num_shards:
+            raise CheckpointFormatError(f"{self.index_path}: tensor {name!r} names shard {entry.shard} of {self.num_shards}")
+        dtype = np.dtype(numpy_dtype)
+        count = int(np.prod(entry.shape, dtype=np.int64))
+        if entry.size != count * dtype.itemsize:
+            raise CheckpointFormatError(
+                f"{self.index_path}: tensor {name!r} of shape {entry.shape} ({entry.dtype}) should take "
+                f"{count * dtype.itemsize} bytes, the index says {entry.size}"
+            )
+        path = self.data_path(entry.shard)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"TensorFlow checkpoint data file not found: {path}")
+        with open(path, "rb") as file:
+            file.seek(entry.offset)
+            data = file.read(entry.size)
+        if len(data) != entry.size:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} runs past the end of the file (truncated data?)")
+        array = np.frombuffer(data, dtype=dtype, count=count).reshape(entry.shape)
+        if entry.dtype == "bfloat16":
+            return (array.astype(np.uint32) << 16).view(np.float32)
+        return array.astype(dtype.newbyteorder("="), copy=True)
+
+
+_DTYPES_BY_NAME = dict(_DTYPES.values())
