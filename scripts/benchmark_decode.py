@@ -14,9 +14,7 @@ bytes the cache object holds. Writes a table to stdout and JSON + PNG under --ou
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
+from benchmark_utils import machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
 
 
@@ -81,25 +80,6 @@ def gpt2_decode(model, context: int, steps: int, device) -> dict:
         "ms_per_token_median": 1000 * statistics.median(latencies),
         "cache_bytes": cache_bytes,
     }
-
-
-def machine_info(device: torch.device) -> dict:
-    import transformers
-
-    info = {
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    try:
-        info["git_sha"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        info["git_sha"] = "unknown"
-    return info
 
 
 def plot(results: list, path: Path) -> None:
@@ -161,6 +141,7 @@ def main():
         eos_token_id=None,
     )
     gpt2 = GPT2LMHeadModel(gpt2_config).to(device).eval()
+    print(machine_line(machine_info(str(device))))
     print(f"RAN {ran.num_parameters():,} parameters, GPT-2 {gpt2.num_parameters():,} (incl. position table)")
 
     ran_decode(ran, 64, 8, args.prefill_chunk, device)  # warm-up: allocator, lazy initialisation
@@ -198,7 +179,7 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = f"decode_{device.type}"
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    report = {"machine_info": machine_info(device), "settings": settings, "results": results}
+    report = {"machine_info": machine_info(str(device)), "settings": settings, "results": results}
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json and .png")

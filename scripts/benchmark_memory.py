@@ -13,19 +13,13 @@ allocator. Writes a table to stdout and JSON + a log-log plot under --output_dir
 
 import argparse
 import json
-import platform
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
+from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subprocess
 
 
 def measure(length: int, args) -> dict:
@@ -64,40 +58,13 @@ def measure(length: int, args) -> dict:
         return sum(storages.values())
 
     step(512)  # warm-up: allocator pools, lazy initialisation
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-    else:
-        baseline = current_rss_bytes()
+    memory = PeakMemory(device)
+    memory.reset()
     start = time.perf_counter()
     saved = step(length, count_saved=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - baseline
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+    peak = memory.peak_bytes()
     seconds = time.perf_counter() - start
     return {"length": length, "peak_bytes": peak, "saved_activation_bytes": saved, "seconds": seconds}
-
-
-def machine_info(device: str) -> dict:
-    import transformers
-
-    info = {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": device,
-    }
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    try:
-        info["git_sha"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        info["git_sha"] = "unknown"
-    return info
 
 
 def plot(results: list, path: Path) -> None:
@@ -136,11 +103,14 @@ def main():
         print(json.dumps(measure(args.single, args)))
         return
 
+    info = machine_info(args.device)
+    print(machine_line(info))
     results = []
     print(f"{'tokens':>8} {'peak MiB':>10} {'saved MiB':>10} {'seconds':>8}")
     for length in args.lengths:
-        command = [sys.executable, __file__, "--single", str(length)] + strip_lengths(sys.argv[1:])
-        result = json.loads(subprocess.check_output(command, text=True).strip().splitlines()[-1])
+        result = run_in_subprocess(__file__, ["--single", str(length)] + strip_lengths(sys.argv[1:]))
+        if "error" in result:
+            raise SystemExit(f"measuring {length} tokens failed: {result['error']}")
         results.append(result)
         print(
             f"{length:>8} {result['peak_bytes'] / 2**20:>10.1f} {result['saved_activation_bytes'] / 2**20:>10.1f} "
@@ -155,8 +125,7 @@ def main():
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = f"memory_{args.device}"
-    report = {"machine_info": machine_info(args.device), "config": vars(args) | {"output_dir": str(args.output_dir)},
-              "results": results}
+    report = {"machine_info": info, "config": vars(args) | {"output_dir": str(args.output_dir)}, "results": results}
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json and .png")

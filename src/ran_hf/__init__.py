@@ -15,6 +15,7 @@ from transformers import (
 
 from .cache_ran import RANCache
 from .configuration_ran import RANConfig
+from .convert_rannet import convert_rannet_checkpoint
 from .modeling_ran import (
     RANForCausalLM,
     RANForMaskedLM,
@@ -49,4 +50,5 @@ __all__ = [
     "RANForTokenClassification",
     "RANModel",
     "RANPreTrainedModel",
+    "convert_rannet_checkpoint",
 ]

@@ -378,11 +378,17 @@ class RANLayer(GradientCheckpointingLayer):
         stacked as (N, B, ...): the key and value of the cell the window reads, its raw cell ĉ and its cell c.
         """
         scale = 1.0 / math.sqrt(self.head_dim)
-        # Step-major views of every sequence's windows; sequences that have run out read an empty window.
+        # Step-major views of every sequence's windows; a sequence that has run out of windows reads its first
+        # one with every slot masked (its results are never used). One sequence needs no gather at all.
         # `unbind` (not indexing inside the loop) keeps the backward pass linear in the number of steps.
-        step_keys = F.pad(keys, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows].unbind(0)  # N x (B, H, S, d)
-        step_values = F.pad(values, (0, 0, 0, 0, 0, 0, 0, 1))[layout.step_windows].unbind(0)  # N x (B, H, S, d)
-        step_mask = F.pad(layout.slot_mask, (0, 0, 0, 1))[layout.step_windows].unbind(0)  # N x (B, S)
+        if layout.batch_size == 1:
+            step_keys, step_values, step_mask = keys[:, None], values[:, None], layout.slot_mask[:, None]
+        else:
+            has_window = layout.step_windows < keys.shape[0]  # (N, B)
+            windows = torch.where(has_window, layout.step_windows, 0)
+            step_keys, step_values = keys[windows], values[windows]  # (N, B, H, S, d)
+            step_mask = layout.slot_mask[windows] & has_window[..., None]  # (N, B, S)
+        step_keys, step_values, step_mask = step_keys.unbind(0), step_values.unbind(0), step_mask.unbind(0)
         # The first window of a sequence has no residual; decided once here, not per step on the device.
         steps = torch.arange(layout.num_steps, device=cell.device)
         residual = (layout.first_window[None, :] + steps[:, None]) > 0  # (N, B)

@@ -10,8 +10,8 @@ A checkpoint with prefix `P` is a set of files:
 TensorFlow writes the index uncompressed and checks block checksums on reading; this reader does the same. Tensor
 bytes carry a CRC32C too, which is not checked here (it would need a compiled CRC32C); their sizes are.
 
-Only what model conversion needs is supported: whole (unpartitioned) numeric tensors. Strings (such as the
-`_CHECKPOINTABLE_OBJECT_GRAPH` entry of object-based checkpoints) are listed but cannot be read.
+Numeric tensors are read, whole or saved in slices (as TensorFlow's sharding policies save large tensors). Strings
+(such as the `_CHECKPOINTABLE_OBJECT_GRAPH` entry of object-based checkpoints) are listed but cannot be read.
 
 Example:
 
@@ -88,6 +88,49 @@ def _parse_message(buffer: bytes) -> dict[int, list]:
 def _signed(value: int) -> int:
     """Reinterpret a varint-decoded int32/int64 as signed (negative values are encoded in 64 bits)."""
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# "Ordered code": the key encoding of tensor slices (TensorFlow's `EncodeTensorNameSlice`)
+# --------------------------------------------------------------------------------------------------------------------
+
+# Header bits of a signed number encoded in 1 .. 10 bytes.
+_SIGNED_HEADER_BITS = [(0, 0), (0x80, 0), (0xC0, 0), (0xE0, 0), (0xF0, 0), (0xF8, 0), (0xFC, 0), (0xFE, 0), (0xFF, 0),
+                       (0xFF, 0x80), (0xFF, 0xC0)]
+
+
+def _ordered_unsigned(value: int) -> bytes:
+    """A non-negative number: its byte count, then its big-endian bytes."""
+    raw = value.to_bytes((value.bit_length() + 7) // 8, "big")
+    return bytes([len(raw)]) + raw
+
+
+def _ordered_string(text: bytes) -> bytes:
+    """A string with 0x00 and 0xff escaped, terminated by 0x00 0x01."""
+    escaped = bytearray()
+    for byte in text:
+        escaped += b"\x00\xff" if byte == 0 else b"\xff\x00" if byte == 0xFF else bytes([byte])
+    return bytes(escaped) + b"\x00\x01"
+
+
+def _ordered_signed(value: int) -> bytes:
+    """A signed number in 1 to 10 bytes: leading header bits give the length; negative numbers are complemented."""
+    magnitude = ~value if value < 0 else value
+    if magnitude < 64:
+        return bytes([(0x80 ^ value) & 0xFF])
+    length = magnitude.bit_length() // 7 + 1
+    encoded = bytearray(value.to_bytes(10, "big", signed=True)[10 - length :])
+    encoded[0] ^= _SIGNED_HEADER_BITS[length][0]
+    encoded[1] ^= _SIGNED_HEADER_BITS[length][1]
+    return bytes(encoded)
+
+
+def _slice_key(name: str, extents: tuple[tuple[int, int | None], ...]) -> bytes:
+    """The index key of one saved slice of tensor `name`; a None length is the full extent (encoded as -1)."""
+    key = _ordered_unsigned(0) + _ordered_string(name.encode("utf-8")) + _ordered_unsigned(len(extents))
+    for start, length in extents:
+        key += _ordered_signed(start) + _ordered_signed(-1 if length is None else length)
+    return key
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -226,7 +269,7 @@ class TFCheckpointEntry:
     shard: int
     offset: int
     size: int
-    partitioned: bool
+    slices: tuple  # ((start, length or None) per axis) for each saved slice; empty for a tensor saved whole
 
 
 def _parse_entry(name: str, value: bytes, path: str) -> TFCheckpointEntry:
@@ -247,8 +290,17 @@ def _parse_entry(name: str, value: bytes, path: str) -> TFCheckpointEntry:
         shard=fields.get(3, [0])[-1],
         offset=fields.get(4, [0])[-1],
         size=fields.get(5, [0])[-1],
-        partitioned=7 in fields,
+        slices=tuple(_parse_slice(raw) for raw in fields.get(7, [])),
     )
+
+
+def _parse_slice(raw: bytes) -> tuple[tuple[int, int | None], ...]:
+    """A TensorSliceProto: (start, length) per axis, length None for the full extent."""
+    extents = []
+    for extent in _parse_message(raw).get(1, []):
+        fields = _parse_message(extent)
+        extents.append((_signed(fields.get(1, [0])[-1]), _signed(fields[2][-1]) if 2 in fields else None))
+    return tuple(extents)
 
 
 class TFCheckpointReader:
@@ -266,10 +318,13 @@ class TFCheckpointReader:
         self.num_shards = header.get(1, [1])[-1]
         if header.get(2, [0])[-1] != 0:
             raise CheckpointFormatError(f"{self.index_path}: big-endian checkpoints are not supported")
+        # Keys of tensor slices start with a 0 byte; the whole tensor's entry lists them.
+        self.slice_entries = {key: value for key, value in table.items() if key.startswith(b"\x00")}
         self.entries = {}
         for key, value in table.items():
-            name = key.decode("utf-8")
-            self.entries[name] = _parse_entry(name, value, self.index_path)
+            if not key.startswith(b"\x00"):
+                name = key.decode("utf-8")
+                self.entries[name] = _parse_entry(name, value, self.index_path)
 
     def data_path(self, shard: int) -> str:
         return f"{self.prefix}.data-{shard:05d}-of-{self.num_shards:05d}"
@@ -286,11 +341,28 @@ class TFCheckpointReader:
         if name not in self.entries:
             raise KeyError(f"{self.prefix}: no tensor named {name!r}")
         entry = self.entries[name]
-        if entry.partitioned:
-            raise CheckpointFormatError(f"{self.index_path}: tensor {name!r} is partitioned, which is not supported")
-        numpy_dtype = _DTYPES_BY_NAME[entry.dtype]
-        if numpy_dtype is None:
+        if _DTYPES_BY_NAME[entry.dtype] is None:
             raise CheckpointFormatError(f"{self.index_path}: tensor {name!r} holds {entry.dtype}s, which are not read")
+        if not entry.slices:
+            return self._read_entry(entry)
+        tensor = None
+        for extents in entry.slices:
+            key = _slice_key(name, extents)
+            if key not in self.slice_entries:
+                raise CheckpointFormatError(f"{self.index_path}: a slice of tensor {name!r} is missing")
+            part = self._read_entry(_parse_entry(name, self.slice_entries[key], self.index_path))
+            if tensor is None:
+                tensor = np.zeros(entry.shape, dtype=part.dtype)
+            region = tuple(
+                slice(start, start + (size if length is None else length))
+                for (start, length), size in zip(extents, entry.shape)
+            )
+            tensor[region] = part
+        return tensor
+
+    def _read_entry(self, entry: TFCheckpointEntry) -> np.ndarray:
+        """The bytes one index entry points to, as an array of its dtype and shape."""
+        name, numpy_dtype = entry.name, _DTYPES_BY_NAME[entry.dtype]
         if entry.shard >= self.num_shards:
             raise CheckpointFormatError(f"{self.index_path}: tensor {name!r} names shard {entry.shard} of {self.num_shards}")
         dtype = np.dtype(numpy_dtype)
