@@ -8,6 +8,8 @@
 Models, all at the same width, depth and heads, random weights, dropout off:
   ran            ran_hf RAN, window `--window_size` (default 256)
   ran-small      ran_hf RAN, window `--small_window_size` (default 64)
+  ran-compiled   `torch.compile(RAN)`, compiled during the (untimed) warm-up at the measured shape; not in the
+                 default list, as compiling takes minutes on a small CPU
   ceiling        RAN's per-token work without the recurrence: the same projections, GLUs, norms and memory review,
                  every window reading the starting cell, so the cell work of all windows runs in one batch and
                  no scan remains. The best a RAN layer could do.
@@ -35,6 +37,7 @@ import torch
 from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subprocess
 
 MODELS = ["ran", "ran-small", "ceiling", "longformer", "bigbird", "modernbert", "bert", "rannet"]
+OPTIONAL_MODELS = ["ran-compiled"]
 VOCAB_SIZE = 1000
 
 
@@ -90,7 +93,7 @@ def build_model(name: str, args, max_length: int) -> torch.nn.Module:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    if name in ("ran", "ran-small", "ceiling"):
+    if name in ("ran", "ran-small", "ceiling", "ran-compiled"):
         from ran_hf import RANModel
         from ran_hf.modeling_ran import RANLayer
 
@@ -143,6 +146,9 @@ def measure(name: str, length: int, batch_size: int, args) -> dict:
     dtype = getattr(torch, args.dtype)
     model = build_model(name, args, max_length=length).to(device=device, dtype=dtype).train()
     ids = torch.randint(3, VOCAB_SIZE, (batch_size, length), device=device)
+    warmup_ids = ids[:, : min(length, 512)]
+    if name == "ran-compiled":
+        model, warmup_ids = torch.compile(model), ids  # compile for the measured shape, outside the timing
 
     def forward():
         return model(input_ids=ids).last_hidden_state
@@ -162,7 +168,10 @@ def measure(name: str, length: int, batch_size: int, args) -> dict:
         return (time.perf_counter() - start) / repeats
 
     with torch.no_grad():
-        model(input_ids=ids[:, : min(length, 512)])  # warm-up at a short length: allocator pools, lazy init
+        model(input_ids=warmup_ids)  # warm-up: allocator pools, lazy initialisation, compilation
+    if name == "ran-compiled":
+        model(input_ids=warmup_ids).last_hidden_state.float().mean().backward()  # compile the backward too
+        model.zero_grad(set_to_none=True)
     memory = PeakMemory(device)
     memory.reset()
     with torch.no_grad():
@@ -254,7 +263,7 @@ def plot(results: list, path: Path) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS + OPTIONAL_MODELS)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     parser.add_argument("--short_length", type=int, default=512, help="the batched short-document point")
     parser.add_argument("--short_batch_size", type=int, default=8)
