@@ -589,7 +589,7 @@ class RANPreTrainedModel(PreTrainedModel):
         if isinstance(module, RANLayer) and hasattr(module, "initial_cell"):
             # Zero is what the official initialiser gives: LayerNorm(swish(U * 0)) = the norm's zero-initialised bias.
             module.initial_cell.zero_()
-        elif isinstance(module, RANForMaskedLM) and module.decoder.bias is not None:
+        elif isinstance(module, RANLanguageModelBase) and module.decoder.bias is not None:
             module.decoder.bias.zero_()
 
 
@@ -809,7 +809,9 @@ class RANPredictionHead(nn.Module):
         return self.norm(self.act(self.dense(self.dropout(hidden_states))))
 
 
-class RANForMaskedLM(RANPreTrainedModel):
+class RANLanguageModelBase(RANPreTrainedModel):
+    """What both language models share: the encoder and the official LM head, tied to the token embedding."""
+
     _tied_weights_keys = {"decoder.weight": "model.embeddings.word_embeddings.weight"}
 
     def __init__(self, config: RANConfig):
@@ -824,6 +826,9 @@ class RANForMaskedLM(RANPreTrainedModel):
 
     def set_output_embeddings(self, new_embeddings: nn.Linear):
         self.decoder = new_embeddings
+
+
+class RANForMaskedLM(RANLanguageModelBase):
 
     @can_return_tuple
     def forward(
@@ -976,34 +981,22 @@ class RANForTokenClassification(RANPreTrainedModel):
         return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
 
-class RANForCausalLM(RANPreTrainedModel, GenerationMixin):
+class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
     """Causal language model: a strictly causal, recurrent RAN with the official LM head tied to the embedding.
 
     Generation carries a `RANCache` whose size does not grow with the context but for one cell per finished window.
     """
-
-    _tied_weights_keys = {"decoder.weight": "model.embeddings.word_embeddings.weight"}
 
     def __init__(self, config: RANConfig):
         if not config.is_causal:
             logger.warning("RANForCausalLM is a causal model: setting `config.is_causal=True`.")
             config.is_causal = True
         super().__init__(config)
-        self.model = RANModel(config, add_pooling_layer=False)
-        self.head = RANPredictionHead(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
-        self.post_init()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # RAN keeps a recurrent state, not per-token keys and values: forward() creates its own `RANCache`.
         return False
-
-    def get_output_embeddings(self):
-        return self.decoder
-
-    def set_output_embeddings(self, new_embeddings: nn.Linear):
-        self.decoder = new_embeddings
 
     @can_return_tuple
     def forward(
