@@ -44,6 +44,38 @@ of ``expected.npz`` are::
     text                ()         str      sample text (last case)
     text_tokens         (t,)       str      its tokens (RanNetWordPieceTokenizer)
     text_ids            (t,)       int32    its ids = the last case's input_ids
+
+Besides these folders the script writes three more:
+
+* ``<name>_training/`` for the fixtures marked ``training_checkpoint``: the
+  same weights saved the way ``rannet``'s pretraining saves them (Keras
+  ``save_weights`` of ``RanNetForMLMPretrain``: object-based names such as
+  ``layer_with_weights-2/encode_attn/q_dense/kernel/.ATTRIBUTES/VARIABLE_VALUE``,
+  files ``01.weights.index``, ``01.weights.data-00000-of-00001`` and
+  ``checkpoint``), with the same config.json and vocab.txt. Its outputs are
+  those of ``<name>/expected.npz``. The script checks that
+  ``RanNet.export_checkpoint`` turns it into exactly the official names and
+  values.
+* ``tf_bundle/``: a checkpoint of a few tensors of every common dtype
+  (bfloat16, float16, integers, bool, a scalar, an empty tensor) written by
+  ``tf.train.Checkpoint`` in several shards (``sharded.index``,
+  ``sharded.data-0000k-of-0000n``), the larger tensors in slices, and
+  ``expected.npz`` with what ``tf.train.load_variable`` reads from it:
+  ``names`` (str), ``dtypes`` (TensorFlow dtype names) and ``tensor_<i>``
+  for ``names[i]`` (bfloat16 widened to float32).
+* ``tokenizer/``: ``vocab.txt``, a deterministic WordPiece vocabulary
+  (rannet's default special tokens, ``[unused0..999]`` included, then
+  characters, words and word pieces counted on the training splits of
+  CoNLL-2003, 20 Newsgroups and EURLEX-57K), and ``cases.jsonl``: one case a
+  line, ``{"text": ..., "ids": [...]}`` (``"pair"`` for a second sequence)
+  with the ids ``RanNetWordPieceTokenizer.encode`` gives. Hand-written cases
+  carry their text; the sentences of the benchmark data carry a reference
+  instead, as the data may not be committed: ``{"source": <file under
+  ../shared/data>, "index": k, "start": s, "end": e, "sha256": ...}`` is
+  characters ``s:e`` of the text of record ``k`` (``jsonl.gz`` files) or of
+  sentence ``k`` (CoNLL files: the words of the ``k``-th sentence, ``-DOCSTART-``
+  blocks skipped, joined by single spaces); ``sha256`` is the first 16 hex
+  digits of the UTF-8 text's hash.
 """
 
 import os
@@ -54,16 +86,25 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse  # noqa: E402
+import gzip  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import warnings  # noqa: E402
 import zipfile  # noqa: E402
-from typing import Dict, List, Sequence, Tuple  # noqa: E402
+from collections import Counter  # noqa: E402
+from itertools import islice  # noqa: E402
+from typing import Dict, Iterator, List, Sequence, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from langml import keras  # noqa: E402
-from rannet import RanNet, RanNetParams, RanNetWordPieceTokenizer  # noqa: E402
+from rannet import RanNet, RanNetForMLMPretrain, RanNetParams, RanNetWordPieceTokenizer  # noqa: E402
+from rannet.tokenizer import SpecialTokens  # noqa: E402
+from tokenizers.normalizers import BertNormalizer  # noqa: E402
+from tokenizers.pre_tokenizers import BertPreTokenizer  # noqa: E402
 
 # rannet's default initializers warn about being unseeded; every weight is
 # overwritten below, so the warning is noise.
@@ -81,10 +122,13 @@ FIXTURES: List[Dict] = [
     dict(name="l2_d24_w6_mean", seed=1102,
          config=dict(vocab_size=80, embedding_size=24, ran_layers=2, head_num=2, head_size=8,
                      window_size=6, min_window_size=3, cell_pooling="mean")),
-    dict(name="l3_d16_w8_max", seed=1103,
+    dict(name="l3_d16_w8_max", seed=1103, training_checkpoint=True,
          config=dict(vocab_size=64, embedding_size=16, ran_layers=3, head_num=2, head_size=8,
                      window_size=8, min_window_size=3, cell_pooling="max")),
 ]
+
+# Default location of the benchmark data (../shared/data next to the project).
+DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 
 # Keys of the config.json written next to each checkpoint that are the same
 # for every fixture (rannet's RanNetParams reads all of them).
@@ -361,6 +405,249 @@ def make_fixture(spec: Dict, output_dir: str) -> str:
         "text_ids": text_ids,
     }
     save_npz(os.path.join(folder, "expected.npz"), arrays)
+    if spec.get("training_checkpoint"):
+        make_training_checkpoint(params, values, folder, folder + "_training")
+    return folder
+
+
+TRAINING_CHECKPOINT_PREFIX = "01.weights"
+
+
+def make_training_checkpoint(params: RanNetParams, values: Dict[str, np.ndarray],
+                             source_folder: str, folder: str) -> None:
+    """Save ``values`` as rannet's pretraining does, in ``folder``.
+
+    ``rannet pretrain`` builds ``RanNetForMLMPretrain`` and saves it with a
+    Keras ``ModelCheckpoint(save_weights_only=True)``, i.e.
+    ``model.save_weights``: an object-based checkpoint whose names follow
+    Python attributes, not ``RanNet.variable_mapping``. rannet's own
+    ``RanNet.export_checkpoint`` must turn it into exactly the official names
+    and ``values``; this is checked here.
+    """
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    for name in ("config.json", "vocab.txt"):
+        shutil.copyfile(os.path.join(source_folder, name), os.path.join(folder, name))
+
+    keras.backend.clear_session()
+    model = RanNetForMLMPretrain(params)()
+    for name, var in model_checkpoint_names(model, params.ran_layers).items():
+        var.assign(values[name])
+    prefix = os.path.join(folder, TRAINING_CHECKPOINT_PREFIX)
+    model.save_weights(prefix)
+
+    with tempfile.TemporaryDirectory() as tmp, tf.Graph().as_default():
+        exported = os.path.join(tmp, CHECKPOINT_PREFIX)
+        RanNet.export_checkpoint(os.path.join(folder, "config.json"), prefix, exported)
+        names = [name for name, _ in tf.train.list_variables(exported)]
+        if sorted(names) != sorted(values):
+            raise RuntimeError(f"{folder}: export_checkpoint gives other names than the official ones")
+        for name in names:
+            np.testing.assert_array_equal(tf.train.load_variable(exported, name), values[name], err_msg=name)
+
+
+# Tensors of every dtype a checkpoint commonly holds, for the checkpoint reader.
+BUNDLE_SHARD_BYTES = 2048
+
+
+def make_bundle_fixture(output_dir: str) -> str:
+    """Write ``tf_bundle/``: a sharded checkpoint of tensors of many dtypes and what TensorFlow reads from it.
+
+    Tensors larger than a shard are saved in slices (under keys that encode
+    the slice); ``float32_tall`` has slices that start beyond row 63, whose
+    keys need multi-byte numbers.
+    """
+    folder = os.path.join(output_dir, "tf_bundle")
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    rng = np.random.default_rng(1200)
+    tensors = {
+        "float32_matrix": tf.constant(rng.normal(size=(24, 40)), tf.float32),
+        "float32_tall": tf.constant(rng.normal(size=(300, 2)), tf.float32),
+        "float64_vector": tf.constant(rng.normal(size=(7,)), tf.float64),
+        "float16_matrix": tf.constant(rng.normal(size=(3, 5)), tf.float16),
+        "bfloat16_matrix": tf.constant(rng.normal(size=(4, 6)), tf.bfloat16),
+        "int8_vector": tf.constant(rng.integers(-128, 128, size=9), tf.int8),
+        "uint8_vector": tf.constant(rng.integers(0, 256, size=9), tf.uint8),
+        "int32_tensor": tf.constant(rng.integers(-2**31, 2**31, size=(2, 3, 4)), tf.int32),
+        "int64_vector": tf.constant(rng.integers(-2**62, 2**62, size=5), tf.int64),
+        "bool_vector": tf.constant(rng.integers(0, 2, size=11).astype(bool)),
+        "float32_scalar": tf.constant(-2.5, tf.float32),
+        "float32_empty": tf.zeros((0, 3), tf.float32),
+    }
+    checkpoint = tf.train.Checkpoint(**{name: tf.Variable(value) for name, value in tensors.items()})
+    policy = tf.train.experimental.MaxShardSizePolicy(max_shard_size=BUNDLE_SHARD_BYTES)
+    prefix = os.path.join(folder, "sharded")
+    checkpoint.write(prefix, options=tf.train.CheckpointOptions(experimental_sharding_callback=policy))
+
+    names, dtypes, arrays = [], [], {}
+    for name, _ in tf.train.list_variables(prefix):
+        value = tf.train.load_variable(prefix, name)
+        if name == "_CHECKPOINTABLE_OBJECT_GRAPH":
+            continue  # a serialized proto (string), not a tensor the converter reads
+        dtype = tf.as_dtype(value.dtype).name
+        arrays[f"tensor_{len(names)}"] = value.astype(np.float32) if dtype == "bfloat16" else value
+        names.append(name)
+        dtypes.append(dtype)
+    shards = [f for f in os.listdir(folder) if f.startswith("sharded.data-")]
+    if len(shards) < 2:
+        raise RuntimeError(f"{folder}: expected several shards, got {shards}")
+    save_npz(os.path.join(folder, "expected.npz"),
+             {"names": np.asarray(names), "dtypes": np.asarray(dtypes), **arrays})
+    return folder
+
+
+# Hand-written tokenizer cases: accents, scripts, numbers, URLs, control and
+# zero-width characters, emoji, over-long words, special-token literals.
+TOKENIZER_TEXTS = [
+    "",
+    "   ",
+    "They walked in the Rain, and she talked about it. Zebras!",
+    "Café naïve résumé, Ångström in Zürich and São Paulo; ÉCOLE Françoise Øresund Łódź.",
+    "東京 is in 日本, 北京欢迎你 and 서울 too.",
+    "αβγ Ωμέγα, Москва and Kraków.",
+    "Email john.doe@example.com or visit https://example.org/a-b_c?q=1&x=2#frag now.",
+    "In 1997, revenue rose 12.5% to $3,400,000 (approx. 3.4m) on 01/02/2003 at 10:45pm.",
+    "Article 93 (3) (c) of Regulation (EEC) No 1234/2007, OJ L 299, 16.11.2007, p. 1.",
+    "state-of-the-art e-mail foo_bar C++ C# .NET x86-64 U.S.A. Ph.D. i.e. e.g.",
+    "Don't stop -- it's ``quoted'' and \u201ccurly\u201d \u2018single\u2019\u2026 \u2014 dash.",
+    "tab\there\nnew line\r\nand\u200bzero\u00a0width\u2028separator\x00null\x07bell",
+    "I love it \U0001F600\U0001F44D\U0001F3FD!!! \u2764\ufe0f",
+    "pneumonoultramicroscopicsilicovolcanoconiosis antidisestablishmentarianism",
+    "a" * 99 + " " + "b" * 100 + " " + "c" * 101,
+    "The [MASK] sat on the [MASK].",
+    "[SEP] [PAD] [UNK] [START] [END] [unused0] [unused999] [unused1000]",
+    "[mask] [Mask] x[MASK]y [MASK][MASK] [ MASK ]",
+    "SHOUTING IN ALL CAPS, MiXeD cAsE and camelCaseWords.",
+    "Ⅻ ½ ² ﬁ ﬀ ＡＢＣ１２３ full-width and ligatures",
+]
+
+TOKENIZER_PAIRS = [
+    ("Is this the first sentence?", "Yes, and this is the second one."),
+    ("Café au lait", "[MASK] au lait"),
+    ("", "only the second"),
+    ("EU Regulation No 1234/2007", "It entered into force on 16 November 2007."),
+]
+
+# Sentences sampled from the benchmark data (test splits), per source.
+TOKENIZER_SOURCES = ("conll2003/test.txt", "20newsgroups/test.jsonl.gz", "eurlex57k/test.jsonl.gz")
+SENTENCES_PER_SOURCE = 100
+
+
+def conll_sentences(path: str) -> Iterator[str]:
+    """The sentences of a CoNLL-2003 file, words joined by single spaces, -DOCSTART- blocks skipped."""
+    with open(path, encoding="utf-8") as f:
+        for block in f.read().split("\n\n"):
+            words = [line.split(" ")[0] for line in block.splitlines() if line.strip()]
+            if words and words[0] != "-DOCSTART-":
+                yield " ".join(words)
+
+
+def jsonl_texts(path: str) -> Iterator[str]:
+    """The ``text`` field of every record of a gzipped JSON-lines file."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)["text"]
+
+
+def source_texts(data_dir: str, source: str) -> Iterator[str]:
+    path = os.path.join(data_dir, source)
+    return jsonl_texts(path) if source.endswith(".jsonl.gz") else conll_sentences(path)
+
+
+SENTENCE = re.compile(r"\S[^\n]*?(?:[.!?](?=\s)|(?=\n)|$)")
+
+
+def sentence_spans(text: str, min_chars: int = 20, max_chars: int = 400) -> List[Tuple[int, int]]:
+    """(start, end) of the sentences and lines of ``text`` that are ``min_chars`` to ``max_chars`` long."""
+    return [m.span() for m in SENTENCE.finditer(text) if min_chars <= len(m.group()) <= max_chars]
+
+
+def short_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def sample_sentences(data_dir: str, source: str, count: int, seed: int) -> List[Dict]:
+    """``count`` sentence references drawn at random from ``source``, in file order."""
+    rng = np.random.default_rng(seed)
+    texts = list(source_texts(data_dir, source))
+    if source.endswith(".jsonl.gz"):
+        candidates = [(k, span) for k in sorted(rng.choice(len(texts), size=4 * count, replace=False))
+                      for span in sentence_spans(texts[k])[:50]]
+    else:
+        candidates = [(k, (0, len(text))) for k, text in enumerate(texts) if len(text.split()) >= 3]
+    picks = sorted(rng.choice(len(candidates), size=count, replace=False))
+    refs = []
+    for k, (start, end) in (candidates[i] for i in picks):
+        refs.append({"source": source, "index": int(k), "start": int(start), "end": int(end),
+                     "sha256": short_sha256(texts[k][start:end])})
+    return refs
+
+
+def build_vocab(data_dir: str, num_words: int = 2200, num_prefixes: int = 300, num_suffixes: int = 500,
+                min_char_count: int = 5) -> List[str]:
+    """A WordPiece vocabulary built by counting (the tokenizers trainer is not deterministic).
+
+    rannet's default special tokens first (as its own trainer puts them), then
+    frequent characters (alone and as ``##`` continuations), frequent words,
+    word-initial prefixes and ``##`` suffixes, counted on lower-cased,
+    accent-stripped words of the training splits.
+    """
+    normalizer, pre_tokenizer = BertNormalizer(lowercase=True), BertPreTokenizer()
+    newsgroups = jsonl_texts(os.path.join(data_dir, "20newsgroups", "train.jsonl.gz"))
+    eurlex = jsonl_texts(os.path.join(data_dir, "eurlex57k", "dev.jsonl.gz"))
+    corpus = [*conll_sentences(os.path.join(data_dir, "conll2003", "train.txt")),
+              *islice(newsgroups, 3000), *islice(eurlex, 1000)]
+    words = Counter()
+    for text in corpus:
+        words.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+
+    def most_common(counter: Counter, n: int) -> List[str]:
+        return [item for item, _ in sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
+
+    chars, prefixes, suffixes = Counter(), Counter(), Counter()
+    for word, n in words.items():
+        for char in word:
+            chars[char] += n
+        if len(word) >= 7:
+            prefixes.update({word[:k]: n for k in (3, 4, 5)})
+        if len(word) >= 5:
+            suffixes.update({"##" + word[-k:]: n for k in (2, 3, 4)})
+    alphabet = sorted(c for c, n in chars.items() if n >= min_char_count)
+    multi_char_words = Counter({w: n for w, n in words.items() if len(w) > 1})
+    vocab = (SpecialTokens().tokens + alphabet + ["##" + c for c in alphabet]
+             + most_common(multi_char_words, num_words) + most_common(prefixes, num_prefixes)
+             + most_common(suffixes, num_suffixes))
+    return list(dict.fromkeys(vocab))  # drop repeats, keep the first position
+
+
+def make_tokenizer_fixture(output_dir: str, data_dir: str) -> str:
+    """Write ``tokenizer/``: a vocabulary and RanNetWordPieceTokenizer's ids for real and hand-written text."""
+    folder = os.path.join(output_dir, "tokenizer")
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    os.makedirs(folder)
+    vocab_path = os.path.join(folder, "vocab.txt")
+    with open(vocab_path, "w", encoding="utf-8") as f:
+        f.write("\n".join(build_vocab(data_dir)) + "\n")
+    tokenizer = RanNetWordPieceTokenizer.from_file(vocab_path, lowercase=True)
+
+    cases = [{"text": text} for text in TOKENIZER_TEXTS]
+    cases += [{"text": text, "pair": pair} for text, pair in TOKENIZER_PAIRS]
+    for seed, source in enumerate(TOKENIZER_SOURCES, start=1300):
+        refs = sample_sentences(data_dir, source, SENTENCES_PER_SOURCE, seed)
+        texts = list(source_texts(data_dir, source))
+        cases += [dict(ref, text=texts[ref["index"]][ref["start"]:ref["end"]]) for ref in refs]
+    with open(os.path.join(folder, "cases.jsonl"), "w", encoding="utf-8") as f:
+        for case in cases:
+            pair = case.get("pair")
+            encoding = tokenizer.encode(case["text"]) if pair is None else tokenizer.encode(case["text"], pair)
+            ids = encoding.ids
+            if "source" in case:
+                case = {key: value for key, value in case.items() if key != "text"}  # the data stays out of git
+            f.write(json.dumps(dict(case, ids=ids), ensure_ascii=True) + "\n")
     return folder
 
 
@@ -382,6 +669,8 @@ def main() -> None:
                         help="folder that receives one sub-folder per fixture")
     parser.add_argument("--only", nargs="*", default=None,
                         help="names of the fixtures to (re)generate; default: all")
+    parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR,
+                        help="benchmark data (CoNLL-2003, 20 Newsgroups, EURLEX-57K) for the tokenizer cases")
     args = parser.parse_args()
 
     specs = [s for s in FIXTURES if args.only is None or s["name"] in args.only]
@@ -396,8 +685,18 @@ def main() -> None:
         worst = check_fixture(spec, folder)
         if worst != 0.0:
             raise RuntimeError(f"{folder}: reloaded outputs differ by {worst}")
-        size_kb = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) / 1024
-        print(f"{folder}: ok ({size_kb:.0f} KiB)")
+        report(folder)
+        if spec.get("training_checkpoint"):
+            report(folder + "_training")
+    if args.only is None or "tf_bundle" in args.only:
+        report(make_bundle_fixture(args.output_dir))
+    if args.only is None or "tokenizer" in args.only:
+        report(make_tokenizer_fixture(args.output_dir, args.data_dir))
+
+
+def report(folder: str) -> None:
+    size_kb = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) / 1024
+    print(f"{folder}: ok ({size_kb:.0f} KiB)")
 
 
 if __name__ == "__main__":

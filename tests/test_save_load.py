@@ -1,9 +1,6 @@
 """Saving and loading RAN models: the folder layout, in-process round trips, and loading as remote code."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from transformers import (
 
 import ran_hf
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
+from remote_code import run_without_ran_hf
 
 HEADS = [
     pytest.param(RANModel, AutoModel, id="model"),
@@ -120,27 +118,9 @@ def test_round_trip_gives_identical_outputs(make_config, tmp_path, model_class, 
     assert type(AutoConfig.from_pretrained(tmp_path)) is type(model.config)
 
 
-# Runs in a fresh interpreter. `ran_hf` is made unimportable by a meta-path finder placed before every other one (it
-# wins over the editable install's path entry and over a regular install alike); the script checks that, loads the
-# saved folder through the Auto classes as remote code, and compares with the outputs the parent process saved.
+# Runs in a fresh interpreter where `ran_hf` cannot be imported (see `remote_code.py`): loads the saved folder through
+# the Auto classes as remote code, and compares with the outputs the parent process saved.
 REMOTE_CODE_SCRIPT = r"""
-import importlib.abc
-import json
-import sys
-
-class BlockRanHf(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "ran_hf" or name.startswith("ran_hf."):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
-        return None
-
-sys.meta_path.insert(0, BlockRanHf())
-report = {}
-try:
-    import ran_hf
-except ImportError as error:
-    report["import_error"] = str(error)
-
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
@@ -172,8 +152,6 @@ report["classes"] = {
     "masked_lm": type(masked_lm).__module__ + "." + type(masked_lm).__name__,
 }
 report["masked_lm_decoder_tied"] = masked_lm.decoder.weight is masked_lm.model.embeddings.word_embeddings.weight
-report["ran_hf_imported"] = any(name == "ran_hf" or name.startswith("ran_hf.") for name in sys.modules)
-print(json.dumps(report))
 """
 
 
@@ -195,32 +173,8 @@ def test_auto_classes_load_the_folder_as_remote_code_without_ran_hf(saved_classi
         },
         expected_file,
     )
-    script = tmp_path / "load_remote_code.py"
-    script.write_text(REMOTE_CODE_SCRIPT)
-    workdir = tmp_path / "workdir"
-    workdir.mkdir()
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        HF_MODULES_CACHE=str(tmp_path / "modules"),  # a fresh copy of the remote code, never a stale one
-        OMP_NUM_THREADS="1",
-        TRANSFORMERS_VERBOSITY="error",
-    )
-    # -I: no PYTHONPATH, no user site-packages and neither the script's folder nor the working directory on sys.path.
-    completed = subprocess.run(
-        [sys.executable, "-I", str(script), str(folder), str(expected_file)],
-        cwd=workdir,
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr
-    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    report = run_without_ran_hf(REMOTE_CODE_SCRIPT, [folder, expected_file], tmp_path)
 
-    assert "ran_hf" in report.get("import_error", ""), "ran_hf must not be importable in the subprocess"
-    assert not report["ran_hf_imported"]
     for name, qualified_name in report["classes"].items():
         assert qualified_name.startswith("transformers_modules."), (name, qualified_name)
     assert report["classes"]["classifier"].endswith(".modeling_ran.RANForSequenceClassification")

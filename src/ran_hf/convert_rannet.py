@@ -14,9 +14,9 @@ too, as `RanNet.export_checkpoint` would rename them.
   encoder from it and start their own layers fresh, as they do in `rannet`.
 * `tokenizer.json` and `tokenizer_config.json`: the fast-tokenizer equivalent of `rannet.RanNetWordPieceTokenizer`
   (BERT normalisation with lower-casing and accent stripping, BERT pre-tokenisation, WordPiece with `##`
-  continuations). It gives the same ids as `rannet` for any text. Like `rannet`, and like the data the released model
-  was pretrained on, it adds **no special tokens** to a single sequence (no `[CLS]`/`[SEP]`; RAN classifies from its
-  cells, not from a special token); a pair becomes `A [SEP] B [SEP]`.
+  continuations), which gives `rannet`'s ids. Like `rannet`, and like the data the released model was pretrained on,
+  it adds **no special tokens** to a single sequence (no `[CLS]`/`[SEP]`; RAN classifies from its cells, not from a
+  special token); a pair becomes `A [SEP] B [SEP]`.
 * `README.md`: the model card.
 
 The TensorFlow checkpoint is read by `ran_hf.tf_checkpoint`, with NumPy alone: converting needs no TensorFlow.
@@ -101,11 +101,16 @@ def read_rannet_config(path: Path) -> RANConfig:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(rannet_config, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(rannet_config).__name__}")
+    kwargs = rannet_config_to_ran_config(rannet_config, str(path))
     try:
-        # pad id 0: `rannet` treats every id > 0 as a token.
-        return RANConfig(**rannet_config_to_ran_config(rannet_config, str(path)), pad_token_id=0)
+        return RANConfig(**kwargs, pad_token_id=0)  # pad id 0: `rannet` treats every id > 0 as a token
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{path}: {error}") from None
+        # Name the official keys, not the `RANConfig` fields they became.
+        message = str(error)
+        for key, (fields, _) in RANNET_CONFIG_KEYS.items():
+            for field in fields:
+                message = message.replace(f"`{field}`", f"`{key}`")
+        raise ValueError(f"{path}: {message}") from None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -168,7 +173,9 @@ def build_rannet_tokenizer(vocab_file: str | os.PathLike) -> PreTrainedTokenizer
 PREFIX = "rannet"
 
 # Entries that training adds next to the weights (optimizer state, step counters, the object graph).
-_BOOKKEEPING = re.compile(r"^(_CHECKPOINTABLE_OBJECT_GRAPH|global_step|save_counter|optimizer)(/|$)|/\.OPTIMIZER_SLOT/")
+_BOOKKEEPING = re.compile(
+    r"^(_CHECKPOINTABLE_OBJECT_GRAPH|global_step|save_counter|optimizer)(/|$)|/\.OPTIMIZER_SLOT/"
+)
 
 # Attribute names of `rannet`'s Keras layers (what object-based checkpoints use) -> official name parts.
 _TRAINING_SCOPES = {
@@ -313,11 +320,10 @@ def read_checkpoint(prefix: str, config: RANConfig) -> tuple[dict[str, np.ndarra
     unexpected += [renamed[name] for name in sorted(set(renamed) - set(shapes))]
     missing = sorted(set(shapes) - set(renamed))
     if missing:
+        more = f" (and {len(missing) - 1} more, such as {missing[1]!r})" if len(missing) > 1 else ""
         raise ValueError(
-            f"{source}: variable {missing[0]!r} is missing"
-            + (f" (and {len(missing) - 1} more: {', '.join(missing[1:6])}{', ...' if len(missing) > 6 else ''})"
-               if len(missing) > 1 else "")
-            + f"; config.json asks for {config.num_hidden_layers} RAN layer(s)"
+            f"{source}: variable {missing[0]!r} is missing{more}; config.json asks for "
+            f"{config.num_hidden_layers} RAN layer(s)"
         )
     if unexpected:
         raise ValueError(
@@ -335,7 +341,7 @@ def read_checkpoint(prefix: str, config: RANConfig) -> tuple[dict[str, np.ndarra
                 f"{config.hidden_size}, head_num * head_size={config.num_attention_heads * config.head_dim}, "
                 f"vocab_size={config.vocab_size})"
             )
-        variables[official] = reader.read(name).astype(np.float32)
+        variables[official] = reader.read(name).astype(np.float32, copy=False)
     return variables, memory_review
 
 
@@ -349,7 +355,7 @@ def convert_variables(variables: dict[str, np.ndarray], model: RANForMaskedLM) -
     config = model.config
 
     def tensor(name):
-        return torch.from_numpy(variables[f"{PREFIX}/{name}"].copy())
+        return torch.from_numpy(variables[f"{PREFIX}/{name}"])
 
     def linear(target, *sources):
         """One `nn.Linear` from one or more Dense layers, concatenated along the output axis."""
@@ -362,7 +368,10 @@ def convert_variables(variables: dict[str, np.ndarray], model: RANForMaskedLM) -
         return {f"{target}.weight": tensor(f"{source}/gamma"), f"{target}.bias": tensor(f"{source}/beta")}
 
     embeddings = tensor("token-embedding/embeddings")
-    state = {"model.embeddings.word_embeddings.weight": embeddings, **norm("model.embeddings.norm", "embedding-layernorm")}
+    state = {
+        "model.embeddings.word_embeddings.weight": embeddings,
+        **norm("model.embeddings.norm", "embedding-layernorm"),
+    }
     for i in range(config.num_hidden_layers):
         ours, theirs = f"model.layers.{i}", f"ran-{i}"
         # The official initial cell is LayerNorm(swish(U @ 0)) = the LayerNorm's beta; U and gamma never matter.
@@ -372,7 +381,9 @@ def convert_variables(variables: dict[str, np.ndarray], model: RANForMaskedLM) -
             state[f"{ours}.initial_cell"] = tensor(f"{theirs}/cell-initializer-layernorm/beta")
         state.update(norm(f"{ours}.input_norm", f"{theirs}/concat-layernorm"))
         attention = f"{theirs}/encode-attn"
-        state.update(linear(f"{ours}.qkv_proj", f"{attention}/dense-q", f"{attention}/dense-k", f"{attention}/dense-v"))
+        state.update(
+            linear(f"{ours}.qkv_proj", f"{attention}/dense-q", f"{attention}/dense-k", f"{attention}/dense-v")
+        )
         state.update(linear(f"{ours}.o_proj", f"{attention}/dense-o"))
         state.update(linear(f"{ours}.attention_glu.proj", f"{attention}/glu/dense-t", f"{attention}/glu/dense-g"))
         state.update(norm(f"{ours}.attention_norm", f"{attention}/layernorm"))
@@ -431,7 +442,7 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def model_card(config: RANConfig, rannet_dir: Path, source_files: list[Path], memory_review: bool) -> str:
+def model_card(config: RANConfig, rannet_dir: Path, source_files: list[Path]) -> str:
     """The packaged model card, followed by what this conversion read and wrote."""
     card = resources.files("ran_hf").joinpath("model_cards").joinpath(MODEL_CARD).read_text(encoding="utf-8")
     rows = [
@@ -440,7 +451,7 @@ def model_card(config: RANConfig, rannet_dir: Path, source_files: list[Path], me
         ("heads x head size", f"{config.num_attention_heads} x {config.head_dim}"),
         ("window / minimum window", f"{config.window_size} / {config.min_window_size}"),
         ("cell pooling", config.cell_pooling),
-        ("memory review", memory_review),
+        ("memory review", config.memory_review),
         ("vocabulary", config.vocab_size),
     ]
     lines = [
@@ -519,11 +530,16 @@ def convert_rannet_checkpoint(
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / "README.md").write_text(model_card(config, rannet_dir, source_files, memory_review), encoding="utf-8")
-        if output_dir.exists():
+        (staging / "README.md").write_text(model_card(config, rannet_dir, source_files), encoding="utf-8")
+        if output_dir.exists():  # empty, or replaced on request: set it aside until the new folder is in place
             previous = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.previous-", dir=output_dir.parent))
             os.replace(output_dir, previous / output_dir.name)
-            os.replace(staging, output_dir)
+            try:
+                os.replace(staging, output_dir)
+            except OSError:
+                os.replace(previous / output_dir.name, output_dir)  # put the old folder back
+                previous.rmdir()
+                raise
             shutil.rmtree(previous)
         else:
             os.replace(staging, output_dir)

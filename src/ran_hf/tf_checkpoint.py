@@ -7,8 +7,9 @@ A checkpoint with prefix `P` is a set of files:
   shards, endianness).
 * `P.data-SSSSS-of-NNNNN`: the raw tensor bytes of each shard, row-major, in the byte order the header names.
 
-TensorFlow writes the index uncompressed and checks block checksums on reading; this reader does the same. Tensor
-bytes carry a CRC32C too, which is not checked here (it would need a compiled CRC32C); their sizes are.
+TensorFlow writes the index uncompressed; this reader checks the index's block checksums, as TensorFlow does. Tensor
+bytes carry a CRC32C too, which is not checked here (in pure Python it would take minutes for a base-size model);
+their sizes are.
 
 Numeric tensors are read, whole or saved in slices (as TensorFlow's sharding policies save large tensors). Strings
 (such as the `_CHECKPOINTABLE_OBJECT_GRAPH` entry of object-based checkpoints) are listed but cannot be read.
@@ -95,8 +96,19 @@ def _signed(value: int) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 
 # Header bits of a signed number encoded in 1 .. 10 bytes.
-_SIGNED_HEADER_BITS = [(0, 0), (0x80, 0), (0xC0, 0), (0xE0, 0), (0xF0, 0), (0xF8, 0), (0xFC, 0), (0xFE, 0), (0xFF, 0),
-                       (0xFF, 0x80), (0xFF, 0xC0)]
+_SIGNED_HEADER_BITS = [
+    (0, 0),
+    (0x80, 0),
+    (0xC0, 0),
+    (0xE0, 0),
+    (0xF0, 0),
+    (0xF8, 0),
+    (0xFC, 0),
+    (0xFE, 0),
+    (0xFF, 0),
+    (0xFF, 0x80),
+    (0xFF, 0xC0),
+]
 
 
 def _ordered_unsigned(value: int) -> bytes:
@@ -355,7 +367,7 @@ class TFCheckpointReader:
                 tensor = np.zeros(entry.shape, dtype=part.dtype)
             region = tuple(
                 slice(start, start + (size if length is None else length))
-                for (start, length), size in zip(extents, entry.shape)
+                for (start, length), size in zip(extents, entry.shape, strict=True)
             )
             tensor[region] = part
         return tensor
@@ -364,7 +376,9 @@ class TFCheckpointReader:
         """The bytes one index entry points to, as an array of its dtype and shape."""
         name, numpy_dtype = entry.name, _DTYPES_BY_NAME[entry.dtype]
         if entry.shard >= self.num_shards:
-            raise CheckpointFormatError(f"{self.index_path}: tensor {name!r} names shard {entry.shard} of {self.num_shards}")
+            raise CheckpointFormatError(
+                f"{self.index_path}: tensor {name!r} names shard {entry.shard} of {self.num_shards}"
+            )
         dtype = np.dtype(numpy_dtype)
         count = int(np.prod(entry.shape, dtype=np.int64))
         if entry.size != count * dtype.itemsize:
