@@ -229,7 +229,9 @@ def markdown_table(results: list, info: dict, command: str) -> str:
             f"| {r['model']} | {shape} | {r['training_tokens_per_s']:,.0f} | {train_ratio} | "
             f"{r['inference_tokens_per_s']:,.0f} | {infer_ratio} | {r['training_peak_bytes'] / 2**20:,.0f} |"
         )
-    header = f"Machine: {machine_line(info)}\n\nCommand: `{command}`\n\nRatios are model / RAN (> 1: faster than RAN).\n"
+    header = (
+        f"Machine: {machine_line(info)}\n\nCommand: `{command}`\n\nRatios are model / RAN (> 1: faster than RAN).\n"
+    )
     return header + "\n" + "\n".join(rows) + "\n"
 
 
@@ -346,7 +348,9 @@ def print_ratios(results: list) -> None:
             print(f"  {model:<11} {batch_size}x{length:<6} {ratio:6.2f}")
     ran_8k, ran_32k = by_key.get(("ran", 8192, 1)), by_key.get(("ran", 32768, 1))
     if ran_8k and ran_32k:
-        print(f"RAN training peak memory 32K / 8K: {ran_32k['training_peak_bytes'] / ran_8k['training_peak_bytes']:.2f}")
+        print(
+            f"RAN training peak memory 32K / 8K: {ran_32k['training_peak_bytes'] / ran_8k['training_peak_bytes']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the machine line, peak-memory readings, and running one measurement per process."""
+"""What the benchmark scripts share: the machine line, peak-memory readings, one measurement per process."""
 
 import json
 import platform

@@ -1,6 +1,5 @@
 """Behaviour every RAN head owes the Transformers API: outputs, losses, training, checkpointing and tied weights."""
 
-import re
 
 import pytest
 import torch

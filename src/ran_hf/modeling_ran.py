@@ -18,7 +18,12 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput, SequenceClassifierOutput, TokenClassifierOutput
+from transformers.modeling_outputs import (
+    CausalLMOutputWithPast,
+    MaskedLMOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
 from transformers.utils import ModelOutput, logging
 from transformers.utils.generic import can_return_tuple
 
@@ -168,9 +173,9 @@ class RANWindowLayout:
 
         window_sequence = torch.repeat_interleave(torch.arange(batch_size, device=device), num_windows)  # (K,)
         num_packed = window_sequence.numel()
-        window_number = torch.arange(num_packed, device=device) - (torch.cumsum(num_windows, 0) - num_windows)[
-            window_sequence
-        ]  # (K,)
+        window_number = (
+            torch.arange(num_packed, device=device) - (torch.cumsum(num_windows, 0) - num_windows)[window_sequence]
+        )  # (K,)
         absolute_window = first_window[window_sequence] + window_number  # (K,)
 
         start = absolute_window * window  # (K,) first own token in the sequence
@@ -307,7 +312,11 @@ class RANLayer(GradientCheckpointingLayer):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        hidden_size, inner_size, eps = config.hidden_size, config.num_attention_heads * config.head_dim, config.layer_norm_eps
+        hidden_size, inner_size, eps = (
+            config.hidden_size,
+            config.num_attention_heads * config.head_dim,
+            config.layer_norm_eps,
+        )
 
         # A starting cell where one is read: the encoder's first layer (later layers continue from the cell of the
         # layer below), and every layer of a causal model (the cell below has read the future). No parameter
@@ -635,7 +644,9 @@ def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embe
         raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
     if input_ids is not None:
         if input_ids.dim() != 2:
-            raise ValueError(f"`input_ids` must have shape (batch_size, sequence_length), got {tuple(input_ids.shape)}.")
+            raise ValueError(
+                f"`input_ids` must have shape (batch_size, sequence_length), got {tuple(input_ids.shape)}."
+            )
         if input_ids.is_floating_point():
             raise ValueError(f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}.")
         shape = tuple(input_ids.shape)
@@ -655,7 +666,10 @@ def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embe
         shape = tuple(inputs_embeds.shape[:2])
     if shape[1] == 0:
         raise ValueError("Got sequences of length 0: RAN needs at least one token per batch.")
-    if attention_mask is not None and tuple(attention_mask.shape) not in (shape, (shape[0], past_positions + shape[1])):
+    if attention_mask is not None and tuple(attention_mask.shape) not in (
+        shape,
+        (shape[0], past_positions + shape[1]),
+    ):
         raise ValueError(
             f"`attention_mask` must have the shape of the inputs {shape}"
             + (f" or of the whole text so far {(shape[0], past_positions + shape[1])}" if past_positions else "")
@@ -829,7 +843,6 @@ class RANLanguageModelBase(RANPreTrainedModel):
 
 
 class RANForMaskedLM(RANLanguageModelBase):
-
     @can_return_tuple
     def forward(
         self,
@@ -881,7 +894,9 @@ class RANForSequenceClassification(RANPreTrainedModel):
             else:
                 problem_type = "multi_label_classification"
         if labels.dim() == 0 or labels.shape[0] != batch_size:
-            raise ValueError(f"`labels` must have one row per example ({batch_size}), got shape {tuple(labels.shape)}.")
+            raise ValueError(
+                f"`labels` must have one row per example ({batch_size}), got shape {tuple(labels.shape)}."
+            )
         if problem_type == "single_label_classification":
             if labels.is_floating_point() or labels.dim() != 1:
                 raise ValueError(
