@@ -149,7 +149,7 @@ def test_cache_memory_grows_only_by_one_cell_per_window():
     with torch.no_grad():
         _, short = decode_in_chunks(model, ids[:, :512], [500, 12])
         _, long = decode_in_chunks(model, ids, [16000, 384])
-    cell_bytes = config.hidden_size * 4 * config.num_hidden_layers
+    cell_bytes = 2 * config.hidden_size * 4 * config.num_hidden_layers  # a key and a value per cell and layer
     extra_windows = 16384 // 64 - 512 // 64
     assert long.nbytes() - short.nbytes() == extra_windows * cell_bytes
     for layer in long.layers:

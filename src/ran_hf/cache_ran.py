@@ -1,4 +1,4 @@
-"""The recurrent cache of a causal RAN: constant-size state per layer, plus one cell per finished window."""
+"""The recurrent cache of a causal RAN: constant-size state per layer, plus a key and value per finished window."""
 
 import torch
 from transformers.cache_utils import Cache
@@ -10,7 +10,8 @@ class RANCacheLayer:
     Per row of the batch:
         cell (B, D): the cell the current window reads (the last finished window's, or the learned initial cell);
         previous_raw_cell (B, D): the raw output of the last finished window, joined to the next one by the residual;
-        raw_cells (B, C, D): the raw cells of all finished windows, read by memory review (C grows by one per window);
+        cell_states (B, C, 2 D): memory review's keys and values of the raw cells of all finished windows (C grows by
+            one per window; projected once, so a decoding step does not redo work for the whole past);
         tail_keys, tail_values (B, P, H, d): un-rotated keys and values of the tokens a later window still reads:
             the current window's tokens and, before them, the enrichment tokens of `window_overlap`
             (P <= window_size - 1 + window_overlap, whatever the context length).
@@ -22,7 +23,7 @@ class RANCacheLayer:
     def __init__(self):
         self.cell = None
         self.previous_raw_cell = None
-        self.raw_cells = None
+        self.cell_states = None
         self.tail_keys = None
         self.tail_values = None
 
@@ -31,7 +32,7 @@ class RANCacheLayer:
         return self.cell is not None
 
     def tensors(self) -> dict:
-        names = ("cell", "previous_raw_cell", "raw_cells", "tail_keys", "tail_values")
+        names = ("cell", "previous_raw_cell", "cell_states", "tail_keys", "tail_values")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, function) -> None:
@@ -61,7 +62,7 @@ class RANCache(Cache):
     """Recurrent state of a causal RAN, in Transformers' `Cache` API: `generate()` creates and reorders it as needed.
 
     Memory stays flat as the context grows: per layer one cell, one raw cell and the keys/values of at most one
-    window, plus one raw cell (D numbers) per finished window for memory review.
+    window, plus the memory-review key and value of each finished window's cell (2 D numbers per window).
 
     Streaming an unbounded text chunk by chunk gives exactly the logits of one forward pass over all of it:
 

@@ -291,10 +291,15 @@ class RANMemoryReview(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
 
-    def forward(self, token_states: torch.Tensor, cells: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
-        # token_states (B, L, D), cells (B, N, D), cell_mask (B or 1, L or 1, N): which cells each token may read
+    def project_cells(self, cells: torch.Tensor) -> torch.Tensor:
+        """(..., D) cells -> (..., 2 D) their keys and values; a cache keeps these, not the cells."""
+        return self.act(self.kv_proj(cells))
+
+    def forward(self, token_states: torch.Tensor, cell_states: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
+        # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; cell_mask (B or 1, L or 1, C): which
+        # cells each token may read
         query = self.act(self.q_proj(token_states))  # (B, L, D)
-        key, value = self.act(self.kv_proj(cells)).chunk(2, dim=-1)  # (B, N, D) each
+        key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
         # Few keys (one per window) and many queries: plain matmuls beat fused attention kernels here, whose
         # CPU backward is tuned for long key sequences.
         scores = (query @ key.transpose(1, 2)) / math.sqrt(query.shape[-1])  # (B, L, N)
@@ -448,15 +453,18 @@ class RANLayer(GradientCheckpointingLayer):
         )  # (K, H, Q, d)
         return layout.from_windows(attended.transpose(1, 2).flatten(-2))  # (T, H * d)
 
-    def sequence_cells(self, raw_cells, layout: RANWindowLayout, cache: RANCacheLayer | None) -> torch.Tensor:
-        """(B, C, D) raw cells of every sequence indexed by window number: cached ones, then this pass's."""
-        cells = raw_cells.transpose(0, 1)  # (B, N, D)
-        if cache is None or cache.raw_cells is None:
+    def cell_states(self, raw_cells, layout: RANWindowLayout, cache: RANCacheLayer | None) -> torch.Tensor:
+        """(B, C, 2 D) memory-review keys and values of every sequence's cells by window number, cached ones first.
+
+        Only this pass's cells are projected: with a cache, a decoding step costs the same at any context length.
+        """
+        cells = self.memory_review.project_cells(raw_cells.transpose(0, 1))  # (B, N, 2 D)
+        if cache is None or cache.cell_states is None:
             return cells
-        batch_size, num_steps = layout.batch_size, layout.num_steps
-        capacity = max(cache.raw_cells.shape[1], int((layout.first_window + num_steps).max()))
+        batch_size, num_steps, cached = layout.batch_size, layout.num_steps, cache.cell_states
+        capacity = max(cached.shape[1], int((layout.first_window + num_steps).max()))
         merged = cells.new_zeros(batch_size, capacity, cells.shape[-1])
-        merged[:, : cache.raw_cells.shape[1]] = cache.raw_cells
+        merged[:, : cached.shape[1]] = cached
         steps = torch.arange(num_steps, device=cells.device)
         here = steps[None, :] < layout.num_windows[:, None]  # (B, N)
         rows = torch.arange(batch_size, device=cells.device)[:, None].expand_as(here)
@@ -464,11 +472,15 @@ class RANLayer(GradientCheckpointingLayer):
         return merged
 
     def review_memory(self, token_states, cells, initial_cell, layout: RANWindowLayout) -> torch.Tensor:
-        """Every token reads the cells of its sequence (causal: the initial cell and the cells of earlier windows)."""
+        """Every token reads the cells of its sequence (causal: the initial cell and the cells of earlier windows).
+
+        `cells` (B, C, 2 D) are the projected cells of `cell_states`.
+        """
         padded_states = layout.to_padded(token_states)  # (B, L, D)
         index = torch.arange(cells.shape[1], device=cells.device)
         if self.config.is_causal:
-            cells = torch.cat([initial_cell[:, None], cells], dim=1)  # (B, 1 + C, D)
+            initial = self.memory_review.project_cells(initial_cell[:, None])  # (B, 1, 2 D)
+            cells = torch.cat([initial, cells], dim=1)  # (B, 1 + C, 2 D)
             cell_mask = layout.token_window[:, :, None] > index[None, None, :]  # (B, L, C): earlier windows only
             cell_mask = F.pad(cell_mask, (1, 0), value=True)  # (B, L, 1 + C)
         else:
@@ -478,7 +490,7 @@ class RANLayer(GradientCheckpointingLayer):
         reviewed = self.memory_review(padded_states, cells, cell_mask)
         return layout.from_padded(reviewed)
 
-    def update_cache(self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, sequence_cells, kv):
+    def update_cache(self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, cell_states, kv):
         """Keep what the next pass needs: the cell after the last finished window, and the unfinished tail."""
         finished_here = layout.finished_windows - layout.first_window  # (B,) windows finished in this pass
         last = (finished_here - 1).clamp(min=0)
@@ -491,7 +503,7 @@ class RANLayer(GradientCheckpointingLayer):
         if self.config.memory_review:
             kept = int(layout.finished_windows.max())
             finished = torch.arange(kept, device=last.device)[None, :] < layout.finished_windows[:, None]
-            cache.raw_cells = sequence_cells[:, :kept] * finished[..., None]
+            cache.cell_states = cell_states[:, :kept] * finished[..., None]
         tail = None if cache.tail_keys is None else torch.stack([cache.tail_keys, cache.tail_values], 2)
         cache.tail_keys, cache.tail_values = layout.sources(kv, tail)[layout.next_tail].unbind(2)
 
@@ -526,13 +538,13 @@ class RANLayer(GradientCheckpointingLayer):
         )  # (T, H * d)
         token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
 
-        sequence_cells = self.sequence_cells(raw_cells, layout, cache) if self.config.memory_review else None
+        cell_states = self.cell_states(raw_cells, layout, cache) if self.config.memory_review else None
         if self.config.memory_review:
-            token_states = self.review_memory(token_states, sequence_cells, initial_cell, layout)
+            token_states = self.review_memory(token_states, cell_states, initial_cell, layout)
         else:
             token_states = self.output_norm(token_states)
         if cache is not None:
-            self.update_cache(cache, layout, (start_cell, start_previous), raw_cells, cells, sequence_cells, new_kv)
+            self.update_cache(cache, layout, (start_cell, start_previous), raw_cells, cells, cell_states, new_kv)
         return token_states, raw_cells, cells
 
 
@@ -999,7 +1011,7 @@ class RANForTokenClassification(RANPreTrainedModel):
 class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
     """Causal language model: a strictly causal, recurrent RAN with the official LM head tied to the embedding.
 
-    Generation carries a `RANCache` whose size does not grow with the context but for one cell per finished window.
+    Generation carries a `RANCache`: constant-size state per layer plus a key and a value per finished window.
     """
 
     def __init__(self, config: RANConfig):
