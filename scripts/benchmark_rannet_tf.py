@@ -36,6 +36,7 @@ def main():
     parser.add_argument("--num_heads", type=int, default=4)
     parser.add_argument("--window_size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--min_seconds", type=float, default=2.0)
     args = parser.parse_args()
 
     params = RanNetParams(
@@ -62,17 +63,21 @@ def main():
             loss = tf.reduce_mean(model(inputs, training=True)[0])
         return tape.gradient(loss, model.trainable_variables)
 
-    forward(ids[:, : min(args.length, 512)])  # warm-up: graph tracing, allocator
+    def timed(function):
+        """Seconds per call: at least `--repeats` calls and `--min_seconds` of timing."""
+        calls, start = 0, time.perf_counter()
+        while calls < args.repeats or time.perf_counter() - start < args.min_seconds:
+            function(ids)
+            calls += 1
+        return (time.perf_counter() - start) / calls
+
+    warmup = ids if args.length * args.batch_size <= 4096 else ids[:, :512]
+    forward(warmup)  # warm-up: graph tracing, allocator
+    train_step(warmup)
     baseline = resident_bytes()
-    start = time.perf_counter()
-    for _ in range(args.repeats):
-        forward(ids)
-    inference_seconds = (time.perf_counter() - start) / args.repeats
+    inference_seconds = timed(forward)
     inference_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
-    start = time.perf_counter()
-    for _ in range(args.repeats):
-        train_step(ids)
-    training_seconds = (time.perf_counter() - start) / args.repeats
+    training_seconds = timed(train_step)
     training_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
     tokens = args.batch_size * args.length
     print(

@@ -157,27 +157,28 @@ def measure(name: str, length: int, batch_size: int, args) -> dict:
         forward().float().mean().backward()
         model.zero_grad(set_to_none=True)
 
-    def timed(function, repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
+    def timed(function):
+        """Seconds per call: at least `--repeats` calls and `--min_seconds` of timing, whichever is longer."""
+        calls, start = 0, time.perf_counter()
+        while calls < args.repeats or time.perf_counter() - start < args.min_seconds:
             function()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / repeats
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            calls += 1
+        return (time.perf_counter() - start) / calls
 
-    with torch.no_grad():
-        model(input_ids=warmup_ids)  # warm-up: allocator pools, lazy initialisation, compilation
-    if name == "ran-compiled":
-        model(input_ids=warmup_ids).last_hidden_state.float().mean().backward()  # compile the backward too
-        model.zero_grad(set_to_none=True)
+    # Warm-up (allocator pools, lazy initialisation, compilation): a training step at the measured shape when it is
+    # short, at 512 tokens otherwise.
+    if length * batch_size <= 4096:
+        warmup_ids = ids
+    model(input_ids=warmup_ids).last_hidden_state.float().mean().backward()
+    model.zero_grad(set_to_none=True)
     memory = PeakMemory(device)
     memory.reset()
     with torch.no_grad():
-        inference_seconds = timed(forward, args.repeats)
+        inference_seconds = timed(forward)
     inference_peak = memory.peak_bytes()
-    training_seconds = timed(train_step, args.repeats)
+    training_seconds = timed(train_step)
     training_peak = memory.peak_bytes()
     tokens = batch_size * length
     return {
@@ -204,6 +205,7 @@ def run_rannet(args, length: int, batch_size: int) -> dict:
         args.rannet_python, str(script), "--length", str(length), "--batch_size", str(batch_size),
         "--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers), "--num_heads",
         str(args.num_heads), "--window_size", str(args.window_size), "--repeats", str(args.repeats),
+        "--min_seconds", str(args.min_seconds),
     ]  # fmt: skip
     completed = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     if completed.returncode != 0:
@@ -275,7 +277,8 @@ def main():
     parser.add_argument("--window_size", type=int, default=256)
     parser.add_argument("--small_window_size", type=int, default=64)
     parser.add_argument("--bert_max_length", type=int, default=8192, help="full attention beyond this is skipped")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="fewest timed calls per measurement")
+    parser.add_argument("--min_seconds", type=float, default=2.0, help="shortest timing per measurement")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rannet_python", default=os.environ.get("RANNET_PYTHON"), help="python with rannet")
@@ -294,7 +297,8 @@ def main():
     forwarded = [
         "--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers), "--num_heads",
         str(args.num_heads), "--window_size", str(args.window_size), "--small_window_size",
-        str(args.small_window_size), "--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype,
+        str(args.small_window_size), "--repeats", str(args.repeats), "--min_seconds", str(args.min_seconds),
+        "--device", args.device, "--dtype", args.dtype,
     ]  # fmt: skip
     results = []
     print(f"{'model':<11} {'shape':>10} {'train tok/s':>12} {'infer tok/s':>12} {'train MiB':>10}")
