@@ -195,3 +195,32 @@ def test_text_generation_pipeline(wordpiece_tokenizer):
     assert len(results) == 2
     for prompt, result in zip(["the company said on monday", "it was"], results):
         assert result[0]["generated_text"].startswith(prompt)
+
+
+# Runs where `ran_hf` cannot be imported: the saved causal model generates through its own remote code.
+GENERATE_WITHOUT_RAN_HF = r"""
+import torch
+from transformers import AutoModelForCausalLM
+
+folder, prompt = sys.argv[1], json.loads(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+report["module"] = type(model).__module__
+prompt = torch.tensor(prompt)
+report["greedy"] = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0).tolist()
+report["beam"] = model.generate(prompt, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0).tolist()
+"""
+
+
+def test_saved_causal_model_generates_as_remote_code_without_ran_hf(tmp_path):
+    import json
+
+    from remote_code import run_without_ran_hf
+
+    model = causal_model(9, window_overlap=1)
+    model.save_pretrained(tmp_path / "saved")
+    prompt = torch.randint(2, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(9))
+    report = run_without_ran_hf(GENERATE_WITHOUT_RAN_HF, [tmp_path / "saved", json.dumps(prompt.tolist())], tmp_path)
+    assert report["module"].startswith("transformers_modules"), report["module"]
+    assert report["greedy"] == model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0).tolist()
+    beam = model.generate(prompt, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
+    assert report["beam"] == beam.tolist()
