@@ -37,7 +37,11 @@ def main():
     parser.add_argument("--window_size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--min_seconds", type=float, default=2.0)
+    parser.add_argument("--threads", type=int, help="TensorFlow intra-op threads (default: its choice)")
     args = parser.parse_args()
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
 
     params = RanNetParams(
         {

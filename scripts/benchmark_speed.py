@@ -206,7 +206,7 @@ def run_rannet(args, length: int, batch_size: int) -> dict:
         "--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers), "--num_heads",
         str(args.num_heads), "--window_size", str(args.window_size), "--repeats", str(args.repeats),
         "--min_seconds", str(args.min_seconds),
-    ]  # fmt: skip
+    ] + (["--threads", str(args.threads)] if args.threads else [])  # fmt: skip
     completed = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     if completed.returncode != 0:
         return {"error": (completed.stderr.strip().splitlines() or ["failed"])[-1][:200]}
@@ -283,10 +283,14 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rannet_python", default=os.environ.get("RANNET_PYTHON"), help="python with rannet")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one measurement may take")
+    parser.add_argument("--max_point_seconds", type=float, default=60, help="skip shapes slower than this per step")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice, all cores)")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
     parser.add_argument("--single", nargs=3, metavar=("MODEL", "LENGTH", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.single:
         name, length, batch_size = args.single
         print(json.dumps(measure(name, int(length), int(batch_size), args)))
@@ -299,17 +303,25 @@ def main():
         str(args.num_heads), "--window_size", str(args.window_size), "--small_window_size",
         str(args.small_window_size), "--repeats", str(args.repeats), "--min_seconds", str(args.min_seconds),
         "--device", args.device, "--dtype", args.dtype,
-    ]  # fmt: skip
-    results = []
+    ] + (["--threads", str(args.threads)] if args.threads else [])  # fmt: skip
+    results, slowest = [], {}
     print(f"{'model':<11} {'shape':>10} {'train tok/s':>12} {'infer tok/s':>12} {'train MiB':>10}")
     for length, batch_size in shapes(args):
         for name in args.models:
             if name == "bert" and length > args.bert_max_length:
                 continue
-            if name == "rannet":
+            # A model that would need longer than --max_point_seconds here (judged, optimistically, from its last
+            # throughput) is reported as too slow instead of stalling the run.
+            estimate = batch_size * length / slowest[name] if name in slowest else 0.0
+            if estimate > args.max_point_seconds:
+                result = {"error": f"skipped: one training step would take ~{estimate:.0f}s or more"}
+            elif name == "rannet":
                 if not args.rannet_python:
                     continue
-                result = run_rannet(args, length, batch_size)
+                try:
+                    result = run_rannet(args, length, batch_size)
+                except Exception as error:  # a timeout: report it in the table, keep going
+                    result = {"error": f"{type(error).__name__}"}
             else:
                 try:
                     result = run_in_subprocess(
@@ -319,6 +331,8 @@ def main():
                     result = {"error": f"{type(error).__name__}"}
             result.update(model=name, length=length, batch_size=batch_size)
             results.append(result)
+            if "training_tokens_per_s" in result:
+                slowest[name] = result["training_tokens_per_s"]
             shape = f"{batch_size}x{length}"
             if "error" in result:
                 print(f"{name:<11} {shape:>10}  {result['error']}", flush=True)
