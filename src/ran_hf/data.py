@@ -18,6 +18,7 @@ import io
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 DOCSTART = "-DOCSTART-"
@@ -34,7 +35,7 @@ def open_text(path: str | Path) -> io.TextIOBase:
 
 
 def file_format(path: str | Path) -> str:
-    """"jsonl", "csv", "tsv" or "text", from the file name (a trailing `.gz` is ignored)."""
+    """ "jsonl", "csv", "tsv" or "text", from the file name (a trailing `.gz` is ignored)."""
     suffixes = Path(path).suffixes
     if suffixes and suffixes[-1] == ".gz":
         suffixes = suffixes[:-1]
@@ -95,7 +96,8 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 def read_conll(path: str | Path) -> list[dict]:
-    """Sentences of a CoNLL file as `{"tokens": [...], "tags": [...]}`: the first column and the last.
+    """Sentences of a CoNLL file as `{"tokens": [...], "ner_tags": [...]}` (the first column and the last), the layout
+    of the Hub's `conll2003`.
 
     Every token line must have as many columns as the first one, and at least two; `-DOCSTART-` lines and the blank
     line after them are skipped.
@@ -107,7 +109,7 @@ def read_conll(path: str | Path) -> list[dict]:
             columns = line.split()
             if not columns:
                 if tokens:
-                    sentences.append({"tokens": tokens, "tags": tags})
+                    sentences.append({"tokens": tokens, "ner_tags": tags})
                     tokens, tags = [], []
                 continue
             if columns[0] == DOCSTART:
@@ -126,15 +128,32 @@ def read_conll(path: str | Path) -> list[dict]:
             tokens.append(columns[0])
             tags.append(columns[-1])
     if tokens:
-        sentences.append({"tokens": tokens, "tags": tags})
+        sentences.append({"tokens": tokens, "ner_tags": tags})
     if not sentences:
         raise ValueError(f"{path} holds no sentences (the file is empty or holds only -DOCSTART- lines).")
     return sentences
 
 
+def value_kind(value) -> str | None:
+    """The kind of a JSON-like value, as far as building a column goes (None: missing, fits any column)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, list | tuple):
+        return "list"
+    return "object" if isinstance(value, dict) else "string"
+
+
 def check_columns(records: Sequence[Mapping], columns: Iterable[str], source: str) -> None:
-    """Every record must hold every one of `columns`; name the first that does not, and the columns it has."""
+    """Every record must hold every one of `columns`, each column one kind of value (all strings, all lists, ...).
+
+    Names the first record that breaks the rule and what it holds, instead of the error a table library would give.
+    """
     columns = list(columns)
+    first_of_kind = {}  # column -> (kind, record number) of its first non-null value
     for index, record in enumerate(records):
         missing = [column for column in columns if column not in record]
         if missing:
@@ -143,6 +162,16 @@ def check_columns(records: Sequence[Mapping], columns: Iterable[str], source: st
                 f"{source}{where} has no column {missing[0]!r}; its columns are {sorted(record)}. "
                 "Pick others with --text_column_name / --label_column_name."
             )
+        for column in columns:
+            kind = value_kind(record[column])
+            if kind is None:
+                continue
+            first_kind, first_index = first_of_kind.setdefault(column, (kind, index))
+            if kind != first_kind:
+                raise ValueError(
+                    f"{source}: column {column!r} mixes a {first_kind} (record {first_index + 1}) and a {kind} "
+                    f"(record {index + 1}): {record[column]!r}. Every record must hold the same kind of value."
+                )
 
 
 def label_name(value, source: str, column: str) -> str:
@@ -172,8 +201,8 @@ class ClassificationLabels:
         """Infer the task from the label values of every split (`{"train": [...], "validation": [...]}`).
 
         All values must be of one kind: single labels (str / int / bool) or lists of them (multi-label). Single-label
-        classes are those of the training split (of the first split without one) and any other split may only use
-        those; multi-label classes are the union over the splits, so that labels seen only in evaluation count as
+        classes are those of the training split (or of the first split, without one) and the other splits may only
+        use those; multi-label classes are the union over the splits, so that labels seen only in evaluation count as
         misses. `names` (from a Hub `ClassLabel` feature) fixes the classes and their order instead.
         """
         kinds = {}  # "single" / "multi" -> the first example of that kind
@@ -216,19 +245,16 @@ class ClassificationLabels:
             raise ValueError(f"Column {column!r} of the {reference} split holds a single class {sorted(known)}.")
         return cls(tuple(sort_names(known)), False)
 
-    @property
+    @cached_property
     def label2id(self) -> dict[str, int]:
         return {name: index for index, name in enumerate(self.names)}
 
-    def encode(self, value) -> int | list[float]:
-        """A class id (single-label) or a multi-hot float vector (multi-label) for one example's label value."""
+    def encode(self, value) -> int | list[int]:
+        """The class id of one example's label (single-label), or the sorted ids of its labels (multi-label)."""
         label2id = self.label2id
-        if not self.multi_label:
-            return label2id[label_name(value, "label", "label")]
-        target = [0.0] * len(self.names)
-        for item in value:
-            target[label2id[label_name(item, "label", "label")]] = 1.0
-        return target
+        if self.multi_label:
+            return sorted({label2id[label_name(item, "label", "label")] for item in value})
+        return label2id[label_name(value, "label", "label")]
 
 
 def sort_names(names: Iterable[str]) -> list[str]:
@@ -259,7 +285,7 @@ class TagLabels:
         ordered = (["O"] if "O" in known else []) + sorted(known - {"O"})
         return cls(tuple(ordered))
 
-    @property
+    @cached_property
     def label2id(self) -> dict[str, int]:
         return {name: index for index, name in enumerate(self.names)}
 

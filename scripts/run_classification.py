@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""Fine-tune and evaluate a RAN on document classification: single-label or multi-label, any number of classes, long
+documents read whole (up to `--max_seq_length`, 4096 tokens by default, not 512).
+
+    python scripts/run_classification.py --model_name_or_path outputs/ran-mlm \\
+        --train_file ../shared/data/hyperpartisan/train.jsonl \\
+        --validation_file ../shared/data/hyperpartisan/dev.jsonl \\
+        --test_file ../shared/data/hyperpartisan/test.jsonl \\
+        --do_train --do_eval --do_predict --output_dir outputs/ran-hyperpartisan
+
+Data: `--dataset_name` (Hub) or `--train_file` / `--validation_file` / `--test_file` in jsonl, jsonl.gz, csv or tsv,
+with the text in `--text_column_name` and the label in `--label_column_name`. A label is a string, an int or a boolean
+(single-label), or a list of them (multi-label: EURLEX-57K's EUROVOC ids); the task and the classes are read off the
+data, and unknown, missing or mixed labels stop the script before training. A test file without the label column is
+only predicted. Hub `ClassLabel` features keep their names and order.
+
+Metrics (computed here with NumPy, since `evaluate.load("accuracy")` needs the Hub): single-label `accuracy` and
+`macro_f1`; multi-label `micro_f1`, `macro_f1` and exact-match `accuracy`, a class counting as predicted when its
+sigmoid is at least `--multi_label_threshold`. Predictions go to `predict_results.txt` (one line per test document).
+"""
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from datasets import ClassLabel, List
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, TrainingArguments, set_seed
+
+from ran_hf.data import ClassificationLabels
+from training_utils import (
+    ModelArguments,
+    ParameterChecksumCallback,
+    RANTrainer,
+    checkpoint_to_resume,
+    configure_data_parallelism,
+    describe_source,
+    load_config,
+    load_model,
+    load_splits,
+    load_tokenizer,
+    parse_arguments,
+    setup_logging,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset (`datasets` name)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of the Hub dataset."})
+    train_file: str | None = field(default=None, metadata={"help": "Training documents: jsonl(.gz), csv or tsv."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation documents, same format."})
+    test_file: str | None = field(
+        default=None, metadata={"help": "Test documents, same format; scored when they carry labels."}
+    )
+    text_column_name: str = field(
+        default="text", metadata={"help": "Column with the text; several separated by commas are joined by a space."}
+    )
+    label_column_name: str = field(default="label", metadata={"help": "Column with the label, or list of labels."})
+    max_seq_length: int = field(
+        default=4096,
+        metadata={"help": "Documents are truncated to this many tokens. RAN's memory grows linearly with length."},
+    )
+    multi_label_threshold: float = field(
+        default=0.5, metadata={"help": "Multi-label: a class is predicted when its sigmoid reaches this."}
+    )
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training documents."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N validation documents."}
+    )
+    max_predict_samples: int | None = field(default=None, metadata={"help": "Keep only the first N test documents."})
+
+    def __post_init__(self):
+        if self.dataset_name is None and not (self.train_file or self.validation_file or self.test_file):
+            raise ValueError("Give --dataset_name or --train_file / --validation_file / --test_file.")
+        if self.max_seq_length < 1:
+            raise ValueError(f"--max_seq_length must be positive, got {self.max_seq_length}.")
+
+    @property
+    def text_columns(self) -> list[str]:
+        return [column.strip() for column in self.text_column_name.split(",")]
+
+
+def classification_metrics(logits: np.ndarray, labels: np.ndarray, multi_label: bool, threshold: float) -> dict:
+    """Accuracy and macro-F1 (single-label); micro-F1, macro-F1 and exact-match accuracy (multi-label)."""
+    num_classes = logits.shape[-1]
+    if multi_label:
+        predicted = 1.0 / (1.0 + np.exp(-logits)) >= threshold  # (B, C)
+        actual = labels.astype(bool)
+    else:
+        predicted = np.eye(num_classes, dtype=bool)[logits.argmax(-1)]
+        actual = np.eye(num_classes, dtype=bool)[labels]
+    true_positives = (predicted & actual).sum(0)
+    predicted_count, actual_count = predicted.sum(0), actual.sum(0)
+
+    def f1(tp, predicted_total, actual_total):
+        denominator = predicted_total + actual_total
+        return np.where(denominator > 0, 2 * tp / np.maximum(denominator, 1), 0.0)
+
+    present = (actual_count + predicted_count) > 0  # macro-F1 over classes that occur or are predicted
+    metrics = {
+        "accuracy": float((predicted == actual).all(-1).mean()),
+        "macro_f1": float(f1(true_positives, predicted_count, actual_count)[present].mean()) if present.any() else 0.0,
+    }
+    if multi_label:
+        metrics["micro_f1"] = float(f1(true_positives.sum(), predicted_count.sum(), actual_count.sum()))
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> dict:
+    model_args, data_args, training_args = parse_arguments(
+        (ModelArguments, DataTrainingArguments, TrainingArguments), argv
+    )
+    setup_logging(training_args, logger)
+    configure_data_parallelism(training_args)
+    checkpoint = checkpoint_to_resume(training_args)
+    set_seed(training_args.seed)
+
+    # Data: read, check the columns, then infer and check the labels of every split that has them
+    label_column = data_args.label_column_name
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    raw_datasets = load_splits(
+        model_args,
+        data_args.dataset_name,
+        data_args.dataset_config_name,
+        files,
+        data_args.text_columns,
+        optional_columns=(label_column,),
+    )
+    for split, needed in (
+        ("train", training_args.do_train),
+        ("validation", training_args.do_eval),
+        ("test", training_args.do_predict),
+    ):
+        if needed and split not in raw_datasets:
+            raise ValueError(
+                f"The {split} split is needed (--do_{'eval' if split == 'validation' else split}) but missing."
+            )
+        if needed and split != "test" and label_column not in raw_datasets[split].column_names:
+            raise ValueError(f"The {split} split has no label column {label_column!r}.")
+    for split, limit in (
+        ("train", data_args.max_train_samples),
+        ("validation", data_args.max_eval_samples),
+        ("test", data_args.max_predict_samples),
+    ):
+        if split in raw_datasets and limit is not None:
+            raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
+
+    label_values, class_names = {}, None
+    for split, dataset in raw_datasets.items():
+        if label_column not in dataset.column_names:
+            continue
+        values = dataset[label_column]
+        feature = dataset.features[label_column]
+        feature = feature.feature if isinstance(feature, List) else feature
+        if isinstance(feature, ClassLabel):  # Hub data: ids of named classes
+            if all(value == -1 for value in values):  # a test split whose labels are hidden
+                continue
+            class_names = feature.names
+            values = [feature.int2str(value) for value in values]
+        label_values[split] = values
+    if (training_args.do_train or training_args.do_eval) and not label_values:
+        raise ValueError(f"No split has labels in column {label_column!r}.")
+    labels = ClassificationLabels.from_splits(label_values, label_column, names=class_names)
+    logger.info(
+        f"{'Multi' if labels.multi_label else 'Single'}-label classification with {len(labels.names)} classes: "
+        f"{list(labels.names[:10])}{' ...' if len(labels.names) > 10 else ''}"
+    )
+
+    # Tokenizer, config and model
+    tokenizer = load_tokenizer(model_args)
+    config = load_config(
+        model_args,
+        tokenizer,
+        num_labels=len(labels.names),
+        id2label=dict(enumerate(labels.names)),
+        label2id=labels.label2id,
+        problem_type="multi_label_classification" if labels.multi_label else "single_label_classification",
+        finetuning_task="text-classification",
+    )
+    model = load_model(AutoModelForSequenceClassification, model_args, config)
+
+    # Preprocessing: token ids, and class ids (a list of them per document for multi-label) as "labels"
+    def tokenize(examples):
+        parts = zip(*(examples[column] for column in data_args.text_columns))
+        texts = [" ".join(str(part) for part in document) for document in parts]
+        return tokenizer(texts, truncation=True, max_length=data_args.max_seq_length)
+
+    processed = {}
+    with training_args.main_process_first(desc="tokenization"):
+        for split, dataset in raw_datasets.items():
+            processed[split] = dataset.map(
+                tokenize,
+                batched=True,
+                num_proc=data_args.preprocessing_num_workers,
+                remove_columns=dataset.column_names,
+                desc=f"Tokenizing {split}",
+            )
+            if split in label_values:
+                processed[split] = processed[split].add_column(
+                    "labels", [labels.encode(v) for v in label_values[split]]
+                )
+    for split, dataset in processed.items():
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        truncated = sum(length == data_args.max_seq_length for length in lengths)
+        logger.info(
+            f"{split}: {len(lengths):,} documents, {np.mean(lengths):.0f} tokens on average, longest {max(lengths):,}; "
+            f"{truncated:,} truncated to {data_args.max_seq_length}"
+        )
+    train_dataset = processed.get("train") if training_args.do_train else None
+    eval_dataset = processed.get("validation") if training_args.do_eval else None
+    predict_dataset = processed.get("test") if training_args.do_predict else None
+
+    def compute_metrics(eval_prediction):
+        logits, gold = eval_prediction
+        return classification_metrics(logits, gold, labels.multi_label, data_args.multi_label_threshold)
+
+    padding_collator = DataCollatorWithPadding(tokenizer)
+
+    def collate(features):
+        """Pad the tokens; multi-label class ids become a multi-hot float matrix (B, num_labels)."""
+        features = [dict(feature) for feature in features]
+        label_ids = [feature.pop("labels") for feature in features] if "labels" in features[0] else None
+        batch = padding_collator(features)
+        if label_ids is not None and labels.multi_label:
+            batch["labels"] = torch.zeros(len(label_ids), len(labels.names))
+            for row, ids in enumerate(label_ids):
+                batch["labels"][row, ids] = 1.0
+        elif label_ids is not None:
+            batch["labels"] = torch.tensor(label_ids)
+        return batch
+
+    trainer = RANTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=collate,
+        compute_metrics=compute_metrics,
+        callbacks=[ParameterChecksumCallback(model_args.parameter_checksum_dir)]
+        if model_args.parameter_checksum_dir
+        else None,
+        card={
+            "task": f"{'multi' if labels.multi_label else 'single'}-label document classification "
+            f"({len(labels.names)} classes)",
+            "pipeline_tag": "text-classification",
+            "auto_class": "AutoModelForSequenceClassification",
+            "data": f"{describe_source(data_args)}; "
+            + ", ".join(f"{len(dataset):,} {split} documents" for split, dataset in processed.items())
+            + f"; text column `{data_args.text_column_name}`, label column `{label_column}`, documents truncated to "
+            f"{data_args.max_seq_length} tokens. Classes: {', '.join(labels.names[:20])}"
+            + (f" and {len(labels.names) - 20} more." if len(labels.names) > 20 else "."),
+            "intended_use": "Classifying long documents of the kind it was trained on, into the classes above.",
+            "limitations": "It knows only the classes and the kind of text of its training data; on other text its "
+            "scores are not calibrated. Check it on your own validation data before relying on it.",
+        },
+    )
+    results = {"output_dir": training_args.output_dir, "labels": list(labels.names)}
+
+    # Training
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()
+        metrics = train_result.metrics
+        metrics["train_samples"] = len(train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        results["train"] = metrics
+
+    # Evaluation
+    if training_args.do_eval:
+        logger.info("*** Evaluate ***")
+        metrics = trainer.evaluate()
+        metrics["eval_samples"] = len(eval_dataset)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        results["eval"] = metrics
+
+    # Prediction
+    if training_args.do_predict:
+        logger.info("*** Predict ***")
+        has_labels = "labels" in predict_dataset.column_names
+        output = trainer.predict(predict_dataset, metric_key_prefix="test")
+        if has_labels:
+            metrics = output.metrics
+            metrics["test_samples"] = len(predict_dataset)
+            trainer.log_metrics("test", metrics)
+            trainer.save_metrics("test", metrics)
+            results["test"] = metrics
+        if trainer.is_world_process_zero():
+            path = Path(training_args.output_dir) / "predict_results.txt"
+            with path.open("w", encoding="utf-8") as writer:
+                writer.write("index\tprediction\n")
+                for index, row in enumerate(output.predictions):
+                    if labels.multi_label:
+                        chosen = np.flatnonzero(1.0 / (1.0 + np.exp(-row)) >= data_args.multi_label_threshold)
+                        prediction = ",".join(labels.names[i] for i in chosen)
+                    else:
+                        prediction = labels.names[int(row.argmax())]
+                    writer.write(f"{index}\t{prediction}\n")
+            logger.info(f"Predictions written to {path}")
+
+    card_kwargs = {"finetuned_from": model_args.model_name_or_path, "dataset": data_args.dataset_name}
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**card_kwargs)
+    elif training_args.do_train:
+        trainer.create_model_card(**card_kwargs)
+    return results
+
+
+if __name__ == "__main__":
+    main()

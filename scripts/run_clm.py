@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Train a causal RAN language model (`RANForCausalLM` through `AutoModelForCausalLM`), from scratch or from a
+checkpoint.
+
+    python scripts/run_clm.py --tokenizer_name outputs/tokenizer \\
+        --config_overrides "hidden_size=128,num_attention_heads=4,head_dim=32,window_size=128" \\
+        --train_file corpus.jsonl.gz --validation_file ../shared/data/wikitext-2/valid.txt \\
+        --do_train --do_eval --output_dir outputs/ran-clm
+
+Every document becomes its tokens followed by one end-of-text token (EOS, or SEP for BERT-style tokenizers), the
+documents are concatenated and cut into blocks of `--block_size` tokens, and the labels are the inputs themselves (the
+model shifts them). `scripts/evaluate_perplexity.py` then reads a long text in one recurrent stream. Hub data, several
+machines and resuming work as in `scripts/run_mlm.py`.
+"""
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, TrainingArguments, set_seed
+
+from training_utils import (
+    ModelArguments,
+    ParameterChecksumCallback,
+    RANTrainer,
+    checkpoint_to_resume,
+    configure_data_parallelism,
+    describe_source,
+    end_of_text_id,
+    group_into_blocks,
+    load_config,
+    load_model,
+    load_text_datasets,
+    load_tokenizer,
+    parse_arguments,
+    setup_logging,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset to train on (`datasets` name)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of the Hub dataset."})
+    train_file: str | None = field(
+        default=None, metadata={"help": "Training text: .txt (one document per line), .jsonl(.gz) or .csv."}
+    )
+    validation_file: str | None = field(default=None, metadata={"help": "Validation text, same formats."})
+    text_column_name: str = field(
+        default="text", metadata={"help": "Column holding the text in jsonl / csv / Hub data."}
+    )
+    validation_split_percentage: int = field(
+        default=5, metadata={"help": "Percentage of training documents held out when there is no validation split."}
+    )
+    block_size: int = field(default=1024, metadata={"help": "Tokens per training example."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training blocks."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many validation blocks."})
+
+    def __post_init__(self):
+        if self.dataset_name is None and self.train_file is None and self.validation_file is None:
+            raise ValueError("Give --dataset_name or --train_file / --validation_file.")
+        if self.block_size < 2:
+            raise ValueError(f"--block_size must be at least 2, got {self.block_size}.")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    model_args, data_args, training_args = parse_arguments(
+        (ModelArguments, DataTrainingArguments, TrainingArguments), argv
+    )
+    setup_logging(training_args, logger)
+    configure_data_parallelism(training_args)
+    checkpoint = checkpoint_to_resume(training_args)
+    set_seed(training_args.seed)
+
+    # Data
+    raw_datasets = load_text_datasets(model_args, data_args)
+    if training_args.do_train and "train" not in raw_datasets:
+        raise ValueError("--do_train needs a training split (--train_file or a Hub dataset with one).")
+    if training_args.do_eval and "validation" not in raw_datasets:
+        raise ValueError("--do_eval needs a validation split (--validation_file or --validation_split_percentage).")
+
+    # Tokenizer, config and model
+    tokenizer = load_tokenizer(model_args)
+    end_id = end_of_text_id(tokenizer)
+    config = load_config(model_args, tokenizer, is_causal=True)
+    model = load_model(AutoModelForCausalLM, model_args, config)
+
+    # Preprocessing
+    def tokenize(examples):
+        encoded = tokenizer(examples["text"], add_special_tokens=False, return_attention_mask=False)
+        return {"input_ids": [ids + [end_id] for ids in encoded["input_ids"]]}
+
+    with training_args.main_process_first(desc="tokenization"):
+        tokenized = raw_datasets.map(
+            tokenize,
+            batched=True,
+            num_proc=data_args.preprocessing_num_workers,
+            remove_columns=["text"],
+            desc="Tokenizing",
+        )
+        lm_datasets = tokenized.map(
+            group_into_blocks,
+            batched=True,
+            fn_kwargs={"block_size": data_args.block_size},
+            num_proc=data_args.preprocessing_num_workers,
+            desc=f"Grouping into blocks of {data_args.block_size}",
+        )
+    train_dataset = eval_dataset = None
+    if training_args.do_train:
+        train_dataset = lm_datasets["train"]
+        if data_args.max_train_samples is not None:
+            train_dataset = train_dataset.select(range(min(len(train_dataset), data_args.max_train_samples)))
+    if training_args.do_eval:
+        eval_dataset = lm_datasets["validation"]
+        if data_args.max_eval_samples is not None:
+            eval_dataset = eval_dataset.select(range(min(len(eval_dataset), data_args.max_eval_samples)))
+
+    def preprocess_logits_for_metrics(logits, labels):
+        return logits.argmax(dim=-1)
+
+    def compute_metrics(eval_prediction):
+        predictions, labels = eval_prediction
+        predictions, labels = predictions[:, :-1], labels[:, 1:]  # the logit at t predicts the token at t + 1
+        scored = labels != -100
+        return {"accuracy": float((predictions[scored] == labels[scored]).mean())}
+
+    trainer = RANTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),  # labels = input_ids, -100 on padding
+        compute_metrics=compute_metrics if training_args.do_eval else None,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics if training_args.do_eval else None,
+        callbacks=[ParameterChecksumCallback(model_args.parameter_checksum_dir)]
+        if model_args.parameter_checksum_dir
+        else None,
+        card={
+            "task": "causal language modelling",
+            "pipeline_tag": "text-generation",
+            "auto_class": "AutoModelForCausalLM",
+            "data": describe_data(data_args, train_dataset, eval_dataset),
+            "intended_use": "Next-token prediction and generation over long texts; `generate()` and streaming carry "
+            "a recurrent `RANCache` whose size does not grow with the keys and values of past windows.",
+            "limitations": "Trained on the text named above only; generations reflect that text and are not "
+            "filtered in any way.",
+        },
+    )
+    results = {"output_dir": training_args.output_dir}
+
+    # Training
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()
+        metrics = train_result.metrics
+        metrics["train_samples"] = len(train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        results["train"] = metrics
+
+    # Evaluation
+    if training_args.do_eval:
+        logger.info("*** Evaluate ***")
+        metrics = trainer.evaluate()
+        metrics["eval_samples"] = len(eval_dataset)
+        metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        results["eval"] = metrics
+
+    card_kwargs = {"finetuned_from": model_args.model_name_or_path, "dataset": data_args.dataset_name}
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**card_kwargs)
+    elif training_args.do_train:
+        trainer.create_model_card(**card_kwargs)
+    return results
+
+
+def describe_data(data_args: DataTrainingArguments, train_dataset, eval_dataset) -> str:
+    source = describe_source(data_args)
+    counts = ", ".join(
+        f"{len(dataset):,} {name} blocks"
+        for name, dataset in (("training", train_dataset), ("validation", eval_dataset))
+        if dataset is not None
+    )
+    return f"{source}; documents ended by an end-of-text token, concatenated into blocks of {data_args.block_size} tokens ({counts})."
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+#!/usr/bin/env python
+"""Fine-tune and evaluate a RAN on named-entity recognition (token classification), scored with seqeval.
+
+    python scripts/run_ner.py --model_name_or_path outputs/ran-mlm \\
+        --train_file ../shared/data/conll2003/train.txt \\
+        --validation_file ../shared/data/conll2003/valid.txt \\
+        --test_file ../shared/data/conll2003/test.txt \\
+        --do_train --do_eval --do_predict --output_dir outputs/ran-conll2003
+
+Data: CoNLL files (one token per line, token first and tag last, blank lines between sentences, `-DOCSTART-` ignored;
+every line must have the same number of columns), jsonl files with `--tokens_column_name` and `--tags_column_name`
+lists, or a Hub dataset (`--dataset_name conll2003`, whose `ner_tags` are `ClassLabel` ids). Words are split into
+subwords by a fast tokenizer; the first subword of a word carries its tag and the others are ignored in the loss (or,
+with `--label_all_tokens`, carry the tag too, B- turned into I-).
+
+Metrics: entity-level precision, recall and F1 (micro-averaged over entity types, conlleval rules) and token
+accuracy, from `evaluate.load("seqeval")` when it can be loaded, else from the `seqeval` package directly (the same
+functions; `evaluate` fetches its metric scripts from the Hub, which offline machines cannot reach).
+"""
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import evaluate
+from datasets import ClassLabel, Dataset, DatasetDict, List
+from transformers import (
+    AutoModelForTokenClassification,
+    DataCollatorForTokenClassification,
+    TrainingArguments,
+    set_seed,
+)
+
+from ran_hf.data import TagLabels, check_columns, file_format, read_conll, read_records
+from training_utils import (
+    ModelArguments,
+    ParameterChecksumCallback,
+    RANTrainer,
+    checkpoint_to_resume,
+    configure_data_parallelism,
+    describe_source,
+    load_config,
+    load_model,
+    load_splits,
+    load_tokenizer,
+    parse_arguments,
+    setup_logging,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset (`datasets` name), e.g. conll2003."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of the Hub dataset."})
+    train_file: str | None = field(default=None, metadata={"help": "Training sentences: CoNLL file or jsonl(.gz)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation sentences, same formats."})
+    test_file: str | None = field(default=None, metadata={"help": "Test sentences, same formats."})
+    tokens_column_name: str = field(default="tokens", metadata={"help": "Column with the list of words (jsonl, Hub)."})
+    tags_column_name: str = field(default="ner_tags", metadata={"help": "Column with the list of tags (jsonl, Hub)."})
+    max_seq_length: int = field(default=512, metadata={"help": "Sentences are truncated to this many subword tokens."})
+    label_all_tokens: bool = field(
+        default=False, metadata={"help": "Give every subword its word's tag, instead of the first one only."}
+    )
+    return_entity_level_metrics: bool = field(
+        default=False, metadata={"help": "Also report precision, recall and F1 of every entity type."}
+    )
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training sentences."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N validation sentences."}
+    )
+    max_predict_samples: int | None = field(default=None, metadata={"help": "Keep only the first N test sentences."})
+
+    def __post_init__(self):
+        if self.dataset_name is None and not (self.train_file or self.validation_file or self.test_file):
+            raise ValueError("Give --dataset_name or --train_file / --validation_file / --test_file.")
+
+
+def load_sentences(model_args: ModelArguments, data_args: DataTrainingArguments) -> DatasetDict:
+    """Splits with columns "tokens" and "ner_tags" (tag names, not ids), from the Hub, jsonl or CoNLL files."""
+    tokens_column, tags_column = data_args.tokens_column_name, data_args.tags_column_name
+    sentences = {}  # split -> (words of every sentence, tags of every sentence)
+    if data_args.dataset_name is not None:
+        splits = load_splits(
+            model_args, data_args.dataset_name, data_args.dataset_config_name, {}, [tokens_column, tags_column]
+        )
+        for split, dataset in splits.items():
+            feature = dataset.features[tags_column]
+            tags = dataset[tags_column]
+            if isinstance(feature, List) and isinstance(feature.feature, ClassLabel):
+                tags = [[feature.feature.int2str(tag) for tag in row] for row in tags]
+            sentences[split] = (dataset[tokens_column], tags)
+    else:
+        files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+        for split, path in files.items():
+            if path is None:
+                continue
+            if file_format(path) == "jsonl":
+                records = read_records(path)
+                check_columns(records, [tokens_column, tags_column], str(path))
+                sentences[split] = ([r[tokens_column] for r in records], [r[tags_column] for r in records])
+            else:
+                records = read_conll(path)
+                sentences[split] = ([r["tokens"] for r in records], [r["ner_tags"] for r in records])
+    for split, (words, tags) in sentences.items():
+        for index, (sentence_words, sentence_tags) in enumerate(zip(words, tags)):
+            if len(sentence_words) != len(sentence_tags):
+                raise ValueError(
+                    f"{split} sentence {index + 1} has {len(sentence_words)} tokens but {len(sentence_tags)} tags."
+                )
+    return DatasetDict(
+        {split: Dataset.from_dict({"tokens": words, "ner_tags": tags}) for split, (words, tags) in sentences.items()}
+    )
+
+
+def load_seqeval():
+    """`compute(predictions=, references=)` of seqeval: through `evaluate` if it loads, else the package itself."""
+    try:
+        return evaluate.load("seqeval").compute
+    except Exception as error:  # noqa: BLE001  (evaluate fetches metric scripts from the Hub: offline it cannot)
+        logger.warning(
+            f"evaluate.load('seqeval') failed ({type(error).__name__}); computing with the seqeval package."
+        )
+    from seqeval.metrics import accuracy_score, classification_report
+
+    def compute(predictions, references):
+        report = classification_report(references, predictions, output_dict=True, zero_division=0)
+        results = {
+            name: {
+                "precision": scores["precision"],
+                "recall": scores["recall"],
+                "f1": scores["f1-score"],
+                "number": scores["support"],
+            }
+            for name, scores in report.items()
+            if name not in ("micro avg", "macro avg", "weighted avg")
+        }
+        overall = report["micro avg"]
+        results.update(
+            overall_precision=overall["precision"],
+            overall_recall=overall["recall"],
+            overall_f1=overall["f1-score"],
+            overall_accuracy=accuracy_score(references, predictions),
+        )
+        return results
+
+    return compute
+
+
+def align_tags(word_ids: list[int | None], tag_ids: list[int], inside_of: dict[int, int], label_all_tokens: bool):
+    """Per-token labels from per-word tag ids: the first subword of a word gets its tag, special tokens -100, and
+    later subwords -100 (with `label_all_tokens`, the tag too, a B- tag turned into its I- tag via `inside_of`)."""
+    labels, previous_word = [], None
+    for word in word_ids:
+        if word is None:
+            labels.append(-100)
+        elif word != previous_word:
+            labels.append(tag_ids[word])
+        else:
+            labels.append(inside_of.get(tag_ids[word], tag_ids[word]) if label_all_tokens else -100)
+        previous_word = word
+    return labels
+
+
+def main(argv: list[str] | None = None) -> dict:
+    model_args, data_args, training_args = parse_arguments(
+        (ModelArguments, DataTrainingArguments, TrainingArguments), argv
+    )
+    setup_logging(training_args, logger)
+    configure_data_parallelism(training_args)
+    checkpoint = checkpoint_to_resume(training_args)
+    set_seed(training_args.seed)
+
+    # Data
+    raw_datasets = load_sentences(model_args, data_args)
+    for split, needed in (
+        ("train", training_args.do_train),
+        ("validation", training_args.do_eval),
+        ("test", training_args.do_predict),
+    ):
+        if needed and split not in raw_datasets:
+            raise ValueError(
+                f"The {split} split is needed (--do_{'eval' if split == 'validation' else split}) but missing."
+            )
+    for split, limit in (
+        ("train", data_args.max_train_samples),
+        ("validation", data_args.max_eval_samples),
+        ("test", data_args.max_predict_samples),
+    ):
+        if split in raw_datasets and limit is not None:
+            raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
+    tags = TagLabels.from_splits({split: dataset["ner_tags"] for split, dataset in raw_datasets.items()})
+    logger.info(f"{len(tags.names)} tags: {list(tags.names)}")
+
+    # Tokenizer, config and model
+    tokenizer = load_tokenizer(model_args)
+    if not tokenizer.is_fast:
+        raise ValueError("Aligning tags with subwords needs a fast tokenizer (one with `word_ids()`).")
+    config = load_config(
+        model_args,
+        tokenizer,
+        num_labels=len(tags.names),
+        id2label=dict(enumerate(tags.names)),
+        label2id=tags.label2id,
+        finetuning_task="ner",
+    )
+    model = load_model(AutoModelForTokenClassification, model_args, config)
+
+    # Preprocessing: subword tokens, with the word's tag on its first subword (or all of them) and -100 elsewhere
+    label2id = tags.label2id
+    inside_of = {
+        label2id[name]: label2id.get("I-" + name[2:], label2id[name]) for name in tags.names if name.startswith("B-")
+    }
+
+    def tokenize_and_align(examples):
+        encoded = tokenizer(
+            examples["tokens"], is_split_into_words=True, truncation=True, max_length=data_args.max_seq_length
+        )
+        encoded["labels"] = [
+            align_tags(
+                encoded.word_ids(row), [label2id[tag] for tag in sentence_tags], inside_of, data_args.label_all_tokens
+            )
+            for row, sentence_tags in enumerate(examples["ner_tags"])
+        ]
+        return encoded
+
+    with training_args.main_process_first(desc="tokenization"):
+        processed = raw_datasets.map(
+            tokenize_and_align,
+            batched=True,
+            num_proc=data_args.preprocessing_num_workers,
+            remove_columns=["tokens", "ner_tags"],
+            desc="Tokenizing and aligning tags",
+        )
+    train_dataset = processed.get("train") if training_args.do_train else None
+    eval_dataset = processed.get("validation") if training_args.do_eval else None
+    predict_dataset = processed.get("test") if training_args.do_predict else None
+
+    seqeval = load_seqeval()
+
+    def tag_sequences(predictions, gold):
+        """Tag names at the scored positions (first subwords), per sentence."""
+        predicted, reference = [], []
+        for prediction_row, gold_row in zip(predictions, gold):
+            scored = gold_row != -100
+            predicted.append([tags.names[i] for i in prediction_row[scored]])
+            reference.append([tags.names[i] for i in gold_row[scored]])
+        return predicted, reference
+
+    def compute_metrics(eval_prediction):
+        logits, gold = eval_prediction
+        predicted, reference = tag_sequences(logits.argmax(-1), gold)
+        results = seqeval(predictions=predicted, references=reference)
+        metrics = {
+            "precision": results["overall_precision"],
+            "recall": results["overall_recall"],
+            "f1": results["overall_f1"],
+            "accuracy": results["overall_accuracy"],
+        }
+        if data_args.return_entity_level_metrics:
+            for entity, scores in results.items():
+                if isinstance(scores, dict):
+                    metrics.update({f"{entity}_{name}": value for name, value in scores.items()})
+        return metrics
+
+    trainer = RANTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForTokenClassification(tokenizer),
+        compute_metrics=compute_metrics,
+        callbacks=[ParameterChecksumCallback(model_args.parameter_checksum_dir)]
+        if model_args.parameter_checksum_dir
+        else None,
+        card={
+            "task": f"named-entity recognition ({len(tags.names)} IOB tags)",
+            "pipeline_tag": "token-classification",
+            "auto_class": "AutoModelForTokenClassification",
+            "data": f"{describe_source(data_args)}; "
+            + ", ".join(f"{len(dataset):,} {split} sentences" for split, dataset in processed.items())
+            + f". Tags: {', '.join(tags.names)}. Scored with seqeval (entity-level, micro-averaged).",
+            "intended_use": "Tagging the entity types above in text like its training data.",
+            "limitations": "Sentence-level: it reads each sentence on its own. It knows only the entity types and "
+            "the kind of text of its training data.",
+        },
+    )
+    results = {"output_dir": training_args.output_dir, "labels": list(tags.names)}
+
+    # Training
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()
+        metrics = train_result.metrics
+        metrics["train_samples"] = len(train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        results["train"] = metrics
+
+    # Evaluation
+    if training_args.do_eval:
+        logger.info("*** Evaluate ***")
+        metrics = trainer.evaluate()
+        metrics["eval_samples"] = len(eval_dataset)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        results["eval"] = metrics
+
+    # Prediction: metrics, and the predicted tag of every word in CoNLL layout
+    if training_args.do_predict:
+        logger.info("*** Predict ***")
+        output = trainer.predict(predict_dataset, metric_key_prefix="test")
+        metrics = output.metrics
+        metrics["test_samples"] = len(predict_dataset)
+        trainer.log_metrics("test", metrics)
+        trainer.save_metrics("test", metrics)
+        results["test"] = metrics
+        if trainer.is_world_process_zero():
+            predicted, _ = tag_sequences(output.predictions.argmax(-1), output.label_ids)
+            path = Path(training_args.output_dir) / "predictions.txt"
+            with path.open("w", encoding="utf-8") as writer:
+                for words, sentence_tags in zip(raw_datasets["test"]["tokens"], predicted):
+                    # Words cut off by --max_seq_length get no prediction: "O".
+                    sentence_tags = sentence_tags + ["O"] * (len(words) - len(sentence_tags))
+                    writer.writelines(f"{word} {tag}\n" for word, tag in zip(words, sentence_tags))
+                    writer.write("\n")
+            logger.info(f"Predictions written to {path}")
+
+    card_kwargs = {"finetuned_from": model_args.model_name_or_path, "dataset": data_args.dataset_name}
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**card_kwargs)
+    elif training_args.do_train:
+        trainer.create_model_card(**card_kwargs)
+    return results
+
+
+if __name__ == "__main__":
+    main()

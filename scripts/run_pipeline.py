@@ -1,0 +1,348 @@
+#!/usr/bin/env python
+"""The whole job in one command: train a tokenizer, pretrain a small RAN with masked language modelling, fine-tune it
+on long-document classification, evaluate it, and save it with its code and model card.
+
+    python scripts/run_pipeline.py                                   # built-in synthetic data, a few minutes on CPU
+    python scripts/run_pipeline.py --train_file ../shared/data/hyperpartisan/train.jsonl \\
+        --validation_file ../shared/data/hyperpartisan/dev.jsonl --test_file ../shared/data/hyperpartisan/test.jsonl \\
+        --output_dir outputs/pipeline-hyperpartisan
+    python scripts/run_pipeline.py --dataset_name <hub dataset> --text_column_name text --label_column_name label
+
+Steps, each one of the scripts next to this one run in the same process (so every flag they document also works when
+running them alone): `train_tokenizer.py` on the training texts -> `run_mlm.py` from scratch on the training texts ->
+`run_classification.py` from that checkpoint (train, validation, test). Everything lands under `--output_dir`:
+`tokenizer/`, `mlm/`, `classifier/` (the final model: weights, `modeling_ran.py`, tokenizer, README.md model card,
+metrics as JSON), `pipeline_results.json` and, for the built-in data, `data/`. Tokenizer training is not
+bit-reproducible (huggingface/tokenizers issue 1794); `--tokenizer_name` reuses a tokenizer for identical reruns.
+
+Built-in data (no network needed): synthetic "topic documents", written by `write_topic_documents`. Every document
+is 25 to 45 sentences (300 to 550 tokens) built from one shared filler vocabulary, into which 4 to 8 words of one of
+six topic word lists (astronomy, cooking, football, finance, medicine, sailing) are mixed, never in the first quarter
+of the document; the label is that topic. The opening window of a document therefore never shows its label, and a
+model reading only the start of a document cannot classify it. These documents are generated, not real text: they check the plumbing
+and that a RAN learns a decision spread over a whole document, nothing about language.
+"""
+
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import get_dataset_split_names, load_dataset
+from transformers import HfArgumentParser
+
+import run_classification
+import run_mlm
+import train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+TOPICS = {
+    "astronomy": "planet star galaxy telescope orbit comet nebula asteroid moon eclipse meteor crater cosmos "
+    "supernova quasar observatory astronaut satellite rocket solar lunar gravity spectrum constellation",
+    "cooking": "recipe oven flour butter garlic onion simmer roast pepper sauce kitchen spoon dough bake salt "
+    "skillet broth herb vinegar whisk grill pastry chef olive",
+    "football": "goal striker referee stadium penalty midfielder goalkeeper league match tackle dribble corner "
+    "offside coach fans tournament header pitch defender kickoff trophy whistle jersey score",
+    "finance": "market stock bond investor dividend portfolio inflation interest bank loan equity revenue profit "
+    "currency audit budget credit asset broker hedge merger shares tax earnings",
+    "medicine": "patient doctor surgery vaccine clinic diagnosis symptom therapy nurse hospital dose infection "
+    "fever antibiotic tumor scan prescription pulse allergy cardiology recovery virus wound ward",
+    "sailing": "boat sail harbor anchor mast keel wind tide captain deck rudder voyage crew island compass "
+    "storm knot ocean port hull yacht regatta lighthouse coast",
+}
+FILLER = {
+    "determiner": ["the", "a", "this", "that", "every", "another", "each", "some"],
+    "adjective": [
+        "old",
+        "new",
+        "quiet",
+        "bright",
+        "small",
+        "large",
+        "early",
+        "late",
+        "strange",
+        "simple",
+        "careful",
+        "busy",
+        "open",
+        "famous",
+        "curious",
+        "rare",
+        "common",
+        "long",
+        "short",
+        "gentle",
+    ],
+    "noun": [
+        "report",
+        "story",
+        "morning",
+        "week",
+        "plan",
+        "question",
+        "answer",
+        "group",
+        "member",
+        "city",
+        "village",
+        "road",
+        "window",
+        "letter",
+        "meeting",
+        "evening",
+        "record",
+        "picture",
+        "journey",
+        "problem",
+        "idea",
+        "friend",
+        "family",
+        "teacher",
+        "student",
+        "season",
+    ],
+    "verb": [
+        "describes",
+        "mentions",
+        "follows",
+        "shows",
+        "changes",
+        "reaches",
+        "explains",
+        "remembers",
+        "considers",
+        "discusses",
+        "includes",
+        "suggests",
+        "watches",
+        "meets",
+        "finds",
+        "visits",
+    ],
+    "preposition": ["about", "near", "after", "before", "during", "with", "without", "beyond", "around", "across"],
+    "connector": ["and", "then", "meanwhile", "however", "also", "still", "later"],
+}
+
+
+def write_topic_documents(folder: Path, sizes: dict[str, int], seed: int = 0) -> dict[str, Path]:
+    """Write `{split}.jsonl` files of synthetic topic documents (`{"text", "label"}`); see the module docstring."""
+    rng = random.Random(seed)
+    topic_words = {topic: words.split() for topic, words in TOPICS.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def sentence(object_word: str) -> str:
+        words = [rng.choice(FILLER[kind]) for kind in ("determiner", "adjective", "noun", "verb", "determiner")]
+        words += [object_word, rng.choice(FILLER["connector"]), rng.choice(FILLER["verb"])]
+        words += [rng.choice(FILLER["determiner"]), rng.choice(FILLER["noun"])]
+        return " ".join(words).capitalize() + "."
+
+    def document(topic: str) -> dict:
+        num_sentences = rng.randint(25, 45)
+        # A handful of topic words, none in the first quarter of the document.
+        mentions = set(rng.sample(range(num_sentences // 4, num_sentences), rng.randint(4, 8)))
+        sentences = [
+            sentence(rng.choice(topic_words[topic]) if index in mentions else rng.choice(FILLER["noun"]))
+            for index in range(num_sentences)
+        ]
+        return {"text": " ".join(sentences), "label": topic}
+
+    paths = {}
+    for split, size in sizes.items():
+        paths[split] = folder / f"{split}.jsonl"
+        topics = [sorted(topic_words)[index % len(topic_words)] for index in range(size)]  # balanced classes
+        rng.shuffle(topics)
+        with paths[split].open("w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(document(topic)) + "\n" for topic in topics)
+    return paths
+
+
+@dataclass
+class PipelineArguments:
+    output_dir: str = field(default="outputs/pipeline", metadata={"help": "Folder for everything the pipeline makes."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset instead of files or built-in data."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of the Hub dataset."})
+    train_file: str | None = field(default=None, metadata={"help": "Training documents (jsonl(.gz), csv, tsv)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation documents."})
+    test_file: str | None = field(default=None, metadata={"help": "Test documents."})
+    text_column_name: str = field(default="text", metadata={"help": "Column with the text."})
+    label_column_name: str = field(default="label", metadata={"help": "Column with the label(s)."})
+    synthetic_documents: str = field(
+        default="600,150,150", metadata={"help": "Built-in data: train,validation,test document counts."}
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "An existing tokenizer to use instead of training one (training is not bit-reproducible: "
+            "huggingface/tokenizers issue 1794)."
+        },
+    )
+    vocab_size: int = field(default=8000, metadata={"help": "Tokenizer vocabulary (WordPiece, lower-cased)."})
+    hidden_size: int = field(default=64, metadata={"help": "Model width."})
+    num_hidden_layers: int = field(default=2, metadata={"help": "RAN layers."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads (head size = width / heads)."})
+    window_size: int = field(default=64, metadata={"help": "Tokens per window."})
+    dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "Hidden and attention dropout. The paper uses 0.1; a small RAN trained for minutes learns much "
+            "faster without (its pooler takes a max over all token states, where dropout noise competes with sparse "
+            "evidence)."
+        },
+    )
+    max_seq_length: int = field(default=4096, metadata={"help": "Documents are cut to this many tokens."})
+    mlm_epochs: float = field(default=2.0, metadata={"help": "Epochs of masked-language-model pretraining."})
+    mlm_learning_rate: float = field(default=1e-3, metadata={"help": "Pretraining learning rate."})
+    epochs: float = field(default=6.0, metadata={"help": "Epochs of fine-tuning."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Fine-tuning learning rate."})
+    batch_size: int = field(default=8, metadata={"help": "Documents per batch, pretraining and fine-tuning."})
+    seed: int = field(default=0, metadata={"help": "Seed for data generation, initialisation and training."})
+    torch_threads: int = field(
+        default=1,
+        metadata={"help": "CPU threads; a small model is fastest on one (0: PyTorch's default, all cores)."},
+    )
+    report_to: str = field(default="none", metadata={"help": "Experiment tracker for Trainer (`none`, `wandb`, ...)."})
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, stream=sys.stdout
+    )
+    (args,) = HfArgumentParser(PipelineArguments).parse_args_into_dataclasses(args=argv)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    start = time.perf_counter()
+    output_dir = Path(args.output_dir)
+    data = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
+
+    # 1. Data: the user's, or generated
+    if args.dataset_name is None and args.train_file is None:
+        sizes = dict(zip(("train", "validation", "test"), map(int, args.synthetic_documents.split(","))))
+        data = {
+            split: str(path) for split, path in write_topic_documents(output_dir / "data", sizes, args.seed).items()
+        }
+        logger.info(f"Wrote synthetic topic documents to {output_dir / 'data'}")
+    if args.dataset_name:
+        source = ["--dataset_name", args.dataset_name]
+        source += ["--dataset_config_name", args.dataset_config_name] if args.dataset_config_name else []
+        mlm_source = source
+    else:
+        source = [arg for split, path in data.items() if path for arg in (f"--{split}_file", path)]
+        mlm_source = ["--train_file", data["train"]]  # 5% of it held out to report the masked-LM perplexity
+    common = ["--seed", str(args.seed), "--report_to", args.report_to, "--save_strategy", "no"]
+
+    # 2. Tokenizer, on the training texts (a Hub dataset: first exported to a file)
+    tokenizer_dir = args.tokenizer_name or str(output_dir / "tokenizer")
+    if args.tokenizer_name is None:
+        tokenizer_files = [data["train"]] if not args.dataset_name else [export_texts(args, output_dir / "data")]
+        train_tokenizer.main(
+            ["--train_files", *tokenizer_files, "--text_column_name", args.text_column_name]
+            + ["--vocab_size", str(args.vocab_size), "--output_dir", tokenizer_dir]
+        )
+
+    # 3. Masked-language-model pretraining from scratch, on the training texts
+    head_dim = args.hidden_size // args.num_attention_heads
+    overrides = (
+        f"hidden_size={args.hidden_size},num_hidden_layers={args.num_hidden_layers},"
+        f"num_attention_heads={args.num_attention_heads},head_dim={head_dim},window_size={args.window_size},"
+        f"min_window_size={max(1, args.window_size // 8)},hidden_dropout_prob={args.dropout},"
+        f"attention_probs_dropout_prob={args.dropout}"
+    )
+    mlm_dir = output_dir / "mlm"
+    mlm = run_mlm.main(
+        mlm_source
+        + ["--tokenizer_name", tokenizer_dir, "--config_overrides", overrides]
+        + ["--text_column_name", args.text_column_name, "--max_seq_length", "512"]
+        + ["--do_train", "--do_eval", "--output_dir", str(mlm_dir), "--run_name", f"ran-{output_dir.name}-mlm"]
+        + ["--num_train_epochs", str(args.mlm_epochs)]
+        + ["--learning_rate", str(args.mlm_learning_rate), "--warmup_steps", "0.1", "--weight_decay", "0.01"]
+        + ["--per_device_train_batch_size", str(args.batch_size), "--logging_steps", "20"]
+        + common
+    )
+
+    # 4. Fine-tuning on classification, evaluation and test predictions
+    classifier_dir = output_dir / "classifier"
+    if args.dataset_name:
+        available = get_dataset_split_names(args.dataset_name, args.dataset_config_name)
+        has = {split: split in available for split in data}
+    else:
+        has = {split: bool(data[split]) for split in data}
+    classification = run_classification.main(
+        source
+        + ["--model_name_or_path", str(mlm_dir), "--text_column_name", args.text_column_name]
+        + ["--label_column_name", args.label_column_name, "--max_seq_length", str(args.max_seq_length)]
+        + ["--do_train"]
+        + (["--do_eval"] if has["validation"] else [])
+        + (["--do_predict"] if has["test"] else [])
+        + [
+            "--output_dir",
+            str(classifier_dir),
+            "--run_name",
+            f"ran-{output_dir.name}",
+            "--num_train_epochs",
+            str(args.epochs),
+        ]
+        + ["--learning_rate", str(args.learning_rate), "--warmup_steps", "0.1", "--weight_decay", "0.01"]
+        + [
+            "--per_device_train_batch_size",
+            str(args.batch_size),
+            "--train_sampling_strategy",
+            "group_by_length",
+            "--logging_steps",
+            "20",
+        ]
+        + common
+    )
+
+    # 5. Report
+    wall_time = time.perf_counter() - start
+    summary = {
+        "output_dir": str(classifier_dir.resolve()),
+        "labels": classification["labels"],
+        "mlm_perplexity": mlm.get("eval", {}).get("perplexity"),
+        "validation": {
+            k: v for k, v in classification.get("eval", {}).items() if k.startswith("eval_") and "_per_" not in k
+        },
+        "test": {
+            k: v for k, v in classification.get("test", {}).items() if k.startswith("test_") and "_per_" not in k
+        },
+        "wall_time_s": round(wall_time, 1),
+    }
+    (output_dir / "pipeline_results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\n==== RAN pipeline finished in {wall_time:.0f} s ====")
+    print(f"masked-LM perplexity (held-out training text): {summary['mlm_perplexity']:.2f}")
+    for split in ("validation", "test"):
+        if summary[split]:
+            shown = ", ".join(
+                f"{k.split('_', 1)[1]} {v:.4f}"
+                for k, v in summary[split].items()
+                if k.split("_", 1)[1] in ("accuracy", "macro_f1", "micro_f1", "loss")
+            )
+            print(f"{split}: {shown}")
+    print(f"classifier saved to {summary['output_dir']} (model card: README.md, metrics: all_results.json)")
+    print(
+        "load it anywhere with:\n"
+        "  from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
+        f"  model = AutoModelForSequenceClassification.from_pretrained({summary['output_dir']!r}, trust_remote_code=True)\n"
+        f"  tokenizer = AutoTokenizer.from_pretrained({summary['output_dir']!r})"
+    )
+    return summary
+
+
+def export_texts(args: PipelineArguments, folder: Path) -> str:
+    """The training texts of a Hub dataset as a jsonl file, for the tokenizer trainer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer_texts.jsonl"
+    train = load_dataset(args.dataset_name, args.dataset_config_name, split="train")
+    with path.open("w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps({args.text_column_name: text}) + "\n" for text in train[args.text_column_name])
+    return str(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,535 @@
+"""What the `scripts/run_*.py` training scripts share: model arguments, logging, resuming, DDP settings, the
+tokenizer/config checks, a parameter checksum hook and the model card.
+
+The scripts import this module from their own folder, so they run from any working directory, under `python`,
+`torchrun` or `accelerate launch`.
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import string
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+from datasets import Dataset, DatasetDict, load_dataset
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+import ran_hf  # registers RAN with the Auto classes and marks it for remote code on save
+from ran_hf import RANConfig
+from ran_hf.data import check_columns, read_records
+
+logger = logging.getLogger(__name__)
+
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "TEMPLATE.md"
+WEIGHTS_NAMES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+RESUME_LATEST = ("latest", "true")
+CHECKPOINT_PATTERN = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+@dataclass
+class ModelArguments:
+    """Which model, config and tokenizer to start from (one set of arguments for every training script)."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Checkpoint to start from: a Hub model id or a folder. Leave out to train from scratch."},
+    )
+    config_name: str | None = field(
+        default=None, metadata={"help": "Config to use when it is not the one of `model_name_or_path`."}
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={
+            "help": "From scratch only: RANConfig fields to change, e.g. "
+            "`hidden_size=128,num_hidden_layers=2,num_attention_heads=4,head_dim=32,window_size=128`. "
+            "`vocab_size` and `pad_token_id` follow the tokenizer unless given here."
+        },
+    )
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "Tokenizer (Hub id or folder) when it is not the one of `model_name_or_path`."}
+    )
+    cache_dir: str | None = field(default=None, metadata={"help": "Where Hub downloads are stored."})
+    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a Hub model."})
+    token: str | None = field(
+        default=None, metadata={"help": "Hub token (defaults to the one `hf auth login` saved)."}
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Let other model types load their own code from the Hub (RAN's is installed with ran_hf)."},
+    )
+    ignore_mismatched_sizes: bool = field(
+        default=False,
+        metadata={"help": "Fine-tuning: re-initialise a head whose shape differs (e.g. another number of labels)."},
+    )
+    parameter_checksum_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Debugging data parallelism: at the end of training every process writes the SHA-256 of its "
+            "parameters to `<dir>/rank-<N>.json`; all ranks must agree."
+        },
+    )
+
+    def __post_init__(self):
+        if self.config_overrides is not None and (self.config_name or self.model_name_or_path):
+            raise ValueError("--config_overrides only applies when training from scratch (no --model_name_or_path).")
+        if self.model_name_or_path is None and self.tokenizer_name is None:
+            raise ValueError("Training from scratch needs --tokenizer_name (see scripts/train_tokenizer.py).")
+
+
+# ---- arguments, logging and distributed settings ----------------------------------------------------------------
+
+
+def parse_arguments(dataclass_types, argv: list[str] | None = None):
+    """Command-line flags, or a single `.json` file holding them, into the given dataclasses."""
+    parser = HfArgumentParser(dataclass_types)
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def setup_logging(training_args: transformers.TrainingArguments, script_logger: logging.Logger) -> None:
+    """Log to stdout at the process's level (replicas quieter than the main process), as Transformers' examples do."""
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    if training_args.should_log:
+        transformers.utils.logging.set_verbosity_info()
+    log_level = training_args.get_process_log_level()
+    for module_logger in (logger, script_logger):
+        module_logger.setLevel(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.enable_explicit_format()
+    logger.warning(
+        f"Process rank {training_args.process_index} of {training_args.world_size}, device {training_args.device}, "
+        f"distributed: {training_args.parallel_mode.value == 'distributed'}, "
+        f"mixed precision: {training_args.mixed_precision}"
+    )
+
+
+def configure_data_parallelism(training_args: transformers.TrainingArguments) -> None:
+    """Let DDP skip parameters that receive no gradient in a step, unless the user chose otherwise.
+
+    RAN's cell-residual weights (`cell_glu`, `cell_norm` of every layer) get no gradient in a batch whose sequences all
+    fit in one window, where no cell follows another. Transformers would turn `find_unused_parameters` off under
+    activation checkpointing, which is safe here because RAN checkpoints with `use_reentrant=False`.
+    """
+    if training_args.ddp_find_unused_parameters is None:
+        training_args.ddp_find_unused_parameters = True
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------------------
+
+
+def missing_from_checkpoint(folder: str | Path) -> list[str]:
+    """What a checkpoint folder lacks to resume from (empty when complete).
+
+    Trainer writes `checkpoint-N/` in place: weights, then optimizer, scheduler and RNG states, and `trainer_state.json`
+    last. A run killed while saving leaves a folder without (or with a truncated) `trainer_state.json`.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return ["the folder itself"]
+    names = {path.name for path in folder.iterdir()}
+    missing = []
+    try:
+        json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        missing.append("a readable trainer_state.json")
+    if not names.intersection(WEIGHTS_NAMES) and not any(
+        name.startswith(("global_step", "pytorch_model_fsdp")) for name in names
+    ):
+        missing.append("model weights")
+    # DeepSpeed and FSDP keep the optimizer state in their own sub-folders.
+    if "optimizer.pt" not in names and not any(name.startswith(("global_step", "optimizer_")) for name in names):
+        missing.append("optimizer.pt")
+    if "scheduler.pt" not in names:
+        missing.append("scheduler.pt")
+    if not any(name.startswith("rng_state") for name in names):
+        missing.append("rng_state*.pth")
+    return missing
+
+
+def checkpoint_to_resume(training_args: transformers.TrainingArguments) -> str | None:
+    """The checkpoint `--resume_from_checkpoint` asks for, checked for completeness before any training happens.
+
+    `PATH` must be a complete checkpoint. `latest` takes the newest complete `checkpoint-N` of `--output_dir`,
+    skipping (with a warning) one that a killed run left half-written, and starts from scratch when there is none, so
+    that a restarted job can always pass `latest`.
+    """
+    requested = training_args.resume_from_checkpoint
+    output_dir = Path(training_args.output_dir)
+    found = sorted(
+        (path for path in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if CHECKPOINT_PATTERN.match(path.name)),
+        key=lambda path: int(CHECKPOINT_PATTERN.match(path.name).group(1)),
+        reverse=True,
+    )
+    if requested is None:
+        if found and training_args.do_train:
+            logger.warning(
+                f"{output_dir} already holds {found[0].name}; training starts from scratch and overwrites it. "
+                "Pass --resume_from_checkpoint latest to continue instead."
+            )
+        return None
+    if requested.lower() not in RESUME_LATEST:
+        missing = missing_from_checkpoint(requested)
+        if missing:
+            raise ValueError(f"Cannot resume from {requested}: it lacks {', '.join(missing)}.")
+        return requested
+    for checkpoint in found:
+        missing = missing_from_checkpoint(checkpoint)
+        if not missing:
+            logger.warning(f"Resuming from {checkpoint}")
+            return str(checkpoint)
+        logger.warning(
+            f"Skipping {checkpoint}, left incomplete by an interrupted save: it lacks {', '.join(missing)}."
+        )
+    logger.warning(f"No complete checkpoint in {output_dir}: training starts from scratch.")
+    return None
+
+
+# ---- data ----------------------------------------------------------------------------------------------------------
+
+
+def load_splits(
+    model_args: ModelArguments,
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    files: dict[str, str | None],
+    columns: list[str],
+    optional_columns: tuple[str, ...] = (),
+) -> DatasetDict:
+    """Splits from the Hub (`dataset_name`) or from local files (`{"train": path, ...}`), checked for `columns`.
+
+    Local files are read with `ran_hf.data` (jsonl / jsonl.gz / csv / tsv / text) and keep only `columns`, plus those
+    of `optional_columns` that their first record holds (a test file without labels, say).
+    """
+    if dataset_name is not None:
+        splits = load_dataset(
+            dataset_name, dataset_config_name, cache_dir=model_args.cache_dir, token=model_args.token
+        )
+        for split, dataset in splits.items():
+            check_columns([dict.fromkeys(dataset.column_names)], columns, f"{dataset_name} ({split})")
+        return splits
+    splits = DatasetDict()
+    for split, path in files.items():
+        if path is None:
+            continue
+        records = read_records(path)
+        kept = columns + [column for column in optional_columns if column in records[0]]
+        check_columns(records, kept, str(path))
+        splits[split] = Dataset.from_dict({column: [record[column] for record in records] for column in kept})
+    return splits
+
+
+def describe_source(data_args) -> str:
+    """ "Hub dataset `name` (`config`)" or the data files, for a model card."""
+    if data_args.dataset_name:
+        config = f" (`{data_args.dataset_config_name}`)" if data_args.dataset_config_name else ""
+        return f"Hub dataset `{data_args.dataset_name}`{config}"
+    files = [
+        f"{split} `{getattr(data_args, f'{split}_file')}`"
+        for split in ("train", "validation", "test")
+        if getattr(data_args, f"{split}_file", None)
+    ]
+    return ", ".join(files)
+
+
+def load_text_datasets(model_args: ModelArguments, data_args) -> DatasetDict:
+    """Train / validation text for language modelling, with the text in column "text".
+
+    Without a validation split, `validation_split_percentage` % of the training documents are held out.
+    """
+    column = data_args.text_column_name
+    files = {"train": data_args.train_file, "validation": data_args.validation_file}
+    splits = load_splits(model_args, data_args.dataset_name, data_args.dataset_config_name, files, [column])
+    if "validation" not in splits and "train" in splits and data_args.validation_split_percentage > 0:
+        held_out = splits["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=0)
+        splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
+    splits = DatasetDict({split: dataset.select_columns([column]) for split, dataset in splits.items()})
+    if column != "text":
+        splits = splits.rename_column(column, "text")
+    return splits.filter(lambda example: bool(example["text"] and example["text"].strip()))
+
+
+def group_into_blocks(examples: dict[str, list[list]], block_size: int) -> dict[str, list[list]]:
+    """Concatenate tokenized documents and cut the stream into blocks of `block_size` (the last may be shorter:
+    RAN needs no fixed length and the collator pads it)."""
+    concatenated = {key: [item for row in values for item in row] for key, values in examples.items()}
+    total = len(next(iter(concatenated.values())))
+    return {
+        key: [values[start : start + block_size] for start in range(0, total, block_size)]
+        for key, values in concatenated.items()
+    }
+
+
+# ---- tokenizer, config and model ---------------------------------------------------------------------------------
+
+
+def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(
+        name,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    if tokenizer.pad_token_id is None:
+        raise ValueError(f"The tokenizer {name} has no padding token; RAN batches need one (id 0 by default).")
+    return tokenizer
+
+
+def load_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, **task_fields) -> RANConfig:
+    """The model's config with the task's fields (labels, `is_causal`, ...), checked against the tokenizer."""
+    hub_kwargs = {"cache_dir": model_args.cache_dir, "revision": model_args.model_revision, "token": model_args.token}
+    if model_args.config_name or model_args.model_name_or_path:
+        config = AutoConfig.from_pretrained(
+            model_args.config_name or model_args.model_name_or_path,
+            trust_remote_code=model_args.trust_remote_code,
+            **hub_kwargs,
+            **task_fields,
+        )
+    else:
+        logger.warning("Training a new RAN from scratch.")
+        fields = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, **task_fields}
+        config = RANConfig(**fields)
+        if model_args.config_overrides:
+            logger.info(f"Config overrides: {model_args.config_overrides}")
+            config.update_from_string(model_args.config_overrides)
+            config = RANConfig(**config.to_dict())  # validates the overridden fields, naming a bad one
+    check_tokenizer_matches_config(tokenizer, config)
+    return config
+
+
+def check_tokenizer_matches_config(tokenizer: PreTrainedTokenizerBase, config) -> None:
+    """A tokenizer that can emit ids the embedding does not have, or pads with another id, is an error."""
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}: token ids "
+            f">= {config.vocab_size} would have no embedding. Use the tokenizer the model was trained with."
+        )
+    if config.pad_token_id is not None and tokenizer.pad_token_id != config.pad_token_id:
+        raise ValueError(
+            f"The tokenizer pads with id {tokenizer.pad_token_id} ({tokenizer.pad_token!r}) but the model config has "
+            f"pad_token_id={config.pad_token_id}. Use the tokenizer the model was trained with."
+        )
+    if len(tokenizer) < config.vocab_size:
+        logger.info(f"The model's vocabulary ({config.vocab_size}) is larger than the tokenizer's ({len(tokenizer)}).")
+
+
+def load_model(auto_class, model_args: ModelArguments, config):
+    """Weights from `--model_name_or_path`, or a freshly initialised model from `config`."""
+    if model_args.model_name_or_path is None:
+        model = auto_class.from_config(config)
+        logger.info(f"New {type(model).__name__} with {model.num_parameters():,} parameters")
+        return model
+    return auto_class.from_pretrained(
+        model_args.model_name_or_path,
+        config=config,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+    )
+
+
+def end_of_text_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The token that ends a document in a language-modelling stream: EOS, else SEP."""
+    token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    if token_id is None:
+        raise ValueError("The tokenizer has neither an EOS nor a SEP token to end documents with.")
+    return token_id
+
+
+# ---- parameter checksums ------------------------------------------------------------------------------------------
+
+
+def parameter_checksum(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter's name and float32 bytes, in `named_parameters` order (tied weights once)."""
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(parameter.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class ParameterChecksumCallback(TrainerCallback):
+    """At the end of training, every process writes `{"rank", "global_step", "sha256"}` to `<folder>/rank-<N>.json`."""
+
+    def __init__(self, folder: str):
+        self.folder = Path(folder)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        record = {"rank": args.process_index, "global_step": state.global_step, "sha256": parameter_checksum(model)}
+        (self.folder / f"rank-{args.process_index}.json").write_text(json.dumps(record) + "\n")
+        logger.warning(
+            f"Parameter checksum of rank {args.process_index} at step {state.global_step}: {record['sha256']}"
+        )
+
+
+# ---- model card ----------------------------------------------------------------------------------------------------
+
+
+class RANTrainer(Trainer):
+    """`Trainer` whose model card (written by `create_model_card`, and so by `push_to_hub`) is RAN's own.
+
+    `card` holds what only the script knows: the task, the data, intended use and limitations (see `write_model_card`).
+    """
+
+    def __init__(self, *args, card: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.card = card or {}
+
+    def create_model_card(self, **kwargs) -> None:
+        if self.is_world_process_zero():
+            write_model_card(self, **{**self.card, **kwargs})
+
+
+def write_model_card(
+    trainer: Trainer,
+    task: str,
+    pipeline_tag: str,
+    auto_class: str,
+    data: str,
+    intended_use: str,
+    limitations: str,
+    model_name: str | None = None,
+    finetuned_from: str | None = None,
+    dataset: str | list[str] | None = None,
+    tags: list[str] | None = None,
+    **unused,
+) -> Path:
+    """Fill `model_cards/TEMPLATE.md` from the run (config, hyperparameters, the saved `all_results.json`) and write it
+    to `README.md` in the output folder, next to the saved model."""
+    args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
+    config = model.config
+    output_dir = Path(args.output_dir)
+    if model_name is None:
+        named = args.hub_model_id or (args.run_name if args.run_name not in (None, args.output_dir) else None)
+        model_name = named.split("/")[-1] if named else output_dir.name
+    results_file = output_dir / "all_results.json"
+    results = json.loads(results_file.read_text()) if results_file.is_file() else {}
+    shown_metrics = [name for name in sorted(results) if not name.endswith("_per_second") and name != "total_flos"]
+
+    datasets_field = [dataset] if isinstance(dataset, str) else list(dataset or [])
+    front_matter = {
+        "library_name": "transformers",
+        "pipeline_tag": pipeline_tag,
+        "license": "apache-2.0",
+        "tags": ["ran", "recurrent-attention-network", "long-document", *(tags or [])],
+    }
+    if datasets_field:
+        front_matter["datasets"] = datasets_field
+    if finetuned_from and not Path(finetuned_from).exists():
+        front_matter["base_model"] = finetuned_from
+
+    world_size = args.world_size
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    steps = trainer.state.global_step
+    length = f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs:g} epochs"
+    hyperparameters = [
+        ("learning rate", f"{args.learning_rate:g}"),
+        (
+            "schedule",
+            f"{args.lr_scheduler_type.value}, warmup "
+            + (
+                f"{args.warmup_steps:.0%} of the steps"
+                if 0 < args.warmup_steps < 1
+                else f"{args.warmup_steps:g} steps"
+            ),
+        ),
+        ("optimizer", f"{args.optim.value}, weight decay {args.weight_decay:g}"),
+        (
+            "batch size",
+            (
+                f"{batch} ({args.per_device_train_batch_size} per device x {world_size} processes x "
+                f"{args.gradient_accumulation_steps} accumulation steps)"
+            ),
+        ),
+        ("training length", f"{length} ({steps} optimizer steps done)"),
+        ("precision", "float32" if args.mixed_precision in (None, "no") else args.mixed_precision),
+        ("seed", str(args.seed)),
+    ]
+    architecture = [
+        ("parameters", f"{model.num_parameters():,}"),
+        ("hidden size / layers", f"{config.hidden_size} / {config.num_hidden_layers}"),
+        ("heads x head size", f"{config.num_attention_heads} x {config.head_dim}"),
+        (
+            "window / minimum window / overlap",
+            f"{config.window_size} / {config.min_window_size} / {config.window_overlap}",
+        ),
+        ("cell pooling, memory review", f"{config.cell_pooling}, {config.memory_review}"),
+        ("causal", str(config.is_causal)),
+        ("vocabulary", f"{config.vocab_size:,}"),
+    ]
+    values = {
+        "front_matter": "\n".join(front_matter_lines(front_matter)),
+        "model_name": model_name,
+        "task": task,
+        "base": f"fine-tuned from `{finetuned_from}`" if finetuned_from else "trained from scratch",
+        "data": data,
+        "results": markdown_table(("metric", "value"), [(name, format_value(results[name])) for name in shown_metrics])
+        if shown_metrics
+        else "No metrics were recorded.",
+        "hyperparameters": markdown_table(("setting", "value"), hyperparameters),
+        "architecture": markdown_table(("field", "value"), architecture),
+        "auto_class": auto_class,
+        "repo_id": args.hub_model_id or str(output_dir),
+        "intended_use": intended_use,
+        "limitations": limitations,
+        "versions": (
+            f"ran_hf {ran_hf.__version__}, Transformers {transformers.__version__}, PyTorch {torch.__version__}, "
+            f"Datasets {datasets.__version__}"
+        ),
+    }
+    card = string.Template(MODEL_CARD_TEMPLATE.read_text(encoding="utf-8")).substitute(values)
+    path = output_dir / "README.md"
+    path.write_text(card, encoding="utf-8")
+    logger.info(f"Model card written to {path}")
+    return path
+
+
+def front_matter_lines(fields: dict) -> list[str]:
+    lines = []
+    for key, value in fields.items():
+        if isinstance(value, list):
+            lines.append(f"{key}:")
+            lines.extend(f"- {json.dumps(item)}" for item in value)
+        else:
+            lines.append(f"{key}: {json.dumps(value)}")
+    return lines
+
+
+def markdown_table(header: tuple[str, str], rows) -> str:
+    lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
+    lines.extend(f"| {name} | {value} |" for name, value in rows)
+    return "\n".join(lines)
+
+
+def format_value(value) -> str:
+    if isinstance(value, float):
+        if math.isfinite(value) and abs(value) >= 1e4:
+            return f"{value:,.0f}"
+        return f"{value:.4g}"
+    return str(value)

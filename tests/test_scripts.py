@@ -1,0 +1,723 @@
+"""The user-facing scripts: data readers, tokenizer training, pretraining, fine-tuning, evaluation, the pipeline, bad
+input caught before training, and resuming after a run is killed.
+
+Scripts run in this process through their `main(argv)` (a subprocess only where the test needs one: a run to kill,
+a load where `ran_hf` is not importable), on tiny models and data generated here or read from ../shared/data.
+"""
+
+import csv
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from ran_hf import RANConfig, RANForSequenceClassification
+from ran_hf.data import ClassificationLabels, TagLabels, read_conll, read_records
+from remote_code import run_without_ran_hf
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))  # the scripts import their shared module from their own folder
+
+import evaluate_perplexity
+import run_classification
+import run_clm
+import run_mlm
+import run_ner
+import run_pipeline
+import train_tokenizer
+from training_utils import missing_from_checkpoint, parameter_checksum
+
+# Windows of 16 tokens, so that every test document spans several; no dropout, so that runs are reproducible.
+TINY_OVERRIDES = (
+    "hidden_size=16,num_attention_heads=2,head_dim=8,window_size=16,min_window_size=4,"
+    "hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0"
+)
+QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--log_level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def topic_files(tmp_path_factory):
+    """Small synthetic long-document classification splits (see `run_pipeline.write_topic_documents`)."""
+    folder = tmp_path_factory.mktemp("topics")
+    return run_pipeline.write_topic_documents(folder, {"train": 24, "validation": 8, "test": 8}, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(topic_files, tmp_path_factory):
+    """A WordPiece tokenizer trained by `train_tokenizer.py` on the topic documents."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer.main(
+        ["--train_files", str(topic_files["train"]), "--vocab_size", "300", "--output_dir", str(folder)]
+    )
+    return folder
+
+
+def from_scratch(tokenizer_dir, output_dir) -> list[str]:
+    """Arguments for a tiny from-scratch run writing to `output_dir`."""
+    return [
+        "--tokenizer_name",
+        str(tokenizer_dir),
+        "--config_overrides",
+        TINY_OVERRIDES,
+        "--output_dir",
+        str(output_dir),
+    ]
+
+
+def write_jsonl(path: Path, records) -> Path:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(record) + "\n" for record in records)
+    return path
+
+
+# ---- readers ---------------------------------------------------------------------------------------------------------
+
+
+def test_readers_accept_jsonl_gzip_csv_and_text(tmp_path):
+    records = [{"text": "first document", "label": "a"}, {"text": "second, with a comma", "label": "b"}]
+    write_jsonl(tmp_path / "data.jsonl", records)
+    write_jsonl(tmp_path / "data.jsonl.gz", records)
+    with open(tmp_path / "data.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["text", "label"])
+        writer.writeheader()
+        writer.writerows(records)
+    (tmp_path / "data.txt").write_text("first document\n\n   \nsecond, with a comma\n", encoding="utf-8")
+
+    for name in ("data.jsonl", "data.jsonl.gz", "data.csv"):
+        assert read_records(tmp_path / name) == records, name
+    assert read_records(tmp_path / "data.txt") == [{"text": "first document"}, {"text": "second, with a comma"}]
+
+
+def test_read_conll_skips_docstart_and_splits_sentences(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text(
+        "-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\nPeter NNP B-NP B-PER\nBlackburn NNP I-NP I-PER\n"
+    )
+    assert read_conll(path) == [
+        {"tokens": ["EU", "rejects"], "ner_tags": ["B-ORG", "O"]},
+        {"tokens": ["Peter", "Blackburn"], "ner_tags": ["B-PER", "I-PER"]},
+    ]
+
+
+def test_labels_are_read_off_the_data():
+    """Strings, booleans and ints are class names (numbers in numeric order); lists make the task multi-label."""
+    labels = ClassificationLabels.from_splits({"train": ["true", "false", "true"], "validation": ["false"]}, "label")
+    assert labels == ClassificationLabels(("false", "true"), multi_label=False)
+    assert labels.encode("true") == 1
+    assert ClassificationLabels.from_splits({"train": [True, False]}, "label").names == ("false", "true")
+    assert ClassificationLabels.from_splits({"train": [10, 2, 1]}, "label").names == ("1", "2", "10")
+
+    multi = ClassificationLabels.from_splits({"train": [["192", "20"], []], "validation": [["7"]]}, "label")
+    assert multi == ClassificationLabels(
+        ("7", "20", "192"), multi_label=True
+    )  # the union: unseen ones count as misses
+    assert multi.encode(["192", "7"]) == [0, 2]
+    assert TagLabels.from_splits({"train": [["B-PER", "O", "I-PER"]]}).names == ("O", "B-PER", "I-PER")
+
+
+@pytest.mark.parametrize(
+    "splits, message",
+    [
+        pytest.param({"train": ["a", ["b"]]}, "mixes single labels .* and lists of labels", id="mixed-kinds"),
+        pytest.param({"train": ["a", 0.5]}, "holds float 0.5", id="float"),
+        pytest.param({"train": ["a", None]}, "is empty", id="null"),
+        pytest.param({"train": ["a", ""]}, "holds an empty string", id="empty-string"),
+        pytest.param({"train": [["a", ["b"]]]}, "nested list", id="nested-list"),
+        pytest.param(
+            {"train": ["a", "b"], "validation": ["c"]}, "labels the train split never uses: \\['c'\\]", id="unseen"
+        ),
+        pytest.param({"train": ["a", "a"]}, "a single class", id="one-class"),
+    ],
+)
+def test_bad_labels_are_named(splits, message):
+    with pytest.raises(ValueError, match=message):
+        ClassificationLabels.from_splits(splits, "label")
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        pytest.param("empty.jsonl", "", "holds no examples", id="empty-jsonl"),
+        pytest.param("blank.txt", "\n  \n", "holds no examples", id="blank-text"),
+        pytest.param("bad.jsonl", '{"text": "a"}\n{"text": \n', "line 2: not valid JSON", id="broken-json"),
+        pytest.param("list.jsonl", "[1, 2]\n", "line 1: expected a JSON object", id="json-list"),
+        pytest.param("ragged.csv", "text,label\na,b\nc,d,e\n", "line 3: 2 columns in the header", id="ragged-csv"),
+    ],
+)
+def test_bad_files_are_named(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_records(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        pytest.param(
+            "EU NNP B-NP B-ORG\nrejects VBZ O\n", "line 2: 3 columns, but the file started with 4", id="short"
+        ),
+        pytest.param("EU B-ORG\n\nPeter NNP B-PER\n", "line 3: 3 columns, but the file started with 2", id="long"),
+        pytest.param("EU\n", "line 1: a CoNLL line needs a token and a tag", id="one-column"),
+        pytest.param("-DOCSTART- -X- -X- O\n\n", "holds no sentences", id="only-docstart"),
+    ],
+)
+def test_bad_conll_lines_are_named(tmp_path, content, message):
+    (tmp_path / "train.txt").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_conll(tmp_path / "train.txt")
+
+
+def test_readers_on_the_shared_benchmark_sets(data_dir):
+    """The shared sets read with their published sizes and label formats."""
+    conll = {split: read_conll(data_dir / "conll2003" / f"{split}.txt") for split in ("train", "valid", "test")}
+    assert {split: len(sentences) for split, sentences in conll.items()} == {
+        "train": 14041,
+        "valid": 3250,
+        "test": 3453,
+    }
+    assert sum(len(sentence["tokens"]) for sentence in conll["train"]) == 203621
+
+    hyperpartisan = {
+        split: read_records(data_dir / "hyperpartisan" / f"{split}.jsonl") for split in ("train", "dev", "test")
+    }
+    assert [len(records) for records in hyperpartisan.values()] == [516, 64, 65]
+    labels = ClassificationLabels.from_splits(
+        {s: [r["label"] for r in rs] for s, rs in hyperpartisan.items()}, "label"
+    )
+    assert labels == ClassificationLabels(("false", "true"), multi_label=False)
+
+    newsgroups = read_records(data_dir / "20newsgroups" / "test.jsonl.gz")
+    assert len(newsgroups) == 7532
+    assert (
+        len(ClassificationLabels.from_splits({"test": [r["label_name"] for r in newsgroups]}, "label_name").names)
+        == 20
+    )
+
+    eurlex = read_records(data_dir / "eurlex57k" / "dev.jsonl.gz")
+    assert len(eurlex) == 6000
+    assert ClassificationLabels.from_splits({"dev": [r["label"] for r in eurlex]}, "label").multi_label
+
+
+# ---- tokenizer -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["wordpiece", "bpe"])
+def test_train_tokenizer_puts_pad_first(topic_files, tmp_path, model):
+    train_tokenizer.main(
+        [
+            "--train_files",
+            str(topic_files["train"]),
+            "--model",
+            model,
+            "--vocab_size",
+            "400",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2, 3, 4]) == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert tokenizer.pad_token_id == 0 and tokenizer.is_fast
+    encoded = tokenizer("The rare planet orbits.")
+    assert encoded.input_ids[0] == tokenizer.cls_token_id and encoded.input_ids[-1] == tokenizer.sep_token_id
+    assert "token_type_ids" not in encoded  # RAN has no segment embedding
+
+
+def test_train_tokenizer_reads_conll_words(tmp_path):
+    conll = tmp_path / "train.txt"
+    conll.write_text("-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\n")
+    train_tokenizer.main(
+        [
+            "--train_files",
+            str(conll),
+            "--conll",
+            "--vocab_size",
+            "100",
+            "--min_frequency",
+            "1",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
+    vocabulary = AutoTokenizer.from_pretrained(tmp_path).get_vocab()
+    assert {"eu", "rejects"} <= vocabulary.keys()
+    assert "nnp" not in vocabulary and "b-org" not in vocabulary  # only the words, not the other columns
+
+
+# ---- training scripts ----------------------------------------------------------------------------------------------
+
+
+def test_run_mlm_from_scratch_then_continued(topic_files, tokenizer_dir, tmp_path):
+    """Pretraining writes a loadable model with its code, metrics as JSON and a filled model card; a second run
+    continues from it with --model_name_or_path."""
+    first = tmp_path / "mlm"
+    run_mlm.main(
+        from_scratch(tokenizer_dir, first)
+        + ["--train_file", str(topic_files["train"]), "--validation_file", str(topic_files["validation"])]
+        + [
+            "--max_seq_length",
+            "64",
+            "--do_train",
+            "--do_eval",
+            "--max_steps",
+            "3",
+            "--per_device_train_batch_size",
+            "4",
+        ]
+        + QUIET
+    )
+    assert {"model.safetensors", "modeling_ran.py", "configuration_ran.py", "tokenizer.json", "README.md"} <= {
+        path.name for path in first.iterdir()
+    }
+    eval_results = json.loads((first / "eval_results.json").read_text())
+    assert eval_results["perplexity"] == pytest.approx(torch.tensor(eval_results["eval_loss"]).exp().item(), rel=1e-5)
+    assert 0.0 <= eval_results["eval_accuracy"] <= 1.0
+    config = json.loads((first / "config.json").read_text())
+    assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(tokenizer_dir)) and config["pad_token_id"] == 0
+    assert config["architectures"] == ["RANForMaskedLM"] and config["window_size"] == 16
+    card = (first / "README.md").read_text()
+    assert "masked language modelling, trained from scratch" in card
+    assert f"| eval_loss | {eval_results['eval_loss']:.4g} |" in card
+    assert "trust_remote_code=True" in card and "2306.06843" in card
+    assert "$" not in card  # every placeholder filled
+
+    continued = run_mlm.main(
+        ["--model_name_or_path", str(first), "--output_dir", str(tmp_path / "continued")]
+        + ["--train_file", str(topic_files["train"]), "--line_by_line", "--max_seq_length", "64"]
+        + ["--do_train", "--max_steps", "1", "--validation_split_percentage", "0"]
+        + QUIET
+    )
+    assert continued["train"]["train_samples"] == 24  # one example per document
+    assert f"fine-tuned from `{first}`" in (tmp_path / "continued" / "README.md").read_text()
+
+
+def test_run_clm_then_perplexity_over_a_stream(topic_files, tokenizer_dir, tmp_path):
+    """A causal model trains on blocks, and the streamed perplexity equals the one of a single forward pass."""
+    output_dir = tmp_path / "clm"
+    results = run_clm.main(
+        from_scratch(tokenizer_dir, output_dir)
+        + ["--train_file", str(topic_files["train"]), "--validation_file", str(topic_files["validation"])]
+        + ["--block_size", "64", "--do_train", "--do_eval", "--max_steps", "2", "--per_device_train_batch_size", "4"]
+        + QUIET
+    )
+    assert results["eval"]["perplexity"] > 1.0
+    assert json.loads((output_dir / "config.json").read_text())["is_causal"] is True
+
+    text_file = tmp_path / "text.txt"
+    text_file.write_text("\n".join(json.loads(line)["text"][:300] for line in topic_files["test"].open()) + "\n")
+    stream = evaluate_perplexity.main(
+        ["--model_name_or_path", str(output_dir), "--text_file", str(text_file), "--chunk_length", "37"]
+        + ["--output_file", str(tmp_path / "perplexity.json")]
+    )
+    chunks = evaluate_perplexity.main(
+        [
+            "--model_name_or_path",
+            str(output_dir),
+            "--text_file",
+            str(text_file),
+            "--chunk_length",
+            "37",
+            "--mode",
+            "chunks",
+        ]
+    )
+    assert json.loads((tmp_path / "perplexity.json").read_text())["token_perplexity"] == stream["token_perplexity"]
+    assert stream["scored_tokens"] == stream["tokens"] - 1
+    assert chunks["scored_tokens"] == stream["tokens"] - -(
+        -stream["tokens"] // 37
+    )  # every chunk's first token unscored
+    assert stream["words"] == sum(len(line.split()) + 1 for line in text_file.read_text().splitlines())
+
+    model = AutoModelForCausalLM.from_pretrained(output_dir).eval()
+    input_ids, _ = evaluate_perplexity.read_stream(str(text_file), AutoTokenizer.from_pretrained(output_dir))
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits[0, :-1]
+    one_pass = torch.nn.functional.cross_entropy(logits, input_ids[0, 1:], reduction="sum").item()
+    assert stream["nll_nats"] == pytest.approx(one_pass, rel=1e-4)
+
+
+def test_run_classification_multi_label_from_gzipped_jsonl(tokenizer_dir, tmp_path, topic_files):
+    """EURLEX-style lists of label ids: multi-label, with micro-F1, and predictions written as label lists."""
+    documents = [json.loads(line) for line in topic_files["train"].open()]
+    records = [
+        {"body": d["text"], "tags": [d["label"], "long"] if i % 2 else [d["label"]]} for i, d in enumerate(documents)
+    ]
+    train = write_jsonl(tmp_path / "train.jsonl.gz", records[:16])
+    validation = write_jsonl(tmp_path / "validation.jsonl.gz", records[16:])
+    test = write_jsonl(
+        tmp_path / "test.jsonl", [{"body": r["body"]} for r in records[16:20]]
+    )  # no labels: predict only
+    output_dir = tmp_path / "classifier"
+    results = run_classification.main(
+        from_scratch(tokenizer_dir, output_dir)
+        + ["--train_file", str(train), "--validation_file", str(validation), "--test_file", str(test)]
+        + ["--text_column_name", "body", "--label_column_name", "tags", "--max_seq_length", "96"]
+        + ["--do_train", "--do_eval", "--do_predict", "--max_steps", "2", "--per_device_train_batch_size", "4"]
+        + QUIET
+    )
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config["problem_type"] == "multi_label_classification"
+    assert "long" in config["label2id"] and len(config["id2label"]) == len(results["labels"])
+    assert {"eval_micro_f1", "eval_macro_f1", "eval_accuracy"} <= results["eval"].keys()
+    assert "test" not in results  # the test file has no labels
+    lines = (output_dir / "predict_results.txt").read_text().splitlines()
+    assert lines[0] == "index\tprediction" and len(lines) == 5
+    assert all(set(line.split("\t")[1].split(",")) <= set(results["labels"]) | {""} for line in lines[1:])
+
+
+def test_run_classification_reads_a_dataset_by_name(tokenizer_dir, tmp_path, topic_files):
+    """--dataset_name goes through `datasets.load_dataset`; a local folder of split files exercises that path offline."""
+    dataset_dir = tmp_path / "dataset"
+    dataset_dir.mkdir()
+    shutil.copy(topic_files["train"], dataset_dir / "train.jsonl")
+    shutil.copy(topic_files["validation"], dataset_dir / "validation.jsonl")
+    results = run_classification.main(
+        from_scratch(tokenizer_dir, tmp_path / "classifier")
+        + ["--dataset_name", str(dataset_dir), "--max_seq_length", "96", "--do_train", "--do_eval", "--max_steps", "1"]
+        + QUIET
+    )
+    assert results["labels"] == sorted({json.loads(line)["label"] for line in topic_files["train"].open()})
+    assert "eval_accuracy" in results["eval"]
+
+
+def test_run_ner_on_conll_files(tmp_path):
+    """CoNLL in, seqeval entity scores out, with a prediction for every word of the test file."""
+    sentences = [
+        ("EU rejects German call to boycott British lamb .", "B-ORG O B-MISC O O O B-MISC O O"),
+        ("Peter Blackburn", "B-PER I-PER"),
+        ("BRUSSELS 1996-08-22", "B-LOC O"),
+        ("The European Commission said on Thursday", "O B-ORG I-ORG O O O"),
+    ]
+    lines = ["-DOCSTART- -X- -X- O", ""]
+    for words, tags in sentences * 4:
+        lines += [f"{word} NN B-NP {tag}" for word, tag in zip(words.split(), tags.split())] + [""]
+    conll = tmp_path / "train.txt"
+    conll.write_text("\n".join(lines) + "\n")
+    tokenizer_dir = tmp_path / "tokenizer"
+    train_tokenizer.main(
+        ["--train_files", str(conll), "--conll", "--vocab_size", "120", "--output_dir", str(tokenizer_dir)]
+    )
+
+    output_dir = tmp_path / "ner"
+    results = run_ner.main(
+        from_scratch(tokenizer_dir, output_dir)
+        + ["--train_file", str(conll), "--validation_file", str(conll), "--test_file", str(conll)]
+        + ["--do_train", "--do_eval", "--do_predict", "--max_steps", "2", "--return_entity_level_metrics"]
+        + QUIET
+    )
+    assert results["labels"] == ["O", "B-LOC", "B-MISC", "B-ORG", "B-PER", "I-ORG", "I-PER"]
+    assert {"eval_f1", "eval_precision", "eval_recall", "eval_accuracy", "eval_PER_f1"} <= results["eval"].keys()
+    assert "test_f1" in results["test"]
+    predicted = [line.split() for line in (output_dir / "predictions.txt").read_text().splitlines() if line]
+    gold = [sentence for sentence in read_conll(conll)]
+    assert [word for word, _ in predicted] == [word for sentence in gold for word in sentence["tokens"]]
+    assert json.loads((output_dir / "config.json").read_text())["id2label"]["4"] == "B-PER"
+
+
+def test_subword_tags_go_to_the_first_piece(tokenizer_dir):
+    """A word split into pieces carries its tag on the first piece only (on every piece with --label_all_tokens,
+    B- turned into I-); special tokens are ignored."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    words = ["supernovaobservatory", "the"]  # the first is not in the vocabulary: several pieces
+    pieces = len(tokenizer.tokenize(words[0]))
+    assert pieces > 1
+    word_ids = tokenizer(words, is_split_into_words=True).word_ids()
+    tag_ids, inside_of = [1, 0], {1: 2}  # B-X = 1, I-X = 2, O = 0
+    assert run_ner.align_tags(word_ids, tag_ids, inside_of, False) == [-100, 1] + [-100] * (pieces - 1) + [0, -100]
+    assert run_ner.align_tags(word_ids, tag_ids, inside_of, True) == [-100, 1] + [2] * (pieces - 1) + [0, -100]
+
+
+def test_pipeline_trains_saves_and_reloads_without_ran_hf(tmp_path):
+    """The main job end to end on generated data; the classifier loads where `ran_hf` cannot be imported."""
+    output_dir = tmp_path / "pipeline"
+    summary = run_pipeline.main(
+        ["--output_dir", str(output_dir), "--synthetic_documents", "16,8,8", "--vocab_size", "300"]
+        + ["--hidden_size", "16", "--num_attention_heads", "2", "--window_size", "16", "--max_seq_length", "128"]
+        + ["--mlm_epochs", "1", "--epochs", "1", "--torch_threads", "0"]
+    )
+    classifier = Path(summary["output_dir"])
+    assert {"model.safetensors", "modeling_ran.py", "README.md", "all_results.json", "predict_results.txt"} <= {
+        path.name for path in classifier.iterdir()
+    }
+    assert set(summary["test"]) >= {"test_accuracy", "test_macro_f1"}
+    assert json.loads((output_dir / "pipeline_results.json").read_text()) == summary
+    assert "single-label document classification (6 classes)" in (classifier / "README.md").read_text()
+
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    texts = [json.loads(line)["text"] for line in (output_dir / "data" / "test.jsonl").open()][:3]
+    inputs = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = AutoModelForSequenceClassification.from_pretrained(classifier).eval()(**inputs).logits
+    torch.save({"inputs": dict(inputs), "logits": expected}, tmp_path / "expected.pt")
+    report = run_without_ran_hf(LOAD_CLASSIFIER, [classifier, tmp_path / "expected.pt"], tmp_path)
+    assert report["class"].startswith("transformers_modules.") and report["class"].endswith(
+        "RANForSequenceClassification"
+    )
+    assert report["max_difference"] <= 1e-5
+
+
+LOAD_CLASSIFIER = r"""
+import torch
+from transformers import AutoModelForSequenceClassification
+
+folder, expected_file = sys.argv[1], sys.argv[2]
+expected = torch.load(expected_file)
+model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = model(**expected["inputs"]).logits
+report["class"] = type(model).__module__ + "." + type(model).__name__
+report["max_difference"] = (logits - expected["logits"]).abs().max().item()
+"""
+
+
+# ---- bad input stops a script before training ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved_classifier_with(tokenizer_dir, tmp_path):
+    """Factory: a tiny RAN classifier saved with the test tokenizer and the given config fields."""
+
+    def save(**fields):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config = RANConfig(
+            **{"vocab_size": len(tokenizer), "hidden_size": 16, "num_attention_heads": 2, "head_dim": 8, **fields}
+        )
+        folder = tmp_path / "saved"
+        RANForSequenceClassification(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
+
+    return save
+
+
+def classification_argv(tokenizer_dir, tmp_path, train, validation=None, *extra):
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + [
+        "--train_file",
+        str(train),
+        "--do_train",
+        "--max_steps",
+        "1",
+    ]
+    if validation is not None:
+        argv += ["--validation_file", str(validation), "--do_eval"]
+    return argv + list(extra) + QUIET
+
+
+def test_missing_text_column(tokenizer_dir, tmp_path, topic_files):
+    argv = classification_argv(tokenizer_dir, tmp_path, topic_files["train"], None, "--text_column_name", "body")
+    with pytest.raises(ValueError, match=r"has no column 'body'; its columns are \['label', 'text'\]"):
+        run_classification.main(argv)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_missing_label_column(tokenizer_dir, tmp_path, topic_files):
+    argv = classification_argv(tokenizer_dir, tmp_path, topic_files["train"], None, "--label_column_name", "topic")
+    with pytest.raises(ValueError, match="The train split has no label column 'topic'"):
+        run_classification.main(argv)
+
+
+@pytest.mark.parametrize(
+    "train_labels, validation_labels, message",
+    [
+        pytest.param(["a", "b"], [["a"]], "mixes single labels", id="list-in-validation"),
+        pytest.param(["a", "b"], ["c"], "labels the train split never uses", id="unseen-class"),
+        pytest.param([0.5, 1.5], [0.5], "holds float 0.5", id="float-labels"),
+        pytest.param([{"name": "a"}, {"name": "b"}], [{"name": "a"}], "holds dict", id="dict-labels"),
+        pytest.param(
+            ["a", ["b"]],
+            ["a"],
+            r"column 'label' mixes a string \(record 1\) and a list \(record 2\)",
+            id="mixed-in-file",
+        ),
+    ],
+)
+def test_labels_that_do_not_fit_the_task(tokenizer_dir, tmp_path, train_labels, validation_labels, message):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": "some words", "label": label} for label in train_labels])
+    validation = write_jsonl(
+        tmp_path / "dev.jsonl", [{"text": "more words", "label": label} for label in validation_labels]
+    )
+    with pytest.raises(ValueError, match=message):
+        run_classification.main(classification_argv(tokenizer_dir, tmp_path, train, validation))
+
+
+def test_empty_training_file(tokenizer_dir, tmp_path):
+    (tmp_path / "train.jsonl").write_text("")
+    with pytest.raises(ValueError, match="train.jsonl holds no examples"):
+        run_classification.main(classification_argv(tokenizer_dir, tmp_path, tmp_path / "train.jsonl"))
+
+
+def test_conll_line_with_the_wrong_number_of_columns(tokenizer_dir, tmp_path):
+    (tmp_path / "train.txt").write_text("EU NNP B-NP B-ORG\nrejects VBZ B-VP O\ncall NN\n")
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--train_file", str(tmp_path / "train.txt"), "--do_train"]
+    with pytest.raises(ValueError, match="train.txt, line 3: 2 columns, but the file started with 4"):
+        run_ner.main(argv + QUIET)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        pytest.param(
+            {"vocab_size": 50}, r"The tokenizer has \d+ tokens but the model's vocabulary has 50", id="vocab"
+        ),
+        pytest.param({"pad_token_id": 1}, "pads with id 0 .* but the model config has pad_token_id=1", id="pad-id"),
+    ],
+)
+def test_tokenizer_that_disagrees_with_the_model(
+    saved_classifier_with, tokenizer_dir, tmp_path, topic_files, fields, message
+):
+    folder = saved_classifier_with(**fields)
+    argv = [
+        "--model_name_or_path",
+        str(folder),
+        "--tokenizer_name",
+        str(tokenizer_dir),
+        "--output_dir",
+        str(tmp_path / "o"),
+    ]
+    argv += ["--train_file", str(topic_files["train"]), "--do_train", "--max_steps", "1"] + QUIET
+    with pytest.raises(ValueError, match=message):
+        run_classification.main(argv)
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_config_overrides_that_break_the_config(tokenizer_dir, tmp_path, topic_files):
+    argv = ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", "window_size=8,min_window_size=8"]
+    argv += ["--output_dir", str(tmp_path), "--train_file", str(topic_files["train"]), "--do_train"] + QUIET
+    with pytest.raises(ValueError, match=r"`min_window_size` \(8\) must be smaller than `window_size` \(8\)"):
+        run_mlm.main(argv)
+
+
+# ---- faults: a killed run resumes where its last complete checkpoint left it -------------------------------------------
+
+
+def classification_run(tokenizer_dir, topic_files, output_dir, max_steps: int) -> list[str]:
+    """A tiny classifier run that saves a checkpoint every 2 steps; dropout on, so that RNG states matter."""
+    overrides = TINY_OVERRIDES.replace("dropout_prob=0.0", "dropout_prob=0.1")
+    return (
+        ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", overrides, "--output_dir", str(output_dir)]
+        + ["--train_file", str(topic_files["train"]), "--max_seq_length", "64", "--do_train"]
+        + ["--max_steps", str(max_steps), "--save_steps", "2", "--per_device_train_batch_size", "2"]
+        + ["--learning_rate", "1e-3", "--parameter_checksum_dir", str(output_dir / "checksums")]
+        + QUIET
+    )
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    found = [path for path in output_dir.glob("checkpoint-*") if not missing_from_checkpoint(path)]
+    return sorted(found, key=lambda path: int(path.name.split("-")[1]))
+
+
+def test_killed_run_resumes_with_the_same_state(tokenizer_dir, topic_files, tmp_path, caplog):
+    """SIGKILL after the first checkpoint, then --resume_from_checkpoint latest: training continues from the newest
+    complete checkpoint (a half-written one after it is skipped) and ends with the weights of an uninterrupted run."""
+    max_steps = 60
+    reference_dir = tmp_path / "reference"
+    run_classification.main(classification_run(tokenizer_dir, topic_files, reference_dir, max_steps))
+    reference = json.loads((reference_dir / "checksums" / "rank-0.json").read_text())
+
+    killed_dir = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(SCRIPTS / "run_classification.py"),
+            *classification_run(tokenizer_dir, topic_files, killed_dir, max_steps),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 120
+    while not complete_checkpoints(killed_dir) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    _, stderr = process.communicate()
+    assert process.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {stderr.decode()[-2000:]}"
+    assert not (killed_dir / "model.safetensors").exists()
+    survivors = complete_checkpoints(killed_dir)
+    assert survivors, "no complete checkpoint was written before the kill"
+    last = survivors[-1]
+    step = int(last.name.split("-")[1])
+    assert step < max_steps
+
+    # Every complete checkpoint holds the whole training state, identical to the reference run's at that step.
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+        assert (last / name).is_file(), name
+    assert json.loads((last / "trainer_state.json").read_text())["global_step"] == step
+    for name in ("optimizer.pt", "scheduler.pt"):
+        saved, expected = torch.load(last / name), torch.load(reference_dir / last.name / name)
+        assert_same_state(saved, expected, name)
+
+    # What a kill while saving leaves: a newer folder whose trainer_state.json (written last) is missing or cut.
+    for broken_step, damage in ((step + 2, "missing"), (step + 4, "truncated")):
+        broken = killed_dir / f"checkpoint-{broken_step}"
+        if broken.exists():
+            shutil.rmtree(broken)
+        shutil.copytree(last, broken)
+        if damage == "missing":
+            (broken / "trainer_state.json").unlink()
+        else:
+            (broken / "trainer_state.json").write_text((last / "trainer_state.json").read_text()[:40])
+
+    with pytest.raises(
+        ValueError, match=f"Cannot resume from .*checkpoint-{step + 2}: it lacks a readable trainer_state"
+    ):
+        run_classification.main(
+            classification_run(tokenizer_dir, topic_files, killed_dir, max_steps)
+            + ["--resume_from_checkpoint", str(killed_dir / f"checkpoint-{step + 2}")]
+        )
+    with caplog.at_level("INFO"):
+        results = run_classification.main(
+            classification_run(tokenizer_dir, topic_files, killed_dir, max_steps)
+            + ["--resume_from_checkpoint", "latest"]
+        )
+    assert f"Skipping {killed_dir / f'checkpoint-{step + 4}'}" in caplog.text
+    assert f"Resuming from {last}" in caplog.text
+    resumed = json.loads((killed_dir / "checksums" / "rank-0.json").read_text())
+    assert resumed == reference
+    assert results["train"]["train_samples"] > 0
+    state = json.loads((killed_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == max_steps
+
+
+def assert_same_state(actual, expected, name):
+    """Nested optimizer / scheduler states are equal, tensors exactly."""
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected), name
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), name
+        for key in expected:
+            assert_same_state(actual[key], expected[key], f"{name}.{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), name
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            assert_same_state(a, e, f"{name}[{index}]")
+    else:
+        assert actual == expected, name
+
+
+def test_resume_latest_without_checkpoints_starts_fresh(tokenizer_dir, topic_files, tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        run_classification.main(
+            classification_run(tokenizer_dir, topic_files, tmp_path, 2) + ["--resume_from_checkpoint", "latest"]
+        )
+    assert "No complete checkpoint" in caplog.text
+    assert json.loads((tmp_path / "trainer_state.json").read_text())["global_step"] == 2
+
+
+def test_parameter_checksum_matches_the_saved_model(tokenizer_dir, topic_files, tmp_path):
+    run_classification.main(classification_run(tokenizer_dir, topic_files, tmp_path, 2))
+    record = json.loads((tmp_path / "checksums" / "rank-0.json").read_text())
+    assert record["global_step"] == 2
+    assert record["sha256"] == parameter_checksum(AutoModelForSequenceClassification.from_pretrained(tmp_path))
