@@ -65,6 +65,9 @@ def run_in_subprocess(script: str, arguments: list, timeout: float | None = None
     """Run `script --single ...` in a fresh interpreter and return the JSON it prints on its last line."""
     command = [sys.executable, script, *arguments]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if completed.returncode < 0:  # killed by a signal: on a CPU machine, almost always the kernel's OOM killer
+        return {"error": f"killed by signal {-completed.returncode} (out of memory?)"}
     if completed.returncode != 0:
-        return {"error": (completed.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+        lines = [line for line in completed.stderr.splitlines() if "Error" in line] or completed.stderr.splitlines()
+        return {"error": (lines or ["failed"])[-1].strip()[:200]}
     return json.loads(completed.stdout.strip().splitlines()[-1])
