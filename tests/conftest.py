@@ -1,13 +1,18 @@
 """Shared fixtures: tiny RAN configurations, the benchmark data folder and a WordPiece tokenizer trained on it."""
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from ran_hf import RANConfig
+from ran_hf.data import read_conll
+
+# The tokenizer the tests use is trained by the project's own script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from train_tokenizer import TokenizerArguments, build_tokenizer  # noqa: E402
 
 # The test models are tiny: one intra-op thread is faster than several, and does not oversubscribe shared cores
 # (pytest-xdist workers, other jobs on the machine).
@@ -27,8 +32,6 @@ TINY_CONFIG = {
     "hidden_dropout_prob": 0.0,
     "attention_probs_dropout_prob": 0.0,
 }
-
-SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 @pytest.fixture
@@ -56,36 +59,10 @@ def wordpiece_tokenizer_dir(data_dir, tmp_path_factory) -> Path:
     Trained once per session and saved to a temporary folder, whose path is returned.
     """
     wikitext = [line for line in (data_dir / "wikitext-2" / "valid.txt").open(encoding="utf-8") if line.strip()]
-    conll_blocks = (data_dir / "conll2003" / "train.txt").read_text(encoding="utf-8").split("\n\n")
-    conll = [
-        " ".join(line.split(" ", 1)[0] for line in block.splitlines())
-        for block in conll_blocks
-        if block.strip() and not block.startswith("-DOCSTART-")
-    ]
-    corpus = wikitext[:3000] + conll[:3000]
-
-    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    backend.decoder = decoders.WordPiece()
-    backend.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=2000, special_tokens=SPECIAL_TOKENS))
-    cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
-    backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
-    )
-
+    conll = [" ".join(sentence["tokens"]) for sentence in read_conll(data_dir / "conll2003" / "train.txt")]
     folder = tmp_path_factory.mktemp("wordpiece_tokenizer")
-    PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-        model_max_length=512,
-    ).save_pretrained(folder)
+    arguments = TokenizerArguments(train_files=[], output_dir=str(folder), vocab_size=2000, model_max_length=512)
+    build_tokenizer(arguments, wikitext[:3000] + conll[:3000]).save_pretrained(folder)
     return folder
 
 

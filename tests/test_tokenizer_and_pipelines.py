@@ -10,33 +10,32 @@ import torch
 from transformers import pipeline
 
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification
+from ran_hf.data import read_conll
 
 # Windows of 8 tokens: every test input spans several windows, so padding and window layout are exercised.
 PIPELINE_CONFIG = {"hidden_size": 32, "num_attention_heads": 2, "head_dim": 16, "window_size": 8, "min_window_size": 2}
 
 
-def read_conll(path, limit):
+def read_conll_sentences(path, limit):
     """The first `limit` sentences of a CoNLL-2003 file with at least 5 tokens, as (tokens, NER tags)."""
-    sentences = []
-    for block in path.read_text(encoding="utf-8").split("\n\n"):
-        rows = [line.split(" ") for line in block.splitlines() if line.strip()]
-        if len(rows) >= 5 and rows[0][0] != "-DOCSTART-":
-            sentences.append(([row[0] for row in rows], [row[-1] for row in rows]))
-            if len(sentences) == limit:
-                break
-    return sentences
+    sentences = [(s["tokens"], s["ner_tags"]) for s in read_conll(path) if len(s["tokens"]) >= 5]
+    return sentences[:limit]
 
 
 @pytest.fixture(scope="module")
 def conll_texts(data_dir):
     """CoNLL-2003 test sentences (text the tokenizer was not trained on), words joined by spaces."""
-    return [" ".join(tokens) for tokens, _ in read_conll(data_dir / "conll2003" / "test.txt", limit=12)]
+    return [" ".join(tokens) for tokens, _ in read_conll_sentences(data_dir / "conll2003" / "test.txt", limit=12)]
 
 
 @pytest.fixture(scope="module")
 def ner_labels(data_dir):
     """The IOB2 tag set of CoNLL-2003, "O" first."""
-    tags = {tag for _, sentence_tags in read_conll(data_dir / "conll2003" / "valid.txt", 500) for tag in sentence_tags}
+    tags = {
+        tag
+        for _, sentence_tags in read_conll_sentences(data_dir / "conll2003" / "valid.txt", 500)
+        for tag in sentence_tags
+    }
     return ["O"] + sorted(tags - {"O"})
 
 
