@@ -282,7 +282,7 @@ def main():
     parser.add_argument("--window_size", type=int, default=256)
     parser.add_argument("--small_window_size", type=int, default=64)
     parser.add_argument("--bert_max_length", type=int, default=8192, help="full attention beyond this is skipped")
-    parser.add_argument("--repeats", type=int, default=3, help="fewest timed calls per measurement")
+    parser.add_argument("--repeats", type=int, default=2, help="fewest timed calls per measurement")
     parser.add_argument("--min_seconds", type=float, default=2.0, help="shortest timing per measurement")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
