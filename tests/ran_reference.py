@@ -60,7 +60,8 @@ def window_attention(layer, cell, tokens, config, causal):
     x = layer_norm(torch.cat([cell[None], tokens]), layer.input_norm, eps)  # (1 + w, D)
     q, k, v = act(linear(x, layer.qkv_proj)).view(x.shape[0], 3, heads, d).unbind(1)
     positions = torch.arange(x.shape[0])
-    q, k = rotate(q, positions, config.rope_theta), rotate(k, positions, config.rope_theta)
+    if config.use_rotary:
+        q, k = rotate(q, positions, config.rope_theta), rotate(k, positions, config.rope_theta)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
     if causal:
         allowed = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool).tril()
@@ -117,7 +118,7 @@ def reference_forward(model, input_ids):
             raw, token_out, _, _ = window_attention(layer, cell, hidden[start - enrichment : end], config, causal)
             outputs.append(token_out[enrichment:])
             raw_cells.append(raw)
-            if previous_raw is None:
+            if previous_raw is None or not config.use_cell_residual:
                 cell = raw
             else:
                 cell = layer_norm(raw + glu(previous_raw, layer.cell_glu), layer.cell_norm, eps)
@@ -141,5 +142,6 @@ def reference_forward(model, input_ids):
         act = F.silu if config.hidden_act == "silu" else getattr(F, config.hidden_act)
         pooler = model.pooler
         document = glu(act(linear(pooled, pooler.cell_dense)), pooler.cell_glu)
-        result["pooler_output"] = document + linear(hidden.amax(0), pooler.token_dense)
+        tokens = hidden.amax(0) if config.token_pooling == "max" else hidden.mean(0)
+        result["pooler_output"] = document + linear(tokens, pooler.token_dense)
     return result

@@ -165,6 +165,9 @@ CONFIG_ERRORS = [
         {"min_window_size": 9}, r"`min_window_size` \(9\) must be smaller than `window_size`", id="min-larger"
     ),
     pytest.param({"cell_pooling": "avg"}, "`cell_pooling` must be one of", id="unknown-cell-pooling"),
+    pytest.param({"token_pooling": "last"}, "`token_pooling` must be one of", id="unknown-token-pooling"),
+    pytest.param({"use_rotary": "no"}, "`use_rotary` must be a bool", id="rotary-not-bool"),
+    pytest.param({"use_cell_residual": 0}, "`use_cell_residual` must be a bool", id="residual-not-bool"),
     pytest.param({"window_overlap": -1}, "`window_overlap` must be >= 0", id="negative-overlap"),
     pytest.param({"window_overlap": 1.5}, "`window_overlap` must be an int", id="float-overlap"),
     pytest.param(

@@ -12,7 +12,7 @@ TOLERANCE = 1e-5
 
 
 def random_case(seed):
-    """A random config (layers, window, merge rule, overlap, pooling, causal) and a batch of mixed lengths."""
+    """A random config (layers, window, merge rule, overlap, pooling, causal, ablations) and a batch of mixed lengths."""
     rng = random.Random(seed)
     window = rng.choice([3, 4, 5, 7, 8])
     overrides = dict(
@@ -23,6 +23,9 @@ def random_case(seed):
         cell_pooling=rng.choice(["last", "mean", "max"]),
         memory_review=rng.random() < 0.8,
         is_causal=rng.random() < 0.25,
+        token_pooling=rng.choice(["max", "mean"]),
+        use_cell_residual=rng.random() < 0.8,
+        use_rotary=rng.random() < 0.8,
     )
     lengths = [rng.randint(1, 4 * window + 2) for _ in range(rng.randint(1, 4))]
     return overrides, lengths

@@ -3,6 +3,7 @@
 from transformers import PreTrainedConfig
 
 _CELL_POOLINGS = ("last", "mean", "max")
+_TOKEN_POOLINGS = ("max", "mean")
 
 REMOTE_CODE_AUTO_MAP = {
     "AutoConfig": "configuration_ran.RANConfig",
@@ -39,8 +40,17 @@ class RANConfig(PreTrainedConfig):
         cell_pooling (`str`, *optional*, defaults to `"last"`):
             How the per-window cells become one document cell: `"last"` (final cell), `"mean"` or `"max"` (over the
             raw cell outputs of all windows).
+        token_pooling (`str`, *optional*, defaults to `"max"`):
+            How the pooler summarises the last layer's token states (paper eq. 11): `"max"` as in the paper, or
+            `"mean"` (the paper's first ablation).
         memory_review (`bool`, *optional*, defaults to `True`):
             Whether token states attend to the cells of all windows at the end of each layer.
+        use_cell_residual (`bool`, *optional*, defaults to `True`):
+            Whether a window's cell adds the gated raw cell of the window before it (paper eq. 7). `False` is the
+            paper's "w/o residual connection" ablation: the cell is the window's raw output alone.
+        use_rotary (`bool`, *optional*, defaults to `True`):
+            Whether queries and keys are rotated by their position in the window. `False` is the paper's "w/o
+            rotary position" ablation: attention inside a window sees no order.
         window_overlap (`int`, *optional*, defaults to 0):
             Breaking-point enrichment: every window also reads the last `window_overlap` tokens of the window before
             it (their outputs are dropped). 0 reproduces the official model.
@@ -89,7 +99,10 @@ class RANConfig(PreTrainedConfig):
     window_size: int = 256
     min_window_size: int = 16
     cell_pooling: str = "last"
+    token_pooling: str = "max"
     memory_review: bool = True
+    use_cell_residual: bool = True
+    use_rotary: bool = True
     window_overlap: int = 0
     is_causal: bool = False
     hidden_act: str = "silu"
@@ -139,6 +152,11 @@ class RANConfig(PreTrainedConfig):
             )
         if self.cell_pooling not in _CELL_POOLINGS:
             raise ValueError(f"`cell_pooling` must be one of {_CELL_POOLINGS}, got {self.cell_pooling!r}.")
+        if self.token_pooling not in _TOKEN_POOLINGS:
+            raise ValueError(f"`token_pooling` must be one of {_TOKEN_POOLINGS}, got {self.token_pooling!r}.")
+        for name in ("memory_review", "use_cell_residual", "use_rotary", "is_causal"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:

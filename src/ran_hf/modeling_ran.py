@@ -333,8 +333,9 @@ class RANLayer(GradientCheckpointingLayer):
         self.o_proj = nn.Linear(inner_size, hidden_size)
         self.attention_glu = RANGatedLinearUnit(hidden_size)
         self.attention_norm = RANLayerNorm(hidden_size, eps)
-        self.cell_glu = RANGatedLinearUnit(hidden_size)
-        self.cell_norm = RANLayerNorm(hidden_size, eps)
+        if config.use_cell_residual:
+            self.cell_glu = RANGatedLinearUnit(hidden_size)
+            self.cell_norm = RANLayerNorm(hidden_size, eps)
         if config.memory_review:
             self.memory_review = RANMemoryReview(config)
         else:
@@ -377,9 +378,10 @@ class RANLayer(GradientCheckpointingLayer):
             tail = torch.stack([cache.tail_keys, cache.tail_values], 2)  # (B, P, 2, H, d)
         key, value = layout.sources(new_kv, tail)[layout.window_slots].permute(2, 0, 3, 1, 4)  # (K, H, S, d)
         query = layout.sources(qkv[:, 0])[layout.query_index].transpose(1, 2)  # (K, H, Q, d)
-        rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2)
-        query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
-        key = apply_interleaved_rotary(key, rotations)
+        if self.config.use_rotary:
+            rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2)
+            query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
+            key = apply_interleaved_rotary(key, rotations)
         return query, key, value, new_kv
 
     # ---- phase 2 ---------------------------------------------------------------------------------------------------
@@ -406,6 +408,7 @@ class RANLayer(GradientCheckpointingLayer):
         # The first window of a sequence has no residual; decided once here, not per step on the device.
         steps = torch.arange(layout.num_steps, device=cell.device)
         residual = (layout.first_window[None, :] + steps[:, None]) > 0  # (N, B)
+        residual &= self.config.use_cell_residual
         residual_kind = ["all" if all(row) else "some" if any(row) else "none" for row in residual.tolist()]
 
         read_keys, read_values, raw_cells, cells = [], [], [], []
@@ -569,10 +572,14 @@ class RANEmbeddings(nn.Module):
 
 
 class RANPooler(nn.Module):
-    """The official "cell transform" (paper eq. 10-11): GLU(swish(Dense(pooled cell))) + Dense(max-pooled tokens)."""
+    """The official "cell transform" (paper eq. 10-11): GLU(swish(Dense(pooled cell))) + Dense(pooled tokens).
+
+    Tokens are max-pooled as in the paper, or mean-pooled with `config.token_pooling="mean"`.
+    """
 
     def __init__(self, config: RANConfig):
         super().__init__()
+        self.pool_tokens = masked_max if config.token_pooling == "max" else masked_mean
         self.cell_dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.cell_glu = RANGatedLinearUnit(config.hidden_size)
         self.token_dense = nn.Linear(config.hidden_size, config.hidden_size)
@@ -581,7 +588,7 @@ class RANPooler(nn.Module):
 
     def forward(self, pooled_cell: torch.Tensor, token_states: torch.Tensor, attention_mask: torch.Tensor):
         cell = self.cell_glu(self.dropout(self.act(self.cell_dense(pooled_cell))))  # (B, D)
-        return cell + self.token_dense(masked_max(token_states, attention_mask.bool()))  # (B, D)
+        return cell + self.token_dense(self.pool_tokens(token_states, attention_mask.bool()))  # (B, D)
 
 
 def masked_max(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
