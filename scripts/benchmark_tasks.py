@@ -1,0 +1,717 @@
+"""RAN against its ablations and the baselines on the paper's tasks: from scratch, matched size, equal budget.
+
+Every model is trained from scratch on every task it applies to, with the same width, a parameter count matched to
+RAN's (the recurrent baselines' widths are searched to match; embeddings excluded), the same number of optimiser
+steps on the same batches in the same order, and the same optimiser. Then it is evaluated once, on the test split.
+
+    python scripts/benchmark_tasks.py                       # the CPU table: benchmarks/tasks_cpu.{md,json,png}
+    python scripts/benchmark_tasks.py --tasks probe --models ran bert-512 --seeds 0
+    python scripts/benchmark_tasks.py --budget_scale 8 --hidden_size 256 --num_heads 4 --device cuda \
+        --output_name tasks_gpu                             # a larger run on a GPU (see docs/benchmarks.md)
+
+Tasks (data from ../shared/data unless --data_dir says otherwise):
+  probe          synthetic long-range probe: 4,096-token documents whose label is whether the key in the first
+                 window matches the key in the last window; head or tail alone is at chance by construction
+  hyperpartisan  Hyperpartisan news (train 516 / test 65 articles), accuracy
+  20newsgroups   20 Newsgroups, a stratified subset (--train_documents / --test_documents), accuracy
+  eurlex         EURLEX-57K, a subset restricted to its most frequent labels (--eurlex_labels), micro-F1
+  conll          CoNLL-2003 NER, RAN window 64 as in the paper, entity F1 on test (seqeval)
+  lm             causal LM trained on WikiText-2 *valid* (the train split is not available here), perplexity on
+                 WikiText-2 test: our causal RAN against the official causal design
+  window_study   RAN on Hyperpartisan at several window sizes: accuracy and training seconds per epoch (Figure 5)
+
+Models: ran, its Table-4 ablations (ran-mean-pooling, ran-no-cell-residual, ran-no-memory-review, ran-no-rotary),
+ran-bpie (window_overlap > 0), bilstm, srnn, bpie-bisrnn (scripts/baseline_models.py), longformer, bert-512
+(Transformers' models, from scratch, BERT reading the first 512 tokens only); for lm: ran-causal and
+ran-causal-official.
+
+Runs execute in `--workers` fresh processes and are appended to `<output_name>_runs.jsonl` as they finish; an
+interrupted benchmark resumes where it stopped (`--overwrite` starts afresh). The table is rebuilt from every run
+recorded there (benchmark_tasks_report.py).
+"""
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import multiprocessing
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import HfArgumentParser
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from baseline_models import (  # noqa: E402
+    BiLSTMForTokenClassification,
+    baseline_for,
+    count_parameters,
+)
+from benchmark_tasks_report import write_report  # noqa: E402
+from benchmark_utils import machine_info  # noqa: E402
+
+logger = logging.getLogger("benchmark_tasks")
+
+TASKS = ("hyperpartisan", "20newsgroups", "eurlex", "conll", "lm", "window_study", "probe")
+RAN_VARIANTS = {
+    # name: RANConfig overrides (the paper's Table 4 ablations and BPIE applied to RAN)
+    "ran": {},
+    "ran-mean-pooling": {"token_pooling": "mean"},
+    "ran-no-cell-residual": {"use_cell_residual": False},
+    "ran-no-memory-review": {"memory_review": False},
+    "ran-no-rotary": {"use_rotary": False},
+    "ran-bpie": {"window_overlap": None},  # None: --window_overlap
+}
+CLASSIFIERS = (*RAN_VARIANTS, "bilstm", "srnn", "bpie-bisrnn", "longformer", "bert-512")
+TAGGERS = ("ran", "ran-bpie", "bilstm", "longformer", "bert-512")
+LANGUAGE_MODELS = ("ran-causal", "ran-causal-official")
+BERT_MAX_LENGTH = 512
+
+
+@dataclass
+class BenchmarkArguments:
+    tasks: list[str] = field(default_factory=lambda: list(TASKS), metadata={"help": f"Any of {TASKS}."})
+    models: list[str] | None = field(default=None, metadata={"help": "Only these models (default: all that apply)."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={"help": "One run per seed."})
+    data_dir: str = field(default=str(ROOT.parent / "shared" / "data"), metadata={"help": "The benchmark sets."})
+    output_dir: str = field(default=str(ROOT / "benchmarks"), metadata={"help": "Where results go."})
+    output_name: str = field(default="tasks_cpu", metadata={"help": "File stem of the results."})
+    cache_dir: str = field(default=str(ROOT / ".cache" / "benchmark_tasks"), metadata={"help": "Prepared data."})
+    overwrite: bool = field(default=False, metadata={"help": "Forget earlier runs of this output_name."})
+    workers: int = field(default=2, metadata={"help": "Runs in parallel, each in its own process."})
+    threads_per_worker: int = field(default=1, metadata={"help": "torch threads of each run."})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda."})
+    # model size
+    hidden_size: int = field(default=64, metadata={"help": "Width of every model (embeddings included)."})
+    num_layers: int = field(default=2, metadata={"help": "RAN / Transformer / BiLSTM layers."})
+    num_heads: int = field(default=2, metadata={"help": "Attention heads (head size = hidden_size / heads)."})
+    window_size: int = field(default=256, metadata={"help": "RAN window and Longformer attention window."})
+    ner_window_size: int = field(default=64, metadata={"help": "RAN window on CoNLL (64 in the paper)."})
+    lm_window_size: int = field(default=128, metadata={"help": "RAN window for language modelling."})
+    window_overlap: int = field(default=32, metadata={"help": "Enrichment tokens of ran-bpie."})
+    slice_length: int = field(default=32, metadata={"help": "SRNN / BPIE-BiSRNN slice length z (paper: 32)."})
+    enrichment: int = field(default=5, metadata={"help": "BPIE-BiSRNN enrichment m (paper: 5)."})
+    study_windows: list[int] = field(default_factory=lambda: [32, 64, 128, 256, 512])
+    dropout: float = field(default=0.1, metadata={"help": "Dropout of every model on the real tasks."})
+    # budget
+    vocab_size: int = field(default=8192, metadata={"help": "WordPiece vocabulary learned from the training sets."})
+    max_length: int = field(default=1024, metadata={"help": "Tokens read per document (BERT: 512)."})
+    probe_length: int = field(default=4096, metadata={"help": "Tokens per probe document."})
+    batch_size: int = field(default=8, metadata={"help": "Documents per step (CoNLL: 2x, sentences are short)."})
+    classification_steps: int = field(default=120, metadata={"help": "Optimiser steps per classification run."})
+    probe_steps: int = field(default=60, metadata={"help": "Optimiser steps per probe run."})
+    ner_steps: int = field(default=300, metadata={"help": "Optimiser steps per CoNLL run."})
+    lm_steps: int = field(default=150, metadata={"help": "Optimiser steps per LM run."})
+    lm_block_size: int = field(default=512, metadata={"help": "Tokens per LM training / evaluation block."})
+    budget_scale: float = field(default=1.0, metadata={"help": "Multiplies every step count (GPU runs: > 1)."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate, every model."})
+    train_documents: int = field(default=2000, metadata={"help": "20 Newsgroups / EURLEX training subset."})
+    test_documents: int = field(default=1000, metadata={"help": "20 Newsgroups / EURLEX test subset."})
+    eurlex_labels: int = field(default=20, metadata={"help": "EURLEX: keep the most frequent labels."})
+    probe_train_documents: int = field(default=1200, metadata={"help": "Probe training documents."})
+    probe_test_documents: int = field(default=400, metadata={"help": "Probe test documents."})
+
+    def __post_init__(self):
+        unknown = sorted(set(self.tasks) - set(TASKS))
+        if unknown:
+            raise ValueError(f"--tasks: unknown {unknown}; choose from {TASKS}.")
+        known = {*CLASSIFIERS, *LANGUAGE_MODELS}
+        if self.models is not None and set(self.models) - known:
+            raise ValueError(f"--models: unknown {sorted(set(self.models) - known)}; choose from {sorted(known)}.")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"--hidden_size {self.hidden_size} must be divisible by --num_heads {self.num_heads}.")
+        if not self.seeds:
+            raise ValueError("--seeds: give at least one seed.")
+        if self.workers < 1 or self.threads_per_worker < 1:
+            raise ValueError("--workers and --threads_per_worker must be >= 1.")
+        if self.budget_scale <= 0:
+            raise ValueError(f"--budget_scale must be > 0, got {self.budget_scale}.")
+        for window in self.study_windows:
+            if window < 2:
+                raise ValueError(f"--study_windows: windows must be >= 2, got {window}.")
+
+    def steps(self, task: str) -> int:
+        base = {"probe": self.probe_steps, "conll": self.ner_steps, "lm": self.lm_steps}
+        return max(1, round(base.get(task, self.classification_steps) * self.budget_scale))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data: every task becomes lists of token ids and labels, prepared once and cached
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def stratified_subset(records: list[dict], size: int, key, seed: int = 0) -> list[dict]:
+    """`size` records with the label proportions of `records` (a fixed subset: same for every model and seed)."""
+    if size >= len(records):
+        return records
+    rng = random.Random(seed)
+    by_label = {}
+    for record in records:
+        by_label.setdefault(key(record), []).append(record)
+    chosen = []
+    for group in by_label.values():
+        rng.shuffle(group)
+        chosen.extend(group[: max(1, round(size * len(group) / len(records)))])
+    rng.shuffle(chosen)
+    return chosen[:size]
+
+
+def make_probe(tokenizer, num_documents: int, length: int, window: int, seed: int) -> dict:
+    """Long-range probe: documents of `length` tokens of filler, one key in the first `window` tokens and one in the
+    last `window`; the label is whether the two keys are the same. Keys are two word pieces chosen at random per
+    document, so a reader of only the head (or only the tail) sees one key and is at chance."""
+    rng = np.random.default_rng(seed)
+    vocabulary = np.arange(len(tokenizer.all_special_ids) + 100, len(tokenizer))
+    keys = vocabulary[:2]  # two reserved key pieces; fillers never use them
+    fillers = vocabulary[2:1002]
+    documents, labels = [], []
+    for _ in range(num_documents):
+        ids = rng.choice(fillers, size=length)
+        ids[0] = tokenizer.cls_token_id
+        first, last = rng.integers(0, 2, size=2)
+        ids[rng.integers(1, window)] = keys[first]
+        ids[length - 1 - rng.integers(0, window - 1)] = keys[last]
+        documents.append(ids.tolist())
+        labels.append(int(first == last))
+    return {"input_ids": documents, "labels": labels}
+
+
+def tokenize_documents(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
+    return tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+
+
+def prepare_classification(name: str, args: BenchmarkArguments, tokenizer) -> dict:
+    from ran_hf.data import read_records
+
+    data = Path(args.data_dir)
+    if name == "probe":
+        window = args.window_size
+        return {
+            "problem_type": "single_label_classification",
+            "num_labels": 2,
+            "train": make_probe(tokenizer, args.probe_train_documents, args.probe_length, window, seed=1),
+            "test": make_probe(tokenizer, args.probe_test_documents, args.probe_length, window, seed=2),
+            "about": f"{args.probe_train_documents} / {args.probe_test_documents} synthetic documents of "
+            f"{args.probe_length} tokens; key in the first and the last {window} tokens",
+        }
+    if name == "hyperpartisan":
+        train, test = (
+            read_records(data / "hyperpartisan" / "train.jsonl"),
+            read_records(data / "hyperpartisan" / "test.jsonl"),
+        )
+        label_names = ["false", "true"]
+        encode = lambda record: label_names.index(str(record["label"]).lower())  # noqa: E731
+        about = "Hyperpartisan by-article, train 516 / test 65"
+    elif name == "20newsgroups":
+        train = stratified_subset(
+            read_records(data / "20newsgroups" / "train.jsonl.gz"), args.train_documents, lambda r: r["label"]
+        )
+        test = stratified_subset(
+            read_records(data / "20newsgroups" / "test.jsonl.gz"), args.test_documents, lambda r: r["label"]
+        )
+        label_names = [str(i) for i in range(20)]
+        encode = lambda record: int(record["label"])  # noqa: E731
+        about = f"20 Newsgroups bydate, stratified subsets train {len(train)} / test {len(test)}"
+    else:  # eurlex
+        rng = random.Random(0)
+        train = read_records(data / "eurlex57k" / "train.jsonl.gz")
+        test = read_records(data / "eurlex57k" / "test.jsonl.gz")
+        rng.shuffle(train)
+        rng.shuffle(test)
+        counts = {}
+        for record in train:
+            for label in record["label"]:
+                counts[label] = counts.get(label, 0) + 1
+        label_names = sorted(counts, key=lambda label: (-counts[label], label))[: args.eurlex_labels]
+        kept = set(label_names)
+        train = [r for r in train if kept & set(r["label"])][: args.train_documents]
+        test = [r for r in test if kept & set(r["label"])][: args.test_documents]
+        encode = lambda record: [float(label in record["label"]) for label in label_names]  # noqa: E731
+        about = (
+            f"EURLEX-57K, the {len(label_names)} most frequent labels, documents with at least one of them: "
+            f"train {len(train)} / test {len(test)}"
+        )
+    return {
+        "problem_type": "multi_label_classification" if name == "eurlex" else "single_label_classification",
+        "num_labels": len(label_names),
+        "train": {
+            "input_ids": tokenize_documents(tokenizer, [r["text"] for r in train], args.max_length),
+            "labels": [encode(r) for r in train],
+        },
+        "test": {
+            "input_ids": tokenize_documents(tokenizer, [r["text"] for r in test], args.max_length),
+            "labels": [encode(r) for r in test],
+        },
+        "about": about,
+    }
+
+
+def prepare_conll(args: BenchmarkArguments, tokenizer) -> dict:
+    from run_ner import align_tags
+
+    from ran_hf.data import TagLabels, read_conll
+
+    data = Path(args.data_dir) / "conll2003"
+    splits = {split: read_conll(data / f"{split}.txt") for split in ("train", "test")}
+    tags = TagLabels.from_splits({split: [s["ner_tags"] for s in sentences] for split, sentences in splits.items()})
+    tag_ids = tags.label2id
+    inside_of = {
+        tag_ids[name]: tag_ids["I-" + name[2:]]
+        for name in tags.names
+        if name.startswith("B-") and "I-" + name[2:] in tag_ids
+    }
+    prepared = {"problem_type": "token_classification", "num_labels": len(tags.names), "label_names": tags.names}
+    for split, sentences in splits.items():
+        encoded = tokenizer(
+            [s["tokens"] for s in sentences], is_split_into_words=True, truncation=True, max_length=args.max_length
+        )
+        prepared[split] = {
+            "input_ids": encoded["input_ids"],
+            "labels": [
+                align_tags(encoded.word_ids(i), [tag_ids[t] for t in s["ner_tags"]], inside_of, label_all_tokens=False)
+                for i, s in enumerate(sentences)
+            ],
+        }
+    prepared["about"] = f"CoNLL-2003 sentences, train {len(splits['train'])} / test {len(splits['test'])}"
+    return prepared
+
+
+def prepare_lm(args: BenchmarkArguments, tokenizer) -> dict:
+    """WikiText-2 valid as the training stream, test as the evaluation stream, in blocks of `lm_block_size`."""
+    data = Path(args.data_dir) / "wikitext-2"
+    prepared = {"problem_type": "causal_lm", "about": "trained on WikiText-2 valid, evaluated on WikiText-2 test"}
+    for split, file in (("train", "valid.txt"), ("test", "test.txt")):
+        lines = [line.strip() for line in (data / file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        # One end-of-line token per line, as the published word counts do.
+        words = sum(len(line.split()) + 1 for line in lines)
+        ids = []
+        for encoded in tokenizer([line.replace("<unk>", "[UNK]") for line in lines], add_special_tokens=False)[
+            "input_ids"
+        ]:
+            ids.extend(encoded + [tokenizer.sep_token_id])
+        size = args.lm_block_size
+        blocks = [ids[start : start + size] for start in range(0, len(ids) - size + 1, size)]
+        prepared[split] = {"input_ids": blocks, "words": words * len(blocks) * size / len(ids), "tokens": len(ids)}
+    return prepared
+
+
+def training_texts(args: BenchmarkArguments) -> list[str]:
+    """The text the shared WordPiece vocabulary is learned from: training splits only."""
+    from ran_hf.data import read_conll, read_records
+
+    data = Path(args.data_dir)
+    texts = [r["text"] for r in read_records(data / "hyperpartisan" / "train.jsonl")]
+    texts += [r["text"] for r in read_records(data / "20newsgroups" / "train.jsonl.gz")[:4000]]
+    texts += [r["text"] for r in read_records(data / "eurlex57k" / "train.jsonl.gz")[:4000]]
+    texts += [" ".join(s["tokens"]) for s in read_conll(data / "conll2003" / "train.txt")]
+    texts += (data / "wikitext-2" / "valid.txt").read_text(encoding="utf-8").replace("<unk>", "[UNK]").splitlines()
+    return texts
+
+
+def prepare_data(args: BenchmarkArguments, tasks: list[str]) -> dict[str, Path]:
+    """Tokenizer and tokenized tasks, cached under --cache_dir (keyed by the settings that shape them)."""
+    from train_tokenizer import TokenizerArguments, build_tokenizer
+    from transformers import AutoTokenizer
+
+    shaping = {
+        name: getattr(args, name)
+        for name in (
+            "data_dir",
+            "vocab_size",
+            "max_length",
+            "probe_length",
+            "window_size",
+            "lm_block_size",
+            "train_documents",
+            "test_documents",
+            "eurlex_labels",
+            "probe_train_documents",
+            "probe_test_documents",
+        )
+    }
+    key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
+    cache = Path(args.cache_dir) / key
+    tokenizer_dir = cache / "tokenizer"
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        logger.info("Learning a %d-piece WordPiece vocabulary from the training splits", args.vocab_size)
+        tokenizer_args = TokenizerArguments(train_files=[], output_dir=str(tokenizer_dir), vocab_size=args.vocab_size)
+        build_tokenizer(tokenizer_args, training_texts(args)).save_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    paths = {}
+    for task in {("hyperpartisan" if task == "window_study" else task) for task in tasks}:
+        path = cache / f"{task}.pt"
+        if not path.is_file():
+            logger.info("Preparing %s", task)
+            if task == "conll":
+                prepared = prepare_conll(args, tokenizer)
+            elif task == "lm":
+                prepared = prepare_lm(args, tokenizer)
+            else:
+                prepared = prepare_classification(task, args, tokenizer)
+            prepared["vocab_size"] = len(tokenizer)
+            temporary = path.with_suffix(".tmp")
+            torch.save(prepared, temporary)
+            temporary.replace(path)  # never a half-written cache file
+        paths[task] = path
+    paths["window_study"] = paths.get("hyperpartisan")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models at matched size
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def sequence_problem_type(task: dict) -> str | None:
+    """Transformers' `problem_type` of a sequence classification task (None for tagging and language modelling)."""
+    kinds = ("single_label_classification", "multi_label_classification")
+    return task["problem_type"] if task["problem_type"] in kinds else None
+
+
+def ran_config(args: BenchmarkArguments, task: dict, model: str, window: int, **overrides):
+    from ran_hf import RANConfig
+
+    variant = dict(RAN_VARIANTS.get(model, {}))
+    if "window_overlap" in variant:
+        variant["window_overlap"] = min(args.window_overlap, window // 2)
+    return RANConfig(
+        vocab_size=task["vocab_size"],
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        head_dim=args.hidden_size // args.num_heads,
+        window_size=window,
+        min_window_size=max(1, min(16, window // 8)),
+        hidden_dropout_prob=args.dropout,
+        attention_probs_dropout_prob=args.dropout,
+        num_labels=task.get("num_labels", 2),
+        problem_type=sequence_problem_type(task),
+        **variant,
+        **overrides,
+    )
+
+
+def official_causal_scan(layer, cell, previous_raw, keys, values, layout):
+    """The official causal design: the cell sits at position 0 under the triangular mask, so it reads only itself."""
+    from ran_hf.modeling_ran import RANLayer
+
+    blind = dataclasses.replace(layout, slot_mask=torch.zeros_like(layout.slot_mask))
+    return RANLayer.scan_cells(layer, cell, previous_raw, keys, values, blind)
+
+
+def transformer_config(config_class, args: BenchmarkArguments, task: dict, max_length: int, **extra):
+    return config_class(
+        vocab_size=task["vocab_size"],
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        intermediate_size=4 * args.hidden_size,
+        hidden_dropout_prob=args.dropout,
+        attention_probs_dropout_prob=args.dropout,
+        num_labels=task.get("num_labels", 2),
+        problem_type=sequence_problem_type(task),
+        pad_token_id=0,
+        **extra,
+    )
+
+
+def matched_width(build, target: int) -> int:
+    """The hidden width whose model has the non-embedding parameter count closest to `target`."""
+    return min(range(4, 513, 2), key=lambda width: abs(count_parameters(build(width)) - target))
+
+
+def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments, window: int | None = None):
+    import transformers
+
+    from ran_hf import RANForCausalLM, RANForSequenceClassification, RANForTokenClassification
+
+    tagging = task["problem_type"] == "token_classification"
+    if task_name == "lm":
+        config = ran_config(args, task, "ran", args.lm_window_size)
+        model = RANForCausalLM(config)
+        if name == "ran-causal-official":
+            for layer in model.model.layers:
+                layer.scan_cells = official_causal_scan.__get__(layer)
+        return model
+    if name in RAN_VARIANTS:
+        default_window = args.ner_window_size if tagging else args.window_size
+        config = ran_config(args, task, name, window or default_window)
+        return (RANForTokenClassification if tagging else RANForSequenceClassification)(config)
+    max_length = args.probe_length if task_name == "probe" else args.max_length
+    if name == "longformer":
+        attention_window = args.ner_window_size if tagging else args.window_size
+        config = transformer_config(
+            transformers.LongformerConfig,
+            args,
+            task,
+            max_length,
+            attention_window=attention_window,
+            max_position_embeddings=max_length + attention_window + 2,
+        )
+        auto = (
+            transformers.LongformerForTokenClassification
+            if tagging
+            else transformers.LongformerForSequenceClassification
+        )
+        return auto(config)
+    if name == "bert-512":
+        config = transformer_config(
+            transformers.BertConfig, args, task, BERT_MAX_LENGTH, max_position_embeddings=BERT_MAX_LENGTH
+        )
+        auto = transformers.BertForTokenClassification if tagging else transformers.BertForSequenceClassification
+        return auto(config)
+
+    # Recurrent baselines: width searched so that their parameters match RAN's (embeddings excluded).
+    target = count_parameters(build_model("ran", task_name, task, args))
+    common = dict(
+        vocab_size=task["vocab_size"],
+        embedding_size=args.hidden_size,
+        num_labels=task["num_labels"],
+        dropout=args.dropout,
+    )
+    if tagging:
+        build = lambda width: BiLSTMForTokenClassification(**common, hidden_size=width)  # noqa: E731
+    else:
+        extra = {"problem_type": task["problem_type"]}
+        if name != "bilstm":
+            extra["slice_length"] = args.slice_length
+        if name == "bpie-bisrnn":
+            extra["enrichment"] = args.enrichment
+        build = lambda width: baseline_for(name, **common, **extra, hidden_size=width)  # noqa: E731
+    return build(matched_width(build, target))
+
+
+def models_for(task: str, args: BenchmarkArguments) -> list[str]:
+    names = {"conll": TAGGERS, "lm": LANGUAGE_MODELS, "window_study": ("ran",)}.get(task, CLASSIFIERS)
+    return [name for name in names if args.models is None or name in args.models]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One run: train for the budget, evaluate once
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def batches(split: dict, batch_size: int, steps: int, seed: int, max_length: int | None):
+    """`steps` batches drawn epoch by epoch in a seeded order (the same for every model), right-padded."""
+    rng = random.Random(seed)
+    order = []
+    while len(order) < steps * batch_size:
+        epoch = list(range(len(split["input_ids"])))
+        rng.shuffle(epoch)
+        order.extend(epoch)
+    for step in range(steps):
+        yield collate(split, order[step * batch_size : (step + 1) * batch_size], max_length)
+
+
+def collate(split: dict, indices: list[int], max_length: int | None) -> dict:
+    rows = [split["input_ids"][i][:max_length] for i in indices]
+    width = max(len(row) for row in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for row, ids in enumerate(rows):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if "labels" in split:
+        labels = [split["labels"][i] for i in indices]
+        if isinstance(labels[0], list) and isinstance(labels[0][0], int):  # token tags
+            tags = torch.full((len(rows), width), -100, dtype=torch.long)
+            for row, row_tags in enumerate(labels):
+                row_tags = row_tags[:width]
+                tags[row, : len(row_tags)] = torch.tensor(row_tags)
+            batch["labels"] = tags
+        else:
+            batch["labels"] = torch.tensor(labels)
+    else:  # language modelling
+        batch["labels"] = input_ids.masked_fill(attention_mask == 0, -100)
+    return batch
+
+
+def evaluate_model(model, task: dict, task_name: str, max_length: int | None, device) -> dict:
+    from run_classification import classification_metrics
+    from run_ner import load_seqeval
+
+    model.eval()
+    split = task["test"]
+    logits, losses = [], []
+    with torch.no_grad():
+        for start in range(0, len(split["input_ids"]), 16):
+            indices = list(range(start, min(start + 16, len(split["input_ids"]))))
+            batch = {key: value.to(device) for key, value in collate(split, indices, max_length).items()}
+            outputs = model(**batch)
+            if task_name == "lm":
+                losses.append(outputs.loss.item() * len(indices))
+            elif task["problem_type"] == "token_classification":
+                logits.extend(
+                    (row[mask.bool()], labels[mask.bool()])
+                    for row, mask, labels in zip(
+                        outputs.logits.argmax(-1).cpu(), batch["attention_mask"].cpu(), batch["labels"].cpu()
+                    )
+                )
+            else:
+                logits.append(outputs.logits.float().cpu())
+    if task_name == "lm":
+        # Each block's loss is a mean over its (block - 1) predicted tokens.
+        blocks = len(split["input_ids"])
+        predicted = blocks * (len(split["input_ids"][0]) - 1)
+        total_nll = sum(losses) * (len(split["input_ids"][0]) - 1)
+        words = split["words"] * predicted / (blocks * len(split["input_ids"][0]))
+        return {"perplexity": math.exp(total_nll / predicted), "word_perplexity": math.exp(total_nll / words)}
+    if task["problem_type"] == "token_classification":
+        names = task["label_names"]
+        predictions = [[names[p] for p, g in zip(pred, gold) if g != -100] for pred, gold in logits]
+        references = [[names[g] for g in gold if g != -100] for _, gold in logits]
+        scores = load_seqeval()(predictions=predictions, references=references)
+        return {
+            "f1": scores["overall_f1"],
+            "precision": scores["overall_precision"],
+            "recall": scores["overall_recall"],
+        }
+    labels = np.array(split["labels"])
+    multi_label = task["problem_type"] == "multi_label_classification"
+    return classification_metrics(torch.cat(logits).numpy(), labels, multi_label, threshold=0.5)
+
+
+def run_once(spec: dict) -> dict:
+    """Train one model on one task for the budget and evaluate it: runs in a worker process."""
+    args = BenchmarkArguments(**spec["args"])
+    if spec["task"] == "probe":  # a noiseless synthetic task: dropout only slows every model down
+        args = dataclasses.replace(args, dropout=0.0)
+    torch.set_num_threads(args.threads_per_worker)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    task_name, model_name, seed, window = spec["task"], spec["model"], spec["seed"], spec.get("window")
+    task = torch.load(spec["data"], weights_only=False)
+    device = torch.device(args.device)
+
+    torch.manual_seed(seed)
+    model = build_model(model_name, task_name, task, args, window=window).to(device)
+    # BERT reads the first 512 tokens; every other model the whole (up to --max_length) document.
+    max_length = BERT_MAX_LENGTH if model_name == "bert-512" else None
+    steps = args.steps("hyperpartisan" if task_name == "window_study" else task_name)
+    batch_size = args.batch_size * (2 if task_name == "conll" else 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min((step + 1) / warmup, max(0.0, (steps - step) / (steps - warmup + 1)))
+    )
+
+    model.train()
+    losses, tokens, started = [], 0, time.perf_counter()
+    for batch in batches(task["train"], batch_size, steps, seed, max_length):
+        batch = {key: value.to(device) for key, value in batch.items()}
+        loss = model(**batch).loss
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{model_name} on {task_name}: loss became {loss.item()} at step {len(losses)}")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        tokens += int(batch["attention_mask"].sum())
+    train_seconds = time.perf_counter() - started
+
+    metrics = evaluate_model(model, task, task_name, max_length, device)
+    documents = len(task["train"]["input_ids"])
+    return {
+        "task": task_name,
+        "model": model_name if window is None else f"ran-w{window}",
+        "window": window,
+        "seed": seed,
+        "metrics": metrics,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters_without_embeddings": count_parameters(model),
+        "steps": steps,
+        "batch_size": batch_size,
+        "train_tokens": tokens,
+        "train_seconds": train_seconds,
+        "seconds_per_epoch": train_seconds * documents / (steps * batch_size),
+        "first_loss": float(np.mean(losses[: max(1, steps // 10)])),
+        "last_loss": float(np.mean(losses[-max(1, steps // 10) :])),
+        "about": task["about"],
+        "key": spec["key"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def plan_runs(args: BenchmarkArguments, data: dict[str, Path]) -> list[dict]:
+    runs = []
+    for task in args.tasks:
+        windows = args.study_windows if task == "window_study" else [None]
+        for model in models_for(task, args):
+            for window in windows:
+                for seed in args.seeds:
+                    spec = {"task": task, "model": model, "seed": seed, "window": window, "data": str(data[task])}
+                    spec["args"] = dataclasses.asdict(args)
+                    # Runs are recognised by everything that shapes them, not by what only says where to write.
+                    shaping = {
+                        k: v
+                        for k, v in spec["args"].items()
+                        if k not in ("tasks", "models", "seeds", "workers", "output_dir", "output_name", "overwrite")
+                    }
+                    spec["key"] = hashlib.sha256(
+                        json.dumps([task, model, seed, window, shaping], sort_keys=True).encode()
+                    ).hexdigest()[:16]
+                    runs.append(spec)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    (args,) = HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses(args=argv)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    runs_file = output_dir / f"{args.output_name}_runs.jsonl"
+    if args.overwrite and runs_file.exists():
+        runs_file.unlink()
+
+    info = machine_info(args.device)
+    data = prepare_data(args, args.tasks)
+    runs = plan_runs(args, data)
+    done = set()
+    if runs_file.exists():
+        done = {json.loads(line)["key"] for line in runs_file.read_text().splitlines() if line.strip()}
+    todo = [run for run in runs if run["key"] not in done]
+    logger.info(
+        "%d runs planned, %d already recorded in %s, %d to go", len(runs), len(runs) - len(todo), runs_file, len(todo)
+    )
+
+    started = time.perf_counter()
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(args.workers, maxtasksperchild=1) as pool, runs_file.open("a") as sink:
+        progress = tqdm(pool.imap_unordered(run_once, todo), total=len(todo), desc="runs", unit="run")
+        for result in progress:
+            result["machine"] = info
+            sink.write(json.dumps(result) + "\n")
+            sink.flush()
+            main_metric = next(iter(result["metrics"].items()))
+            progress.write(
+                f"{result['task']:>14} {result['model']:>22} seed {result['seed']}: "
+                f"{main_metric[0]} {main_metric[1]:.4f} ({result['train_seconds']:.0f} s)"
+            )
+    logger.info("Ran %d runs in %.1f min", len(todo), (time.perf_counter() - started) / 60)
+
+    keys = {run["key"] for run in runs}
+    results = [json.loads(line) for line in runs_file.read_text().splitlines() if line.strip()]
+    results = [result for result in results if result["key"] in keys]
+    command = "python scripts/benchmark_tasks.py" + (
+        " " + " ".join(argv) if argv else " " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else ""
+    )
+    return write_report(results, args, info, output_dir / args.output_name, command.strip())
+
+
+if __name__ == "__main__":
+    main()

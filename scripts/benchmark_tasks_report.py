@@ -1,0 +1,214 @@
+"""Tables and plots of scripts/benchmark_tasks.py: mean and spread over seeds, per task and model."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from benchmark_utils import machine_line
+
+# The metric each task is ranked by, and whether lower is better.
+MAIN_METRIC = {
+    "probe": ("accuracy", False),
+    "hyperpartisan": ("accuracy", False),
+    "20newsgroups": ("accuracy", False),
+    "eurlex": ("micro_f1", False),
+    "conll": ("f1", False),
+    "lm": ("perplexity", True),
+    "window_study": ("accuracy", False),
+}
+REAL_CLASSIFICATION = ("hyperpartisan", "20newsgroups", "eurlex")
+
+
+def summarize(results: list[dict]) -> dict:
+    """{task: {model: {"mean", "min", "max", "seeds", "values", ...}}} of each task's main metric."""
+    summary = {}
+    for result in results:
+        metric, _ = MAIN_METRIC[result["task"]]
+        entry = summary.setdefault(result["task"], {}).setdefault(
+            result["model"], {"metric": metric, "values": [], "seeds": [], "seconds": [], "seconds_per_epoch": []}
+        )
+        entry["values"].append(result["metrics"][metric])
+        entry["seeds"].append(result["seed"])
+        entry["seconds"].append(result["train_seconds"])
+        entry["seconds_per_epoch"].append(result["seconds_per_epoch"])
+        entry["parameters_without_embeddings"] = result["parameters_without_embeddings"]
+        entry["parameters"] = result["parameters"]
+        if result["task"] == "lm":
+            entry.setdefault("word_perplexity", []).append(result["metrics"]["word_perplexity"])
+    for models in summary.values():
+        for entry in models.values():
+            values = np.array(entry["values"])
+            entry.update(mean=float(values.mean()), min=float(values.min()), max=float(values.max()))
+            entry["mean_seconds"] = float(np.mean(entry["seconds"]))
+            entry["mean_seconds_per_epoch"] = float(np.mean(entry["seconds_per_epoch"]))
+    return summary
+
+
+def classification_average(summary: dict) -> dict[str, float]:
+    """Mean over the real classification tasks, for models that ran on all of them."""
+    tasks = [task for task in REAL_CLASSIFICATION if task in summary]
+    if not tasks:
+        return {}
+    models = set.intersection(*(set(summary[task]) for task in tasks))
+    return {model: float(np.mean([summary[task][model]["mean"] for task in tasks])) for model in models}
+
+
+def cell(entry: dict | None, scale: float = 100.0, digits: int = 1) -> str:
+    if entry is None:
+        return "–"
+    mean, low, high = (entry[key] * scale for key in ("mean", "min", "max"))
+    return f"{mean:.{digits}f} ± {(high - low) / 2:.{digits}f}"
+
+
+def markdown(summary: dict, results: list[dict], args, info: dict, command: str) -> str:
+    seeds = sorted({result["seed"] for result in results})
+    minutes = sum(result["train_seconds"] for result in results) / 60
+    lines = [
+        "# Task benchmark (from scratch, matched size, equal budget)",
+        "",
+        f"Machine: {machine_line(info)}. Seeds: {', '.join(map(str, seeds))}; each cell is the mean ± half the range "
+        f"over seeds. Training time summed over runs: {minutes:.0f} min.",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Every model: width {args.hidden_size}, {args.num_layers} layers where it has layers, the same batches "
+        f"(batch {args.batch_size}, CoNLL {2 * args.batch_size}), AdamW lr {args.learning_rate} with 10% warm-up and "
+        f"linear decay, gradient clipping 1.0, dropout {args.dropout} (probe: 0). Steps: classification "
+        f"{args.steps('hyperpartisan')}, probe {args.steps('probe')}, CoNLL {args.steps('conll')}, LM "
+        f"{args.steps('lm')}. Documents are read up to {args.max_length} tokens (probe {args.probe_length}); "
+        f"bert-512 reads the first 512. RAN window {args.window_size} (CoNLL {args.ner_window_size}, LM "
+        f"{args.lm_window_size}); ran-bpie overlap {args.window_overlap}; SRNN / BPIE-BiSRNN slices of "
+        f"{args.slice_length}, enrichment {args.enrichment}; recurrent baselines' widths matched to RAN's "
+        "parameter count without embeddings.",
+        "",
+    ]
+    classification = [task for task in ("probe", *REAL_CLASSIFICATION) if task in summary]
+    if classification:
+        average = classification_average(summary)
+        header = ["model", "params (no emb.)"] + [f"{task} ({MAIN_METRIC[task][0]})" for task in classification]
+        if average:
+            header.append("average of " + ", ".join(task for task in REAL_CLASSIFICATION if task in summary))
+        lines += ["## Classification (test, %)", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        models = list(dict.fromkeys(model for task in classification for model in summary[task]))
+        for model in models:
+            parameters = next(summary[task][model] for task in classification if model in summary[task])
+            row = [model, f"{parameters['parameters_without_embeddings'] / 1e3:.0f}K"]
+            row += [cell(summary[task].get(model)) for task in classification]
+            if average:
+                row.append(f"{average[model] * 100:.1f}" if model in average else "–")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+        lines.append(
+            "Training seconds per run (mean over seeds): "
+            + "; ".join(
+                f"{task}: "
+                + ", ".join(f"{model} {entry['mean_seconds']:.0f}" for model, entry in summary[task].items())
+                for task in classification
+            )
+            + "."
+        )
+        lines.append("")
+    if "conll" in summary:
+        lines += ["## CoNLL-2003 NER (test entity F1, %)", "", "| model | F1 | train s |", "|---|---|---|"]
+        lines += [f"| {m} | {cell(e)} | {e['mean_seconds']:.0f} |" for m, e in summary["conll"].items()]
+        lines.append("")
+    if "lm" in summary:
+        lines += [
+            "## Language modelling (WikiText-2 test; trained on WikiText-2 valid)",
+            "",
+            "| model | token perplexity | word perplexity | train s |",
+            "|---|---|---|---|",
+        ]
+        for model, entry in summary["lm"].items():
+            words = np.array(entry["word_perplexity"])
+            word_cell = f"{words.mean():.1f} ± {(words.max() - words.min()) / 2:.1f}"
+            lines.append(f"| {model} | {cell(entry, 1.0)} | {word_cell} | {entry['mean_seconds']:.0f} |")
+        lines.append("")
+    if "window_study" in summary:
+        lines += [
+            "## Window size (Hyperpartisan, RAN)",
+            "",
+            "| window | accuracy % | training s / epoch |",
+            "|---|---|---|",
+        ]
+        for model, entry in sorted(summary["window_study"].items(), key=lambda item: int(item[0].split("-w")[1])):
+            lines.append(f"| {model.split('-w')[1]} | {cell(entry)} | {entry['mean_seconds_per_epoch']:.1f} |")
+        lines.append("")
+    lines += ["## Data", ""]
+    lines += [f"- {task}: {about}" for task, about in sorted({(r["task"], r["about"]) for r in results})]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [task for task in ("probe", *REAL_CLASSIFICATION, "conll", "lm") if task in summary]
+    study = "window_study" in summary
+    count = len(panels) + int(study)
+    if count == 0:
+        return
+    columns = min(3, count)
+    rows = -(-count // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.8 * rows), squeeze=False)
+    axes = axes.flatten()
+    for axis, task in zip(axes, panels):
+        models = list(summary[task])
+        means = [summary[task][m]["mean"] for m in models]
+        errors = [
+            [summary[task][m]["mean"] - summary[task][m]["min"] for m in models],
+            [summary[task][m]["max"] - summary[task][m]["mean"] for m in models],
+        ]
+        colors = ["tab:blue" if m.startswith("ran") else "tab:gray" for m in models]
+        axis.barh(models, means, xerr=errors, color=colors)
+        axis.invert_yaxis()
+        metric, lower_is_better = MAIN_METRIC[task]
+        axis.set_title(f"{task}: {metric}" + (" (lower is better)" if lower_is_better else ""))
+        if task == "probe":
+            axis.axvline(0.5, color="tab:red", linestyle="--", linewidth=1)
+        axis.tick_params(axis="y", labelsize=8)
+    if study:
+        axis = axes[len(panels)]
+        entries = sorted(summary["window_study"].items(), key=lambda item: int(item[0].split("-w")[1]))
+        windows = [int(model.split("-w")[1]) for model, _ in entries]
+        axis.errorbar(
+            windows,
+            [e["mean"] for _, e in entries],
+            yerr=[[e["mean"] - e["min"] for _, e in entries], [e["max"] - e["mean"] for _, e in entries]],
+            marker="o",
+            color="tab:blue",
+        )
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("window size")
+        axis.set_ylabel("accuracy", color="tab:blue")
+        twin = axis.twinx()
+        twin.plot(windows, [e["mean_seconds_per_epoch"] for _, e in entries], marker="v", color="tab:green")
+        twin.set_ylabel("training s / epoch", color="tab:green")
+        axis.set_title("window size (Hyperpartisan)")
+    for axis in axes[count:]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_report(results: list[dict], args, info: dict, stem: Path, command: str) -> dict:
+    """Write <stem>.json (summary and every run), <stem>.md and <stem>.png; return the summary."""
+    summary = summarize(results)
+    payload = {
+        "command": command,
+        "machine": info,
+        "settings": {
+            key: value for key, value in vars(args).items() if key not in ("output_dir", "cache_dir", "data_dir")
+        },
+        "summary": summary,
+        "classification_average": classification_average(summary),
+        "runs": results,
+    }
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(summary, results, args, info, command))
+    plot(summary, stem.with_suffix(".png"))
+    return payload

@@ -1,0 +1,129 @@
+"""The task benchmark: its probe, its models at matched size, the official causal design, and one tiny run."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import benchmark_tasks  # noqa: E402
+from baseline_models import count_parameters  # noqa: E402
+from benchmark_tasks import BenchmarkArguments, build_model, make_probe  # noqa: E402
+
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data")
+
+
+def test_probe_label_needs_both_ends(wordpiece_tokenizer):
+    tokenizer = wordpiece_tokenizer
+    """Exactly one key in the first window and one in the last; the head alone says nothing about the label."""
+    window, length = 16, 128
+    probe = make_probe(tokenizer, 400, length, window, seed=0)
+    specials = len(tokenizer.all_special_ids)
+    keys = {specials + 100, specials + 101}
+    head_key_and_label = []
+    for ids, label in zip(probe["input_ids"], probe["labels"]):
+        assert len(ids) == length and ids[0] == tokenizer.cls_token_id
+        positions = [i for i, token in enumerate(ids) if token in keys]
+        assert len(positions) == 2 and positions[0] < window and positions[1] >= length - window
+        assert label == int(ids[positions[0]] == ids[positions[1]])
+        head_key_and_label.append((ids[positions[0]], label))
+    labels = torch.tensor(probe["labels"], dtype=torch.float)
+    assert 0.4 < labels.mean() < 0.6
+    for key in keys:  # P(label | head key) stays near 1/2: a head-only reader is at chance
+        given = [label for head, label in head_key_and_label if head == key]
+        assert 0.35 < sum(given) / len(given) < 0.65
+
+
+def tiny_task(problem_type="single_label_classification", num_labels=3):
+    return {"problem_type": problem_type, "num_labels": num_labels, "vocab_size": 97}
+
+
+@pytest.mark.parametrize("name", ["bilstm", "srnn", "bpie-bisrnn"])
+def test_recurrent_baselines_match_ran_size(name):
+    args = BenchmarkArguments(hidden_size=32, num_heads=2)
+    ran = count_parameters(build_model("ran", "hyperpartisan", tiny_task(), args))
+    baseline = count_parameters(build_model(name, "hyperpartisan", tiny_task(), args))
+    assert abs(baseline - ran) / ran < 0.1, (name, baseline, ran)
+
+
+def test_ablations_change_the_model():
+    args = BenchmarkArguments(hidden_size=32, num_heads=2)
+    configs = {
+        name: build_model(name, "hyperpartisan", tiny_task(), args).config for name in benchmark_tasks.RAN_VARIANTS
+    }
+    assert configs["ran-mean-pooling"].token_pooling == "mean"
+    assert not configs["ran-no-cell-residual"].use_cell_residual
+    assert not configs["ran-no-memory-review"].memory_review
+    assert not configs["ran-no-rotary"].use_rotary
+    assert configs["ran-bpie"].window_overlap == args.window_overlap
+    assert configs["ran"].to_diff_dict() != configs["ran-no-rotary"].to_diff_dict()
+
+
+def first_window_influence(model_name: str) -> float:
+    """How much the logits of later windows move when only the first window's tokens change."""
+    args = BenchmarkArguments(hidden_size=32, num_heads=2, lm_window_size=8, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(model_name, "lm", {"problem_type": "causal_lm", "vocab_size": 97}, args).eval()
+    ids = torch.randint(5, 97, (1, 40))
+    changed = ids.clone()
+    changed[0, :8] = torch.randint(5, 97, (8,))
+    with torch.no_grad():
+        return (model(ids).logits[0, 8:] - model(changed).logits[0, 8:]).abs().max().item()
+
+
+def test_official_causal_design_carries_nothing_across_windows():
+    """The official design's cell reads only itself (exactly no influence); ours carries the first window along."""
+    assert first_window_influence("ran-causal-official") == 0.0
+    assert first_window_influence("ran-causal") > 1e-3
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(ValueError, match="--tasks"):
+        BenchmarkArguments(tasks=["arxiv"])
+    with pytest.raises(ValueError, match="--models"):
+        BenchmarkArguments(models=["gpt-5"])
+    with pytest.raises(ValueError, match="--hidden_size"):
+        BenchmarkArguments(hidden_size=30, num_heads=4)
+
+
+@needs_data
+def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path):
+    arguments = [
+        "--tasks", "hyperpartisan", "lm",
+        "--models", "ran", "bert-512", "ran-causal", "ran-causal-official",
+        "--seeds", "0", "1",
+        "--workers", "1",
+        "--budget_scale", "0.02",
+        "--hidden_size", "32",
+        "--vocab_size", "600",
+        "--max_length", "256",
+        "--lm_block_size", "128",
+        "--output_dir", str(tmp_path / "out"),
+        "--cache_dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    payload = benchmark_tasks.main(arguments)
+    runs = [json.loads(line) for line in (tmp_path / "out" / "tasks_cpu_runs.jsonl").read_text().splitlines()]
+    assert sorted((r["task"], r["model"], r["seed"]) for r in runs) == sorted(
+        (task, model, seed)
+        for task, models in (("hyperpartisan", ("ran", "bert-512")), ("lm", ("ran-causal", "ran-causal-official")))
+        for model in models
+        for seed in (0, 1)
+    )
+    for run in runs:
+        assert run["steps"] >= 1 and run["train_tokens"] > 0
+        value = next(iter(run["metrics"].values()))
+        assert value == value and value >= 0  # finite, not NaN
+    assert 0.0 <= payload["summary"]["hyperpartisan"]["ran"]["mean"] <= 1.0
+    assert payload["summary"]["lm"]["ran-causal"]["mean"] > 1.0
+    table = (tmp_path / "out" / "tasks_cpu.md").read_text()
+    assert "| ran |" in table and "ran-causal-official" in table
+    assert (tmp_path / "out" / "tasks_cpu.png").stat().st_size > 0
+
+    # A second call finds every run recorded and trains nothing.
+    benchmark_tasks.main(arguments)
+    assert len((tmp_path / "out" / "tasks_cpu_runs.jsonl").read_text().splitlines()) == len(runs)
