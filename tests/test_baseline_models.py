@@ -42,7 +42,7 @@ def assert_close(actual, expected, what):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_padding_invariance(name):
-    """Each sequence of a right-padded batch gets the logits it gets alone; left padding too; a padding row is finite."""
+    """A sequence in a right-padded batch gets the logits it gets alone; left padding too; a padding row is finite."""
     torch.manual_seed(0)
     model = MODELS[name](dropout=0.0).eval()
     lengths = [13, 4, 9, 8, 1, 5]  # several slices, whole slices, a short tail, a single token
@@ -80,7 +80,7 @@ def test_padding_row_trains(name):
 
 
 def test_slice_positions():
-    """Forward slice k reads [last m tokens of slice k-1; slice k]; backward, [slice k; first m of slice k+1] reversed."""
+    """Forward slice k reads [last m of slice k-1; slice k]; backward, [slice k; first m of slice k+1] reversed."""
     lengths = torch.tensor([10, 0, 3])
     forward = slice_documents(lengths, slice_length=4, enrichment=2)
     assert forward.document.tolist() == [0, 0, 0, 2]
