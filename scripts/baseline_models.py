@@ -137,8 +137,8 @@ class _BiLSTMEncoder(nn.Module):
         return outputs, lengths, order
 
 
-class BiLSTMForSequenceClassification(nn.Module):
-    """Embedding, dropout, `num_layers` BiLSTM layers, max-pool over the real tokens, dropout, linear."""
+class _BiLSTMModel(nn.Module):
+    """What both BiLSTM models share: the encoder, dropout and a linear layer over its 2h-wide outputs."""
 
     def __init__(
         self,
@@ -159,6 +159,10 @@ class BiLSTMForSequenceClassification(nn.Module):
         self.encoder = _BiLSTMEncoder(vocab_size, embedding_size, hidden_size, num_layers, dropout, pad_token_id)
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(2 * hidden_size, num_labels)
+
+
+class BiLSTMForSequenceClassification(_BiLSTMModel):
+    """Embedding, dropout, `num_layers` BiLSTM layers, max-pool over the real tokens, dropout, linear."""
 
     def forward(self, input_ids, attention_mask=None, labels=None, **kwargs) -> SequenceClassifierOutput:
         outputs, lengths, _ = self.encoder(input_ids, attention_mask)
@@ -168,30 +172,13 @@ class BiLSTMForSequenceClassification(nn.Module):
         return SequenceClassifierOutput(loss=_sequence_loss(logits, labels, self.problem_type), logits=logits)
 
 
-class BiLSTMForTokenClassification(nn.Module):
+class BiLSTMForTokenClassification(_BiLSTMModel):
     """The BiLSTM encoder with a linear layer per token; labels -100 are ignored by the loss."""
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        embedding_size: int,
-        hidden_size: int,
-        num_labels: int,
-        problem_type: str = "single_label_classification",
-        num_layers: int = 2,
-        dropout: float = 0.1,
-        pad_token_id: int = 0,
-    ):
-        super().__init__()
-        _check_common(vocab_size, embedding_size, hidden_size, num_labels, problem_type, dropout, pad_token_id)
+    def __init__(self, *, problem_type: str = "single_label_classification", **kwargs):
         if problem_type != "single_label_classification":
             raise ValueError(f"problem_type must be 'single_label_classification' for tokens, got {problem_type!r}")
-        self.num_labels = num_labels
-        self.problem_type = problem_type
-        self.encoder = _BiLSTMEncoder(vocab_size, embedding_size, hidden_size, num_layers, dropout, pad_token_id)
-        self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(2 * hidden_size, num_labels)
+        super().__init__(problem_type=problem_type, **kwargs)
 
     def forward(self, input_ids, attention_mask=None, labels=None, **kwargs) -> TokenClassifierOutput:
         outputs, _, order = self.encoder(input_ids, attention_mask)
