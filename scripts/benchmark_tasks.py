@@ -106,8 +106,8 @@ class BenchmarkArguments:
     max_length: int = field(default=1024, metadata={"help": "Tokens read per document (BERT: 512)."})
     probe_length: int = field(default=4096, metadata={"help": "Tokens per probe document."})
     batch_size: int = field(default=8, metadata={"help": "Documents per step (CoNLL: 2x, sentences are short)."})
-    classification_steps: int = field(default=120, metadata={"help": "Optimiser steps per classification run."})
-    probe_steps: int = field(default=60, metadata={"help": "Optimiser steps per probe run."})
+    classification_steps: int = field(default=250, metadata={"help": "Optimiser steps per classification run."})
+    probe_steps: int = field(default=100, metadata={"help": "Optimiser steps per probe run."})
     ner_steps: int = field(default=300, metadata={"help": "Optimiser steps per CoNLL run."})
     lm_steps: int = field(default=150, metadata={"help": "Optimiser steps per LM run."})
     lm_block_size: int = field(default=512, metadata={"help": "Tokens per LM training / evaluation block."})
@@ -118,6 +118,7 @@ class BenchmarkArguments:
     eurlex_labels: int = field(default=20, metadata={"help": "EURLEX: keep the most frequent labels."})
     probe_train_documents: int = field(default=1200, metadata={"help": "Probe training documents."})
     probe_test_documents: int = field(default=400, metadata={"help": "Probe test documents."})
+    probe_fillers: int = field(default=2, metadata={"help": "Distinct filler pieces of probe documents."})
 
     def __post_init__(self):
         unknown = sorted(set(self.tasks) - set(TASKS))
@@ -164,21 +165,25 @@ def stratified_subset(records: list[dict], size: int, key, seed: int = 0) -> lis
     return chosen[:size]
 
 
-def make_probe(tokenizer, num_documents: int, length: int, window: int, seed: int) -> dict:
-    """Long-range probe: documents of `length` tokens of filler, one key in the first `window` tokens and one in the
-    last `window`; the label is whether the two keys are the same. Keys are two word pieces chosen at random per
-    document, so a reader of only the head (or only the tail) sees one key and is at chance."""
+def make_probe(tokenizer, num_documents: int, length: int, window: int, fillers: int, seed: int) -> dict:
+    """Long-range probe: documents of `length` tokens, one key in the first `window` tokens and one in the last
+    `window`; the label says whether the two keys belong together.
+
+    The first key is A or B, the last key C or D, each drawn at random; A belongs with C and B with D, so the label is
+    the XNOR of the two ends. A reader of only the head (or only the tail) sees one key and is at chance; a linear
+    read-out of which keys occur is not enough either: the two ends must meet. The rest of the document is drawn
+    from `fillers` word pieces that are never keys.
+    """
     rng = np.random.default_rng(seed)
-    vocabulary = np.arange(len(tokenizer.all_special_ids) + 100, len(tokenizer))
-    keys = vocabulary[:2]  # two reserved key pieces; fillers never use them
-    fillers = vocabulary[2:1002]
+    pieces = np.arange(len(tokenizer.all_special_ids) + 100, len(tokenizer))
+    first_keys, last_keys, filler_pieces = pieces[:2], pieces[2:4], pieces[4 : 4 + fillers]
     documents, labels = [], []
     for _ in range(num_documents):
-        ids = rng.choice(fillers, size=length)
+        ids = rng.choice(filler_pieces, size=length)
         ids[0] = tokenizer.cls_token_id
         first, last = rng.integers(0, 2, size=2)
-        ids[rng.integers(1, window)] = keys[first]
-        ids[length - 1 - rng.integers(0, window - 1)] = keys[last]
+        ids[rng.integers(1, window)] = first_keys[first]
+        ids[length - 1 - rng.integers(0, window - 1)] = last_keys[last]
         documents.append(ids.tolist())
         labels.append(int(first == last))
     return {"input_ids": documents, "labels": labels}
@@ -193,14 +198,14 @@ def prepare_classification(name: str, args: BenchmarkArguments, tokenizer) -> di
 
     data = Path(args.data_dir)
     if name == "probe":
-        window = args.window_size
+        window, fillers = args.window_size, args.probe_fillers
         return {
             "problem_type": "single_label_classification",
             "num_labels": 2,
-            "train": make_probe(tokenizer, args.probe_train_documents, args.probe_length, window, seed=1),
-            "test": make_probe(tokenizer, args.probe_test_documents, args.probe_length, window, seed=2),
+            "train": make_probe(tokenizer, args.probe_train_documents, args.probe_length, window, fillers, seed=1),
+            "test": make_probe(tokenizer, args.probe_test_documents, args.probe_length, window, fillers, seed=2),
             "about": f"{args.probe_train_documents} / {args.probe_test_documents} synthetic documents of "
-            f"{args.probe_length} tokens; key in the first and the last {window} tokens",
+            f"{args.probe_length} tokens ({fillers} filler pieces); keys in the first and the last {window} tokens",
         }
     if name == "hyperpartisan":
         train, test = (
@@ -321,13 +326,16 @@ def prepare_data(args: BenchmarkArguments, tasks: list[str]) -> dict[str, Path]:
     from train_tokenizer import TokenizerArguments, build_tokenizer
     from transformers import AutoTokenizer
 
-    shaping = {
-        name: getattr(args, name)
-        for name in (
-            "data_dir",
-            "vocab_size",
+    def digest(names) -> str:
+        return hashlib.sha256(json.dumps({name: getattr(args, name) for name in names}).encode()).hexdigest()[:10]
+
+    # The vocabulary depends on the data and its size only, so other settings never retrain it.
+    cache = Path(args.cache_dir) / digest(("data_dir", "vocab_size"))
+    shaping = digest(
+        (
             "max_length",
             "probe_length",
+            "probe_fillers",
             "window_size",
             "lm_block_size",
             "train_documents",
@@ -336,9 +344,7 @@ def prepare_data(args: BenchmarkArguments, tasks: list[str]) -> dict[str, Path]:
             "probe_train_documents",
             "probe_test_documents",
         )
-    }
-    key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:10]
-    cache = Path(args.cache_dir) / key
+    )
     tokenizer_dir = cache / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").is_file():
         logger.info("Learning a %d-piece WordPiece vocabulary from the training splits", args.vocab_size)
@@ -348,7 +354,7 @@ def prepare_data(args: BenchmarkArguments, tasks: list[str]) -> dict[str, Path]:
 
     paths = {}
     for task in {("hyperpartisan" if task == "window_study" else task) for task in tasks}:
-        path = cache / f"{task}.pt"
+        path = cache / f"{task}-{shaping}.pt"
         if not path.is_file():
             logger.info("Preparing %s", task)
             if task == "conll":

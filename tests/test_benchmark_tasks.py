@@ -19,24 +19,27 @@ needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data"
 
 
 def test_probe_label_needs_both_ends(wordpiece_tokenizer):
-    tokenizer = wordpiece_tokenizer
-    """Exactly one key in the first window and one in the last; the head alone says nothing about the label."""
-    window, length = 16, 128
-    probe = make_probe(tokenizer, 400, length, window, seed=0)
-    specials = len(tokenizer.all_special_ids)
-    keys = {specials + 100, specials + 101}
-    head_key_and_label = []
+    """One key in the first window (A or B), one in the last (C or D); the label is whether they belong together
+    (A with C, B with D), and either end alone says nothing about it."""
+    tokenizer, window, length = wordpiece_tokenizer, 16, 128
+    probe = make_probe(tokenizer, 600, length, window, fillers=3, seed=0)
+    base = len(tokenizer.all_special_ids) + 100
+    first_keys, last_keys = (base, base + 1), (base + 2, base + 3)
+    ends = []
     for ids, label in zip(probe["input_ids"], probe["labels"]):
         assert len(ids) == length and ids[0] == tokenizer.cls_token_id
-        positions = [i for i, token in enumerate(ids) if token in keys]
-        assert len(positions) == 2 and positions[0] < window and positions[1] >= length - window
-        assert label == int(ids[positions[0]] == ids[positions[1]])
-        head_key_and_label.append((ids[positions[0]], label))
-    labels = torch.tensor(probe["labels"], dtype=torch.float)
-    assert 0.4 < labels.mean() < 0.6
-    for key in keys:  # P(label | head key) stays near 1/2: a head-only reader is at chance
-        given = [label for head, label in head_key_and_label if head == key]
-        assert 0.35 < sum(given) / len(given) < 0.65
+        assert set(ids[1:]) <= {*first_keys, *last_keys, base + 4, base + 5, base + 6}
+        firsts = [i for i, token in enumerate(ids) if token in first_keys]
+        lasts = [i for i, token in enumerate(ids) if token in last_keys]
+        assert len(firsts) == 1 and firsts[0] < window and len(lasts) == 1 and lasts[0] >= length - window
+        first, last = first_keys.index(ids[firsts[0]]), last_keys.index(ids[lasts[0]])
+        assert label == int(first == last)
+        ends.append((first, last, label))
+    assert 0.4 < sum(probe["labels"]) / len(ends) < 0.6
+    for end in (0, 1):  # P(label | one end's key) stays near 1/2: a head-only or tail-only reader is at chance
+        for key in (0, 1):
+            given = [label for *keys, label in ends if keys[end] == key]
+            assert 0.35 < sum(given) / len(given) < 0.65
 
 
 def tiny_task(problem_type="single_label_classification", num_labels=3):
