@@ -103,6 +103,9 @@ class BenchmarkArguments:
     dropout: float = field(default=0.1, metadata={"help": "Dropout of every model on the real tasks."})
     # budget
     vocab_size: int = field(default=8192, metadata={"help": "WordPiece vocabulary learned from the training sets."})
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "Use this tokenizer (Hub id or folder) instead of learning one."}
+    )
     max_length: int = field(default=1024, metadata={"help": "Tokens read per document (BERT: 512)."})
     probe_length: int = field(default=4096, metadata={"help": "Tokens per probe document."})
     batch_size: int = field(default=8, metadata={"help": "Documents per step (CoNLL: 2x, sentences are short)."})
@@ -118,6 +121,9 @@ class BenchmarkArguments:
     eurlex_labels: int = field(default=20, metadata={"help": "EURLEX: keep the most frequent labels."})
     probe_train_documents: int = field(default=1200, metadata={"help": "Probe training documents."})
     probe_test_documents: int = field(default=400, metadata={"help": "Probe test documents."})
+    test_limit: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many test examples (quick checks only)."}
+    )
     probe_fillers: int = field(default=2, metadata={"help": "Distinct filler pieces of probe documents."})
 
     def __post_init__(self):
@@ -330,7 +336,8 @@ def prepare_data(args: BenchmarkArguments, tasks: list[str]) -> dict[str, Path]:
         return hashlib.sha256(json.dumps({name: getattr(args, name) for name in names}).encode()).hexdigest()[:10]
 
     # The vocabulary depends on the data and its size only, so other settings never retrain it.
-    cache = Path(args.cache_dir) / digest(("data_dir", "vocab_size"))
+    cache = Path(args.cache_dir) / digest(("data_dir", "vocab_size", "tokenizer_name"))
+    cache.mkdir(parents=True, exist_ok=True)
     shaping = digest(
         (
             "max_length",
@@ -345,8 +352,8 @@ def prepare_data(args: BenchmarkArguments, tasks: list[str]) -> dict[str, Path]:
             "probe_test_documents",
         )
     )
-    tokenizer_dir = cache / "tokenizer"
-    if not (tokenizer_dir / "tokenizer.json").is_file():
+    tokenizer_dir = args.tokenizer_name or cache / "tokenizer"
+    if args.tokenizer_name is None and not (tokenizer_dir / "tokenizer.json").is_file():
         logger.info("Learning a %d-piece WordPiece vocabulary from the training splits", args.vocab_size)
         tokenizer_args = TokenizerArguments(train_files=[], output_dir=str(tokenizer_dir), vocab_size=args.vocab_size)
         build_tokenizer(tokenizer_args, training_texts(args)).save_pretrained(tokenizer_dir)
@@ -542,12 +549,16 @@ def collate(split: dict, indices: list[int], max_length: int | None) -> dict:
     return batch
 
 
-def evaluate_model(model, task: dict, task_name: str, max_length: int | None, device) -> dict:
+def evaluate_model(model, task: dict, task_name: str, max_length: int | None, device, limit: int | None) -> dict:
     from run_classification import classification_metrics
     from run_ner import load_seqeval
 
     model.eval()
     split = task["test"]
+    if task_name == "lm":
+        words_per_token = split["words"] / (len(split["input_ids"]) * len(split["input_ids"][0]))
+    if limit is not None:
+        split = {key: value[:limit] if isinstance(value, list) else value for key, value in split.items()}
     logits, losses = [], []
     with torch.no_grad():
         for start in range(0, len(split["input_ids"]), 16):
@@ -570,7 +581,7 @@ def evaluate_model(model, task: dict, task_name: str, max_length: int | None, de
         blocks = len(split["input_ids"])
         predicted = blocks * (len(split["input_ids"][0]) - 1)
         total_nll = sum(losses) * (len(split["input_ids"][0]) - 1)
-        words = split["words"] * predicted / (blocks * len(split["input_ids"][0]))
+        words = words_per_token * predicted
         return {"perplexity": math.exp(total_nll / predicted), "word_perplexity": math.exp(total_nll / words)}
     if task["problem_type"] == "token_classification":
         names = task["label_names"]
@@ -626,7 +637,7 @@ def run_once(spec: dict) -> dict:
         tokens += int(batch["attention_mask"].sum())
     train_seconds = time.perf_counter() - started
 
-    metrics = evaluate_model(model, task, task_name, max_length, device)
+    metrics = evaluate_model(model, task, task_name, max_length, device, args.test_limit)
     documents = len(task["train"]["input_ids"])
     return {
         "task": task_name,

@@ -95,7 +95,7 @@ def test_bad_arguments_name_the_problem():
 
 
 @needs_data
-def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path):
+def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path, wordpiece_tokenizer_dir):
     arguments = [
         "--tasks", "hyperpartisan", "lm",
         "--models", "ran", "bert-512", "ran-causal", "ran-causal-official",
@@ -103,7 +103,8 @@ def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path):
         "--workers", "1",
         "--budget_scale", "0.02",
         "--hidden_size", "32",
-        "--vocab_size", "600",
+        "--tokenizer_name", str(wordpiece_tokenizer_dir),
+        "--test_limit", "24",
         "--max_length", "256",
         "--lm_block_size", "128",
         "--output_dir", str(tmp_path / "out"),
