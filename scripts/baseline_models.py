@@ -113,28 +113,42 @@ def _sequence_loss(logits, labels, problem_type):
     return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
+def _reverse_real(states: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Reverse each row's first `lengths[i]` steps, leaving the padding after them in place (its own inverse)."""
+    steps = torch.arange(states.shape[1], device=states.device)[None, :]
+    index = torch.where(steps < lengths[:, None], lengths[:, None] - 1 - steps, steps)
+    return states.gather(1, index[..., None].expand_as(states))
+
+
 class _BiLSTMEncoder(nn.Module):
-    """Embedding, dropout and a stacked bidirectional LSTM over each row's real tokens."""
+    """Embedding, dropout and a stacked bidirectional LSTM over each row's real tokens.
+
+    Each direction is its own LSTM over left-aligned rows (the backward one over each row's real tokens reversed), so
+    padding only ever follows the real tokens and cannot reach their outputs. This avoids packed sequences, whose CPU
+    backward pass is ten times slower when the rows of a batch differ in length.
+    """
 
     def __init__(self, vocab_size, embedding_size, hidden_size, num_layers, dropout, pad_token_id):
         super().__init__()
         _check_positive(num_layers=num_layers)
         self.embeddings = nn.Embedding(vocab_size, embedding_size, padding_idx=pad_token_id)
         self.dropout = nn.Dropout(dropout)
-        self.lstm = nn.LSTM(
-            embedding_size,
-            hidden_size,
-            num_layers=num_layers,
-            bidirectional=True,
-            batch_first=True,
-            dropout=dropout if num_layers > 1 else 0.0,  # between layers only; PyTorch warns on one layer
-        )
+        sizes = [embedding_size] + [2 * hidden_size] * (num_layers - 1)
+        self.forward_lstms = nn.ModuleList(nn.LSTM(size, hidden_size, batch_first=True) for size in sizes)
+        self.backward_lstms = nn.ModuleList(nn.LSTM(size, hidden_size, batch_first=True) for size in sizes)
 
     def forward(self, input_ids, attention_mask):
         """Outputs of the last layer for the left-aligned real tokens (zeros after them), lengths, permutation."""
         ids, lengths, order = _left_align(input_ids, attention_mask)
-        outputs, _ = _run_packed(self.lstm, self.dropout(self.embeddings(ids)), lengths)
-        return outputs, lengths, order
+        real = (torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None])[..., None]
+        states = self.dropout(self.embeddings(ids))
+        for layer, (forward_lstm, backward_lstm) in enumerate(zip(self.forward_lstms, self.backward_lstms)):
+            if layer > 0:
+                states = self.dropout(states)  # between layers, as nn.LSTM's own dropout
+            forward_states, _ = forward_lstm(states)
+            backward_states, _ = backward_lstm(_reverse_real(states, lengths))
+            states = torch.cat([forward_states, _reverse_real(backward_states, lengths)], dim=-1) * real
+        return states, lengths, order
 
 
 class _BiLSTMModel(nn.Module):
