@@ -417,8 +417,9 @@ def official_causal_scan(layer, cell, previous_raw, keys, values, layout):
     """The official causal design: the cell sits at position 0 under the triangular mask, so it reads only itself."""
     from ran_hf.modeling_ran import RANLayer
 
-    blind = dataclasses.replace(layout, slot_mask=torch.zeros_like(layout.slot_mask))
-    return RANLayer.scan_cells(layer, cell, previous_raw, keys, values, blind)
+    # The scan sees windows without token slots: the cell's attention is over itself alone.
+    blind = dataclasses.replace(layout, slot_mask=layout.slot_mask[:, :0])
+    return RANLayer.scan_cells(layer, cell, previous_raw, keys[:, :, :0], values[:, :, :0], blind)
 
 
 def transformer_config(config_class, args: BenchmarkArguments, task: dict, max_length: int, **extra):
@@ -454,6 +455,9 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
         if name == "ran-causal-official":
             for layer in model.model.layers:
                 layer.scan_cells = official_causal_scan.__get__(layer)
+                # A cell that reads only itself stays exactly zero from a zero start, where the normalisations'
+                # gradients scale by 1 / sqrt(eps) per step and overflow; a random start carries no text either.
+                torch.nn.init.normal_(layer.initial_cell.data)
         return model
     if name in RAN_VARIANTS:
         default_window = args.ner_window_size if tagging else args.window_size

@@ -85,6 +85,18 @@ def test_official_causal_design_carries_nothing_across_windows():
     assert first_window_influence("ran-causal") > 1e-3
 
 
+@pytest.mark.parametrize("name", ["ran-causal", "ran-causal-official"])
+def test_both_causal_designs_get_finite_gradients(name):
+    """The official design's cell reads nothing but itself; it must still train (no overflow in its norms)."""
+    args = BenchmarkArguments(hidden_size=32, num_heads=2, lm_window_size=8, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(name, "lm", {"problem_type": "causal_lm", "vocab_size": 97}, args)
+    ids = torch.randint(5, 97, (2, 40))
+    model(ids, labels=ids).loss.backward()
+    for parameter_name, parameter in model.named_parameters():
+        assert parameter.grad is None or torch.isfinite(parameter.grad).all(), parameter_name
+
+
 def test_bad_arguments_name_the_problem():
     with pytest.raises(ValueError, match="--tasks"):
         BenchmarkArguments(tasks=["arxiv"])
