@@ -422,7 +422,7 @@ def official_causal_scan(layer, cell, previous_raw, keys, values, layout):
     return RANLayer.scan_cells(layer, cell, previous_raw, keys[:, :, :0], values[:, :, :0], blind)
 
 
-def transformer_config(config_class, args: BenchmarkArguments, task: dict, max_length: int, **extra):
+def transformer_config(config_class, args: BenchmarkArguments, task: dict, **extra):
     return config_class(
         vocab_size=task["vocab_size"],
         hidden_size=args.hidden_size,
@@ -470,7 +470,6 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
             transformers.LongformerConfig,
             args,
             task,
-            max_length,
             attention_window=attention_window,
             max_position_embeddings=max_length + attention_window + 2,
         )
@@ -481,9 +480,7 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
         )
         return auto(config)
     if name == "bert-512":
-        config = transformer_config(
-            transformers.BertConfig, args, task, BERT_MAX_LENGTH, max_position_embeddings=BERT_MAX_LENGTH
-        )
+        config = transformer_config(transformers.BertConfig, args, task, max_position_embeddings=BERT_MAX_LENGTH)
         auto = transformers.BertForTokenClassification if tagging else transformers.BertForSequenceClassification
         return auto(config)
 
