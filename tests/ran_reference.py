@@ -69,8 +69,16 @@ def window_attention(layer, cell, tokens, config, causal):
         scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], heads * d)
     out = act(linear(out, layer.o_proj))
-    out = layer_norm(out + glu(x, layer.attention_glu), layer.attention_norm, eps)
-    return standard_norm(out[0], eps), standard_norm(out[1:], eps), k[0], v[0]
+    gated = out + glu(x, layer.attention_glu)
+    if config.uses_cell_input_residual:
+        raw_cell = standard_norm(layer_norm(gated[0], layer.attention_norm, eps), eps)
+    else:  # the cell is what its attention read
+        raw_cell = standard_norm(out[0], eps)
+    if config.uses_residual_stream:  # tokens pass through; the branch is added to them
+        token_out = tokens + gated[1:]
+    else:
+        token_out = standard_norm(layer_norm(gated[1:], layer.attention_norm, eps), eps)
+    return raw_cell, token_out, k[0], v[0]
 
 
 def memory_review(layer, outputs, cells, token_windows, initial_cell, config, causal):
@@ -79,15 +87,16 @@ def memory_review(layer, outputs, cells, token_windows, initial_cell, config, ca
     review = layer.memory_review
     if causal:
         cells = torch.cat([initial_cell[None], cells])
-    q = act(linear(outputs, review.q_proj))
+    residual = config.uses_residual_stream
+    q = act(linear(layer_norm(outputs, review.norm, eps) if residual else outputs, review.q_proj))
     kv = act(linear(cells, review.kv_proj))
     k, v = kv.chunk(2, -1)
     scores = q @ k.T / math.sqrt(q.shape[-1])  # (n, m)
     if causal:  # a token of window i reads the initial cell and the cells of windows < i
         allowed = torch.arange(cells.shape[0])[None, :] <= torch.tensor(token_windows)[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
-    out = act(linear(scores.softmax(-1) @ v, review.o_proj))
-    return layer_norm(out + glu(q, review.glu), review.norm, eps)
+    out = act(linear(scores.softmax(-1) @ v, review.o_proj)) + glu(q, review.glu)
+    return outputs + out if residual else layer_norm(out, review.norm, eps)
 
 
 def reference_forward(model, input_ids):
@@ -126,9 +135,13 @@ def reference_forward(model, input_ids):
         outputs, raw_cells = torch.cat(outputs), torch.stack(raw_cells)
         if config.memory_review:
             hidden = memory_review(layer, outputs, raw_cells, token_windows, initial_cell, config, causal)
+        elif config.uses_residual_stream:
+            hidden = outputs
         else:
             hidden = layer_norm(outputs, layer.output_norm, eps)
         hidden_states.append(hidden)
+    if config.uses_residual_stream:  # one norm after the last layer
+        hidden = hidden_states[-1] = layer_norm(hidden, model.norm, eps)
 
     pooled = {"last": cell, "mean": raw_cells.mean(0), "max": raw_cells.amax(0)}[config.cell_pooling]
     result = {

@@ -57,6 +57,18 @@ class RANConfig(PreTrainedConfig):
         is_causal (`bool`, *optional*, defaults to `False`):
             Strictly causal mode for language modelling: tokens see the read cell and earlier tokens of their window,
             memory review sees only earlier windows' cells, and every layer starts from its own learned cell.
+        residual_stream (`bool`, *optional*):
+            Whether token states run through every layer on an identity path: the window attention and the memory
+            review each read the states through a pre-norm and add their output to them (a final norm follows the last
+            layer). `False` is the official post-norm layer, where only gated (GLU) residuals of the normalised
+            inputs carry a token through; trained from scratch, memory review then washes token identity out.
+            Defaults to `True` for causal models and `False` (official) for the encoder.
+        cell_input_residual (`bool`, *optional*):
+            Whether a window's raw cell adds the gated residual of its own normalised input before its norm, as the
+            official layer does. `False`: the raw cell is the standardised output of its attention over the window
+            alone; the input residual (a constant in the first window) otherwise swamps what the cell reads, and the
+            cell does not learn to carry a token across windows. Defaults to `False` for causal models and `True`
+            (official) for the encoder.
         hidden_act (`str`, *optional*, defaults to `"silu"`):
             Activation of every projection (swish in the paper).
         hidden_dropout_prob (`float`, *optional*, defaults to 0.1):
@@ -105,6 +117,8 @@ class RANConfig(PreTrainedConfig):
     use_rotary: bool = True
     window_overlap: int = 0
     is_causal: bool = False
+    residual_stream: bool | None = None
+    cell_input_residual: bool | None = None
     hidden_act: str = "silu"
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
@@ -157,6 +171,9 @@ class RANConfig(PreTrainedConfig):
         for name in ("memory_review", "use_cell_residual", "use_rotary", "is_causal"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+        for name in ("residual_stream", "cell_input_residual"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be a bool or None, got {getattr(self, name)!r}.")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -167,6 +184,16 @@ class RANConfig(PreTrainedConfig):
             raise ValueError(f"`head_dim` must be even (rotary embedding rotates pairs), got {self.head_dim}.")
         if self.rope_theta <= 0:
             raise ValueError(f"`rope_theta` must be > 0, got {self.rope_theta}.")
+
+    # The two fields that make the memory learnable default to the official layer for the encoder (checkpoints) and
+    # to the learnable design for causal models; resolved when read, so that switching `is_causal` follows.
+    @property
+    def uses_residual_stream(self) -> bool:
+        return self.is_causal if self.residual_stream is None else self.residual_stream
+
+    @property
+    def uses_cell_input_residual(self) -> bool:
+        return not self.is_causal if self.cell_input_residual is None else self.cell_input_residual
 
     @property
     def max_window_length(self) -> int:

@@ -277,7 +277,11 @@ class RANWindowLayout:
 
 
 class RANMemoryReview(nn.Module):
-    """Single-head attention of every token over the cells of its sequence's windows, with a gated residual."""
+    """Single-head attention of every token over the cells of its sequence's windows, with a gated residual.
+
+    Official layer: LayerNorm(review + GLU(query)). With `config.residual_stream`, the norm comes first and the
+    token states pass through: states + review + GLU(query), queries read from LayerNorm(states).
+    """
 
     def __init__(self, config: RANConfig):
         super().__init__()
@@ -290,6 +294,7 @@ class RANMemoryReview(nn.Module):
         self.act = ACT2FN[config.hidden_act]
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
+        self.residual_stream = config.uses_residual_stream
 
     def project_cells(self, cells: torch.Tensor) -> torch.Tensor:
         """(..., D) cells -> (..., 2 D) their keys and values; a cache keeps these, not the cells."""
@@ -298,6 +303,11 @@ class RANMemoryReview(nn.Module):
     def forward(self, token_states: torch.Tensor, cell_states: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
         # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; cell_mask (B or 1, L or 1, C): which
         # cells each token may read
+        if self.residual_stream:
+            return token_states + self.review(self.norm(token_states), cell_states, cell_mask)
+        return self.norm(self.review(token_states, cell_states, cell_mask))
+
+    def review(self, token_states: torch.Tensor, cell_states: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
         query = self.act(self.q_proj(token_states))  # (B, L, D)
         key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
         # Few keys (one per window) and many queries: plain matmuls beat fused attention kernels here, whose
@@ -306,7 +316,7 @@ class RANMemoryReview(nn.Module):
         probs = torch.softmax(scores.masked_fill(~cell_mask, float("-inf")), dim=-1)
         review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, L, D)
         review = self.dropout(self.act(self.o_proj(review)))
-        return self.norm(review + self.glu(query))
+        return review + self.glu(query)
 
 
 class RANLayer(GradientCheckpointingLayer):
@@ -317,6 +327,7 @@ class RANLayer(GradientCheckpointingLayer):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.residual_stream, self.cell_input_residual = config.uses_residual_stream, config.uses_cell_input_residual
         hidden_size, inner_size, eps = (
             config.hidden_size,
             config.num_attention_heads * config.head_dim,
@@ -332,13 +343,14 @@ class RANLayer(GradientCheckpointingLayer):
         self.qkv_proj = nn.Linear(hidden_size, 3 * inner_size)
         self.o_proj = nn.Linear(inner_size, hidden_size)
         self.attention_glu = RANGatedLinearUnit(hidden_size)
-        self.attention_norm = RANLayerNorm(hidden_size, eps)
+        if not self.residual_stream or self.cell_input_residual:
+            self.attention_norm = RANLayerNorm(hidden_size, eps)
         if config.use_cell_residual:
             self.cell_glu = RANGatedLinearUnit(hidden_size)
             self.cell_norm = RANLayerNorm(hidden_size, eps)
         if config.memory_review:
             self.memory_review = RANMemoryReview(config)
-        else:
+        elif not self.residual_stream:
             self.output_norm = RANLayerNorm(hidden_size, eps)
 
         self.act = ACT2FN[config.hidden_act]
@@ -356,11 +368,25 @@ class RANLayer(GradientCheckpointingLayer):
         qkv = self.act(self.qkv_proj(normed))
         return qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
 
+    def attention_output(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """Output projection plus the gated residual of the attention's normalised input: (..., H * d) -> (..., D)."""
+        return self.dropout(self.act(self.o_proj(attended))) + self.attention_glu(normed)
+
     def finish_attention(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        """Output projection, gated residual and the two normalisations: (..., H * d) -> standardised (..., D)."""
-        output = self.dropout(self.act(self.o_proj(attended)))
-        output = self.attention_norm(output + self.attention_glu(normed))
+        """The official post-norm ending: attention output, then the two normalisations -> standardised (..., D)."""
+        output = self.attention_norm(self.attention_output(attended, normed))
         return self.dropout(standard_normalize(output, self.config.layer_norm_eps))
+
+    def write_cell(self, attended: torch.Tensor, normed_cell: torch.Tensor) -> torch.Tensor:
+        """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D).
+
+        Without `cell_input_residual` the cell is what its attention read from the window: the gated residual of
+        the cell's own input would add a term that is the same for every text in the first window and drowns it.
+        """
+        if self.cell_input_residual:
+            return self.finish_attention(attended, normed_cell)
+        written = self.dropout(self.act(self.o_proj(attended)))
+        return self.dropout(standard_normalize(written, self.config.layer_norm_eps))
 
     # ---- phase 1 ---------------------------------------------------------------------------------------------------
 
@@ -421,7 +447,7 @@ class RANLayer(GradientCheckpointingLayer):
             probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
             probs = F.dropout(probs, self.attention_dropout, self.training)
             attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], step_values[step])
-            raw = self.finish_attention(attended.flatten(-2), normed)  # (B, D)
+            raw = self.write_cell(attended.flatten(-2), normed)  # (B, D)
             if residual_kind[step] == "none":
                 cell = raw
             else:
@@ -539,12 +565,15 @@ class RANLayer(GradientCheckpointingLayer):
         attended = self.attend_windows(
             query, key, value, layout.per_sequence(read_keys), layout.per_sequence(read_values), layout
         )  # (T, H * d)
-        token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
+        if self.residual_stream:
+            token_states = token_states + self.attention_output(attended, normed_tokens)  # (T, D)
+        else:
+            token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
 
         cell_states = self.cell_states(raw_cells, layout, cache) if self.config.memory_review else None
         if self.config.memory_review:
             token_states = self.review_memory(token_states, cell_states, initial_cell, layout)
-        else:
+        elif not self.residual_stream:
             token_states = self.output_norm(token_states)
         if cache is not None:
             self.update_cache(cache, layout, (start_cell, start_previous), raw_cells, cells, cell_states, new_kv)
@@ -703,6 +732,8 @@ class RANModel(RANPreTrainedModel):
         super().__init__(config)
         self.embeddings = RANEmbeddings(config)
         self.layers = nn.ModuleList([RANLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)])
+        # A residual stream is normalised once, after the last layer; official layers end in their own norm.
+        self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps) if config.uses_residual_stream else None
         self.pooler = RANPooler(config) if add_pooling_layer else None
         self.cell_dropout = nn.Dropout(config.hidden_dropout_prob)
         self.gradient_checkpointing = False
@@ -780,6 +811,8 @@ class RANModel(RANPreTrainedModel):
 
         if past_key_values is not None:
             past_key_values.advance(layout.lengths, padded_length)
+        if self.norm is not None:
+            token_states = self.norm(token_states)
         last_hidden_state = layout.to_padded(token_states)
         if output_hidden_states:
             all_hidden_states += (last_hidden_state,)
