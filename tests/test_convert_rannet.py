@@ -377,6 +377,12 @@ def flip_byte(path, position):
 
 Q_KERNEL = "rannet/ran-0/encode-attn/dense-q/kernel"
 
+
+def flip_tensor_byte(folder, name):
+    """One flipped byte inside a tensor's data: finite, plausible weights unless the checksum is verified."""
+    entry = TFCheckpointReader(folder / "model.ckpt").entries[name]
+    flip_byte(folder / "model.ckpt.data-00000-of-00001", entry.offset + 2)
+
 BAD_INPUTS = [
     pytest.param(lambda f: shutil.rmtree(f), FileNotFoundError, r"folder not found: .*rannet", id="missing-folder"),
     pytest.param(lambda f: (f / "config.json").unlink(), FileNotFoundError, r"config\.json not found", id="no-config"),
@@ -399,6 +405,12 @@ BAD_INPUTS = [
         ValueError,
         r"model\.ckpt\.index: block checksum",
         id="damaged",
+    ),
+    pytest.param(
+        lambda f: flip_tensor_byte(f, Q_KERNEL),
+        ValueError,
+        rf"model\.ckpt\.data-00000-of-00001: tensor '{Q_KERNEL}' fails its checksum",
+        id="damaged-data",
     ),
     pytest.param(
         lambda f: (f / "config.json").write_text("{"), ValueError, r"config\.json: not valid JSON", id="bad-json"
