@@ -146,11 +146,13 @@ def test_attention_mask_that_is_not_zero_or_one(make_config, input_ids, model_cl
     mask = torch.full((BATCH_SIZE, LENGTH), real)
     mask[1, 5:] = padding
     model = model_class(make_config()).eval()
-    with pytest.raises(ValueError, match=rf"`attention_mask` must hold 1 for real tokens and 0 for padding, got {bad_value}"):
+    message = rf"`attention_mask` must hold 1 for real tokens and 0 for padding, got {bad_value}\."
+    with pytest.raises(ValueError, match=message):
         model(input_ids=input_ids, attention_mask=mask)
     binary = torch.ones(BATCH_SIZE, LENGTH, dtype=torch.long)
     binary[1, 5:] = 0
-    outputs = [model(input_ids=input_ids, attention_mask=binary.to(dtype))[0] for dtype in (torch.long, torch.float, torch.bool)]
+    dtypes = (torch.long, torch.float, torch.bool)
+    outputs = [model(input_ids=input_ids, attention_mask=binary.to(dtype))[0] for dtype in dtypes]
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
 
 
@@ -242,7 +244,9 @@ def test_regression_targets_that_are_not_finite(make_config, input_ids):
         model(input_ids=input_ids, labels=torch.tensor([0.5, float("nan")]))
 
 
-@pytest.mark.parametrize("logits_to_keep", [1, LENGTH - 1, torch.tensor([0, 3])], ids=["last", "all-but-one", "positions"])
+@pytest.mark.parametrize(
+    "logits_to_keep", [1, LENGTH - 1, torch.tensor([0, 3])], ids=["last", "all-but-one", "positions"]
+)
 def test_causal_lm_labels_with_logits_to_keep(make_config, input_ids, logits_to_keep):
     """The loss scores every position, so it cannot be computed from some of the logits: a clear error instead of a
     batch-size mismatch inside the loss."""
@@ -283,7 +287,7 @@ def test_a_batch_with_nothing_to_score_has_zero_loss(make_config, input_ids, tas
     assert all(torch.all(p.grad == 0) for p in model.parameters() if p.grad is not None)
 
 
-@pytest.mark.parametrize("task", [pytest.param(task, id=task) for task in ("single-label", "multi-label", "regression")])
+@pytest.mark.parametrize("task", ["single-label", "multi-label", "regression"])
 def test_sequence_loss_of_a_batch_of_padding_only(make_config, task):
     """Rows of padding only are left out of the loss; when every row is padding, the loss is 0, not NaN."""
     model_class, overrides = TASKS[task]
@@ -336,16 +340,18 @@ CONFIG_TYPE_ERRORS = [
     pytest.param({"rope_theta": float("nan")}, "`rope_theta` must be finite, got nan", id="rope-theta-nan"),
     pytest.param({"rope_theta": "10000"}, "`rope_theta` must be a number, got '10000'", id="rope-theta-string"),
     pytest.param({"hidden_dropout_prob": None}, "`hidden_dropout_prob` must be a number", id="dropout-none"),
-    pytest.param({"attention_probs_dropout_prob": "0.1"}, "`attention_probs_dropout_prob` must be a number", id="dropout-str"),
+    pytest.param(
+        {"attention_probs_dropout_prob": "0.1"}, "`attention_probs_dropout_prob` must be a number", id="dropout-str"
+    ),
     pytest.param({"hidden_dropout_prob": float("nan")}, "`hidden_dropout_prob` must be finite", id="dropout-nan"),
     pytest.param({"initializer_range": -0.02}, "`initializer_range` .* must be >= 0, got -0.02", id="negative-init"),
     pytest.param({"initializer_range": True}, "`initializer_range` must be a number, got True", id="init-bool"),
     pytest.param({"hidden_size": None}, "`hidden_size` must be an int, got None", id="hidden-size-none"),
     pytest.param({"num_hidden_layers": "2"}, "`num_hidden_layers` must be an int, got '2'", id="layers-string"),
-    pytest.param({"hidden_act": "swishy"}, "`hidden_act` must be the name of a Transformers activation", id="unknown-act"),
+    pytest.param({"hidden_act": "swishy"}, "`hidden_act` must be the name of a Transformers act", id="unknown-act"),
     pytest.param({"hidden_act": None}, "`hidden_act` must be the name of a Transformers activation", id="act-none"),
     pytest.param({"tie_word_embeddings": "yes"}, "`tie_word_embeddings` must be a bool", id="tie-not-bool"),
-    pytest.param({"pad_token_id": 64}, r"`pad_token_id` \(64\) is outside the vocabulary \[0, 63\]", id="pad-id-vocab-size"),
+    pytest.param({"pad_token_id": 64}, r"`pad_token_id` \(64\) is outside the vocabulary \[0, 63\]", id="pad-id-64"),
     pytest.param({"pad_token_id": -1}, r"`pad_token_id` \(-1\) is outside the vocabulary", id="pad-id-negative"),
     pytest.param({"pad_token_id": 1.0}, "`pad_token_id` must be an int or None, got 1.0", id="pad-id-float"),
     pytest.param({"bos_token_id": 99}, r"`bos_token_id` \(99\) is outside the vocabulary", id="bos-id"),
