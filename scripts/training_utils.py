@@ -649,7 +649,7 @@ class RANTrainer(Trainer):
                 super().save_model(output_dir, _internal_call=True)
             else:
                 normal_permissions(staging)
-                working_in_target = os.path.abspath(os.getcwd()) == str(target)
+                working_in_target = target.is_dir() and os.path.samefile(os.getcwd(), target)
                 replace_folder(staging, target, carry_over=lambda name: name not in written and not is_run_file(name))
                 if working_in_target:  # the old folder, our working directory, is gone: move into the new one
                     os.chdir(target)

@@ -836,6 +836,23 @@ def test_the_final_save_is_all_or_nothing(tokenizer_dir, topic_files, tmp_path, 
     assert [path.name for path in tmp_path.iterdir()] == ["run"]
 
 
+def test_the_final_save_into_the_working_directory(tokenizer_dir, topic_files, tmp_path, monkeypatch):
+    """`--output_dir .`: the folder replaced is the working directory, which then moves to the new one; the saved
+    folder has the umask's permissions, not those of a temporary folder (0700)."""
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    monkeypatch.chdir(output_dir)
+    umask = os.umask(0o022)
+    try:
+        run_classification.main(tiny_run(tokenizer_dir, topic_files, "."))
+    finally:
+        os.umask(umask)
+    assert Path.cwd() == output_dir and (Path.cwd() / "model.safetensors").is_file()
+    assert [path.name for path in tmp_path.iterdir()] == ["run"]
+    assert output_dir.stat().st_mode & 0o777 == 0o755
+    assert (output_dir / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
 def test_a_kill_between_the_two_renames_is_undone_by_the_next_run(tokenizer_dir, topic_files, tmp_path, monkeypatch):
     """Killed after the old folder was set aside and before the new one took its place: the next run puts the old
     folder back, whole, and resumes from its checkpoint."""
