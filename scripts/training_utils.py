@@ -403,9 +403,12 @@ def load_splits(
         )
         for split, dataset in splits.items():
             check_columns([dict.fromkeys(dataset.column_names)], columns, f"{dataset_name} ({split})")
-            for column in text_columns:
-                for index, value in enumerate(dataset[column]):
-                    check_text(value, f"{dataset_name} ({split}), example {index + 1}", column)
+            if text_columns:  # in batches: a corpus's whole text column need not fit in memory as Python strings
+                for start, batch in enumerate(dataset.select_columns(list(text_columns)).iter(batch_size=1000)):
+                    for column in text_columns:
+                        for offset, value in enumerate(batch[column]):
+                            where = f"{dataset_name} ({split}), example {1000 * start + offset + 1}"
+                            check_text(value, where, column)
         return splits
     splits = DatasetDict()
     for split, path in files.items():

@@ -1015,6 +1015,18 @@ def test_a_null_text_is_not_trained_as_the_word_none(tokenizer_dir, tmp_path, to
         run_classification.main(classification_argv(tokenizer_dir, tmp_path, train))
 
 
+def test_a_null_text_in_a_hub_dataset(tokenizer_dir, tmp_path, topic_files):
+    """Through `--dataset_name` the error names the split and the example."""
+    dataset_dir = tmp_path / "dataset"
+    dataset_dir.mkdir()
+    records = [json.loads(line) for line in topic_files["train"].open()]
+    records[4]["text"] = None
+    write_jsonl(dataset_dir / "train.jsonl", records)
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--dataset_name", str(dataset_dir), "--do_train"]
+    with pytest.raises(ValueError, match=r"dataset \(train\), example 5: column 'text' holds null"):
+        run_classification.main(argv + QUIET)
+
+
 def test_an_all_blank_file_does_not_train(tokenizer_dir, tmp_path):
     """All-whitespace texts trained and evaluated with exit 0 (classification) or failed deep in Trainer (run_mlm)."""
     blank = write_jsonl(tmp_path / "blank.jsonl", [{"text": "   ", "label": "ab"[i % 2]} for i in range(8)])
