@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 import ran_hf  # noqa: F401  (registers RAN with the Auto classes)
-from ran_hf.data import open_text
+from ran_hf.data import read_lines
 from training_utils import check_tokenizer_matches_config, end_of_text_id
 
 logger = logging.getLogger(__name__)
@@ -66,8 +66,7 @@ class PerplexityArguments:
 def read_stream(path: str, tokenizer) -> tuple[torch.Tensor, int]:
     """(1, N) token ids of the whole text and the number of words it holds (see the module docstring)."""
     end_id = end_of_text_id(tokenizer)
-    with open_text(path) as handle:
-        lines = [line.strip() for line in handle if line.strip()]
+    lines = [line.strip() for line in read_lines(path) if line.strip()]  # bytes that are not UTF-8: file and line
     if not lines:
         raise ValueError(f"{path} holds no text.")
     encoded = tokenizer(lines, add_special_tokens=False, return_attention_mask=False)["input_ids"]

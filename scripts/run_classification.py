@@ -26,21 +26,24 @@ from pathlib import Path
 import numpy as np
 import torch
 from datasets import ClassLabel, List
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, TrainingArguments, set_seed
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
 from ran_hf.data import ClassificationLabels
 from training_utils import (
     ModelArguments,
     ParameterChecksumCallback,
     RANTrainer,
-    checkpoint_to_resume,
+    RANTrainingArguments,
+    check_training_length,
     configure_data_parallelism,
+    cut_for_tokenizer,
     describe_source,
     load_config,
     load_model,
     load_splits,
     load_tokenizer,
     parse_arguments,
+    prepare_output_dir,
     setup_logging,
 )
 
@@ -113,11 +116,12 @@ def classification_metrics(logits: np.ndarray, labels: np.ndarray, multi_label: 
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_arguments(
-        (ModelArguments, DataTrainingArguments, TrainingArguments), argv
+        (ModelArguments, DataTrainingArguments, RANTrainingArguments), argv
     )
     setup_logging(training_args, logger)
     configure_data_parallelism(training_args)
-    checkpoint = checkpoint_to_resume(training_args)
+    check_training_length(training_args)
+    checkpoint = prepare_output_dir(training_args)  # refuses to train over a previous run unasked
     set_seed(training_args.seed)
 
     # Data: read, check the columns, then infer and check the labels of every split that has them
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         files,
         data_args.text_columns,
         optional_columns=(label_column,),
+        text_columns=tuple(data_args.text_columns),  # a null or blank text is an error, not the word "None"
     )
     for split, needed in (
         ("train", training_args.do_train),
@@ -187,7 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Preprocessing: token ids, and class ids (a list of them per document for multi-label) as "labels"
     def tokenize(examples):
         parts = zip(*(examples[column] for column in data_args.text_columns))
-        texts = [" ".join(str(part) for part in document) for document in parts]
+        texts = [" ".join(document) for document in parts]
+        # Cut long documents first: tokenizing costs in proportion to --max_seq_length, not to the document.
+        texts = cut_for_tokenizer(tokenizer, texts, data_args.max_seq_length)
         return tokenizer(texts, truncation=True, max_length=data_args.max_seq_length)
 
     processed = {}

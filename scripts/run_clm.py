@@ -17,13 +17,14 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, TrainingArguments, set_seed
+from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, set_seed
 
 from training_utils import (
     ModelArguments,
     ParameterChecksumCallback,
     RANTrainer,
-    checkpoint_to_resume,
+    RANTrainingArguments,
+    check_training_length,
     configure_data_parallelism,
     describe_source,
     end_of_text_id,
@@ -33,6 +34,7 @@ from training_utils import (
     load_text_datasets,
     load_tokenizer,
     parse_arguments,
+    prepare_output_dir,
     setup_logging,
 )
 
@@ -67,11 +69,12 @@ class DataTrainingArguments:
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_arguments(
-        (ModelArguments, DataTrainingArguments, TrainingArguments), argv
+        (ModelArguments, DataTrainingArguments, RANTrainingArguments), argv
     )
     setup_logging(training_args, logger)
     configure_data_parallelism(training_args)
-    checkpoint = checkpoint_to_resume(training_args)
+    check_training_length(training_args)
+    checkpoint = prepare_output_dir(training_args)  # refuses to train over a previous run unasked
     set_seed(training_args.seed)
 
     # Data

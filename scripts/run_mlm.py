@@ -24,14 +24,16 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, TrainingArguments, set_seed
+from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, set_seed
 
 from training_utils import (
     ModelArguments,
     ParameterChecksumCallback,
     RANTrainer,
-    checkpoint_to_resume,
+    RANTrainingArguments,
+    check_training_length,
     configure_data_parallelism,
+    cut_for_tokenizer,
     describe_source,
     group_into_blocks,
     load_config,
@@ -39,6 +41,7 @@ from training_utils import (
     load_text_datasets,
     load_tokenizer,
     parse_arguments,
+    prepare_output_dir,
     setup_logging,
 )
 
@@ -82,11 +85,12 @@ class DataTrainingArguments:
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_arguments(
-        (ModelArguments, DataTrainingArguments, TrainingArguments), argv
+        (ModelArguments, DataTrainingArguments, RANTrainingArguments), argv
     )
     setup_logging(training_args, logger)
     configure_data_parallelism(training_args)
-    checkpoint = checkpoint_to_resume(training_args)
+    check_training_length(training_args)
+    checkpoint = prepare_output_dir(training_args)  # refuses to train over a previous run unasked
     set_seed(training_args.seed)
 
     # Data
@@ -105,8 +109,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Preprocessing
     def tokenize(examples):
+        texts = examples["text"]
+        if data_args.line_by_line:  # truncated: cut long documents first, to tokenize only what is kept
+            texts = cut_for_tokenizer(tokenizer, texts, data_args.max_seq_length)
         return tokenizer(
-            examples["text"],
+            texts,
             truncation=data_args.line_by_line,
             max_length=data_args.max_seq_length if data_args.line_by_line else None,
             return_attention_mask=False,

@@ -27,16 +27,16 @@ from datasets import ClassLabel, Dataset, DatasetDict, List
 from transformers import (
     AutoModelForTokenClassification,
     DataCollatorForTokenClassification,
-    TrainingArguments,
     set_seed,
 )
 
-from ran_hf.data import TagLabels, check_columns, file_format, read_conll, read_records
+from ran_hf.data import TagLabels, check_columns, check_text, file_format, read_conll, read_records
 from training_utils import (
     ModelArguments,
     ParameterChecksumCallback,
     RANTrainer,
-    checkpoint_to_resume,
+    RANTrainingArguments,
+    check_training_length,
     configure_data_parallelism,
     describe_source,
     load_config,
@@ -44,6 +44,7 @@ from training_utils import (
     load_splits,
     load_tokenizer,
     parse_arguments,
+    prepare_output_dir,
     setup_logging,
 )
 
@@ -106,6 +107,12 @@ def load_sentences(model_args: ModelArguments, data_args: DataTrainingArguments)
                 sentences[split] = ([r["tokens"] for r in records], [r["ner_tags"] for r in records])
     for split, (words, tags) in sentences.items():
         for index, (sentence_words, sentence_tags) in enumerate(zip(words, tags)):
+            where = f"{split} sentence {index + 1}"
+            for column, values in ((tokens_column, sentence_words), (tags_column, sentence_tags)):
+                if not isinstance(values, list | tuple) or not values:
+                    raise ValueError(f"{where}: column {column!r} must be a non-empty list, got {values!r}.")
+                for value in values:
+                    check_text(value, where, column)
             if len(sentence_words) != len(sentence_tags):
                 raise ValueError(
                     f"{split} sentence {index + 1} has {len(sentence_words)} tokens but {len(sentence_tags)} tags."
@@ -166,11 +173,12 @@ def align_tags(word_ids: list[int | None], tag_ids: list[int], inside_of: dict[i
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_arguments(
-        (ModelArguments, DataTrainingArguments, TrainingArguments), argv
+        (ModelArguments, DataTrainingArguments, RANTrainingArguments), argv
     )
     setup_logging(training_args, logger)
     configure_data_parallelism(training_args)
-    checkpoint = checkpoint_to_resume(training_args)
+    check_training_length(training_args)
+    checkpoint = prepare_output_dir(training_args)  # refuses to train over a previous run unasked
     set_seed(training_args.seed)
 
     # Data

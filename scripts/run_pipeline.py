@@ -165,6 +165,10 @@ def write_topic_documents(folder: Path, sizes: dict[str, int], seed: int = 0) ->
 @dataclass
 class PipelineArguments:
     output_dir: str = field(default="outputs/pipeline", metadata={"help": "Folder for everything the pipeline makes."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Run again into an --output_dir that holds an earlier pipeline's models, replacing them."},
+    )
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset instead of files or built-in data."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of the Hub dataset."})
     train_file: str | None = field(default=None, metadata={"help": "Training documents (jsonl(.gz), csv, tsv)."})
@@ -219,6 +223,16 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     output_dir = Path(args.output_dir)
     data = {"train": args.train_file, "validation": args.validation_file, "test": args.test_file}
+    # Checked before the tokenizer is retrained: the steps would refuse one by one, after the new tokenizer had
+    # already replaced the one the earlier models were trained with.
+    steps = (output_dir / "mlm", output_dir / "classifier")
+    earlier = [folder for folder in steps if folder.is_dir() and any(folder.iterdir())]
+    if earlier and not args.overwrite_output_dir:
+        raise ValueError(
+            f"{output_dir} holds an earlier pipeline's models ({', '.join(str(folder) for folder in earlier)}). Pass "
+            "--overwrite_output_dir to replace them, or choose another --output_dir."
+        )
+    overwrite = ["--overwrite_output_dir"] if args.overwrite_output_dir else []
 
     # 1. Data: the user's, or generated
     if args.dataset_name is None and args.train_file is None:
@@ -234,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         source = [arg for split, path in data.items() if path for arg in (f"--{split}_file", path)]
         mlm_source = ["--train_file", data["train"]]  # 5% of it held out to report the masked-LM perplexity
-    common = ["--seed", str(args.seed), "--report_to", args.report_to, "--save_strategy", "no"]
+    common = ["--seed", str(args.seed), "--report_to", args.report_to, "--save_strategy", "no", *overwrite]
 
     # 2. Tokenizer, on the training texts (a Hub dataset: first exported to a file)
     tokenizer_dir = args.tokenizer_name or str(output_dir / "tokenizer")

@@ -1,4 +1,5 @@
-"""What the `scripts/run_*.py` training scripts share: model arguments, logging, resuming, DDP settings, the
+"""What the `scripts/run_*.py` training scripts share: model and training arguments, logging, the output folder
+(refusing to train over a previous run unasked, resuming, an atomic final save), DDP settings, data and
 tokenizer/config checks, a parameter checksum hook and the model card.
 
 The scripts import this module from their own folder, so they run from any working directory, under `python`,
@@ -11,8 +12,10 @@ import logging
 import math
 import os
 import re
+import shutil
 import string
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,12 +23,22 @@ import datasets
 import torch
 import transformers
 from datasets import Dataset, DatasetDict, load_dataset
-from transformers import AutoConfig, AutoTokenizer, HfArgumentParser, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from safetensors import SafetensorError, safe_open
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    HfArgumentParser,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import ran_hf  # registers RAN with the Auto classes and marks it for remote code on save
 from ran_hf import RANConfig
-from ran_hf.data import check_columns, read_records
+from ran_hf.data import check_columns, check_text, read_records
+from ran_hf.folders import normal_permissions, recover_interrupted, replace_folder, staging_folder
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +51,56 @@ WEIGHTS_NAMES = (
 )
 RESUME_LATEST = ("latest", "true")
 CHECKPOINT_PATTERN = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+# What a run writes at the top of its output folder besides checkpoints: a new final save replaces all of it, so that
+# the folder never shows one run's model with another run's metrics or card.
+RUN_FILES = frozenset(
+    {
+        *WEIGHTS_NAMES,
+        "config.json",
+        "generation_config.json",
+        "training_args.bin",
+        "trainer_state.json",
+        "README.md",
+        "predict_results.txt",
+        "predictions.txt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.txt",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "chat_template.jinja",
+        "chat_template.json",
+        "configuration_ran.py",
+        "modeling_ran.py",
+        "cache_ran.py",
+    }
+)
+WEIGHT_SHARD_PATTERN = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
+# Files `Trainer` loads to resume, checked to load before a checkpoint is chosen.
+RESUMED_TORCH_FILES = re.compile(
+    r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|pytorch_model.*\.bin)$"
+)
+
+
+def is_run_file(name: str) -> bool:
+    return name in RUN_FILES or name.endswith("_results.json") or bool(WEIGHT_SHARD_PATTERN.match(name))
+
+
+@dataclass
+class RANTrainingArguments(TrainingArguments):
+    """`TrainingArguments` with `--overwrite_output_dir`, as Transformers' example scripts had it."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train into an --output_dir that already holds a previous run: its checkpoints are deleted at the "
+            "start, its model, metrics and model card replaced when the new model is saved. Without it such a "
+            "folder is refused (unless --resume_from_checkpoint continues the run in it)."
+        },
+    )
 
 
 @dataclass
@@ -165,45 +228,155 @@ def missing_from_checkpoint(folder: str | Path) -> list[str]:
         missing.append("scheduler.pt")
     if not any(name.startswith("rng_state") for name in names):
         missing.append("rng_state*.pth")
-    return missing
+    return missing or damaged_in_checkpoint(folder)
+
+
+def damaged_in_checkpoint(folder: Path) -> list[str]:
+    """The files `Trainer` would load to resume that do not load: truncated or damaged weights (safetensors header
+    and size), optimizer, scheduler, scaler or RNG states (`torch.save` archives, their CRC-32s checked)."""
+    damaged = []
+    for path in sorted(folder.iterdir()):
+        if not path.is_file():
+            continue
+        if path.suffix == ".safetensors":
+            problem = safetensors_problem(path)
+        elif path.name.endswith(".safetensors.index.json"):
+            problem = sharded_safetensors_problem(path)
+        elif RESUMED_TORCH_FILES.match(path.name):
+            problem = torch_file_problem(path)
+        else:
+            continue
+        if problem:
+            damaged.append(f"an intact {path.name} ({problem})")
+    return damaged
+
+
+def safetensors_problem(path: Path) -> str | None:
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            file.keys()
+    except (SafetensorError, OSError) as error:
+        return str(error)
+    return None
+
+
+def sharded_safetensors_problem(path: Path) -> str | None:
+    try:
+        shards = set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return f"not a readable index: {error}"
+    for shard in sorted(shards):
+        if not (path.parent / shard).is_file():
+            return f"its shard {shard} is missing"
+        problem = safetensors_problem(path.parent / shard)
+        if problem:
+            return f"its shard {shard}: {problem}"
+    return None
+
+
+def torch_file_problem(path: Path) -> str | None:
+    """`torch.save` writes a zip archive: a cut file has no central directory, a changed byte fails a CRC-32."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad_member = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        return f"not a complete torch.save archive: {error}"
+    return f"{bad_member} fails its CRC-32 check" if bad_member else None
+
+
+def checkpoints_in(output_dir: Path) -> list[Path]:
+    """The `checkpoint-N` folders of `output_dir`, newest first."""
+    found = [path for path in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if CHECKPOINT_PATTERN.match(path.name)]
+    return sorted(found, key=lambda path: int(CHECKPOINT_PATTERN.match(path.name).group(1)), reverse=True)
 
 
 def checkpoint_to_resume(training_args: transformers.TrainingArguments) -> str | None:
-    """The checkpoint `--resume_from_checkpoint` asks for, checked for completeness before any training happens.
+    """The checkpoint `--resume_from_checkpoint` asks for, checked to load before any training happens.
 
-    `PATH` must be a complete checkpoint. `latest` takes the newest complete `checkpoint-N` of `--output_dir`,
-    skipping (with a warning) one that a killed run left half-written, and starts from scratch when there is none, so
-    that a restarted job can always pass `latest`.
+    `PATH` must be a complete, intact checkpoint. `latest` takes the newest complete and intact `checkpoint-N` of
+    `--output_dir`, skipping (with a warning naming the file) one that a killed run left half-written or whose files
+    are truncated or damaged, and starts from scratch when there is none, so that a restarted job can always pass
+    `latest`.
     """
     requested = training_args.resume_from_checkpoint
-    output_dir = Path(training_args.output_dir)
-    found = sorted(
-        (path for path in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if CHECKPOINT_PATTERN.match(path.name)),
-        key=lambda path: int(CHECKPOINT_PATTERN.match(path.name).group(1)),
-        reverse=True,
-    )
     if requested is None:
-        if found and training_args.do_train:
-            logger.warning(
-                f"{output_dir} already holds {found[0].name}; training starts from scratch and overwrites it. "
-                "Pass --resume_from_checkpoint latest to continue instead."
-            )
         return None
     if requested.lower() not in RESUME_LATEST:
         missing = missing_from_checkpoint(requested)
         if missing:
             raise ValueError(f"Cannot resume from {requested}: it lacks {', '.join(missing)}.")
         return requested
-    for checkpoint in found:
+    output_dir = Path(training_args.output_dir)
+    for checkpoint in checkpoints_in(output_dir):
         missing = missing_from_checkpoint(checkpoint)
         if not missing:
             logger.warning(f"Resuming from {checkpoint}")
             return str(checkpoint)
         logger.warning(
-            f"Skipping {checkpoint}, left incomplete by an interrupted save: it lacks {', '.join(missing)}."
+            f"Skipping {checkpoint}: it lacks {', '.join(missing)}; an interrupted save or a damaged disk left it so."
         )
     logger.warning(f"No complete checkpoint in {output_dir}: training starts from scratch.")
     return None
+
+
+def prepare_output_dir(training_args: RANTrainingArguments) -> str | None:
+    """Check `--output_dir` before any work and return the checkpoint to resume from (see `checkpoint_to_resume`).
+
+    First, what a killed final save left beside the folder is cleaned up (`ran_hf.folders.recover_interrupted`).
+    Then a training run into a folder that already holds something (a finished run's model and metrics, or the
+    checkpoints of another run) is refused unless it continues the run in that folder (`--resume_from_checkpoint`
+    naming one of its checkpoints, or `latest` finding one) or `--overwrite_output_dir` is given. When overwriting,
+    the old checkpoints are deleted now (a later `latest` would otherwise pick them), and the old model, metrics and
+    card are replaced by the final save (`RANTrainer.save_model`), never merged with the new run's.
+    """
+    output_dir = Path(training_args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"--output_dir {output_dir} is a file, not a folder.")
+    if training_args.should_save:
+        target = Path(os.path.abspath(output_dir))
+        for note in recover_interrupted(target, carry_over=lambda name: not is_run_file(name)):
+            logger.warning(f"Before this run: {note}.")
+    checkpoint = checkpoint_to_resume(training_args)
+    if not training_args.do_train or not output_dir.is_dir():
+        return checkpoint
+    entries = sorted(path.name for path in output_dir.iterdir())
+    if not entries:
+        return checkpoint
+    if checkpoint is not None and Path(checkpoint).resolve().parent == output_dir.resolve():
+        return checkpoint  # continuing the run this folder holds
+    old_checkpoints = [path for path in checkpoints_in(output_dir) if path.is_dir()]
+    if not getattr(training_args, "overwrite_output_dir", False):
+        shown = ", ".join(entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+        resume = "Pass --resume_from_checkpoint latest to continue it, " if old_checkpoints else "Pass "
+        raise ValueError(
+            f"--output_dir {output_dir} already holds a previous run ({shown}); training into it would replace that "
+            f"run's model and mix their metrics. {resume}--overwrite_output_dir to replace it, or choose another "
+            "--output_dir."
+        )
+    if training_args.should_save:
+        for path in old_checkpoints:
+            shutil.rmtree(path)
+    names = ", ".join(path.name for path in old_checkpoints)
+    deleted = f"Deleted its checkpoints ({names}); " if old_checkpoints else ""
+    logger.warning(
+        f"--overwrite_output_dir: {output_dir} held a previous run. {deleted}its model, metrics and model card are "
+        "replaced when this run saves its model."
+    )
+    return checkpoint
+
+
+def check_training_length(training_args: transformers.TrainingArguments) -> None:
+    """`--max_steps 0` or `--num_train_epochs 0` (or negative) would save an untrained model with a model card."""
+    if not training_args.do_train or training_args.max_steps > 0:
+        return
+    if training_args.max_steps != -1:
+        raise ValueError(
+            f"--max_steps must be positive (or -1, the default, to train for --num_train_epochs), got "
+            f"{training_args.max_steps}."
+        )
+    epochs = training_args.num_train_epochs
+    if not math.isfinite(epochs) or epochs <= 0:
+        raise ValueError(f"--num_train_epochs must be positive, got {epochs}: the run would save an untrained model.")
 
 
 # ---- data ----------------------------------------------------------------------------------------------------------
@@ -216,11 +389,13 @@ def load_splits(
     files: dict[str, str | None],
     columns: list[str],
     optional_columns: tuple[str, ...] = (),
+    text_columns: tuple[str, ...] = (),
 ) -> DatasetDict:
     """Splits from the Hub (`dataset_name`) or from local files (`{"train": path, ...}`), checked for `columns`.
 
     Local files are read with `ran_hf.data` (jsonl / jsonl.gz / csv / tsv / text) and keep only `columns`, plus those
-    of `optional_columns` that their first record holds (a test file without labels, say).
+    of `optional_columns` that their first record holds (a test file without labels, say). Every value of
+    `text_columns` must be a string that is not blank (the error names the file and line, or the split and example).
     """
     if dataset_name is not None:
         splits = load_dataset(
@@ -228,12 +403,18 @@ def load_splits(
         )
         for split, dataset in splits.items():
             check_columns([dict.fromkeys(dataset.column_names)], columns, f"{dataset_name} ({split})")
+            if text_columns:  # in batches: a corpus's whole text column need not fit in memory as Python strings
+                for start, batch in enumerate(dataset.select_columns(list(text_columns)).iter(batch_size=1000)):
+                    for column in text_columns:
+                        for offset, value in enumerate(batch[column]):
+                            where = f"{dataset_name} ({split}), example {1000 * start + offset + 1}"
+                            check_text(value, where, column)
         return splits
     splits = DatasetDict()
     for split, path in files.items():
         if path is None:
             continue
-        records = read_records(path)
+        records = read_records(path, text_columns)
         kept = columns + [column for column in optional_columns if column in records[0]]
         check_columns(records, kept, str(path))
         splits[split] = Dataset.from_dict({column: [record[column] for record in records] for column in kept})
@@ -260,14 +441,60 @@ def load_text_datasets(model_args: ModelArguments, data_args) -> DatasetDict:
     """
     column = data_args.text_column_name
     files = {"train": data_args.train_file, "validation": data_args.validation_file}
-    splits = load_splits(model_args, data_args.dataset_name, data_args.dataset_config_name, files, [column])
+    # Local files: a null or blank text is an error naming its line. Hub corpora (WikiText, say) hold empty rows
+    # between paragraphs by design: those are dropped, and counted.
+    text_columns = (column,) if data_args.dataset_name is None else ()
+    splits = load_splits(
+        model_args, data_args.dataset_name, data_args.dataset_config_name, files, [column], text_columns=text_columns
+    )
     if "validation" not in splits and "train" in splits and data_args.validation_split_percentage > 0:
         held_out = splits["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=0)
         splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
     splits = DatasetDict({split: dataset.select_columns([column]) for split, dataset in splits.items()})
     if column != "text":
         splits = splits.rename_column(column, "text")
-    return splits.filter(lambda example: bool(example["text"] and example["text"].strip()))
+    kept = splits.filter(lambda example: isinstance(example["text"], str) and bool(example["text"].strip()))
+    for split in splits:
+        dropped = len(splits[split]) - len(kept[split])
+        if dropped:
+            logger.info(f"{split}: dropped {dropped:,} empty or blank documents of {len(splits[split]):,}.")
+        if len(kept[split]) == 0:
+            raise ValueError(f"The {split} split holds no text: its {len(splits[split]):,} documents are all blank.")
+    return kept
+
+
+def cut_for_tokenizer(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int) -> list[str]:
+    """The texts, long ones cut to a part that still gives more than `max_length` tokens, to tokenize with truncation.
+
+    A fast tokenizer tokenizes a whole text before truncating it: a 50 MB single-line document cost 8 GB and 100 s to
+    keep 256 tokens. Cutting first bounds the cost by `max_length`. Cuts fall on whitespace (where pre-tokenizers
+    split) and keep a margin of tokens beyond `max_length`, so the truncated ids are the ones the whole text gives.
+    The kept part is the start, or the end for a tokenizer that truncates on the left.
+    """
+    from_left = tokenizer.truncation_side == "left"
+    needed = max_length + 16
+    cut_texts = []
+    for text in texts:
+        characters = 16 * needed
+        while len(text) > characters:
+            part = cut_at_whitespace(text, characters, from_left)
+            if len(tokenizer(part, add_special_tokens=False, return_attention_mask=False)["input_ids"]) >= needed:
+                text = part
+                break
+            characters *= 4
+        cut_texts.append(text)
+    return cut_texts
+
+
+def cut_at_whitespace(text: str, characters: int, from_left: bool) -> str:
+    """The last `characters` characters of `text` (from_left) or the first, shortened to a whitespace boundary."""
+    if from_left:
+        part = text[-characters:]
+        starts = [index for index in (part.find(space) for space in " \t\n\r") if index >= 0]
+        return part[min(starts) :] if starts else part
+    part = text[:characters]
+    end = max(part.rfind(space) for space in " \t\n\r")
+    return part[:end] if end > 0 else part
 
 
 def group_into_blocks(examples: dict[str, list[list]], block_size: int) -> dict[str, list[list]]:
@@ -400,6 +627,43 @@ class RANTrainer(Trainer):
     def __init__(self, *args, card: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.card = card or {}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The final save (into `--output_dir`) is atomic: the model is written into a folder beside it, which then
+        replaces it (`ran_hf.folders.replace_folder`); checkpoints and other entries of the old folder are moved over,
+        its previous model, metrics and card are not. A full disk or a kill leaves the old model or the new one,
+        whole. Checkpoint saves, other ranks and DeepSpeed saves are Transformers' own."""
+        final = output_dir is None or os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir)
+        if not final or not self.args.should_save or self.is_deepspeed_enabled:
+            super().save_model(output_dir, _internal_call=_internal_call)
+            return
+        target = Path(os.path.abspath(self.args.output_dir))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = staging_folder(target, "saving")
+        except OSError as error:
+            logger.warning(f"Cannot write beside {target} ({error}): saving into it directly, not atomically.")
+            super().save_model(output_dir, _internal_call=_internal_call)
+            return
+        try:
+            super().save_model(str(staging), _internal_call=True)
+            written = {path.name for path in staging.iterdir()}
+            if not written:  # nothing to publish (a sharded FSDP state, say): keep the folder as it is
+                super().save_model(output_dir, _internal_call=True)
+            else:
+                normal_permissions(staging)
+                working_in_target = target.is_dir() and os.path.samefile(os.getcwd(), target)
+                replace_folder(staging, target, carry_over=lambda name: name not in written and not is_run_file(name))
+                if working_in_target:  # the old folder, our working directory, is gone: move into the new one
+                    os.chdir(target)
+        except BaseException:
+            logger.error(f"Saving the model to {target} failed; {target} holds what it held before.")
+            raise
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def create_model_card(self, **kwargs) -> None:
         if self.is_world_process_zero():

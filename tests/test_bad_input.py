@@ -1,11 +1,21 @@
 """Malformed inputs, labels and configurations fail early with a clear ValueError; all-padding rows stay finite."""
 
 import json
+import logging
+import math
 
 import pytest
 import torch
+from transformers import AutoConfig
 
-from ran_hf import RANConfig, RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
+from ran_hf import (
+    RANConfig,
+    RANForCausalLM,
+    RANForMaskedLM,
+    RANForSequenceClassification,
+    RANForTokenClassification,
+    RANModel,
+)
 
 HEADS = [
     pytest.param(RANModel, id="model"),
@@ -110,6 +120,65 @@ def test_input_ids_of_the_wrong_kind(make_config, bad_input_ids, message):
         RANModel(make_config())(input_ids=bad_input_ids)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.bool])
+def test_input_ids_of_a_dtype_the_embedding_does_not_take(make_config, input_ids, dtype):
+    """Only int64 and int32 ids index an embedding; other dtypes are named before the model runs."""
+    model = RANModel(make_config())
+    with pytest.raises(ValueError, match=rf"int64 or int32\), got dtype {dtype}"):
+        model(input_ids=input_ids.to(dtype))
+    assert model(input_ids=input_ids.int()).last_hidden_state.shape == (BATCH_SIZE, LENGTH, 16)
+
+
+@pytest.mark.parametrize("model_class", HEADS)
+@pytest.mark.parametrize(
+    "mask_values, bad_value",
+    [
+        pytest.param((0.0, -10_000.0), "-10000.0", id="additive-0-and-minus-1e4"),
+        pytest.param((0.0, float("-inf")), "-inf", id="additive-minus-inf"),
+        pytest.param((1, 2), "2", id="two"),
+        pytest.param((1.0, 0.5), "0.5", id="fraction"),
+    ],
+)
+def test_attention_mask_that_is_not_zero_or_one(make_config, input_ids, model_class, mask_values, bad_value):
+    """An additive mask (0 for tokens, a large negative number for padding) was read inverted: every value but 0/1 is
+    rejected. Masks of 0/1 in any dtype, bool included, give the same outputs."""
+    real, padding = mask_values
+    mask = torch.full((BATCH_SIZE, LENGTH), real)
+    mask[1, 5:] = padding
+    model = model_class(make_config()).eval()
+    message = rf"`attention_mask` must hold 1 for real tokens and 0 for padding, got {bad_value}\."
+    with pytest.raises(ValueError, match=message):
+        model(input_ids=input_ids, attention_mask=mask)
+    binary = torch.ones(BATCH_SIZE, LENGTH, dtype=torch.long)
+    binary[1, 5:] = 0
+    dtypes = (torch.long, torch.float, torch.bool)
+    outputs = [model(input_ids=input_ids, attention_mask=binary.to(dtype))[0] for dtype in dtypes]
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+@pytest.mark.parametrize("model_class", HEADS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "minus-inf"])
+def test_non_finite_inputs_embeds(make_config, model_class, value):
+    """One NaN or infinite entry would turn every later state of its sequence into NaN: rejected instead."""
+    embeds = torch.randn(BATCH_SIZE, LENGTH, 16)
+    embeds[1, 3, 5] = value
+    with pytest.raises(ValueError, match="`inputs_embeds` holds NaN or infinite values"):
+        model_class(make_config())(inputs_embeds=embeds)
+
+
+@pytest.mark.parametrize("model_class", HEADS)
+@pytest.mark.parametrize("as_embeds", [pytest.param(False, id="input_ids"), pytest.param(True, id="inputs_embeds")])
+def test_a_batch_of_zero_sequences(make_config, model_class, as_embeds):
+    """Batch size 0 was a reshape error deep in the window layout; it is named instead."""
+    inputs = (
+        {"inputs_embeds": torch.zeros(0, LENGTH, 16)}
+        if as_embeds
+        else {"input_ids": torch.zeros(0, LENGTH, dtype=torch.long)}
+    )
+    with pytest.raises(ValueError, match="a batch of 0 sequences"):
+        model_class(make_config())(**inputs)
+
+
 # ---- labels ------------------------------------------------------------------------------------------------------
 
 MASKED_LM = (RANForMaskedLM, {})
@@ -151,6 +220,83 @@ def test_labels_of_the_wrong_shape_dtype_or_range(make_config, input_ids, head, 
         model(input_ids=input_ids, labels=labels)
 
 
+@pytest.mark.parametrize(
+    "targets, shown",
+    [
+        pytest.param([[2.0, 0.0, 1.0], [0.0, 1.0, 1.0]], "2.0", id="above-one"),
+        pytest.param([[0.0, 0.0, 1.0], [0.0, -1.0, 1.0]], "-1.0", id="negative"),
+        pytest.param([[0.0, 0.0, 1.0], [0.0, -100.0, 1.0]], "-100.0", id="ignore-index"),
+        pytest.param([[0.0, float("nan"), 1.0], [0.0, 0.0, 1.0]], "nan", id="nan"),
+    ],
+)
+def test_multi_label_targets_outside_zero_one(make_config, input_ids, targets, shown):
+    """Binary cross-entropy with targets outside [0, 1] is a number without meaning: rejected, naming the value."""
+    model = RANForSequenceClassification(make_config(**MULTI_SET[1]))
+    with pytest.raises(ValueError, match=rf"targets in \[0, 1\] \(1: the class applies\), got {shown}"):
+        model(input_ids=input_ids, labels=torch.tensor(targets))
+    soft = torch.tensor([[0.0, 0.25, 1.0], [1.0, 0.5, 0.0]])  # soft targets inside [0, 1] are fine
+    assert torch.isfinite(model(input_ids=input_ids, labels=soft).loss)
+
+
+def test_regression_targets_that_are_not_finite(make_config, input_ids):
+    model = RANForSequenceClassification(make_config(**REGRESSION[1]))
+    with pytest.raises(ValueError, match="Regression targets hold NaN or infinite values"):
+        model(input_ids=input_ids, labels=torch.tensor([0.5, float("nan")]))
+
+
+@pytest.mark.parametrize(
+    "logits_to_keep", [1, LENGTH - 1, torch.tensor([0, 3])], ids=["last", "all-but-one", "positions"]
+)
+def test_causal_lm_labels_with_logits_to_keep(make_config, input_ids, logits_to_keep):
+    """The loss scores every position, so it cannot be computed from some of the logits: a clear error instead of a
+    batch-size mismatch inside the loss."""
+    model = RANForCausalLM(make_config(is_causal=True))
+    with pytest.raises(ValueError, match="`labels` are scored at every position, but `logits_to_keep`"):
+        model(input_ids=input_ids, labels=input_ids, logits_to_keep=logits_to_keep)
+    assert model(input_ids=input_ids, logits_to_keep=1).logits.shape == (BATCH_SIZE, 1, 64)
+
+
+def nothing_to_score(task, input_ids):
+    """Labels where no position or document counts: all -100 (or, for a causal LM, a single token)."""
+    if task == "causal-one-token":
+        return input_ids[:, :1], input_ids[:, :1]
+    if task == "single-label":
+        return input_ids, torch.full((BATCH_SIZE,), -100)
+    return input_ids, torch.full_like(input_ids, -100)
+
+
+NOTHING_TO_SCORE = {
+    "masked-lm": (RANForMaskedLM, {}),
+    "causal-lm": (RANForCausalLM, {"is_causal": True}),
+    "causal-one-token": (RANForCausalLM, {"is_causal": True}),
+    "token-classification": (RANForTokenClassification, {"num_labels": 5}),
+    "single-label": (RANForSequenceClassification, {"num_labels": 3}),
+}
+
+
+@pytest.mark.parametrize("task", list(NOTHING_TO_SCORE))
+def test_a_batch_with_nothing_to_score_has_zero_loss(make_config, input_ids, task):
+    """A batch whose labels are all -100 (a masked-LM batch where nothing was masked, say) gave a NaN loss, which
+    poisons training: its loss is 0, with finite (zero) gradients."""
+    model_class, overrides = NOTHING_TO_SCORE[task]
+    model = model_class(make_config(**overrides)).train()
+    inputs, labels = nothing_to_score(task, input_ids)
+    loss = model(input_ids=inputs, labels=labels).loss
+    assert loss.item() == 0.0 and not math.copysign(1.0, loss.item()) < 0
+    loss.backward()
+    assert all(torch.all(p.grad == 0) for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("task", ["single-label", "multi-label", "regression"])
+def test_sequence_loss_of_a_batch_of_padding_only(make_config, task):
+    """Rows of padding only are left out of the loss; when every row is padding, the loss is 0, not NaN."""
+    model_class, overrides = TASKS[task]
+    model = model_class(make_config(**overrides))
+    input_ids = torch.zeros(2, 5, dtype=torch.long)
+    labels = task_labels(task, input_ids)
+    assert model(input_ids=input_ids, attention_mask=torch.zeros_like(input_ids), labels=labels).loss.item() == 0.0
+
+
 # ---- configuration -----------------------------------------------------------------------------------------------
 
 CONFIG_ERRORS = [
@@ -184,6 +330,69 @@ def test_config_rejects_ill_defined_windows(make_config, overrides, message):
     """Window and pooling settings that would make the layout ill-defined raise ValueError naming the field."""
     with pytest.raises(ValueError, match=message):
         make_config(**overrides)
+
+
+CONFIG_TYPE_ERRORS = [
+    pytest.param({"layer_norm_eps": float("nan")}, "`layer_norm_eps` must be finite, got nan", id="eps-nan"),
+    pytest.param({"layer_norm_eps": float("inf")}, "`layer_norm_eps` must be finite, got inf", id="eps-inf"),
+    pytest.param({"layer_norm_eps": None}, "`layer_norm_eps` must be a number, got None", id="eps-none"),
+    pytest.param({"rope_theta": float("inf")}, "`rope_theta` must be finite, got inf", id="rope-theta-inf"),
+    pytest.param({"rope_theta": float("nan")}, "`rope_theta` must be finite, got nan", id="rope-theta-nan"),
+    pytest.param({"rope_theta": "10000"}, "`rope_theta` must be a number, got '10000'", id="rope-theta-string"),
+    pytest.param({"hidden_dropout_prob": None}, "`hidden_dropout_prob` must be a number", id="dropout-none"),
+    pytest.param(
+        {"attention_probs_dropout_prob": "0.1"}, "`attention_probs_dropout_prob` must be a number", id="dropout-str"
+    ),
+    pytest.param({"hidden_dropout_prob": float("nan")}, "`hidden_dropout_prob` must be finite", id="dropout-nan"),
+    pytest.param({"initializer_range": -0.02}, "`initializer_range` .* must be >= 0, got -0.02", id="negative-init"),
+    pytest.param({"initializer_range": True}, "`initializer_range` must be a number, got True", id="init-bool"),
+    pytest.param({"hidden_size": None}, "`hidden_size` must be an int, got None", id="hidden-size-none"),
+    pytest.param({"num_hidden_layers": "2"}, "`num_hidden_layers` must be an int, got '2'", id="layers-string"),
+    pytest.param({"hidden_act": "swishy"}, "`hidden_act` must be the name of a Transformers act", id="unknown-act"),
+    pytest.param({"hidden_act": None}, "`hidden_act` must be the name of a Transformers activation", id="act-none"),
+    pytest.param({"tie_word_embeddings": "yes"}, "`tie_word_embeddings` must be a bool", id="tie-not-bool"),
+    pytest.param({"pad_token_id": 64}, r"`pad_token_id` \(64\) is outside the vocabulary \[0, 63\]", id="pad-id-64"),
+    pytest.param({"pad_token_id": -1}, r"`pad_token_id` \(-1\) is outside the vocabulary", id="pad-id-negative"),
+    pytest.param({"pad_token_id": 1.0}, "`pad_token_id` must be an int or None, got 1.0", id="pad-id-float"),
+    pytest.param({"bos_token_id": 99}, r"`bos_token_id` \(99\) is outside the vocabulary", id="bos-id"),
+    pytest.param({"eos_token_id": [2, 64]}, r"`eos_token_id` \(64\) is outside the vocabulary", id="eos-id-list"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", CONFIG_TYPE_ERRORS)
+def test_config_rejects_wrong_types_and_non_finite_values(make_config, overrides, message):
+    """Every field is checked at construction, its type included; the error names the field (before, NaN and
+    infinite floats, unknown activations, negative init ranges and out-of-vocabulary pad ids were accepted, and None
+    or strings in float fields gave a bare TypeError)."""
+    with pytest.raises(ValueError, match=message):
+        make_config(**overrides)
+
+
+def test_config_accepts_valid_special_token_ids(make_config):
+    config = make_config(pad_token_id=None, bos_token_id=1, eos_token_id=[2, 63], initializer_range=0.0)
+    assert config.eos_token_id == [2, 63] and config.pad_token_id is None
+
+
+def test_a_keyword_that_is_no_field_warns(make_config, caplog):
+    """A typo such as `windowsize=8` was stored silently (and the window stayed at its default)."""
+    with caplog.at_level(logging.WARNING):
+        config = make_config(windowsize=8, cell_pool="mean")
+    assert "'cell_pool' (did you mean 'cell_pooling'?)" in caplog.text
+    assert "'windowsize' (did you mean 'window_size'?)" in caplog.text
+    assert config.window_size == 4
+
+
+def test_loading_and_labelling_a_config_does_not_warn(make_config, tmp_path, caplog):
+    """What Transformers itself passes (`model_type`, `auto_map`, `num_labels`, ...) is no typo."""
+    with caplog.at_level(logging.WARNING):
+        make_config().save_pretrained(tmp_path)
+        RANConfig.from_pretrained(tmp_path)
+        labelled = AutoConfig.from_pretrained(
+            tmp_path, num_labels=3, id2label={0: "a", 1: "b", 2: "c"}, finetuning_task="text-classification"
+        )
+        labelled.save_pretrained(tmp_path)
+        AutoConfig.from_pretrained(tmp_path)
+    assert "not RAN configuration fields" not in caplog.text
 
 
 @pytest.mark.parametrize("overrides, message", CONFIG_ERRORS[:4])

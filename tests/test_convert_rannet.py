@@ -8,9 +8,14 @@ The references were computed by rannet 0.3.1 itself (`scripts/make_rannet_fixtur
 import gzip
 import hashlib
 import json
+import logging
+import os
 import re
 import runpy
 import shutil
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -377,6 +382,12 @@ def flip_byte(path, position):
 
 Q_KERNEL = "rannet/ran-0/encode-attn/dense-q/kernel"
 
+
+def flip_tensor_byte(folder, name):
+    """One flipped byte inside a tensor's data: finite, plausible weights unless the checksum is verified."""
+    entry = TFCheckpointReader(folder / "model.ckpt").entries[name]
+    flip_byte(folder / "model.ckpt.data-00000-of-00001", entry.offset + 2)
+
 BAD_INPUTS = [
     pytest.param(lambda f: shutil.rmtree(f), FileNotFoundError, r"folder not found: .*rannet", id="missing-folder"),
     pytest.param(lambda f: (f / "config.json").unlink(), FileNotFoundError, r"config\.json not found", id="no-config"),
@@ -399,6 +410,12 @@ BAD_INPUTS = [
         ValueError,
         r"model\.ckpt\.index: block checksum",
         id="damaged",
+    ),
+    pytest.param(
+        lambda f: flip_tensor_byte(f, Q_KERNEL),
+        ValueError,
+        rf"model\.ckpt\.data-00000-of-00001: tensor '{Q_KERNEL}' fails its checksum",
+        id="damaged-data",
     ),
     pytest.param(
         lambda f: (f / "config.json").write_text("{"), ValueError, r"config\.json: not valid JSON", id="bad-json"
@@ -522,6 +539,96 @@ def test_an_existing_folder_is_replaced_only_when_asked(rannet_copy, tmp_path):
     convert_rannet_checkpoint(rannet_copy, output, overwrite=True)
     assert not (output / "old.txt").exists() and (output / "model.safetensors").is_file()
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
+
+
+def folder_digest(folder):
+    """{relative path: SHA-256} of every file under `folder`."""
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+@pytest.mark.parametrize(
+    "output_of, relation",
+    [
+        pytest.param(lambda source: source, "is the RAN checkpoint folder", id="the-source"),
+        pytest.param(lambda source: source.parent, "contains the RAN checkpoint folder", id="its-parent"),
+        pytest.param(lambda source: source / "converted", "lies inside the RAN checkpoint folder", id="inside-it"),
+        pytest.param(lambda source: source / ".." / source.name, "is the RAN checkpoint folder", id="dotted-path"),
+    ],
+)
+def test_an_output_folder_that_overlaps_the_source_is_refused(rannet_copy, output_of, relation, overwrite):
+    """`--output_dir` equal to `--rannet_dir` (or its parent) with `--overwrite` deleted the official checkpoint and
+    exited 0. Any overlap is refused, with or without `overwrite`, and the source is left as it was."""
+    before = folder_digest(rannet_copy.parent)
+    with pytest.raises(ValueError, match=f"The output folder .* {relation}"):
+        convert_rannet_checkpoint(rannet_copy, output_of(rannet_copy), overwrite=overwrite)
+    assert folder_digest(rannet_copy.parent) == before
+
+
+def test_a_symlink_to_the_source_is_refused_on_the_command_line(rannet_copy, tmp_path, capsys):
+    main = runpy.run_path(str(SCRIPT), run_name="convert_rannet_checkpoint")["main"]
+    link = tmp_path / "link"
+    link.symlink_to(rannet_copy)
+    before = folder_digest(rannet_copy)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--rannet_dir", str(rannet_copy), "--output_dir", str(link), "--overwrite"])
+    assert exit_info.value.code == 1
+    assert "is the RAN checkpoint folder" in capsys.readouterr().err
+    assert folder_digest(rannet_copy) == before
+
+
+def finished_process_id() -> int:
+    """The id of a process that has ended (what a killed conversion leaves in its folder names)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_what_a_killed_conversion_left_is_cleaned_up(rannet_copy, tmp_path, caplog):
+    """Staging folders of killed runs piled up beside the output. The next run deletes a half-written new folder,
+    puts back an old folder that was set aside when the kill came between the two renames, and leaves the folders of
+    a process that is still running alone, naming them."""
+    output = tmp_path / "converted"
+    dead = finished_process_id()
+    half_written = tmp_path / f".converted.converting-{dead}-abc123"
+    half_written.mkdir()
+    (half_written / "config.json").write_text("{}")
+    set_aside = tmp_path / f".converted.previous-{dead}-def456"
+    (set_aside / "converted").mkdir(parents=True)
+    (set_aside / "converted" / "old.txt").write_text("the model converted before")
+    earlier_version = tmp_path / ".converted.converting-k2j4_x9q"  # the naming of earlier versions: no process id
+    earlier_version.mkdir()
+    running = tmp_path / f".converted.converting-{os.getppid()}-ghi789"
+    running.mkdir()
+
+    with caplog.at_level(logging.WARNING), pytest.raises(FileExistsError, match="overwrite=True"):
+        convert_rannet_checkpoint(rannet_copy, output)  # the old folder is back, so it is not replaced unasked
+    assert (output / "old.txt").read_text() == "the model converted before"
+    assert not half_written.exists() and not set_aside.exists() and not earlier_version.exists()
+    assert running.exists() and f"left {running} alone: process {os.getppid()}" in caplog.text
+    assert f"put back {output}" in caplog.text
+
+    running.rmdir()
+    convert_rannet_checkpoint(rannet_copy, output, overwrite=True)
+    assert (output / "model.safetensors").is_file() and not (output / "old.txt").exists()
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask-022", "umask-027"])
+def test_written_files_get_normal_permissions(rannet_copy, tmp_path, umask):
+    """The folder was 0700 and the weights 0600 (a temporary folder's and file's modes); now what the umask gives."""
+    previous = os.umask(umask)
+    try:
+        output = convert_rannet_checkpoint(rannet_copy, tmp_path / "converted")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(output.stat().st_mode) == 0o777 & ~umask
+    for path in output.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path.name
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -6,9 +6,11 @@ a load where `ran_hf` is not importable), on tiny models and data generated here
 """
 
 import csv
+import errno
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from ran_hf import RANConfig, RANForSequenceClassification
@@ -35,7 +38,13 @@ import run_mlm
 import run_ner
 import run_pipeline
 import train_tokenizer
-from training_utils import missing_from_checkpoint, parameter_checksum
+from training_utils import (
+    RANTrainingArguments,
+    cut_for_tokenizer,
+    missing_from_checkpoint,
+    parameter_checksum,
+    prepare_output_dir,
+)
 
 # Windows of 16 tokens, so that every test document spans several; no dropout, so that runs are reproducible.
 TINY_OVERRIDES = (
@@ -721,3 +730,412 @@ def test_parameter_checksum_matches_the_saved_model(tokenizer_dir, topic_files, 
     record = json.loads((tmp_path / "checksums" / "rank-0.json").read_text())
     assert record["global_step"] == 2
     assert record["sha256"] == parameter_checksum(AutoModelForSequenceClassification.from_pretrained(tmp_path))
+
+
+# ---- a previous run is never lost, nor mixed with a new one -------------------------------------------------------
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    """{relative path: content} of every file under `folder`."""
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def tiny_run(tokenizer_dir, topic_files, output_dir, *extra) -> list[str]:
+    return (
+        from_scratch(tokenizer_dir, output_dir)
+        + ["--train_file", str(topic_files["train"]), "--max_seq_length", "64", "--do_train"]
+        + ["--per_device_train_batch_size", "4", "--max_steps", "2", *extra]
+        + QUIET
+    )
+
+
+def test_a_finished_run_is_replaced_only_when_asked(tokenizer_dir, topic_files, tmp_path):
+    """Re-running into a finished run's folder silently replaced its model and merged its eval metrics into the new
+    all_results.json and model card. Now it is refused, naming the folder, and left as it was; with
+    --overwrite_output_dir the new run replaces it and nothing of the old run's metrics remains."""
+    output_dir = tmp_path / "run"
+    evaluate = ["--validation_file", str(topic_files["validation"]), "--do_eval", "--save_steps", "1"]
+    run_classification.main(tiny_run(tokenizer_dir, topic_files, output_dir, *evaluate))
+    before = files_of(output_dir)
+    assert "eval_results.json" in before and "checkpoint-1/optimizer.pt" in before
+
+    second_run = tiny_run(tokenizer_dir, topic_files, output_dir, "--max_steps", "3", "--seed", "7")
+    with pytest.raises(ValueError, match=rf"--output_dir {output_dir} already holds a previous run .*--overwrite"):
+        run_classification.main(second_run)
+    assert files_of(output_dir) == before
+
+    run_classification.main(second_run + ["--overwrite_output_dir"])
+    after = files_of(output_dir)
+    assert after["model.safetensors"] != before["model.safetensors"]
+    assert not any(name.startswith("eval_") for name in json.loads(after["all_results.json"]))
+    assert "eval_results.json" not in after and "eval_loss" not in after["README.md"].decode()
+    assert {name.split("/")[0] for name in after if name.startswith("checkpoint-")} == {"checkpoint-3"}
+    assert json.loads(after["trainer_state.json"])["global_step"] == 3
+
+
+def test_a_folder_with_checkpoints_needs_resume_or_overwrite(tokenizer_dir, topic_files, tmp_path):
+    """A run into a folder holding another run's checkpoints warned and started over, mixing its checkpoints with the
+    old ones (where `latest` would later pick an old one). Now it is refused, pointing to both ways on; resuming in
+    the run's own folder needs no flag."""
+    output_dir = tmp_path / "run"
+    run_classification.main(tiny_run(tokenizer_dir, topic_files, output_dir, "--save_steps", "2"))
+    (output_dir / "model.safetensors").unlink()  # as if killed before its final save
+    with pytest.raises(ValueError, match="Pass --resume_from_checkpoint latest to continue it, --overwrite_output"):
+        run_classification.main(tiny_run(tokenizer_dir, topic_files, output_dir))
+    results = run_classification.main(
+        tiny_run(tokenizer_dir, topic_files, output_dir, "--max_steps", "4", "--resume_from_checkpoint", "latest")
+    )
+    assert results["train"]["epoch"] > 0 and (output_dir / "model.safetensors").is_file()
+    assert json.loads((output_dir / "trainer_state.json").read_text())["global_step"] == 4
+
+
+def test_latest_without_a_checkpoint_does_not_replace_a_finished_run(tokenizer_dir, topic_files, tmp_path):
+    """`latest` in a finished folder without checkpoints would start from scratch over it: refused unasked."""
+    output_dir = tmp_path / "run"
+    run_classification.main(tiny_run(tokenizer_dir, topic_files, output_dir, "--save_strategy", "no"))
+    resume = ["--save_strategy", "no", "--resume_from_checkpoint", "latest"]
+    with pytest.raises(ValueError, match="already holds a previous run"):
+        run_classification.main(tiny_run(tokenizer_dir, topic_files, output_dir, *resume))
+
+
+def test_the_pipeline_refuses_before_retraining_its_tokenizer(tmp_path):
+    (tmp_path / "mlm").mkdir()
+    (tmp_path / "mlm" / "model.safetensors").write_bytes(b"an earlier model")
+    with pytest.raises(ValueError, match="holds an earlier pipeline's models .* --overwrite_output_dir"):
+        run_pipeline.main(["--output_dir", str(tmp_path), "--synthetic_documents", "4,2,2"])
+    assert not (tmp_path / "tokenizer").exists()
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing catches it, so only `finally` blocks run."""
+
+
+def test_the_final_save_is_all_or_nothing(tokenizer_dir, topic_files, tmp_path, monkeypatch):
+    """A full disk while saving over a model left the new config.json beside the old, cut weights. Now the folder
+    keeps the old model, whole, and nothing is left beside it."""
+    output_dir = tmp_path / "run"
+    run_classification.main(tiny_run(tokenizer_dir, topic_files, output_dir, "--save_steps", "1"))
+    before = files_of(output_dir)
+    write = transformers.modeling_utils.safe_save_file
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        if "checkpoint-" in str(filename):
+            return write(tensors, filename, *args, **kwargs)
+        Path(filename).write_bytes(b"\0" * 100)  # what fits before the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", disk_full)
+    wider = TINY_OVERRIDES.replace("window_size=16", "window_size=32")
+    argv = tiny_run(tokenizer_dir, topic_files, output_dir, "--overwrite_output_dir", "--config_overrides", wider)
+    with pytest.raises(OSError, match="No space left"):
+        run_classification.main(argv + ["--save_strategy", "no"])
+    after = files_of(output_dir)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "all_results.json", "README.md"):
+        assert after[name] == before[name], name
+    assert AutoModelForSequenceClassification.from_pretrained(output_dir).config.window_size == 16
+    assert [path.name for path in tmp_path.iterdir()] == ["run"]
+
+
+def test_the_final_save_into_the_working_directory(tokenizer_dir, topic_files, tmp_path, monkeypatch):
+    """`--output_dir .`: the folder replaced is the working directory, which then moves to the new one; the saved
+    folder has the umask's permissions, not those of a temporary folder (0700)."""
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    monkeypatch.chdir(output_dir)
+    umask = os.umask(0o022)
+    try:
+        run_classification.main(tiny_run(tokenizer_dir, topic_files, "."))
+    finally:
+        os.umask(umask)
+    assert Path.cwd() == output_dir and (Path.cwd() / "model.safetensors").is_file()
+    assert [path.name for path in tmp_path.iterdir()] == ["run"]
+    assert output_dir.stat().st_mode & 0o777 == 0o755
+    assert (output_dir / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_kill_between_the_two_renames_is_undone_by_the_next_run(tokenizer_dir, topic_files, tmp_path, monkeypatch):
+    """Killed after the old folder was set aside and before the new one took its place: the next run puts the old
+    folder back, whole, and resumes from its checkpoint."""
+    output_dir = tmp_path / "run"
+    run_classification.main(tiny_run(tokenizer_dir, topic_files, output_dir, "--save_steps", "2"))
+    before = files_of(output_dir)
+    replace = os.replace
+
+    def killed_before_the_new_folder_moves_in(source, destination):
+        if Path(source).name.startswith(".run.saving-"):
+            raise Killed
+        replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", killed_before_the_new_folder_moves_in)
+    with pytest.raises(Killed):
+        run_classification.main(tiny_run(tokenizer_dir, topic_files, output_dir, "--resume_from_checkpoint", "latest"))
+    monkeypatch.setattr(os, "replace", replace)
+    assert not output_dir.exists()
+    (set_aside,) = [path for path in tmp_path.iterdir() if path.name.startswith(".run.previous-")]
+    set_aside = set_aside.rename(tmp_path / f".run.previous-{finished_process_id()}-x")  # its process is gone
+    set_aside_files = files_of(set_aside / "run")
+    assert all(set_aside_files[name] == content for name, content in before.items())  # the old run, whole
+
+    results = run_classification.main(
+        tiny_run(tokenizer_dir, topic_files, output_dir, "--max_steps", "4", "--resume_from_checkpoint", "latest")
+    )
+    assert results["train"]["train_samples"] > 0 and [path.name for path in tmp_path.iterdir()] == ["run"]
+    assert json.loads((output_dir / "trainer_state.json").read_text())["global_step"] == 4
+
+
+def test_a_kill_after_the_new_folder_moved_in_is_finished_by_the_next_run(tmp_path):
+    """Killed after the new folder took its place and before the old one was emptied: the next run moves the old
+    folder's checkpoints and other entries over, and deletes its model, metrics and card."""
+    output_dir = tmp_path / "run"
+    (output_dir / "checkpoint-4").mkdir(parents=True)
+    (output_dir / "config.json").write_text("new")
+    old = tmp_path / f".run.previous-{finished_process_id()}-y" / "run"
+    for name in ("checkpoint-2", "runs"):
+        (old / name).mkdir(parents=True)
+        (old / name / "file").write_text(name)
+    for name in ("config.json", "model.safetensors", "all_results.json", "eval_results.json", "README.md"):
+        (old / name).write_text("old")
+    prepare_output_dir(RANTrainingArguments(output_dir=str(output_dir), do_train=False))
+    assert files_of(output_dir) == {
+        "config.json": b"new",
+        "checkpoint-2/file": b"checkpoint-2",
+        "runs/file": b"runs",
+    }
+    assert [path.name for path in tmp_path.iterdir()] == ["run"]
+
+
+def finished_process_id() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+# ---- damaged checkpoints ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoints(tokenizer_dir, topic_files, tmp_path_factory):
+    """A finished tiny run with checkpoint-2 and checkpoint-4."""
+    output_dir = tmp_path_factory.mktemp("checkpoints") / "run"
+    run_classification.main(tiny_run(tokenizer_dir, topic_files, output_dir, "--max_steps", "4", "--save_steps", "2"))
+    return output_dir
+
+
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_middle_byte(path: Path) -> None:
+    content = bytearray(path.read_bytes())
+    content[len(content) // 2] ^= 0x01
+    path.write_bytes(bytes(content))
+
+
+@pytest.mark.parametrize(
+    "name, damage, problem",
+    [
+        pytest.param("model.safetensors", cut_in_half, "incomplete metadata", id="weights-cut"),
+        pytest.param("optimizer.pt", cut_in_half, "not a complete torch.save archive", id="optimizer-cut"),
+        pytest.param("optimizer.pt", flip_middle_byte, "fails its CRC-32 check", id="optimizer-flipped-byte"),
+        pytest.param("scheduler.pt", cut_in_half, "not a complete torch.save archive", id="scheduler-cut"),
+        pytest.param("rng_state.pth", lambda path: path.write_bytes(b""), "not a complete", id="rng-empty"),
+    ],
+)
+def test_latest_skips_a_checkpoint_whose_files_do_not_load(
+    run_with_checkpoints, tmp_path, caplog, name, damage, problem
+):
+    """`latest` took the newest checkpoint even with a cut or damaged file and crashed in Trainer with a bare
+    SafetensorError / RuntimeError / OSError. Now such a checkpoint is skipped, naming the file, for the newest one
+    that loads; named explicitly, it is an error before any training."""
+    output_dir = tmp_path / "run"
+    shutil.copytree(run_with_checkpoints, output_dir)
+    damage(output_dir / "checkpoint-4" / name)
+    args = RANTrainingArguments(output_dir=str(output_dir), do_train=True, resume_from_checkpoint="latest")
+    with caplog.at_level("WARNING"):
+        assert prepare_output_dir(args) == str(output_dir / "checkpoint-4").replace("-4", "-2")
+    assert re.search(rf"Skipping .*checkpoint-4: it lacks an intact {re.escape(name)} \(.*{problem}", caplog.text)
+    args.resume_from_checkpoint = str(output_dir / "checkpoint-4")
+    with pytest.raises(ValueError, match=rf"Cannot resume from .*checkpoint-4: it lacks an intact {re.escape(name)}"):
+        prepare_output_dir(args)
+
+
+def test_resuming_past_a_damaged_checkpoint(run_with_checkpoints, tokenizer_dir, topic_files, tmp_path):
+    output_dir = tmp_path / "run"
+    shutil.copytree(run_with_checkpoints, output_dir)
+    cut_in_half(output_dir / "checkpoint-4" / "optimizer.pt")
+    run_classification.main(
+        tiny_run(tokenizer_dir, topic_files, output_dir, "--max_steps", "4", "--resume_from_checkpoint", "latest")
+    )
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and missing_from_checkpoint(output_dir / "checkpoint-4") == []
+
+
+# ---- training length and data -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        pytest.param(["--num_train_epochs", "0"], "--num_train_epochs must be positive, got 0.0", id="zero-epochs"),
+        pytest.param(["--num_train_epochs", "-1"], "--num_train_epochs must be positive", id="negative-epochs"),
+        pytest.param(["--num_train_epochs", "nan"], "--num_train_epochs must be positive, got nan", id="nan-epochs"),
+        pytest.param(["--max_steps", "0"], r"--max_steps must be positive \(or -1", id="zero-steps"),
+        pytest.param(["--max_steps", "-5"], r"--max_steps must be positive \(or -1.*got -5", id="negative-steps"),
+    ],
+)
+def test_a_training_length_that_trains_nothing(tokenizer_dir, topic_files, tmp_path, flags, message):
+    """These exited 0 with an untrained model and a model card; now they stop before anything is read or written."""
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--train_file", str(topic_files["train"]), "--do_train"]
+    with pytest.raises(ValueError, match=message):
+        run_classification.main(argv + flags + QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        pytest.param("null.jsonl", '{"text": "a"}\n\n{"text": null}\n', "line 3: column 'text' holds null", id="null"),
+        pytest.param("empty.jsonl", '{"text": "a"}\n{"text": ""}\n', "line 2: .* holds an empty string", id="empty"),
+        pytest.param("blank.jsonl", '{"text": " \\t\\n "}\n', "line 1: .* holds only whitespace", id="blank"),
+        pytest.param("number.jsonl", '{"text": 12}\n', "line 1: column 'text' holds int 12, not text", id="number"),
+        pytest.param("blank.csv", "text,label\na,b\n   ,c\n", "line 3: .* holds only whitespace", id="csv-blank"),
+    ],
+)
+def test_texts_that_are_null_empty_or_blank(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=f"{name}, {message}"):
+        read_records(tmp_path / name, text_columns=["text"])
+
+
+def test_a_null_text_is_not_trained_as_the_word_none(tokenizer_dir, tmp_path, topic_files):
+    records = [json.loads(line) for line in topic_files["train"].open()]
+    records[5]["text"] = None
+    train = write_jsonl(tmp_path / "train.jsonl", records)
+    with pytest.raises(ValueError, match=r"train.jsonl, line 6: column 'text' holds null"):
+        run_classification.main(classification_argv(tokenizer_dir, tmp_path, train))
+
+
+def test_a_null_text_in_a_hub_dataset(tokenizer_dir, tmp_path, topic_files):
+    """Through `--dataset_name` the error names the split and the example."""
+    dataset_dir = tmp_path / "dataset"
+    dataset_dir.mkdir()
+    records = [json.loads(line) for line in topic_files["train"].open()]
+    records[4]["text"] = None
+    write_jsonl(dataset_dir / "train.jsonl", records)
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--dataset_name", str(dataset_dir), "--do_train"]
+    with pytest.raises(ValueError, match=r"dataset \(train\), example 5: column 'text' holds null"):
+        run_classification.main(argv + QUIET)
+
+
+def test_an_all_blank_file_does_not_train(tokenizer_dir, tmp_path):
+    """All-whitespace texts trained and evaluated with exit 0 (classification) or failed deep in Trainer (run_mlm)."""
+    blank = write_jsonl(tmp_path / "blank.jsonl", [{"text": "   ", "label": "ab"[i % 2]} for i in range(8)])
+    message = "blank.jsonl, line 1: column 'text' holds only whitespace"
+    with pytest.raises(ValueError, match=message):
+        run_classification.main(classification_argv(tokenizer_dir, tmp_path, blank, blank))
+    argv = from_scratch(tokenizer_dir, tmp_path / "mlm") + ["--train_file", str(blank), "--do_train"]
+    with pytest.raises(ValueError, match=message):
+        run_mlm.main(argv + QUIET)
+
+
+def test_blank_documents_of_a_hub_corpus_are_dropped_and_an_empty_split_is_an_error(tokenizer_dir, tmp_path):
+    """Hub corpora such as WikiText hold empty rows by design: dropped; a split with nothing else is an error."""
+    dataset_dir = tmp_path / "dataset"
+    dataset_dir.mkdir()
+    write_jsonl(dataset_dir / "train.jsonl", [{"text": "the planet orbits"}, {"text": ""}, {"text": "a star"}])
+    write_jsonl(dataset_dir / "validation.jsonl", [{"text": ""}, {"text": "  "}])
+    argv = from_scratch(tokenizer_dir, tmp_path / "mlm") + ["--dataset_name", str(dataset_dir), "--do_train"]
+    with pytest.raises(ValueError, match="The validation split holds no text: its 2 documents are all blank"):
+        run_mlm.main(argv + ["--max_steps", "1"] + QUIET)
+
+
+@pytest.mark.parametrize(
+    "name, line",
+    [("data.jsonl", 2), ("data.jsonl.gz", 2), ("data.csv", 3), ("data.txt", 2), ("conll.txt", 2)],
+)
+def test_bytes_that_are_not_utf8_are_named_with_file_and_line(tmp_path, name, line):
+    """A bare UnicodeDecodeError (no file, no line) before; now the file, the line and the byte."""
+    rows = {
+        "data.jsonl": ['{"text": "fine"}', '{"text": "caf\xe9"}'],
+        "data.jsonl.gz": ['{"text": "fine"}', '{"text": "caf\xe9"}'],
+        "data.csv": ["text,label", "fine,a", "caf\xe9,b"],
+        "data.txt": ["fine", "caf\xe9"],
+        "conll.txt": ["EU B-ORG", "caf\xe9 O"],
+    }[name]
+    content = ("\n".join(rows) + "\n").encode("latin-1")
+    (tmp_path / name).write_bytes(gzip.compress(content) if name.endswith(".gz") else content)
+    reader = read_conll if name == "conll.txt" else read_records
+    with pytest.raises(ValueError, match=rf"{re.escape(name)}, line {line}: not valid UTF-8 \(byte 0xe9 at column"):
+        reader(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        pytest.param(
+            'text,label\na,x\n"b is never closed,y\nc,x\nd,y\n', r"line 3: not valid CSV \(unexpected", id="open-quote"
+        ),
+        pytest.param('text,label\na,x\n"b" c,y\n', r"line 3: not valid CSV \(',' expected after", id="after-quote"),
+        pytest.param('text,label\n"a\nspans lines",x\nb,y,z\n', r"line 4: 2 columns in the header", id="ragged"),
+    ],
+)
+def test_csv_errors_are_reported_where_the_record_starts(tmp_path, content, message):
+    """An unclosed quote swallowed the rest of the file and was reported at its last line (or, if the columns still
+    matched, trained on the merged text); text after a closing quote was read silently."""
+    (tmp_path / "data.csv").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_records(tmp_path / "data.csv")
+
+
+def test_csv_fields_may_be_as_long_as_a_document(tmp_path):
+    """The csv module's default field limit (128 KB) is below a long document's length."""
+    text = "word " * 60_000
+    (tmp_path / "long.csv").write_text(f'text,label\n"{text}",a\n')
+    assert read_records(tmp_path / "long.csv") == [{"text": text, "label": "a"}]
+    assert csv.field_size_limit() == 131072  # restored
+
+
+def test_a_null_ner_sentence(tmp_path, tokenizer_dir):
+    sentences = [{"tokens": ["EU"], "ner_tags": ["B-ORG"]}, {"tokens": None, "ner_tags": []}]
+    train = write_jsonl(tmp_path / "train.jsonl", sentences)
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--train_file", str(train), "--do_train"]
+    with pytest.raises(ValueError, match="train sentence 2: column 'tokens' must be a non-empty list, got None"):
+        run_ner.main(argv + QUIET)
+
+
+# ---- long documents: tokenizing costs in proportion to the limit --------------------------------------------------
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("max_length", [8, 64, 512])
+def test_cutting_long_documents_keeps_the_truncated_ids(wordpiece_tokenizer, data_dir, side, max_length):
+    """The ids of a cut document, truncated, are those of the whole document, truncated, on the longest documents
+    of Hyperpartisan and 20 Newsgroups, and on text without any whitespace."""
+    tokenizer = wordpiece_tokenizer
+    tokenizer.truncation_side = side
+    documents = [record["text"] for record in read_records(data_dir / "hyperpartisan" / "dev.jsonl")]
+    documents = sorted(documents, key=len)[-8:] + ["x" * 50_000, "ab,cd;" * 20_000]
+    cut = cut_for_tokenizer(tokenizer, documents, max_length)
+    assert len(cut[-1]) < len(documents[-1]) / 4  # punctuation without spaces: cut where a character limit falls
+    whole = tokenizer(documents, truncation=True, max_length=max_length)["input_ids"]
+    assert tokenizer(cut, truncation=True, max_length=max_length)["input_ids"] == whole
+
+
+def test_a_huge_single_line_document_is_tokenized_within_the_limit(tokenizer_dir, tmp_path, monkeypatch):
+    """A 50 MB single-line document with --max_seq_length 256 took 8.2 GB and 100 s, all of it tokenized to keep
+    256 tokens. Now the tokenizer never sees more than a few thousand characters of it (20 MB here, to stay fast)."""
+    words = "the planet orbits a distant star while the recipe simmers slowly".split()
+    huge = " ".join(words[i % len(words)] for i in range(3_400_000))
+    records = [{"text": huge, "label": "a"}] + [{"text": f"short text {i}", "label": "ab"[i % 2]} for i in range(7)]
+    train = write_jsonl(tmp_path / "train.jsonl", records)
+    longest = []
+    call = transformers.PreTrainedTokenizerBase.__call__
+
+    def measured(self, text=None, *args, **kwargs):
+        texts = [text] if isinstance(text, str) else list(text or [])
+        longest.append(max((len(item) for item in texts if isinstance(item, str)), default=0))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", measured)
+    run_classification.main(classification_argv(tokenizer_dir, tmp_path, train, None, "--max_seq_length", "256"))
+    assert len(huge) > 20_000_000 and max(longest) < 20_000

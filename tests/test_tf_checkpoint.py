@@ -6,7 +6,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ran_hf.tf_checkpoint import CheckpointFormatError, TFCheckpointReader
+from ran_hf.tf_checkpoint import (
+    CheckpointFormatError,
+    TFCheckpointReader,
+    _crc32c,
+    _crc32c_python,
+    _parse_entry,
+    _slice_key,
+)
 from tf_checkpoint_writer import write_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rannet"
@@ -122,3 +129,57 @@ def test_compressed_index_blocks_are_refused(tmp_path):
     write_checkpoint(tmp_path / "model.ckpt", {"x": np.zeros(2, np.float32)}, compression=1)
     with pytest.raises(CheckpointFormatError, match="compressed index blocks"):
         TFCheckpointReader(tmp_path / "model.ckpt")
+
+
+# ---- tensor checksums --------------------------------------------------------------------------------------------
+
+
+def test_crc32c_matches_the_byte_by_byte_definition():
+    """The sliced NumPy CRC32C equals the plain loop at every size class (odd slice counts, padding, one slice)."""
+    assert _crc32c(b"123456789") == 0xE3069283  # the CRC32C check value
+    rng = np.random.default_rng(0)
+    for size in (0, 3, 4095, 4096, 4097, 65_537, 1_000_003):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert _crc32c(data) == _crc32c_python(data), size
+
+
+def flip_data_byte(prefix, entry, position=5, shard=0):
+    """Flip one byte of a tensor's bytes in its data shard (XOR 0x01: a silent change to one float)."""
+    path = Path(f"{prefix}.data-{shard:05d}-of-{TFCheckpointReader(prefix).num_shards:05d}")
+    content = bytearray(path.read_bytes())
+    content[entry.offset + position] ^= 0x01
+    path.write_bytes(bytes(content))
+
+
+def test_a_flipped_byte_in_the_data_file_names_the_tensor(checkpoint_copy):
+    """A TensorFlow-written checkpoint with one damaged byte: the tensor that holds it fails, the others read."""
+    name = "rannet/ran-0/encode-attn/dense-q/kernel"
+    reader = TFCheckpointReader(checkpoint_copy)
+    intact = reader.read(name)
+    flip_data_byte(checkpoint_copy, reader.entries[name])
+    reader = TFCheckpointReader(checkpoint_copy)
+    with pytest.raises(CheckpointFormatError, match=rf"data-00000-of-00001: tensor '{name}' fails its checksum"):
+        reader.read(name)
+    reader.read("rannet/mlm-matching/bias")  # other tensors are unaffected
+    damaged = TFCheckpointReader(checkpoint_copy, verify_checksums=False).read(name)  # what was read before
+    assert np.isfinite(damaged).all() and (damaged != intact).sum() == 1
+
+
+def test_a_flipped_byte_in_a_large_or_sliced_tensor(tmp_path):
+    """Large tensors take the NumPy path; tensors saved in slices are checked slice by slice."""
+    rng = np.random.default_rng(1)
+    write_checkpoint(tmp_path / "model.ckpt", {"big": rng.normal(size=(300, 1000)).astype(np.float32)})
+    reader = TFCheckpointReader(tmp_path / "model.ckpt")
+    reader.read("big")
+    flip_data_byte(tmp_path / "model.ckpt", reader.entries["big"], position=1_000_001)
+    with pytest.raises(CheckpointFormatError, match="tensor 'big' fails its checksum"):
+        TFCheckpointReader(tmp_path / "model.ckpt").read("big")
+
+    folder = tmp_path / "sharded"
+    shutil.copytree(FIXTURES / "tf_bundle", folder)
+    reader = TFCheckpointReader(folder / "sharded")
+    name = next(name for name, entry in sorted(reader.entries.items()) if entry.slices)
+    first_slice = _parse_entry(name, reader.slice_entries[_slice_key(name, reader.entries[name].slices[0])], "")
+    flip_data_byte(folder / "sharded", first_slice, position=0, shard=first_slice.shard)
+    with pytest.raises(CheckpointFormatError, match=f"tensor '{name}' fails its checksum"):
+        TFCheckpointReader(folder / "sharded").read(name)

@@ -1,9 +1,59 @@
 """Configuration of the Recurrent Attention Network (RAN)."""
 
-from transformers import PreTrainedConfig
+import difflib
+import math
+from dataclasses import fields
+
+from transformers import GenerationConfig, PreTrainedConfig
+from transformers.activations import ACT2FN
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 _CELL_POOLINGS = ("last", "mean", "max")
 _TOKEN_POOLINGS = ("max", "mean")
+
+# Keywords every Transformers config may receive besides its fields (from `from_pretrained`, `AutoConfig`, configs
+# saved by other versions); anything else given to `RANConfig` is most likely a typo.
+_GENERIC_CONFIG_KEYWORDS = frozenset(
+    {
+        "num_labels",
+        "torch_dtype",
+        "name_or_path",
+        "_name_or_path",
+        "_commit_hash",
+        "output_attentions",
+        "attn_implementation",
+        "experts_implementation",
+        "_attn_implementation_internal",
+        "_experts_implementation_internal",
+        "per_layer_config",
+        "rope_scaling",
+        "auto_map",
+        "model_type",
+        "finetuning_task",
+        "tokenizer_class",
+        "prefix",
+        "task_specific_params",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "is_decoder",
+        "add_cross_attention",
+        "cross_attention_hidden_size",
+        "tie_encoder_decoder",
+        "torchscript",
+        "use_bfloat16",
+        "tf_legacy_loss",
+        "pruned_heads",
+        "tie_last_hidden_states",
+    }
+)
+
+
+def _generation_keywords() -> frozenset:
+    """Generation settings that older configs carry; Transformers moves them to the generation config."""
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return frozenset(defaults()) if defaults is not None else frozenset()
 
 REMOTE_CODE_AUTO_MAP = {
     "AutoConfig": "configuration_ran.RANConfig",
@@ -132,9 +182,25 @@ class RANConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         self._validate_ran_fields()
+        self._warn_about_unknown_keywords(kwargs)
         # Every saved folder names the code of every head, so that any Auto class loads it as remote code.
         self.auto_map = dict(REMOTE_CODE_AUTO_MAP)
         super().__post_init__(**kwargs)
+
+    def _warn_about_unknown_keywords(self, kwargs: dict) -> None:
+        """A keyword that is no field (`windowsize=8`) would be stored and read by nothing: say so."""
+        unknown = sorted(set(kwargs) - _GENERIC_CONFIG_KEYWORDS - _generation_keywords())
+        if not unknown:
+            return
+        field_names = [field.name for field in fields(self)]
+        described = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, field_names, n=1)
+            described.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        logger.warning(
+            f"RANConfig got keyword(s) that are not RAN configuration fields: {', '.join(described)}. They are kept "
+            "on the config, but the model reads none of them."
+        )
 
     def _validate_ran_fields(self):
         """Reject values that would make windows, heads or pooling ill-defined, naming the field."""
@@ -151,6 +217,19 @@ class RANConfig(PreTrainedConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"`{name}` must be an int, got {value!r} ({type(value).__name__}).")
+        # Floats: real numbers, finite (a NaN passes every comparison below silently).
+        for name in (
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+            "layer_norm_eps",
+            "rope_theta",
+            "initializer_range",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"`{name}` must be a number, got {value!r} ({type(value).__name__}).")
+            if not math.isfinite(value):
+                raise ValueError(f"`{name}` must be finite, got {value}.")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
@@ -168,12 +247,20 @@ class RANConfig(PreTrainedConfig):
             raise ValueError(f"`cell_pooling` must be one of {_CELL_POOLINGS}, got {self.cell_pooling!r}.")
         if self.token_pooling not in _TOKEN_POOLINGS:
             raise ValueError(f"`token_pooling` must be one of {_TOKEN_POOLINGS}, got {self.token_pooling!r}.")
-        for name in ("memory_review", "use_cell_residual", "use_rotary", "is_causal"):
+        for name in ("memory_review", "use_cell_residual", "use_rotary", "is_causal", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         for name in ("residual_stream", "cell_input_residual"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool or None, got {getattr(self, name)!r}.")
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"`hidden_act` must be the name of a Transformers activation ({', '.join(sorted(ACT2FN))}), "
+                f"got {self.hidden_act!r}."
+            )
+        if self.initializer_range < 0:
+            raise ValueError(f"`initializer_range` (a standard deviation) must be >= 0, got {self.initializer_range}.")
+        self._validate_token_ids()
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -194,6 +281,22 @@ class RANConfig(PreTrainedConfig):
     @property
     def uses_cell_input_residual(self) -> bool:
         return not self.is_causal if self.cell_input_residual is None else self.cell_input_residual
+
+    def _validate_token_ids(self):
+        """Special token ids must be ids of the vocabulary (None: no such token)."""
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            ids = value if name == "eos_token_id" and isinstance(value, list | tuple) else [value]
+            for token_id in ids:
+                if token_id is None and not isinstance(value, list | tuple):
+                    continue
+                if isinstance(token_id, bool) or not isinstance(token_id, int):
+                    raise ValueError(f"`{name}` must be an int or None, got {value!r}.")
+                if not 0 <= token_id < self.vocab_size:
+                    raise ValueError(
+                        f"`{name}` ({token_id}) is outside the vocabulary [0, {self.vocab_size - 1}] "
+                        f"(`vocab_size={self.vocab_size}`)."
+                    )
 
     @property
     def max_window_length(self) -> int:

@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -45,10 +44,14 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+from transformers.utils import logging
 
 from .configuration_ran import RANConfig
+from .folders import normal_permissions, recover_interrupted, replace_folder, staging_folder
 from .modeling_ran import RANForMaskedLM
 from .tf_checkpoint import TFCheckpointReader
+
+logger = logging.get_logger(__name__)
 
 __all__ = ["RANNET_CONFIG_KEYS", "build_rannet_tokenizer", "convert_rannet_checkpoint", "rannet_config_to_ran_config"]
 
@@ -478,8 +481,9 @@ def convert_rannet_checkpoint(
     """Convert the official RAN checkpoint in `rannet_dir` into a Transformers folder at `output_dir`.
 
     Everything is read and checked before anything is written; the folder is written next to `output_dir` under a
-    temporary name and moved into place at the end, so a failed conversion leaves no partial folder. An existing,
-    non-empty `output_dir` is replaced only with `overwrite=True`.
+    temporary name and moved into place at the end, so a failed conversion leaves no partial folder (and what a killed
+    one left beside `output_dir` is cleaned up by the next run). An existing, non-empty `output_dir` is replaced only
+    with `overwrite=True`; an `output_dir` that is `rannet_dir`, contains it or lies inside it is always refused.
 
     Args:
         rannet_dir: folder with `config.json`, `vocab.txt` and a TensorFlow checkpoint (`model.ckpt.index` and
@@ -493,8 +497,9 @@ def convert_rannet_checkpoint(
     Raises:
         FileNotFoundError: a folder or file is missing.
         FileExistsError: `output_dir` exists, is not empty, and `overwrite` is False.
-        ValueError: the config, vocabulary or checkpoint is not an official RAN checkpoint or disagrees with itself
-            (the message names the file and the key or variable).
+        ValueError: `output_dir` is, contains or lies inside `rannet_dir`; or the config, vocabulary or checkpoint is
+            not an official RAN checkpoint or disagrees with itself (the message names the file and the key or
+            variable).
     """
     rannet_dir, output_dir = Path(rannet_dir), Path(output_dir)
     if not rannet_dir.is_dir():
@@ -503,6 +508,10 @@ def convert_rannet_checkpoint(
     for path in (config_path, vocab_path):
         if not path.is_file():
             raise FileNotFoundError(f"{path.name} not found in {rannet_dir}")
+    check_apart(rannet_dir, output_dir)
+    target = Path(os.path.abspath(output_dir))  # a name to stage beside, even for "."
+    for note in recover_interrupted(target):
+        logger.warning(f"Before converting: {note}.")
     if output_dir.exists() and not (output_dir.is_dir() and not any(output_dir.iterdir())) and not overwrite:
         raise FileExistsError(f"{output_dir} exists and is not empty; pass overwrite=True to replace it")
 
@@ -524,26 +533,35 @@ def convert_rannet_checkpoint(
     tokenizer = build_rannet_tokenizer(vocab_path)
     source_files = [config_path, vocab_path] + sorted(Path(prefix).parent.glob(Path(prefix).name + ".*"))
 
-    # 2. Write next to the destination, then move into place.
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.converting-", dir=output_dir.parent))
+    # 2. Write next to the destination, then move into place (an existing folder, empty or replaced on request, is
+    # set aside until the new one is in place).
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(target, "converting")
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / "README.md").write_text(model_card(config, rannet_dir, source_files), encoding="utf-8")
-        if output_dir.exists():  # empty, or replaced on request: set it aside until the new folder is in place
-            previous = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.previous-", dir=output_dir.parent))
-            os.replace(output_dir, previous / output_dir.name)
-            try:
-                os.replace(staging, output_dir)
-            except OSError:
-                os.replace(previous / output_dir.name, output_dir)  # put the old folder back
-                previous.rmdir()
-                raise
-            shutil.rmtree(previous)
-        else:
-            os.replace(staging, output_dir)
+        normal_permissions(staging)
+        replace_folder(staging, target)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
     return output_dir
+
+
+def check_apart(rannet_dir: Path, output_dir: Path) -> None:
+    """Refuse an output folder that is the source, contains it or lies inside it: replacing it would delete the
+    official checkpoint, and writing into it would mix the two."""
+    source, output = rannet_dir.resolve(), output_dir.resolve()
+    if output == source:
+        relation = "is the RAN checkpoint folder"
+    elif output in source.parents:
+        relation = f"contains the RAN checkpoint folder {rannet_dir}"
+    elif source in output.parents:
+        relation = f"lies inside the RAN checkpoint folder {rannet_dir}"
+    else:
+        return
+    raise ValueError(
+        f"The output folder {output_dir} {relation}: converting there would replace or mix with the checkpoint being "
+        "read. Choose an output folder outside it."
+    )

@@ -8,7 +8,8 @@ Formats, chosen by the file name:
 * CoNLL (`read_conll`): one token per line, whitespace-separated columns (token first, tag last), a blank line between
   sentences, `-DOCSTART-` lines ignored: CoNLL-2003's four columns, or two.
 
-Every reader raises `ValueError` naming the file (and line) for an empty file or a malformed line. Labels go through
+Every reader raises `ValueError` naming the file (and line) for an empty file, a malformed line, bytes that are not
+UTF-8, or (with `text_columns`) a text that is null, empty or blank. Labels go through
 `ClassificationLabels.from_splits` / `TagLabels.from_splits`, which reject missing, mixed or unseen labels.
 """
 
@@ -16,7 +17,8 @@ import csv
 import gzip
 import io
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -34,6 +36,29 @@ def open_text(path: str | Path) -> io.TextIOBase:
     return path.open(encoding="utf-8", newline="")
 
 
+def read_lines(path: str | Path) -> Iterator[str]:
+    """The lines of a UTF-8 text file (un-gzipping `*.gz`), line endings kept, a leading byte-order mark dropped.
+
+    Lines are decoded one at a time, so bytes that are not UTF-8 are reported with their line, which a text stream
+    (decoding blocks of several kilobytes) cannot do.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist or is not a file.")
+    with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{path}, line {line_number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at column "
+                    f"{error.start + 1}). Convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`."
+                ) from None
+            if line_number == 1 and line.startswith("\ufeff"):
+                line = line[1:]
+            yield line
+
+
 def file_format(path: str | Path) -> str:
     """ "jsonl", "csv", "tsv" or "text", from the file name (a trailing `.gz` is ignored)."""
     suffixes = Path(path).suffixes
@@ -43,51 +68,109 @@ def file_format(path: str | Path) -> str:
     return {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}.get(suffix, "text")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """One JSON object per non-blank line."""
+def check_text(value, where: str, column: str) -> None:
+    """A document's text must be a string with something besides whitespace in it."""
+    if isinstance(value, str) and value.strip():
+        return
+    if value is None:
+        kind = "null"
+    elif isinstance(value, str):
+        kind = "an empty string" if not value else "only whitespace"
+    else:
+        kind = f"{type(value).__name__} {value!r}, not text"
+    raise ValueError(f"{where}: column {column!r} holds {kind}. Every example needs a text; remove or fix it.")
+
+
+def read_jsonl(path: str | Path, text_columns: Iterable[str] = ()) -> list[dict]:
+    """One JSON object per non-blank line; the `text_columns` it holds must be non-blank strings."""
+    text_columns = tuple(text_columns)
     records = []
-    with open_text(path) as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg}).") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}, line {line_number}: expected a JSON object, got {type(record).__name__}.")
-            records.append(record)
+    for line_number, line in enumerate(read_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg}).") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}, line {line_number}: expected a JSON object, got {type(record).__name__}.")
+        for column in text_columns:
+            if column in record:
+                check_text(record[column], f"{path}, line {line_number}", column)
+        records.append(record)
     return records
 
 
-def read_delimited(path: str | Path, delimiter: str) -> list[dict]:
-    """A CSV or TSV file whose first row names the columns."""
-    with open_text(path) as handle:
-        reader = csv.DictReader(handle, delimiter=delimiter)
-        records = []
-        for record in reader:
-            if None in record or None in record.values():
+class _LineCounter:
+    """Feeds lines to `csv.reader` and counts them, so that a record's first line is known even when a quoted field
+    spans several lines."""
+
+    def __init__(self, lines: Iterator[str]):
+        self.lines, self.line_number = lines, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        line = next(self.lines)
+        self.line_number += 1
+        return line
+
+
+def read_delimited(path: str | Path, delimiter: str, text_columns: Iterable[str] = ()) -> list[dict]:
+    """A CSV or TSV file whose first row names the columns; the `text_columns` it has must not be blank.
+
+    Quoting is strict (a quote left open or text after a closing quote is an error, reported at the line where the
+    record starts), and fields may be as long as a document is.
+    """
+    text_columns = tuple(text_columns)
+    lines = _LineCounter(read_lines(path))
+    reader = csv.reader(lines, delimiter=delimiter, strict=True)
+    limit = csv.field_size_limit()
+    csv.field_size_limit(sys.maxsize)  # the default, 128 KB, is shorter than many long documents
+    try:
+        header, records = None, []
+        while True:
+            start = lines.line_number + 1
+            try:
+                row = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as error:
+                kind = "CSV" if delimiter == "," else "TSV"
+                raise ValueError(f"{path}, line {start}: not valid {kind} ({error}).") from None
+            if not row:
+                continue  # a blank line
+            if header is None:
+                header = row
+                continue
+            if len(row) != len(header):
                 raise ValueError(
-                    f"{path}, line {reader.line_num}: {len(reader.fieldnames)} columns in the header "
-                    f"{reader.fieldnames}, a different number in this row."
+                    f"{path}, line {start}: {len(header)} columns in the header {header}, {len(row)} in this row."
                 )
+            record = dict(zip(header, row))
+            for column in text_columns:
+                if column in record:
+                    check_text(record[column], f"{path}, line {start}", column)
             records.append(record)
+    finally:
+        csv.field_size_limit(limit)
     return records
 
 
 def read_text(path: str | Path) -> list[dict]:
     """Plain text: every non-blank line is one record `{"text": line}`."""
-    with open_text(path) as handle:
-        return [{"text": line.strip()} for line in handle if line.strip()]
+    return [{"text": line.strip()} for line in read_lines(path) if line.strip()]
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """The records of a jsonl / csv / tsv / text file (see the module docstring); an empty file is an error."""
+def read_records(path: str | Path, text_columns: Iterable[str] = ()) -> list[dict]:
+    """The records of a jsonl / csv / tsv / text file (see the module docstring); an empty file is an error, and so
+    is a null, empty or blank value in one of `text_columns`."""
     kind = file_format(path)
     if kind == "jsonl":
-        records = read_jsonl(path)
+        records = read_jsonl(path, text_columns)
     elif kind in ("csv", "tsv"):
-        records = read_delimited(path, "," if kind == "csv" else "\t")
+        records = read_delimited(path, "," if kind == "csv" else "\t", text_columns)
     else:
         records = read_text(path)
     if not records:
@@ -104,29 +187,28 @@ def read_conll(path: str | Path) -> list[dict]:
     """
     sentences, tokens, tags = [], [], []
     num_columns = None
-    with open_text(path) as handle:
-        for line_number, line in enumerate(handle, start=1):
-            columns = line.split()
-            if not columns:
-                if tokens:
-                    sentences.append({"tokens": tokens, "ner_tags": tags})
-                    tokens, tags = [], []
-                continue
-            if columns[0] == DOCSTART:
-                continue
-            if num_columns is None:
-                if len(columns) < 2:
-                    raise ValueError(
-                        f"{path}, line {line_number}: a CoNLL line needs a token and a tag, got {line.strip()!r}."
-                    )
-                num_columns = len(columns)
-            elif len(columns) != num_columns:
+    for line_number, line in enumerate(read_lines(path), start=1):
+        columns = line.split()
+        if not columns:
+            if tokens:
+                sentences.append({"tokens": tokens, "ner_tags": tags})
+                tokens, tags = [], []
+            continue
+        if columns[0] == DOCSTART:
+            continue
+        if num_columns is None:
+            if len(columns) < 2:
                 raise ValueError(
-                    f"{path}, line {line_number}: {len(columns)} columns, but the file started with {num_columns} "
-                    f"(token ... tag): {line.strip()!r}."
+                    f"{path}, line {line_number}: a CoNLL line needs a token and a tag, got {line.strip()!r}."
                 )
-            tokens.append(columns[0])
-            tags.append(columns[-1])
+            num_columns = len(columns)
+        elif len(columns) != num_columns:
+            raise ValueError(
+                f"{path}, line {line_number}: {len(columns)} columns, but the file started with {num_columns} "
+                f"(token ... tag): {line.strip()!r}."
+            )
+        tokens.append(columns[0])
+        tags.append(columns[-1])
     if tokens:
         sentences.append({"tokens": tokens, "ner_tags": tags})
     if not sentences:
@@ -294,11 +376,13 @@ __all__ = [
     "ClassificationLabels",
     "TagLabels",
     "check_columns",
+    "check_text",
     "file_format",
     "open_text",
     "read_conll",
     "read_delimited",
     "read_jsonl",
+    "read_lines",
     "read_records",
     "read_text",
 ]

@@ -695,8 +695,9 @@ def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embe
             raise ValueError(
                 f"`input_ids` must have shape (batch_size, sequence_length), got {tuple(input_ids.shape)}."
             )
-        if input_ids.is_floating_point():
-            raise ValueError(f"`input_ids` must hold integer token ids, got dtype {input_ids.dtype}.")
+        if input_ids.dtype not in (torch.long, torch.int):
+            # The embedding takes int64 / int32 only: name the dtype instead of failing inside it.
+            raise ValueError(f"`input_ids` must hold integer token ids (int64 or int32), got dtype {input_ids.dtype}.")
         shape = tuple(input_ids.shape)
         if input_ids.numel() > 0:
             low, high = int(input_ids.min()), int(input_ids.max())
@@ -712,6 +713,11 @@ def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embe
                 f"got {tuple(inputs_embeds.shape)}."
             )
         shape = tuple(inputs_embeds.shape[:2])
+        if not torch.isfinite(inputs_embeds).all():
+            # One NaN spreads through the window attention and the cells to every later token of its sequence.
+            raise ValueError("`inputs_embeds` holds NaN or infinite values.")
+    if shape[0] == 0:
+        raise ValueError("Got a batch of 0 sequences: RAN needs at least one sequence.")
     if shape[1] == 0:
         raise ValueError("Got sequences of length 0: RAN needs at least one token per batch.")
     if attention_mask is not None and tuple(attention_mask.shape) not in (
@@ -723,6 +729,15 @@ def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embe
             + (f" or of the whole text so far {(shape[0], past_positions + shape[1])}" if past_positions else "")
             + f", got {tuple(attention_mask.shape)}."
         )
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        # Anything but 0/1 is read as "real token" where nonzero: an additive mask (0 / -10000) would be inverted.
+        not_binary = (attention_mask != 0) & (attention_mask != 1)
+        if not_binary.any():
+            value = attention_mask[not_binary][0].item()
+            raise ValueError(
+                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got {value}. An additive mask "
+                "(0 for tokens, a large negative number for padding) must be turned into 0/1 first: `(mask == 0)`."
+            )
 
 
 class RANModel(RANPreTrainedModel):
@@ -851,6 +866,12 @@ def ignore_padding(labels: torch.Tensor, attention_mask: torch.Tensor | None) ->
     return labels.masked_fill(~attention_mask.bool().to(labels.device), -100)
 
 
+def loss_of_nothing(logits: torch.Tensor) -> torch.Tensor:
+    """The loss of a batch with no label to score (all -100, or only padding): 0 instead of the NaN a mean over no
+    element gives, still attached to the graph so that `backward()` runs."""
+    return logits.new_zeros(()) + logits.sum() * 0.0  # + 0.0: never a negative zero
+
+
 def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: int, name: str) -> None:
     if tuple(labels.shape) != batch_shape:
         raise ValueError(f"`labels` must have shape {batch_shape} (one {name} per token), got {tuple(labels.shape)}.")
@@ -921,7 +942,10 @@ class RANForMaskedLM(RANLanguageModelBase):
         loss = None
         if labels is not None:
             labels = ignore_padding(labels, attention_mask)
-            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+            if (labels == -100).all():
+                loss = loss_of_nothing(logits)
+            else:
+                loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
 
@@ -965,12 +989,19 @@ class RANForSequenceClassification(RANPreTrainedModel):
                     f"got {tuple(labels.shape)}."
                 )
             labels = labels.float()
+            if not ((labels >= 0) & (labels <= 1)).all():  # NaN fails too
+                outside = labels[~((labels >= 0) & (labels <= 1))][0].item()
+                raise ValueError(
+                    f"Multi-label classification needs targets in [0, 1] (1: the class applies), got {outside}."
+                )
         else:
             if labels.numel() != batch_size * num_labels:
                 raise ValueError(
                     f"Regression needs {num_labels} target(s) per example, got labels of shape {tuple(labels.shape)}."
                 )
             labels = labels.float()
+            if not torch.isfinite(labels).all():
+                raise ValueError("Regression targets hold NaN or infinite values.")
         return labels
 
     @can_return_tuple
@@ -1005,7 +1036,11 @@ class RANForSequenceClassification(RANPreTrainedModel):
                 # Rows that hold only padding carry no document: leave them out of the loss.
                 has_tokens = attention_mask.bool().any(-1).to(logits.device)
                 loss_logits, labels = logits[has_tokens], labels.to(logits.device)[has_tokens]
-            loss = self.loss_function(labels=labels, pooled_logits=loss_logits, config=self.config, **kwargs)
+            single_label = labels.dim() == 1 and not labels.is_floating_point() and self.num_labels > 1
+            if loss_logits.shape[0] == 0 or (single_label and (labels == -100).all()):
+                loss = loss_of_nothing(logits)
+            else:
+                loss = self.loss_function(labels=labels, pooled_logits=loss_logits, config=self.config, **kwargs)
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
 
@@ -1044,7 +1079,10 @@ class RANForTokenClassification(RANPreTrainedModel):
         loss = None
         if labels is not None:
             labels = ignore_padding(labels, attention_mask)
-            loss = self.loss_function(logits, labels, self.config, **kwargs)
+            if (labels == -100).all():
+                loss = loss_of_nothing(logits)
+            else:
+                loss = self.loss_function(logits, labels, self.config, **kwargs)
         return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
 
@@ -1087,6 +1125,11 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
             batch_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
             check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
+            if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+                raise ValueError(
+                    "`labels` are scored at every position, but `logits_to_keep` keeps only some logits: pass "
+                    "`logits_to_keep=0` (the default) with `labels`."
+                )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1103,7 +1146,12 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         loss = None
         if labels is not None:
             labels = ignore_padding(labels, attention_mask)
-            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+            # Position t predicts token t + 1, so the first label is never scored.
+            scored = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[:, 1:]
+            if (scored == -100).all():
+                loss = loss_of_nothing(logits)
+            else:
+                loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
         )

@@ -7,9 +7,9 @@ A checkpoint with prefix `P` is a set of files:
   shards, endianness).
 * `P.data-SSSSS-of-NNNNN`: the raw tensor bytes of each shard, row-major, in the byte order the header names.
 
-TensorFlow writes the index uncompressed; this reader checks the index's block checksums, as TensorFlow does. Tensor
-bytes carry a CRC32C too, which is not checked here (in pure Python it would take minutes for a base-size model);
-their sizes are.
+TensorFlow writes the index uncompressed; this reader checks the index's block checksums and every tensor's CRC32C
+(stored in its index entry), as TensorFlow does, so that a damaged data file is an error naming the tensor rather
+than wrong weights. The CRC32C is computed with NumPy over many slices of the bytes at once (about 0.6 s per 100 MB).
 
 Numeric tensors are read, whole or saved in slices (as TensorFlow's sharding policies save large tensors). Strings
 (such as the `_CHECKPOINTABLE_OBJECT_GRAPH` entry of object-based checkpoints) are listed but cannot be read.
@@ -146,7 +146,7 @@ def _slice_key(name: str, extents: tuple[tuple[int, int | None], ...]) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# CRC32C (Castagnoli), for the checksums of index blocks
+# CRC32C (Castagnoli), for the checksums of index blocks and tensors
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -161,13 +161,83 @@ def _crc32c_table() -> list[int]:
 
 
 _CRC32C_TABLE = _crc32c_table()
+_CRC32C_TABLE_NP = np.array(_CRC32C_TABLE, dtype=np.uint32)
+_SMALL_INPUT = 4096  # below this many bytes the byte-by-byte loop is fast enough
+_MAX_LANES = 1 << 16
+
+# The CRC register is linear over GF(2): a "zero bytes" operator (what feeding N zero bytes does to the register) is
+# a 32 x 32 bit matrix, kept as the images of the 32 register bits.
+_ONE_ZERO_BYTE = [_CRC32C_TABLE[(1 << bit) & 0xFF] ^ ((1 << bit) >> 8) for bit in range(32)]
 
 
-def _crc32c(data: bytes) -> int:
+def _apply_operator(operator: list[int], register: int) -> int:
+    result, bit = 0, 0
+    while register:
+        if register & 1:
+            result ^= operator[bit]
+        register >>= 1
+        bit += 1
+    return result
+
+
+def _compose(outer: list[int], inner: list[int]) -> list[int]:
+    return [_apply_operator(outer, image) for image in inner]
+
+
+def _zero_bytes_operator(count: int) -> list[int]:
+    result, power = [1 << bit for bit in range(32)], _ONE_ZERO_BYTE
+    while count:
+        if count & 1:
+            result = _compose(power, result)
+        power = _compose(power, power)
+        count >>= 1
+    return result
+
+
+def _apply_operator_np(operator: list[int], registers: np.ndarray) -> np.ndarray:
+    """`operator` applied to every register of a uint32 array, through one 256-entry table per register byte."""
+    images, values = np.array(operator, dtype=np.uint32), np.arange(256, dtype=np.uint32)
+    result = np.zeros_like(registers)
+    for byte in range(4):
+        table = np.zeros(256, dtype=np.uint32)
+        for bit in range(8):
+            table ^= np.where((values >> bit) & 1, images[8 * byte + bit], np.uint32(0)).astype(np.uint32)
+        result ^= table[(registers >> np.uint32(8 * byte)) & 0xFF]
+    return result
+
+
+def _crc32c_python(data: bytes) -> int:
     crc = 0xFFFFFFFF
     for byte in data:
         crc = _CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
     return crc ^ 0xFFFFFFFF
+
+
+def _crc32c(data: bytes) -> int:
+    """CRC32C of `data`. Large inputs are cut into up to 65536 equal slices whose registers advance together, one
+    NumPy step per byte position; the slices' registers are then merged pairwise with zero-bytes operators."""
+    size = len(data)
+    if size < _SMALL_INPUT:
+        return _crc32c_python(data)
+    lanes = min(_MAX_LANES, size // 256)
+    length = -(-size // lanes)
+    # Leading zero bytes leave a zero register unchanged, so the input is padded at the front; the initial register
+    # 0xFFFFFFFF is the same as complementing the first four bytes and starting from zero.
+    padded = np.zeros(lanes * length, dtype=np.uint8)
+    start = lanes * length - size
+    padded[start:] = np.frombuffer(data, dtype=np.uint8)
+    padded[start : start + 4] ^= 0xFF
+    columns = np.ascontiguousarray(padded.reshape(lanes, length).T)
+    registers = np.zeros(lanes, dtype=np.uint32)
+    for column in columns:
+        registers = _CRC32C_TABLE_NP[(registers ^ column) & 0xFF] ^ (registers >> np.uint32(8))
+    operator = _zero_bytes_operator(length)  # advances a register past one slice
+    while len(registers) > 1:
+        if len(registers) % 2:
+            registers = np.concatenate([np.zeros(1, dtype=np.uint32), registers])  # a leading all-zero slice
+        registers = _apply_operator_np(operator, registers[0::2]) ^ registers[1::2]
+        operator = _compose(operator, operator)
+    return int(registers[0]) ^ 0xFFFFFFFF
 
 
 def _unmask_crc(masked: int) -> int:
@@ -282,6 +352,7 @@ class TFCheckpointEntry:
     offset: int
     size: int
     slices: tuple  # ((start, length or None) per axis) for each saved slice; empty for a tensor saved whole
+    masked_crc32c: int = 0  # the CRC32C of the bytes, masked as LevelDB masks it (proto3: absent means 0)
 
 
 def _parse_entry(name: str, value: bytes, path: str) -> TFCheckpointEntry:
@@ -303,6 +374,7 @@ def _parse_entry(name: str, value: bytes, path: str) -> TFCheckpointEntry:
         offset=fields.get(4, [0])[-1],
         size=fields.get(5, [0])[-1],
         slices=tuple(_parse_slice(raw) for raw in fields.get(7, [])),
+        masked_crc32c=fields.get(6, [0])[-1],
     )
 
 
@@ -316,10 +388,14 @@ def _parse_slice(raw: bytes) -> tuple[tuple[int, int | None], ...]:
 
 
 class TFCheckpointReader:
-    """List and read the tensors of a TensorFlow V2 checkpoint, given its prefix (e.g. `folder/model.ckpt`)."""
+    """List and read the tensors of a TensorFlow V2 checkpoint, given its prefix (e.g. `folder/model.ckpt`).
 
-    def __init__(self, prefix: str | os.PathLike):
+    Every tensor read is checked against the CRC32C its index entry holds (`verify_checksums=False` skips that).
+    """
+
+    def __init__(self, prefix: str | os.PathLike, verify_checksums: bool = True):
         self.prefix = os.fspath(prefix)
+        self.verify_checksums = verify_checksums
         self.index_path = self.prefix + ".index"
         if not os.path.isfile(self.index_path):
             raise FileNotFoundError(f"TensorFlow checkpoint index not found: {self.index_path}")
@@ -394,6 +470,13 @@ class TFCheckpointReader:
             data = file.read(entry.size)
         if len(data) != entry.size:
             raise CheckpointFormatError(f"{path}: tensor {name!r} runs past the end of the file (truncated data?)")
+        if self.verify_checksums:
+            expected, found = _unmask_crc(entry.masked_crc32c), _crc32c(data)
+            if found != expected:
+                raise CheckpointFormatError(
+                    f"{path}: tensor {name!r} fails its checksum (CRC32C {found:#010x}, the index says "
+                    f"{expected:#010x}): the data file is damaged"
+                )
         array = np.frombuffer(data, dtype=dtype, count=count).reshape(entry.shape)
         if entry.dtype == "bfloat16":
             return (array.astype(np.uint32) << 16).view(np.float32)
