@@ -1,0 +1,261 @@
+"""Can a RAN learn to carry a token? Key retrieval in, across one and across eight window boundaries.
+
+Each example is random filler tokens with one `KEY` token followed by a key digit (10 classes); the last token asks
+for the digit. Where the key lies decides the task: in the question's own window (`in-window`), in the window before
+it (`across-1`), or eight windows before it (`across-8`). Tiny models (hidden 64, 2 layers, 4 heads, window 64) are
+trained from scratch with AdamW, batch 16, gradient clipping 1.0 and evaluated on 256 held-out examples every
+`--eval_every` steps; a run stops early once it is at 99% twice in a row.
+
+Models: a GPT-2 of the same size, the causal RAN as it is now, and the designs that led to it, each one config field
+away (`residual_stream`, `cell_input_residual`), so the table says what each change is worth:
+
+    python scripts/diagnose_memory.py                       # about 15 minutes on 2 CPU cores
+    python scripts/diagnose_memory.py --tasks in-window --models ran gpt2 --seeds 0
+
+Writes benchmarks/memory_diagnosis.{json,md,png}.
+"""
+
+import argparse
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from benchmark_utils import machine_info, machine_line
+from ran_hf import RANConfig, RANForCausalLM
+
+VOCAB_SIZE = 64
+KEY, QUESTION, FIRST_DIGIT, FIRST_FILLER = 1, 2, 3, 13  # 0 is padding; digits are 3..12; filler 13..63
+WINDOW = 64
+
+# name -> the RAN fields that differ from the causal defaults (None: GPT-2)
+MODELS = {
+    "ran": {},
+    "ran-official-layer": {"residual_stream": False, "cell_input_residual": True},
+    "ran-residual-stream-only": {"cell_input_residual": True},
+    "ran-cell-write-only": {"residual_stream": False},
+    "ran-no-memory-review": {"memory_review": False},
+    "gpt2": None,
+}
+
+# name -> (sequence length, range of the KEY token's position); the question is always the last token.
+TASKS = {
+    "in-window": (128, (WINDOW + 6, 2 * WINDOW - 8)),
+    "across-1": (128, (10, WINDOW - 14)),
+    "across-8": (9 * WINDOW, (10, WINDOW - 14)),
+}
+
+
+@dataclass
+class RunResult:
+    task: str
+    model: str
+    seed: int
+    steps: int
+    accuracy: float
+    steps_to_99: int | None
+    history: list
+    seconds: float
+
+
+def make_batch(generator: torch.Generator, batch_size: int, length: int, key_range: tuple[int, int]):
+    ids = torch.randint(FIRST_FILLER, VOCAB_SIZE, (batch_size, length), generator=generator)
+    digits = torch.randint(0, 10, (batch_size,), generator=generator)
+    positions = torch.randint(key_range[0], key_range[1], (batch_size,), generator=generator)
+    rows = torch.arange(batch_size)
+    ids[rows, positions] = KEY
+    ids[rows, positions + 1] = FIRST_DIGIT + digits
+    ids[:, -1] = QUESTION
+    return ids, FIRST_DIGIT + digits
+
+
+def build_model(name: str, max_length: int) -> torch.nn.Module:
+    fields = MODELS[name]
+    if fields is None:
+        config = GPT2Config(
+            vocab_size=VOCAB_SIZE, n_positions=max_length, n_embd=64, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
+    config = RANConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+        window_size=WINDOW, min_window_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        is_causal=True, **fields,
+    )  # fmt: skip
+    return RANForCausalLM(config)
+
+
+@torch.no_grad()
+def accuracy(model, length: int, key_range, examples: int = 256) -> float:
+    model.eval()
+    ids, answers = make_batch(torch.Generator().manual_seed(10_000), examples, length, key_range)
+    correct = sum(
+        (model(ids[i : i + 64]).logits[:, -1].argmax(-1) == answers[i : i + 64]).sum().item()
+        for i in range(0, examples, 64)
+    )
+    model.train()
+    return correct / examples
+
+
+def train_once(task: str, model_name: str, seed: int, args) -> RunResult:
+    torch.set_num_threads(args.threads)
+    length, key_range = TASKS[task]
+    max_steps = args.in_window_steps if task == "in-window" else args.across_steps
+    torch.manual_seed(seed)
+    model = build_model(model_name, length)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(seed + 1)
+    history, steps_to_99, above, start = [], None, 0, time.perf_counter()
+    progress = tqdm(range(1, max_steps + 1), desc=f"{task} {model_name} s{seed}", leave=False, disable=args.jobs > 1)
+    for step in progress:
+        ids, answers = make_batch(generator, args.batch_size, length, key_range)
+        loss = F.cross_entropy(model(ids).logits[:, -1], answers)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % args.eval_every == 0 or step == max_steps:
+            score = accuracy(model, length, key_range)
+            history.append([step, round(loss.item(), 4), score])
+            progress.set_postfix(loss=f"{loss.item():.3f}", acc=f"{score:.3f}")
+            above = above + 1 if score >= 0.99 else 0
+            if score >= 0.99 and steps_to_99 is None:
+                steps_to_99 = step
+            if above == 2:
+                break
+    return RunResult(task, model_name, seed, step, history[-1][2], steps_to_99, history, time.perf_counter() - start)
+
+
+def summarize(results: list[RunResult]) -> list[dict]:
+    rows = []
+    for task in TASKS:
+        for model in MODELS:
+            runs = [r for r in results if r.task == task and r.model == model]
+            if not runs:
+                continue
+            reached = [r.steps_to_99 for r in runs if r.steps_to_99 is not None]
+            rows.append(
+                {
+                    "task": task,
+                    "model": model,
+                    "seeds": len(runs),
+                    "accuracy": [r.accuracy for r in runs],
+                    "reached_99": f"{len(reached)}/{len(runs)}",
+                    "steps_to_99": reached,
+                    "max_steps": max(r.steps for r in runs) if not reached else None,
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict], info: dict, args) -> str:
+    lines = [
+        f"Machine: {machine_line(info)}",
+        "",
+        f"Key retrieval, batch {args.batch_size}, lr {args.learning_rate}; at most {args.in_window_steps} steps "
+        f"in-window and {args.across_steps} across windows; final accuracy per seed, and the step at which each "
+        "seed first reached 99%.",
+        "",
+        "| task | model | final accuracy per seed | seeds at 99% | steps to 99% |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        accuracies = ", ".join(f"{100 * a:.1f}" for a in row["accuracy"])
+        steps = ", ".join(map(str, row["steps_to_99"])) or "-"
+        lines.append(f"| {row['task']} | {row['model']} | {accuracies} | {row['reached_99']} | {steps} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[RunResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [task for task in TASKS if any(r.task == task for r in results)]
+    figure, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
+    colors = {name: f"C{i}" for i, name in enumerate(MODELS)}
+    for axis, task in zip(axes[0], tasks):
+        for r in (r for r in results if r.task == task):
+            steps, _, scores = zip(*r.history)
+            label = r.model if r.seed == min(x.seed for x in results if x.model == r.model) else None
+            axis.plot(steps, scores, color=colors[r.model], alpha=0.8, label=label)
+        axis.set_title(task)
+        axis.set_xlabel("training step")
+        axis.set_ylim(0, 1.02)
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel("retrieval accuracy")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def default_models(task: str) -> list[str]:
+    # Eight windows cost 4.5 times the tokens: only the model as it is and the GPT-2 reference run there.
+    return ["ran", "gpt2"] if task == "across-8" else list(MODELS)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all (ran and gpt2 on across-8)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--in_window_steps", type=int, default=500)
+    parser.add_argument("--across_steps", type=int, default=2000)
+    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--jobs", type=int, default=2, help="runs trained at the same time, one process each")
+    parser.add_argument("--threads", type=int, default=1, help="threads per run")
+    parser.add_argument("--output", default="benchmarks/memory_diagnosis", help="path prefix of .json/.md/.png")
+    args = parser.parse_args(argv)
+    if args.learning_rate <= 0 or args.batch_size < 1 or args.eval_every < 1:
+        parser.error("--learning_rate, --batch_size and --eval_every must be positive")
+    if args.jobs < 1 or args.threads < 1:
+        parser.error("--jobs and --threads must be >= 1")
+    if args.in_window_steps < 1 or args.across_steps < 1:
+        parser.error("--in_window_steps and --across_steps must be >= 1")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    info = machine_info()
+    print(machine_line(info))
+    plan = [
+        (task, model, seed)
+        for task in sorted(args.tasks, key=lambda task: -TASKS[task][0])  # longest first: the pool ends sooner
+        for model in (args.models or default_models(task))
+        for seed in args.seeds
+    ]
+    results = []
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(train_once, task, model, seed, args) for task, model, seed in plan]
+        for future in tqdm(futures, desc="runs"):
+            result = future.result()
+            results.append(result)
+            tqdm.write(
+                f"{result.task:10s} {result.model:26s} seed {result.seed}: accuracy {result.accuracy:.3f} after "
+                f"{result.steps} steps ({result.seconds:.0f} s)"
+            )
+    rows = summarize(results)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"machine_info": info, "arguments": vars(args), "results": rows, "runs": [r.__dict__ for r in results]}
+    output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    table = markdown(rows, info, args)
+    output.with_suffix(".md").write_text(table)
+    plot(results, output.with_suffix(".png"))
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
