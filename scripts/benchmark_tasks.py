@@ -450,9 +450,12 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
 
     tagging = task["problem_type"] == "token_classification"
     if task_name == "lm":
-        config = ran_config(args, task, "ran", args.lm_window_size)
+        official = name == "ran-causal-official"
+        # The official causal model is built from the official (post-norm) layer.
+        layer_fields = {"residual_stream": False, "cell_input_residual": True} if official else {}
+        config = ran_config(args, task, "ran", args.lm_window_size, **layer_fields)
         model = RANForCausalLM(config)
-        if name == "ran-causal-official":
+        if official:
             for layer in model.model.layers:
                 layer.scan_cells = official_causal_scan.__get__(layer)
                 # A cell that reads only itself stays exactly zero from a zero start, where the normalisations'

@@ -82,7 +82,8 @@ def first_window_influence(model_name: str) -> float:
 def test_official_causal_design_carries_nothing_across_windows():
     """The official design's cell reads only itself (exactly no influence); ours carries the first window along."""
     assert first_window_influence("ran-causal-official") == 0.0
-    assert first_window_influence("ran-causal") > 1e-3
+    # At initialisation the cells reach later tokens as small branches on the residual stream: ~1e-3, not 0.
+    assert first_window_influence("ran-causal") > 1e-4
 
 
 @pytest.mark.parametrize("name", ["ran-causal", "ran-causal-official"])
