@@ -85,17 +85,23 @@ def memory_review(layer, outputs, cells, token_windows, initial_cell, config, ca
     eps = config.layer_norm_eps
     act = F.silu if config.hidden_act == "silu" else getattr(F, config.hidden_act)
     review = layer.memory_review
-    if causal:
+    sink = causal and config.uses_review_initial_cell
+    if sink:
         cells = torch.cat([initial_cell[None], cells])
     residual = config.uses_residual_stream
-    q = act(linear(layer_norm(outputs, review.norm, eps) if residual else outputs, review.q_proj))
-    kv = act(linear(cells, review.kv_proj))
-    k, v = kv.chunk(2, -1)
-    scores = q @ k.T / math.sqrt(q.shape[-1])  # (n, m)
-    if causal:  # a token of window i reads the initial cell and the cells of windows < i
-        allowed = torch.arange(cells.shape[0])[None, :] <= torch.tensor(token_windows)[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    out = act(linear(scores.softmax(-1) @ v, review.o_proj)) + glu(q, review.glu)
+    q_linear = linear(layer_norm(outputs, review.norm, eps) if residual else outputs, review.q_proj)
+    k_linear, v_linear = linear(cells, review.kv_proj).chunk(2, -1)
+    q, v = act(q_linear), act(v_linear)
+    if config.uses_review_qk_norm:  # scaled cosine of the un-activated projections
+        scores = F.normalize(q_linear, dim=-1) @ F.normalize(k_linear, dim=-1).T * math.sqrt(q.shape[-1])
+    else:
+        scores = q @ act(k_linear).T / math.sqrt(q.shape[-1])  # (n, m)
+    probs = scores.softmax(-1)
+    if causal:  # a token of window i reads the cells of windows < i (and the initial cell, if it may)
+        windows = torch.tensor(token_windows)[:, None]
+        allowed = torch.arange(cells.shape[0])[None, :] < windows + int(sink)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)  # window 0: reads nothing
+    out = act(linear(probs @ v, review.o_proj)) + glu(q, review.glu)
     return outputs + out if residual else layer_norm(out, review.norm, eps)
 
 

@@ -33,11 +33,20 @@ CASES = [
     pytest.param({"is_causal": True}, [17, 5, 12], id="causal"),
     pytest.param({"is_causal": True, "window_overlap": 2, "num_hidden_layers": 3}, [18, 9], id="causal-overlap"),
     pytest.param(
-        {"is_causal": True, "residual_stream": False, "cell_input_residual": True}, [17, 5], id="causal-post-norm"
+        {"is_causal": True, "residual_stream": False, "cell_input_residual": True, "review_initial_cell": True},
+        [17, 5],
+        id="causal-post-norm",
     ),
     pytest.param({"is_causal": True, "memory_review": False}, [14, 6], id="causal-no-memory-review"),
     pytest.param({"residual_stream": True, "cell_input_residual": False}, [14, 6, 11], id="encoder-learnable-memory"),
     pytest.param({"residual_stream": True, "memory_review": False}, [13, 3], id="encoder-residual-no-review"),
+    pytest.param({"is_causal": True, "review_qk_norm": False}, [17, 5], id="causal-dot-product-review"),
+    pytest.param({"is_causal": True, "review_initial_cell": True}, [17, 5, 9], id="causal-review-reads-initial-cell"),
+    pytest.param(
+        {"residual_stream": True, "cell_input_residual": False, "review_qk_norm": True},
+        [14, 6, 11],
+        id="encoder-all-learnable-memory",
+    ),
 ]
 
 

@@ -10,6 +10,12 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
+_LEARNABLE_MEMORY_FIELDS = (
+    "residual_stream",
+    "cell_input_residual",
+    "review_qk_norm",
+    "review_initial_cell",
+)
 _CELL_POOLINGS = ("last", "mean", "max")
 _TOKEN_POOLINGS = ("max", "mean")
 
@@ -119,6 +125,16 @@ class RANConfig(PreTrainedConfig):
             alone; the input residual (a constant in the first window) otherwise swamps what the cell reads, and the
             cell does not learn to carry a token across windows. Defaults to `False` for causal models and `True`
             (official) for the encoder.
+        review_qk_norm (`bool`, *optional*):
+            Whether memory review scores cells by the cosine of un-activated query and key projections scaled by
+            `sqrt(hidden_size)`, instead of the official product of activated ones. Scores then have the statistics
+            of ordinary attention at initialisation, and picking one cell among many is learned in hundreds of steps
+            instead of not at all. Defaults to `True` for causal models and `False` (official) for the encoder.
+        review_initial_cell (`bool`, *optional*):
+            Causal models only: whether memory review can also read the layer's learned starting cell, besides the
+            cells of earlier windows. That constant cell becomes a sink: early in training, while cells still carry
+            noise, reading it is the safest choice, and review then stays on it and never learns to pick the cell
+            that holds what a token needs. Without it, tokens of the first window read no cell. Defaults to `False`.
         hidden_act (`str`, *optional*, defaults to `"silu"`):
             Activation of every projection (swish in the paper).
         hidden_dropout_prob (`float`, *optional*, defaults to 0.1):
@@ -169,6 +185,8 @@ class RANConfig(PreTrainedConfig):
     is_causal: bool = False
     residual_stream: bool | None = None
     cell_input_residual: bool | None = None
+    review_qk_norm: bool | None = None
+    review_initial_cell: bool | None = None
     hidden_act: str = "silu"
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
@@ -250,7 +268,7 @@ class RANConfig(PreTrainedConfig):
         for name in ("memory_review", "use_cell_residual", "use_rotary", "is_causal", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
-        for name in ("residual_stream", "cell_input_residual"):
+        for name in _LEARNABLE_MEMORY_FIELDS:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool or None, got {getattr(self, name)!r}.")
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
@@ -272,15 +290,29 @@ class RANConfig(PreTrainedConfig):
         if self.rope_theta <= 0:
             raise ValueError(f"`rope_theta` must be > 0, got {self.rope_theta}.")
 
-    # The two fields that make the memory learnable default to the official layer for the encoder (checkpoints) and
-    # to the learnable design for causal models; resolved when read, so that switching `is_causal` follows.
+    # The fields that make the memory learnable default to the official layer for the encoder (checkpoints) and to
+    # the learnable design for causal models; resolved when read, so that switching `is_causal` follows.
+    def _learnable_memory(self, name: str, learnable_value: bool) -> bool:
+        value = getattr(self, name)
+        if value is not None:
+            return value
+        return learnable_value if self.is_causal else not learnable_value
+
     @property
     def uses_residual_stream(self) -> bool:
-        return self.is_causal if self.residual_stream is None else self.residual_stream
+        return self._learnable_memory("residual_stream", True)
 
     @property
     def uses_cell_input_residual(self) -> bool:
-        return not self.is_causal if self.cell_input_residual is None else self.cell_input_residual
+        return self._learnable_memory("cell_input_residual", False)
+
+    @property
+    def uses_review_qk_norm(self) -> bool:
+        return self._learnable_memory("review_qk_norm", True)
+
+    @property
+    def uses_review_initial_cell(self) -> bool:
+        return self.is_causal and bool(self.review_initial_cell)
 
     def _validate_token_ids(self):
         """Special token ids must be ids of the vocabulary (None: no such token)."""

@@ -280,7 +280,8 @@ class RANMemoryReview(nn.Module):
     """Single-head attention of every token over the cells of its sequence's windows, with a gated residual.
 
     Official layer: LayerNorm(review + GLU(query)). With `config.residual_stream`, the norm comes first and the
-    token states pass through: states + review + GLU(query), queries read from LayerNorm(states).
+    token states pass through: states + review + GLU(query), queries read from LayerNorm(states). With
+    `config.review_qk_norm`, a cell's score is the scaled cosine of the un-activated query and key projections.
     """
 
     def __init__(self, config: RANConfig):
@@ -295,10 +296,15 @@ class RANMemoryReview(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
         self.residual_stream = config.uses_residual_stream
+        self.qk_norm = config.uses_review_qk_norm
+        # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
+        self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
 
     def project_cells(self, cells: torch.Tensor) -> torch.Tensor:
         """(..., D) cells -> (..., 2 D) their keys and values; a cache keeps these, not the cells."""
-        return self.act(self.kv_proj(cells))
+        key, value = self.kv_proj(cells).chunk(2, dim=-1)
+        key = F.normalize(key, dim=-1) if self.qk_norm else self.act(key)
+        return torch.cat([key, self.act(value)], dim=-1)
 
     def forward(self, token_states: torch.Tensor, cell_states: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
         # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; cell_mask (B or 1, L or 1, C): which
@@ -308,12 +314,17 @@ class RANMemoryReview(nn.Module):
         return self.norm(self.review(token_states, cell_states, cell_mask))
 
     def review(self, token_states: torch.Tensor, cell_states: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
-        query = self.act(self.q_proj(token_states))  # (B, L, D)
+        projected = self.q_proj(token_states)  # (B, L, D)
+        query = self.act(projected)
         key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
         # Few keys (one per window) and many queries: plain matmuls beat fused attention kernels here, whose
         # CPU backward is tuned for long key sequences.
-        scores = (query @ key.transpose(1, 2)) / math.sqrt(query.shape[-1])  # (B, L, N)
-        probs = torch.softmax(scores.masked_fill(~cell_mask, float("-inf")), dim=-1)
+        scoring_query = F.normalize(projected, dim=-1) if self.qk_norm else query
+        scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, L, N)
+        # A token that may read no cell (a causal first window) gets no review; its row is unmasked only to keep
+        # the softmax finite, then zeroed.
+        readable = cell_mask.any(-1, keepdim=True)
+        probs = torch.softmax(scores.masked_fill(~(cell_mask | ~readable), float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, L, D)
         review = self.dropout(self.act(self.o_proj(review)))
         return review + self.glu(query)
@@ -501,17 +512,18 @@ class RANLayer(GradientCheckpointingLayer):
         return merged
 
     def review_memory(self, token_states, cells, initial_cell, layout: RANWindowLayout) -> torch.Tensor:
-        """Every token reads the cells of its sequence (causal: the initial cell and the cells of earlier windows).
+        """Every token reads the cells of its sequence (causal: the cells of earlier windows).
 
         `cells` (B, C, 2 D) are the projected cells of `cell_states`.
         """
         padded_states = layout.to_padded(token_states)  # (B, L, D)
         index = torch.arange(cells.shape[1], device=cells.device)
         if self.config.is_causal:
-            initial = self.memory_review.project_cells(initial_cell[:, None])  # (B, 1, 2 D)
-            cells = torch.cat([initial, cells], dim=1)  # (B, 1 + C, 2 D)
             cell_mask = layout.token_window[:, :, None] > index[None, None, :]  # (B, L, C): earlier windows only
-            cell_mask = F.pad(cell_mask, (1, 0), value=True)  # (B, L, 1 + C)
+            if self.config.uses_review_initial_cell:
+                initial = self.memory_review.project_cells(initial_cell[:, None])  # (B, 1, 2 D)
+                cells = torch.cat([initial, cells], dim=1)  # (B, 1 + C, 2 D)
+                cell_mask = F.pad(cell_mask, (1, 0), value=True)  # (B, L, 1 + C)
         else:
             # A row without windows (all padding) still reads one cell so that the softmax stays finite.
             readable = torch.clamp(layout.num_windows, min=1)

@@ -1,0 +1,412 @@
+#!/usr/bin/env python
+"""Passkey retrieval far beyond the training length, and multi-query associative recall (MQAR).
+
+**Passkey.** A random 5-digit key follows a `KEY` marker somewhere in real text (WikiText-2 sentences: the
+validation split for training, the test split for evaluation); the text ends with a `QUESTION` marker, after which
+the model must produce the five digits. Models train on about 1K-token examples only and are evaluated at 1K, 4K,
+16K and 64K tokens with the key at several depths. A result is an exact match of all five digits under greedy
+decoding (read from one teacher-forced forward: greedy decoding emits the key exactly when every forced step's
+argmax is right).
+
+**MQAR** (Zoology's multi-query associative recall): key-value pairs open the sequence, real text follows, and
+the sequence ends by querying every key once in a random order; the model must produce each key's value. Models
+train at 256 tokens with 4-16 pairs and are evaluated at 256 to 2K tokens.
+
+Models, at matched width, depth and budget: the causal RAN as it is now, the causal RAN before the memory fixes of
+docs/memory.md (`ran-before`: official layer), the official causal design (its cell reads only itself), and a
+GPT-2 whose context is 1K for the passkey (longer inputs keep their last 1K tokens, as a user of such a model
+would) and 2K for MQAR. Also measured: decoding time per token and cache size after reading each passkey length.
+
+    python scripts/benchmark_long_context.py                       # CPU default, about 35 minutes on 2 cores
+    python scripts/benchmark_long_context.py --device cuda --eval_lengths 1024 4096 16384 65536 262144 --jobs 1
+
+Writes benchmarks/long_context.{json,md,png}.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from benchmark_utils import machine_info, machine_line
+from ran_hf import RANConfig, RANForCausalLM
+
+PAD, KEY, QUESTION, FIRST_DIGIT = 0, 1, 2, 3  # digits are 3..12
+NUM_WORDS = 2000  # the most frequent words of the training text; the rest becomes <unk>, numbers become <num>
+NUM_SYMBOLS = 64  # MQAR keys and values each come from their own 64 symbols
+KEY_DIGITS = 5
+
+# name -> RAN fields that differ from the causal defaults ("official_scan": the cell reads only itself); None: GPT-2
+MODELS = {
+    "ran": {},
+    "ran-before": {"residual_stream": False, "cell_input_residual": True, "review_qk_norm": False},
+    "ran-official-causal": {"residual_stream": False, "cell_input_residual": True, "review_qk_norm": False,
+                            "official_scan": True},
+    "gpt2": None,
+}  # fmt: skip
+
+
+# ---- data -----------------------------------------------------------------------------------------------------------
+
+
+class Vocabulary:
+    """Specials, digits, the most frequent training words, then MQAR's key and value symbols."""
+
+    def __init__(self, training_words: list[str]):
+        counts = Counter(w for w in training_words if not any(c.isdigit() for c in w))
+        words = ["<unk>", "<num>"] + [w for w, _ in counts.most_common(NUM_WORDS) if w != "<unk>"][: NUM_WORDS - 2]
+        self.first_word = FIRST_DIGIT + 10
+        self.index = {word: self.first_word + i for i, word in enumerate(words)}
+        self.first_key_symbol = self.first_word + len(words)
+        self.first_value_symbol = self.first_key_symbol + NUM_SYMBOLS
+        self.size = self.first_value_symbol + NUM_SYMBOLS
+
+    def encode(self, words: list[str]) -> torch.Tensor:
+        unk, num = self.index["<unk>"], self.index["<num>"]
+        return torch.tensor(
+            [num if any(c.isdigit() for c in w) else self.index.get(w, unk) for w in words], dtype=torch.long
+        )
+
+
+def read_words(path: Path) -> list[str]:
+    words = path.read_text(encoding="utf-8").split()
+    if len(words) < 100_000:
+        raise ValueError(f"{path} holds {len(words)} words; the benchmark needs a WikiText-2 split (about 200K)")
+    return words
+
+
+def filler(stream: torch.Tensor, generator: torch.Generator, batch_size: int, length: int) -> torch.Tensor:
+    """`batch_size` contiguous slices of real text; a stream shorter than `length` is repeated end to end."""
+    repeats = math.ceil((length + 1) / len(stream)) + 1
+    stream = stream.repeat(repeats) if repeats > 1 else stream
+    starts = torch.randint(0, len(stream) - length, (batch_size,), generator=generator)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+def passkey_batch(stream, generator, batch_size: int, length: int, depth: float | None = None):
+    """Ids (B, length) and the five answer digits (B, 5). The key lies at `depth` (0..1) of the text before the
+    question, or anywhere when `depth` is None; the last six tokens are the question and the answer."""
+    ids = filler(stream, generator, batch_size, length)
+    digits = torch.randint(0, 10, (batch_size, KEY_DIGITS), generator=generator) + FIRST_DIGIT
+    room = length - 2 * (KEY_DIGITS + 1)  # text positions where the key (marker + digits) can start
+    if depth is None:
+        starts = torch.randint(0, room, (batch_size,), generator=generator)
+    else:
+        starts = torch.full((batch_size,), round(depth * (room - 1)))
+    offsets = torch.arange(KEY_DIGITS + 1)
+    rows = torch.arange(batch_size)[:, None]
+    ids[rows, starts[:, None] + offsets] = torch.cat([torch.full((batch_size, 1), KEY), digits], 1)
+    ids[:, -(KEY_DIGITS + 1) :] = torch.cat([torch.full((batch_size, 1), QUESTION), digits], 1)
+    return ids, digits
+
+
+def mqar_batch(stream, generator, vocabulary: Vocabulary, batch_size: int, length: int, num_pairs: int):
+    """Ids (B, length) and the values (B, P) the final queries ask for, in query order."""
+    ids = filler(stream, generator, batch_size, length)
+    keys = torch.stack([torch.randperm(NUM_SYMBOLS, generator=generator)[:num_pairs] for _ in range(batch_size)])
+    values = torch.randint(0, NUM_SYMBOLS, (batch_size, num_pairs), generator=generator)
+    keys, values = keys + vocabulary.first_key_symbol, values + vocabulary.first_value_symbol
+    ids[:, 0 : 2 * num_pairs : 2], ids[:, 1 : 2 * num_pairs : 2] = keys, values
+    order = torch.stack([torch.randperm(num_pairs, generator=generator) for _ in range(batch_size)])
+    asked, answers = keys.gather(1, order), values.gather(1, order)
+    ids[:, -2 * num_pairs :: 2], ids[:, -2 * num_pairs + 1 :: 2] = asked, answers
+    return ids, answers
+
+
+# ---- models ---------------------------------------------------------------------------------------------------------
+
+
+def build_model(name: str, vocab_size: int, context: int, args) -> torch.nn.Module:
+    fields = MODELS[name]
+    if fields is None:
+        config = GPT2Config(
+            vocab_size=vocab_size, n_positions=context, n_embd=args.hidden_size, n_layer=args.num_layers,
+            n_head=args.num_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+            eos_token_id=None,
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
+    fields = dict(fields)
+    official_scan = fields.pop("official_scan", False)
+    config = RANConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads, head_dim=args.hidden_size // args.num_heads, window_size=args.window_size,
+        min_window_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_causal=True, **fields,
+    )  # fmt: skip
+    model = RANForCausalLM(config)
+    if official_scan:
+        from benchmark_tasks import official_causal_scan
+
+        for layer in model.model.layers:
+            layer.scan_cells = official_causal_scan.__get__(layer)
+    return model
+
+
+def answer_logits(model, ids: torch.Tensor, num_answers: int, context: int | None, stride: int = 1):
+    """Logits at the positions that predict the last `num_answers` answer tokens (every `stride`-th token)."""
+    if context is not None and ids.shape[1] > context:
+        ids = ids[:, -context:]
+    last = ids.shape[1] - 1
+    positions = torch.arange(last - stride * (num_answers - 1), last + 1, stride) - 1
+    logits = model(ids, logits_to_keep=ids.shape[1] - int(positions[0])).logits
+    return logits[:, positions - int(positions[0])]
+
+
+# ---- training and evaluation ----------------------------------------------------------------------------------------
+
+
+def train(model, make_batch, answers_of, steps: int, args, description: str):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
+    losses = []
+    model.train()
+    for _ in tqdm(range(steps), desc=description, leave=False, disable=args.jobs > 1):
+        ids, answers = make_batch()
+        logits = answers_of(model, ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), answers.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    model.eval()
+    return [round(statistics.mean(losses[i : i + 50]), 4) for i in range(0, len(losses), 50)]
+
+
+@torch.no_grad()
+def decode_cost(model, ids: torch.Tensor, chunk: int, steps: int = 16) -> dict:
+    """Read `ids` through the cache in chunks, then time `steps` greedy tokens; the cache's size at the end."""
+    cache = None
+    for offset in range(0, ids.shape[1], chunk):
+        outputs = model(ids[:, offset : offset + chunk], past_key_values=cache, use_cache=True)
+        cache = outputs.past_key_values
+    token, times = outputs.logits[:, -1:].argmax(-1), []
+    for _ in range(steps):
+        start = time.perf_counter()
+        outputs = model(token, past_key_values=outputs.past_key_values, use_cache=True)
+        times.append(time.perf_counter() - start)
+        token = outputs.logits[:, -1:].argmax(-1)
+    return {"ms_per_token": round(1000 * statistics.median(times), 3), "cache_bytes": outputs.past_key_values.nbytes()}
+
+
+def run_model(name: str, args) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    train_stream, eval_stream, vocabulary = load_streams(args)
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    is_gpt2 = MODELS[name] is None
+    result = {"model": name}
+
+    # Passkey: train at --train_length, evaluate at every length and depth.
+    context = args.train_length if is_gpt2 else None
+    model = build_model(name, vocabulary.size, args.train_length, args)
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    result["passkey_losses"] = train(
+        model,
+        lambda: passkey_batch(train_stream, generator, args.batch_size, args.train_length),
+        lambda m, ids: answer_logits(m, ids, KEY_DIGITS, context),
+        args.passkey_steps,
+        args,
+        f"{name} passkey",
+    )
+    result["passkey_train_seconds"] = round(time.perf_counter() - start, 1)
+    evaluation = torch.Generator().manual_seed(12_345)
+    result["passkey"] = []
+    for length in args.eval_lengths:
+        if not is_gpt2 and length > args.max_ran_length:
+            continue
+        for depth in args.depths:
+            correct = 0
+            for offset in range(0, args.eval_examples, args.eval_batch_size):
+                batch = min(args.eval_batch_size, args.eval_examples - offset)
+                ids, digits = passkey_batch(eval_stream, evaluation, batch, length, depth)
+                predicted = answer_logits(model, ids, KEY_DIGITS, context).argmax(-1)
+                correct += int((predicted == digits).all(-1).sum())
+            result["passkey"].append({"length": length, "depth": depth, "accuracy": correct / args.eval_examples})
+        if not is_gpt2:  # GPT-2's cache never holds more than its 1K context
+            ids, _ = passkey_batch(eval_stream, evaluation, 1, length, 0.5)
+            result["passkey"][-1] |= decode_cost(model, ids[:, :-KEY_DIGITS], args.window_size * 4)
+            result["passkey"][-1]["decode_at"] = length
+
+    # MQAR: a fresh model of the same design, trained at --mqar_train_length.
+    torch.manual_seed(args.seed)
+    context = max(args.mqar_lengths) if is_gpt2 else None
+    model = build_model(name, vocabulary.size, context or args.mqar_train_length, args)
+
+    def mqar_training_batch():
+        pairs = args.mqar_pairs[int(torch.randint(len(args.mqar_pairs), (1,), generator=generator))]
+        return mqar_batch(train_stream, generator, vocabulary, args.batch_size, args.mqar_train_length, pairs)
+
+    def mqar_logits(m, ids):
+        pairs = ids[0].ge(vocabulary.first_value_symbol)[-2 * max(args.mqar_pairs) :].sum()
+        return answer_logits(m, ids, int(pairs), context, stride=2)
+
+    start = time.perf_counter()
+    result["mqar_losses"] = train(model, mqar_training_batch, mqar_logits, args.mqar_steps, args, f"{name} mqar")
+    result["mqar_train_seconds"] = round(time.perf_counter() - start, 1)
+    result["mqar"] = []
+    for length in args.mqar_lengths:
+        for pairs in args.mqar_pairs:
+            ids, values = mqar_batch(eval_stream, evaluation, vocabulary, args.eval_examples, length, pairs)
+            predicted = answer_logits(model, ids, pairs, context, stride=2).argmax(-1)
+            accuracy = (predicted == values).float().mean().item()
+            result["mqar"].append({"length": length, "pairs": pairs, "accuracy": round(accuracy, 4)})
+    return result
+
+
+def load_streams(args):
+    data = Path(args.data_dir) / "wikitext-2"
+    training_words, evaluation_words = read_words(data / "valid.txt"), read_words(data / "test.txt")
+    vocabulary = Vocabulary(training_words)
+    return vocabulary.encode(training_words), vocabulary.encode(evaluation_words), vocabulary
+
+
+# ---- report ---------------------------------------------------------------------------------------------------------
+
+
+def markdown(results: list[dict], info: dict, args) -> str:
+    lengths = sorted({row["length"] for r in results for row in r["passkey"]})
+    lines = [
+        f"Machine: {machine_line(info)}",
+        "",
+        f"Passkey: trained {args.passkey_steps} steps at {args.train_length} tokens (batch {args.batch_size}); "
+        f"exact match of 5 digits over {args.eval_examples} examples per depth {args.depths}, mean over depths.",
+        "",
+        "| model | parameters | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
+        "|---|---:|" + "---:|" * len(lengths),
+    ]
+    for r in results:
+        cells = []
+        for length in lengths:
+            rows = [row["accuracy"] for row in r["passkey"] if row["length"] == length]
+            cells.append(f"{100 * statistics.mean(rows):.0f}%" if rows else "-")
+        lines.append(f"| {r['model']} | {r['parameters']:,} | " + " | ".join(cells) + " |")
+    lines += ["", "Decoding after reading the passkey text (median ms per token, cache size):", ""]
+    lines += ["| model | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    for r in results:
+        decoded = {row["length"]: row for row in r["passkey"] if "ms_per_token" in row}
+        if decoded:
+            cells = [
+                f"{decoded[n]['ms_per_token']:.1f} ms, {decoded[n]['cache_bytes'] / 2**10:.0f} KiB" if n in decoded else "-"
+                for n in lengths
+            ]
+            lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"MQAR: trained {args.mqar_steps} steps at {args.mqar_train_length} tokens with {args.mqar_pairs} pairs; "
+        f"accuracy over all queries of {args.eval_examples} examples.",
+        "",
+        "| model | pairs | " + " | ".join(str(n) for n in args.mqar_lengths) + " |",
+        "|---|---:|" + "---:|" * len(args.mqar_lengths),
+    ]
+    for r in results:
+        for pairs in args.mqar_pairs:
+            cells = [f"{100 * row['accuracy']:.0f}%" for row in r["mqar"] if row["pairs"] == pairs]
+            lines.append(f"| {r['model']} | {pairs} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (passkey, mqar) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, r in enumerate(results):
+        lengths = sorted({row["length"] for row in r["passkey"]})
+        accuracy = [statistics.mean(x["accuracy"] for x in r["passkey"] if x["length"] == n) for n in lengths]
+        passkey.semilogx(lengths, accuracy, "o-", color=f"C{i}", label=r["model"], base=2)
+        pairs = max(args.mqar_pairs)
+        rows = [row for row in r["mqar"] if row["pairs"] == pairs]
+        mqar.semilogx([x["length"] for x in rows], [x["accuracy"] for x in rows], "o-", color=f"C{i}", base=2)
+    passkey.axvline(args.train_length, color="grey", linestyle=":", label="training length")
+    passkey.set(xlabel="tokens", ylabel="exact match", title="passkey", ylim=(-0.02, 1.02))
+    mqar.set(xlabel="tokens", ylabel="accuracy", title=f"MQAR, {max(args.mqar_pairs)} pairs", ylim=(-0.02, 1.02))
+    passkey.legend(fontsize=8)
+    for axis in (passkey, mqar):
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--data_dir", default="../shared/data", help="folder holding wikitext-2/{valid,test}.txt")
+    parser.add_argument("--hidden_size", type=int, default=64)
+    parser.add_argument("--num_layers", type=int, default=2)
+    parser.add_argument("--num_heads", type=int, default=4)
+    parser.add_argument("--window_size", type=int, default=64)
+    parser.add_argument("--train_length", type=int, default=1024)
+    parser.add_argument("--passkey_steps", type=int, default=1000)
+    parser.add_argument("--eval_lengths", nargs="+", type=int, default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--max_ran_length", type=int, default=65536, help="longest passkey length for the RANs")
+    parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
+    parser.add_argument("--mqar_train_length", type=int, default=256)
+    parser.add_argument("--mqar_steps", type=int, default=1000)
+    parser.add_argument("--mqar_lengths", nargs="+", type=int, default=[256, 512, 1024, 2048])
+    parser.add_argument("--mqar_pairs", nargs="+", type=int, default=[4, 8, 16])
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--eval_examples", type=int, default=16)
+    parser.add_argument("--eval_batch_size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=2, help="models trained at the same time, one process each")
+    parser.add_argument("--threads", type=int, default=1, help="threads per model")
+    parser.add_argument("--output", default="benchmarks/long_context", help="path prefix of .json/.md/.png")
+    args = parser.parse_args(argv)
+    positive = ("hidden_size", "num_layers", "num_heads", "window_size", "batch_size", "eval_examples", "jobs")
+    for name in positive + ("eval_batch_size", "threads", "passkey_steps", "mqar_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if args.learning_rate <= 0:
+        parser.error("--learning_rate must be positive")
+    if args.hidden_size % args.num_heads:
+        parser.error("--hidden_size must be a multiple of --num_heads")
+    if any(not 0 <= depth <= 1 for depth in args.depths):
+        parser.error("--depths are fractions between 0 and 1")
+    if min(args.eval_lengths + [args.train_length]) < 4 * (KEY_DIGITS + 1):
+        parser.error(f"passkey lengths must be at least {4 * (KEY_DIGITS + 1)} tokens")
+    if min(args.mqar_lengths + [args.mqar_train_length]) < 4 * max(args.mqar_pairs) or max(args.mqar_pairs) > NUM_SYMBOLS:
+        parser.error(f"MQAR needs lengths >= 4 x pairs and at most {NUM_SYMBOLS} pairs")
+    for split in ("valid.txt", "test.txt"):
+        if not (Path(args.data_dir) / "wikitext-2" / split).is_file():
+            parser.error(f"{Path(args.data_dir) / 'wikitext-2' / split} not found (--data_dir)")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    info = machine_info()
+    print(machine_line(info))
+    results = {}
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = {pool.submit(run_model, name, args): name for name in args.models}
+        for future in tqdm(futures, desc="models"):
+            result = future.result()
+            results[result["model"]] = result
+            tqdm.write(f"{result['model']}: trained in {result['passkey_train_seconds'] + result['mqar_train_seconds']:.0f} s")
+    results = [results[name] for name in args.models]
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.with_suffix(".json").write_text(json.dumps({"machine_info": info, "arguments": vars(args), "results": results}, indent=1))
+    table = markdown(results, info, args)
+    output.with_suffix(".md").write_text(table)
+    plot(results, args, output.with_suffix(".png"))
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    main()
