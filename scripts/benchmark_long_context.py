@@ -20,7 +20,8 @@ would) and 2K for MQAR. Also measured: decoding time per token and cache size af
     python scripts/benchmark_long_context.py                       # CPU default, about 35 minutes on 2 cores
     python scripts/benchmark_long_context.py --device cuda --eval_lengths 1024 4096 16384 65536 262144 --jobs 1
 
-Writes benchmarks/long_context.{json,md,png}.
+Writes benchmarks/long_context.{json,md,png}. Running some `--models` again with otherwise equal arguments replaces
+their results and keeps the others'.
 """
 
 import argparse
@@ -39,6 +40,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from benchmark_utils import machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
+from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
 
 PAD, KEY, QUESTION, FIRST_DIGIT = 0, 1, 2, 3  # digits are 3..12
 NUM_WORDS = 2000  # the most frequent words of the training text; the rest becomes <unk>, numbers become <num>
@@ -48,11 +50,10 @@ KEY_DIGITS = 5
 # name -> RAN fields that differ from the causal defaults ("official_scan": the cell reads only itself); None: GPT-2
 MODELS = {
     "ran": {},
-    "ran-before": {"residual_stream": False, "cell_input_residual": True, "review_qk_norm": False},
-    "ran-official-causal": {"residual_stream": False, "cell_input_residual": True, "review_qk_norm": False,
-                            "official_scan": True},
+    "ran-before": OFFICIAL_LAYER_FIELDS,
+    "ran-official-causal": OFFICIAL_LAYER_FIELDS | {"official_scan": True},
     "gpt2": None,
-}  # fmt: skip
+}
 
 
 # ---- data -----------------------------------------------------------------------------------------------------------
@@ -163,23 +164,28 @@ def answer_logits(model, ids: torch.Tensor, num_answers: int, context: int | Non
 # ---- training and evaluation ----------------------------------------------------------------------------------------
 
 
-def train(model, make_batch, answers_of, steps: int, args, description: str):
+def train(model, make_batch, answers_of, steps: int, args, description: str) -> dict:
+    """Train; stop at the first step whose loss or gradient is not finite and say so (`diverged_at`)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
-    losses = []
+    losses, diverged_at = [], None
     model.train()
-    for _ in tqdm(range(steps), desc=description, leave=False, disable=args.jobs > 1):
+    for step in tqdm(range(1, steps + 1), desc=description, leave=False, disable=args.jobs > 1):
         ids, answers = make_batch()
         logits = answers_of(model, ids)
         loss = F.cross_entropy(logits.flatten(0, 1), answers.flatten())
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        gradient_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not (torch.isfinite(loss) and torch.isfinite(gradient_norm)):
+            diverged_at = step
+            break
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
     model.eval()
-    return [round(statistics.mean(losses[i : i + 50]), 4) for i in range(0, len(losses), 50)]
+    curve = [round(statistics.mean(losses[i : i + 50]), 4) for i in range(0, len(losses), 50)]
+    return {"losses": curve, "diverged_at": diverged_at}
 
 
 @torch.no_grad()
@@ -211,7 +217,7 @@ def run_model(name: str, args) -> dict:
     model = build_model(name, vocabulary.size, args.train_length, args)
     result["parameters"] = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
-    result["passkey_losses"] = train(
+    result["passkey_training"] = train(
         model,
         lambda: passkey_batch(train_stream, generator, args.batch_size, args.train_length),
         lambda m, ids: answer_logits(m, ids, KEY_DIGITS, context),
@@ -252,7 +258,7 @@ def run_model(name: str, args) -> dict:
         return answer_logits(m, ids, int(pairs), context, stride=2)
 
     start = time.perf_counter()
-    result["mqar_losses"] = train(model, mqar_training_batch, mqar_logits, args.mqar_steps, args, f"{name} mqar")
+    result["mqar_training"] = train(model, mqar_training_batch, mqar_logits, args.mqar_steps, args, f"{name} mqar")
     result["mqar_train_seconds"] = round(time.perf_counter() - start, 1)
     result["mqar"] = []
     for length in args.mqar_lengths:
@@ -290,7 +296,7 @@ def markdown(results: list[dict], info: dict, args) -> str:
         for length in lengths:
             rows = [row["accuracy"] for row in r["passkey"] if row["length"] == length]
             cells.append(f"{100 * statistics.mean(rows):.0f}%" if rows else "-")
-        lines.append(f"| {r['model']} | {r['parameters']:,} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['model']}{diverged(r, 'passkey')} | {r['parameters']:,} | " + " | ".join(cells) + " |")
     lines += ["", "Decoding after reading the passkey text (median ms per token, cache size):", ""]
     lines += ["| model | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
     for r in results:
@@ -312,8 +318,15 @@ def markdown(results: list[dict], info: dict, args) -> str:
     for r in results:
         for pairs in args.mqar_pairs:
             cells = [f"{100 * row['accuracy']:.0f}%" for row in r["mqar"] if row["pairs"] == pairs]
-            lines.append(f"| {r['model']} | {pairs} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r['model']}{diverged(r, 'mqar')} | {pairs} | " + " | ".join(cells) + " |")
+    if any(r[f"{task}_training"]["diverged_at"] for r in results for task in ("passkey", "mqar")):
+        lines += ["", "\\* training stopped at that step: its loss or gradient was not finite (the model as it was)."]
     return "\n".join(lines) + "\n"
+
+
+def diverged(result: dict, task: str) -> str:
+    step = result[f"{task}_training"]["diverged_at"]
+    return f" (diverged at step {step}*)" if step else ""
 
 
 def plot(results: list[dict], args, path: Path) -> None:
@@ -386,21 +399,38 @@ def parse_args(argv=None):
     return args
 
 
+# Arguments that do not change what a model's result means: results of other models with the same rest are kept.
+PER_RUN_ARGUMENTS = ("models", "jobs", "threads", "output")
+
+
+def earlier_results(path: Path, args) -> dict:
+    """Results of models not run this time, from an earlier run of the same benchmark at this path."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    same = {k: v for k, v in earlier["arguments"].items() if k not in PER_RUN_ARGUMENTS}
+    if same != {k: v for k, v in vars(args).items() if k not in PER_RUN_ARGUMENTS}:
+        return {}
+    return {r["model"]: r for r in earlier["results"] if r["model"] not in args.models}
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     info = machine_info()
     print(machine_line(info))
-    results = {}
+    output = Path(args.output)
+    results = earlier_results(output.with_suffix(".json"), args)
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = {pool.submit(run_model, name, args): name for name in args.models}
         for future in tqdm(futures, desc="models"):
             result = future.result()
             results[result["model"]] = result
-            tqdm.write(f"{result['model']}: trained in {result['passkey_train_seconds'] + result['mqar_train_seconds']:.0f} s")
-    results = [results[name] for name in args.models]
-    output = Path(args.output)
+            seconds = result["passkey_train_seconds"] + result["mqar_train_seconds"]
+            tqdm.write(f"{result['model']}: trained in {seconds:.0f} s")
+    results = [results[name] for name in MODELS if name in results]
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.with_suffix(".json").write_text(json.dumps({"machine_info": info, "arguments": vars(args), "results": results}, indent=1))
+    payload = {"machine_info": info, "arguments": vars(args), "results": results}
+    output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     table = markdown(results, info, args)
     output.with_suffix(".md").write_text(table)
     plot(results, args, output.with_suffix(".png"))

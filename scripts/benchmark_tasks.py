@@ -447,12 +447,13 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
     import transformers
 
     from ran_hf import RANForCausalLM, RANForSequenceClassification, RANForTokenClassification
+    from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
 
     tagging = task["problem_type"] == "token_classification"
     if task_name == "lm":
         official = name == "ran-causal-official"
         # The official causal model is built from the official (post-norm) layer.
-        layer_fields = {"residual_stream": False, "cell_input_residual": True} if official else {}
+        layer_fields = OFFICIAL_LAYER_FIELDS if official else {}
         config = ran_config(args, task, "ran", args.lm_window_size, **layer_fields)
         model = RANForCausalLM(config)
         if official:
@@ -585,6 +586,19 @@ def collate(split: dict, indices: list[int], max_length: int | None) -> dict:
     return batch
 
 
+@torch.no_grad()
+def stream_nll(model, blocks: list[list[int]], device) -> float:
+    """Summed loss over the same tokens as the block-wise evaluation, with the `RANCache` carried from each block to
+    the next: the text before a block is remembered, not cut off."""
+    cache, total = None, 0.0
+    for block in blocks:
+        ids = torch.tensor([block], device=device)
+        outputs = model(ids, labels=ids, past_key_values=cache, use_cache=True)
+        total += outputs.loss.item() * (len(block) - 1)
+        cache = outputs.past_key_values
+    return total
+
+
 def evaluate_model(model, task: dict, task_name: str, max_length: int | None, device, limit: int | None) -> dict:
     from run_classification import classification_metrics
     from run_ner import load_seqeval
@@ -618,7 +632,10 @@ def evaluate_model(model, task: dict, task_name: str, max_length: int | None, de
         predicted = blocks * (len(split["input_ids"][0]) - 1)
         total_nll = sum(losses) * (len(split["input_ids"][0]) - 1)
         words = words_per_token * predicted
-        return {"perplexity": math.exp(total_nll / predicted), "word_perplexity": math.exp(total_nll / words)}
+        metrics = {"perplexity": math.exp(total_nll / predicted), "word_perplexity": math.exp(total_nll / words)}
+        if getattr(model.config, "model_type", None) == "ran":
+            metrics["stream_perplexity"] = math.exp(stream_nll(model, split["input_ids"], device) / predicted)
+        return metrics
     if task["problem_type"] == "token_classification":
         names = task["label_names"]
         predictions = [[names[p] for p, g in zip(pred, gold) if g != -100] for pred, gold in logits]

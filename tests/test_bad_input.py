@@ -314,6 +314,9 @@ CONFIG_ERRORS = [
     pytest.param({"token_pooling": "last"}, "`token_pooling` must be one of", id="unknown-token-pooling"),
     pytest.param({"use_rotary": "no"}, "`use_rotary` must be a bool", id="rotary-not-bool"),
     pytest.param({"use_cell_residual": 0}, "`use_cell_residual` must be a bool", id="residual-not-bool"),
+    pytest.param({"residual_stream": "yes"}, "`residual_stream` must be a bool or None", id="stream-not-bool"),
+    pytest.param({"review_qk_norm": 1}, "`review_qk_norm` must be a bool or None", id="qk-norm-not-bool"),
+    pytest.param({"review_initial_cell": "no"}, "`review_initial_cell` must be a bool or None", id="sink-not-bool"),
     pytest.param({"window_overlap": -1}, "`window_overlap` must be >= 0", id="negative-overlap"),
     pytest.param({"window_overlap": 1.5}, "`window_overlap` must be an int", id="float-overlap"),
     pytest.param(

@@ -137,8 +137,11 @@ def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path, wordpiece_token
         assert value == value and value >= 0  # finite, not NaN
     assert 0.0 <= payload["summary"]["hyperpartisan"]["ran"]["mean"] <= 1.0
     assert payload["summary"]["lm"]["ran-causal"]["mean"] > 1.0
+    for run in (r for r in runs if r["task"] == "lm"):  # the same tokens, with and without the carried cache
+        assert run["metrics"]["stream_perplexity"] > 1.0
+        assert run["metrics"]["stream_perplexity"] != run["metrics"]["perplexity"]
     table = (tmp_path / "out" / "tasks_cpu.md").read_text()
-    assert "| ran |" in table and "ran-causal-official" in table
+    assert "| ran |" in table and "ran-causal-official" in table and "token perplexity, stream" in table
     assert (tmp_path / "out" / "tasks_cpu.png").stat().st_size > 0
 
     # A second call finds every run recorded and trains nothing.

@@ -25,8 +25,28 @@ def random_causal_case(seed):
         min_window_size=rng.randint(1, window - 1),
         window_overlap=rng.choice([0, rng.randint(1, window - 1)]),
         memory_review=rng.random() < 0.8,
+        review_initial_cell=rng.random() < 0.3,
+        review_qk_norm=rng.random() < 0.7,
     )
     return overrides, rng.randint(window + 1, 4 * window + 3)
+
+
+@pytest.mark.parametrize("reads_initial_cell", [False, True])
+def test_first_window_reads_a_cell_only_with_review_initial_cell(reads_initial_cell):
+    """Memory review's keys and values come from cells; without the initial cell the first window reads none, so its
+    outputs do not depend on them, while later windows do."""
+    model = causal_model(review_initial_cell=reads_initial_cell)
+    window = model.config.window_size
+    ids = torch.randint(1, model.config.vocab_size, (2, 3 * window), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        for layer in model.model.layers:
+            layer.memory_review.kv_proj.weight.mul_(3.0)
+            layer.memory_review.kv_proj.bias.add_(0.5)
+        after = model(ids).logits
+    first_window_changed = not torch.allclose(before[:, :window], after[:, :window], atol=TOLERANCE)
+    assert first_window_changed == reads_initial_cell
+    assert not torch.allclose(before[:, window:], after[:, window:], atol=TOLERANCE)
 
 
 @pytest.mark.parametrize("seed", range(8))

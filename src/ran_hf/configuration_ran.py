@@ -10,12 +10,15 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-_LEARNABLE_MEMORY_FIELDS = (
-    "residual_stream",
-    "cell_input_residual",
-    "review_qk_norm",
-    "review_initial_cell",
-)
+# The fields that make the causal memory learnable (docs/memory.md), and their values in the official layer: pass
+# `**OFFICIAL_LAYER_FIELDS` to build a causal model from the official layer.
+OFFICIAL_LAYER_FIELDS = {
+    "residual_stream": False,
+    "cell_input_residual": True,
+    "review_qk_norm": False,
+    "review_initial_cell": True,
+}
+_LEARNABLE_MEMORY_FIELDS = tuple(OFFICIAL_LAYER_FIELDS)
 _CELL_POOLINGS = ("last", "mean", "max")
 _TOKEN_POOLINGS = ("max", "mean")
 

@@ -1,0 +1,115 @@
+"""The long-context benchmark: passkey and MQAR examples say what they claim, answers are read where they are asked,
+and one tiny run of every model writes its table and plot."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmark_long_context as bench
+from benchmark_long_context import KEY, KEY_DIGITS, QUESTION, Vocabulary, answer_logits, mqar_batch, passkey_batch
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_data = pytest.mark.skipif(not (DATA / "wikitext-2").is_dir(), reason="needs ../shared/data")
+
+
+@pytest.fixture(scope="module")
+def streams():
+    words = ("the cat sat on the mat , and 1990 was a year . " * 20_000).split()
+    vocabulary = Vocabulary(words)
+    return vocabulary.encode(words), vocabulary
+
+
+def test_vocabulary_keeps_digits_for_keys_only(streams):
+    stream, vocabulary = streams
+    assert stream.min() >= vocabulary.first_word  # no filler token is a key digit or a marker
+    assert (stream == vocabulary.index["<num>"]).any()  # "1990" became <num>
+    assert stream.max() < vocabulary.first_key_symbol
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0, None])
+def test_passkey_plants_the_key_at_its_depth_and_asks_at_the_end(streams, depth):
+    stream, _ = streams
+    length = 300
+    ids, digits = passkey_batch(stream, torch.Generator().manual_seed(0), 8, length, depth)
+    assert ids.shape == (8, length) and digits.shape == (8, KEY_DIGITS)
+    for row, key in zip(ids, digits):
+        starts = (row == KEY).nonzero().flatten()
+        assert len(starts) == 1 and (row == QUESTION).nonzero().flatten().tolist() == [length - KEY_DIGITS - 1]
+        start = int(starts[0])
+        assert torch.equal(row[start + 1 : start + 1 + KEY_DIGITS], key)
+        assert torch.equal(row[-KEY_DIGITS:], key)
+        if depth is not None:
+            assert start == round(depth * (length - 2 * (KEY_DIGITS + 1) - 1))
+
+
+def test_mqar_asks_every_key_once_for_its_value(streams):
+    stream, vocabulary = streams
+    ids, answers = mqar_batch(stream, torch.Generator().manual_seed(0), vocabulary, 4, 128, 8)
+    for row, expected in zip(ids, answers):
+        pairs = dict(zip(row[0:16:2].tolist(), row[1:16:2].tolist()))
+        asked = row[-16::2].tolist()
+        assert sorted(asked) == sorted(pairs) and len(set(asked)) == 8
+        assert row[-15::2].tolist() == [pairs[key] for key in asked] == expected.tolist()
+
+
+def test_answer_logits_predict_the_answer_tokens():
+    """Logits at position t predict token t + 1: the kept positions are those right before each answer."""
+    positions = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, ids, logits_to_keep):
+            positions.append(logits_to_keep)
+            return type("Output", (), {"logits": ids[:, -logits_to_keep:, None].float()})()
+
+    ids = torch.arange(20)[None]
+    assert answer_logits(Recorder(), ids, 5, None)[0, :, 0].tolist() == [14, 15, 16, 17, 18]
+    assert answer_logits(Recorder(), ids, 3, None, stride=2)[0, :, 0].tolist() == [14, 16, 18]
+    assert answer_logits(Recorder(), ids, 2, 6)[0, :, 0].tolist() == [17, 18]  # a 6-token context sees the end
+
+
+@needs_data
+def test_tiny_run_writes_table_and_plot(tmp_path):
+    output = tmp_path / "long_context"
+    results = bench.main(
+        [
+            "--data_dir", str(DATA), "--output", str(output), "--jobs", "1", "--passkey_steps", "2",
+            "--mqar_steps", "2", "--train_length", "128", "--eval_lengths", "128", "256", "--eval_examples", "2",
+            "--mqar_train_length", "64", "--mqar_lengths", "64", "128", "--mqar_pairs", "2", "4", "--hidden_size", "16",
+            "--num_heads", "2", "--window_size", "16", "--depths", "0.5",
+        ]
+    )  # fmt: skip
+    assert [r["model"] for r in results] == list(bench.MODELS)
+    saved = json.loads(output.with_suffix(".json").read_text())
+    for result in saved["results"]:
+        assert {row["length"] for row in result["passkey"]} == {128, 256}
+        assert len(result["mqar"]) == 4 and all(0 <= row["accuracy"] <= 1 for row in result["mqar"])
+        decoded = [row for row in result["passkey"] if "ms_per_token" in row]
+        assert len(decoded) == (0 if result["model"] == "gpt2" else 2)
+    assert "| ran |" in output.with_suffix(".md").read_text() and output.with_suffix(".png").stat().st_size > 0
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--depths", "1.5"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--mqar_pairs", "100"])
+
+
+def test_training_that_turns_nan_stops_and_says_when():
+    class Diverging(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, ids):
+            return torch.zeros(ids.shape[0], 1, 10) * self.scale / (self.scale - 1)  # 0 / 0: NaN
+
+    args = bench.parse_args(["--jobs", "1", "--data_dir", str(DATA)]) if DATA.is_dir() else None
+    if args is None:
+        pytest.skip("needs ../shared/data for the argument check")
+    batch = lambda: (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long))  # noqa: E731
+    model = Diverging()
+    result = bench.train(model, batch, lambda m, ids: m(ids), 5, args, "nan")
+    assert result == {"losses": [], "diverged_at": 1} and model.scale.item() == 1.0  # no step taken with NaN
