@@ -41,10 +41,10 @@ WINDOW = 64
 MODELS = {
     "official-layer": OFFICIAL_LAYER_FIELDS,
     "+residual-stream": OFFICIAL_LAYER_FIELDS | {"residual_stream": True},
-    "+cell-written-by-attention": {"review_qk_norm": False, "review_initial_cell": True},
-    "+cosine-review": {"review_initial_cell": True},
-    "ran": {},  # + memory review without the initial cell
-    "ran-dot-review": {"review_qk_norm": False},
+    "+cell-written-by-attention": {"review_qk_norm": False},
+    "ran": {},  # + cosine scores in memory review
+    "ran-without-initial-cell": {"review_initial_cell": False},
+    "no-initial-cell-dot-review": {"review_initial_cell": False, "review_qk_norm": False},
     "ran-no-memory-review": {"memory_review": False},
     "gpt2": None,
 }
@@ -202,9 +202,9 @@ def plot(results: list[RunResult], path: Path) -> None:
 
 
 def default_models(task: str) -> list[str]:
-    # Eight windows cost 4.5 times the tokens: there only the causal RAN with and without the sink, and GPT-2.
+    # Eight windows cost 4.5 times the tokens: there only the causal RAN with and without the initial cell, and GPT-2.
     if task == "across-8":
-        return ["+cosine-review", "ran", "gpt2"]
+        return ["ran", "ran-without-initial-cell", "gpt2"]
     return list(MODELS)
 
 

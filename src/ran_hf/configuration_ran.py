@@ -133,11 +133,13 @@ class RANConfig(PreTrainedConfig):
             `sqrt(hidden_size)`, instead of the official product of activated ones. Scores then have the statistics
             of ordinary attention at initialisation, and picking one cell among many is learned in hundreds of steps
             instead of not at all. Defaults to `True` for causal models and `False` (official) for the encoder.
-        review_initial_cell (`bool`, *optional*):
+        review_initial_cell (`bool`, *optional*, defaults to `True`):
             Causal models only: whether memory review can also read the layer's learned starting cell, besides the
-            cells of earlier windows. That constant cell becomes a sink: early in training, while cells still carry
-            noise, reading it is the safest choice, and review then stays on it and never learns to pick the cell
-            that holds what a token needs. Without it, tokens of the first window read no cell. Defaults to `False`.
+            cells of earlier windows, so that tokens of the first window have a cell to read and any token can read
+            "nothing". That constant cell can become a sink: early in training, while cells still carry noise, a
+            run may put all its review weight on it and never learn to pick the cell that holds what a token needs.
+            `False` removes it (tokens of the first window then read no cell); measured on key retrieval it rescues
+            such runs but stalls others (docs/memory.md), so it is not the default.
         hidden_act (`str`, *optional*, defaults to `"silu"`):
             Activation of every projection (swish in the paper).
         hidden_dropout_prob (`float`, *optional*, defaults to 0.1):
@@ -315,7 +317,7 @@ class RANConfig(PreTrainedConfig):
 
     @property
     def uses_review_initial_cell(self) -> bool:
-        return self.is_causal and bool(self.review_initial_cell)
+        return self.is_causal and self.review_initial_cell is not False
 
     def _validate_token_ids(self):
         """Special token ids must be ids of the vocabulary (None: no such token)."""
