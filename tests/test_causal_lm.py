@@ -244,3 +244,46 @@ def test_saved_causal_model_generates_as_remote_code_without_ran_hf(tmp_path):
     assert report["greedy"] == model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0).tolist()
     beam = model.generate(prompt, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
     assert report["beam"] == beam.tolist()
+
+
+def gradients(model) -> dict:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_turns_a_new_cache_off_and_keeps_gradients():
+    model, ids = causal_model(), torch.randint(1, 61, (2, 17), generator=torch.Generator().manual_seed(3))
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    expected = gradients(model)
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    outputs = model(ids, labels=ids, use_cache=True)
+    outputs.loss.backward()
+    assert outputs.past_key_values is None
+    for name, grad in gradients(model).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_chunked_training_through_a_cache_under_gradient_checkpointing():
+    """Chunks carrying a cache train as without checkpointing: layers with a cache are simply not checkpointed."""
+    ids = torch.randint(1, 61, (2, 19), generator=torch.Generator().manual_seed(4))
+    results = []
+    for checkpointing in (False, True):
+        model = causal_model()
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        first = model(ids[:, :11], labels=ids[:, :11], use_cache=True, past_key_values=RANCache(model.config))
+        second = model(ids[:, 11:], labels=ids[:, 11:], use_cache=True, past_key_values=first.past_key_values)
+        (first.loss + second.loss).backward()
+        results.append(gradients(model))
+    assert results[0].keys() == results[1].keys()
+    for name, grad in results[1].items():
+        torch.testing.assert_close(grad, results[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_assisted_generation_is_refused_before_it_starts():
+    model = causal_model().eval()
+    ids = torch.randint(1, 61, (1, 6), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="stateful"):
+        model.generate(ids, assistant_model=causal_model(seed=1).eval(), max_new_tokens=3, do_sample=False)

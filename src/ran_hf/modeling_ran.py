@@ -10,6 +10,7 @@ sequence, S slots of a window (enrichment tokens + the longest window), H heads,
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -752,6 +753,21 @@ def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embe
             )
 
 
+@contextmanager
+def checkpointing_off(layer: RANLayer, when: bool):
+    """Run `layer` without gradient checkpointing when it reads or updates a cache: recomputed in the backward pass,
+    it would read the cache it had already updated. Training through a cache in chunks then costs full activations."""
+    if not (when and layer.gradient_checkpointing):
+        yield
+        return
+    logger.warning_once("RAN layers that read or update a cache run without gradient checkpointing.")
+    layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        layer.gradient_checkpointing = True
+
+
 class RANModel(RANPreTrainedModel):
     """The bare RAN encoder (or causal decoder when `config.is_causal`): embeddings, RAN layers, optional pooler."""
 
@@ -802,6 +818,10 @@ class RANModel(RANPreTrainedModel):
         """
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
+        if self.gradient_checkpointing and self.training and use_cache and past_key_values is None:
+            # A checkpointed layer runs twice; the second run would update a fresh cache again.
+            logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
+            use_cache = False
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds, past_positions)
         output_hidden_states = (
@@ -832,7 +852,8 @@ class RANModel(RANPreTrainedModel):
                 cell = self.initial_cell(layer, batch_size)
             if layout.num_steps > 0:
                 layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
-                token_states, raw_cells, cells = layer(token_states, cell, layout=layout, cache=layer_cache)
+                with checkpointing_off(layer, when=layer_cache is not None and self.training):
+                    token_states, raw_cells, cells = layer(token_states, cell, layout=layout, cache=layer_cache)
                 # A sequence's last cell starts the next layer; an all-padding row keeps the cell it came with.
                 cell = torch.where(has_windows[:, None], cells[last_step, torch.arange(batch_size)], cell)
 
@@ -1103,6 +1124,9 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
 
     Generation carries a `RANCache`: constant-size state per layer plus a key and a value per finished window.
     """
+
+    # A recurrent state cannot be rolled back to an earlier token: assisted generation is refused up front.
+    _is_stateful = True
 
     def __init__(self, config: RANConfig):
         if not config.is_causal:
