@@ -688,3 +688,11 @@ def test_converted_folder_loads_as_remote_code_and_fills_masks_without_ran_hf(co
     assert [token for token, _ in report["fill_mask"]] == top.indices.tolist()
     np.testing.assert_allclose([score for _, score in report["fill_mask"]], top.values.numpy(), rtol=0, atol=1e-6)
     assert AutoConfig.from_pretrained(folder).model_type == "ran"
+
+
+def test_importing_ran_hf_leaves_the_converter_unloaded():
+    code = (
+        "import sys, ran_hf; loaded = [m for m in ('ran_hf.convert_rannet', 'ran_hf.tf_checkpoint') if m in sys.modules];"
+        "assert not loaded, loaded; assert callable(ran_hf.convert_rannet_checkpoint)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

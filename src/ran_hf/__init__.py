@@ -15,7 +15,6 @@ from transformers import (
 
 from .cache_ran import RANCache
 from .configuration_ran import RANConfig
-from .convert_rannet import convert_rannet_checkpoint
 from .modeling_ran import (
     RANForCausalLM,
     RANForMaskedLM,
@@ -40,6 +39,17 @@ RANConfig.register_for_auto_class()
 for auto_class, model_class in AUTO_CLASSES.items():
     auto_class.register(RANConfig, model_class, exist_ok=True)
     model_class.register_for_auto_class(auto_class.__name__)
+
+
+
+def __getattr__(name: str):
+    # The checkpoint converter (and its TensorFlow-checkpoint reader) loads only when asked for.
+    if name == "convert_rannet_checkpoint":
+        from .convert_rannet import convert_rannet_checkpoint
+
+        return convert_rannet_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "RANCache",
