@@ -952,7 +952,7 @@ def test_latest_skips_a_checkpoint_whose_files_do_not_load(
     damage(output_dir / "checkpoint-4" / name)
     args = RANTrainingArguments(output_dir=str(output_dir), do_train=True, resume_from_checkpoint="latest")
     with caplog.at_level("WARNING"):
-        assert prepare_output_dir(args) == str(output_dir / "checkpoint-4").replace("-4", "-2")
+        assert prepare_output_dir(args) == str(output_dir / "checkpoint-2")
     assert re.search(rf"Skipping .*checkpoint-4: it lacks an intact {re.escape(name)} \(.*{problem}", caplog.text)
     args.resume_from_checkpoint = str(output_dir / "checkpoint-4")
     with pytest.raises(ValueError, match=rf"Cannot resume from .*checkpoint-4: it lacks an intact {re.escape(name)}"):
