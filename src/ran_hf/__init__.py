@@ -41,7 +41,6 @@ for auto_class, model_class in AUTO_CLASSES.items():
     model_class.register_for_auto_class(auto_class.__name__)
 
 
-
 def __getattr__(name: str):
     # The checkpoint converter (and its TensorFlow-checkpoint reader) loads only when asked for.
     if name == "convert_rannet_checkpoint":

@@ -322,8 +322,8 @@ class RANMemoryReview(nn.Module):
         # CPU backward is tuned for long key sequences.
         scoring_query = F.normalize(projected, dim=-1) if self.qk_norm else query
         scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, L, N)
-        # A token that may read no cell (a causal first window) gets no review; its row is unmasked only to keep
-        # the softmax finite, then zeroed.
+        # A token that may read no cell (a causal first window, an all-padding row) gets no review; its row is
+        # unmasked only to keep the softmax finite, then zeroed.
         readable = cell_mask.any(-1, keepdim=True)
         probs = torch.softmax(scores.masked_fill(~(cell_mask | ~readable), float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, L, D)
@@ -526,9 +526,7 @@ class RANLayer(GradientCheckpointingLayer):
                 cells = torch.cat([initial, cells], dim=1)  # (B, 1 + C, 2 D)
                 cell_mask = F.pad(cell_mask, (1, 0), value=True)  # (B, L, 1 + C)
         else:
-            # A row without windows (all padding) still reads one cell so that the softmax stays finite.
-            readable = torch.clamp(layout.num_windows, min=1)
-            cell_mask = (index[None, :] < readable[:, None])[:, None, :]  # (B, 1, C)
+            cell_mask = (index[None, :] < layout.num_windows[:, None])[:, None, :]  # (B, 1, C)
         reviewed = self.memory_review(padded_states, cells, cell_mask)
         return layout.from_padded(reviewed)
 
