@@ -165,14 +165,16 @@ def answer_logits(model, ids: torch.Tensor, num_answers: int, context: int | Non
 
 
 def train(model, make_batch, answers_of, steps: int, args, description: str) -> dict:
-    """Train; stop at the first step whose loss or gradient is not finite and say so (`diverged_at`)."""
+    """Train; stop at the first step whose loss or gradient is not finite and say so (`diverged_at`).
+
+    `answers_of(model, ids, count)` gives the logits that predict the batch's `count` answer tokens."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
     losses, diverged_at = [], None
     model.train()
     for step in tqdm(range(1, steps + 1), desc=description, leave=False, disable=args.jobs > 1):
         ids, answers = make_batch()
-        logits = answers_of(model, ids)
+        logits = answers_of(model, ids, answers.shape[1])
         loss = F.cross_entropy(logits.flatten(0, 1), answers.flatten())
         optimizer.zero_grad()
         loss.backward()
@@ -220,7 +222,7 @@ def run_model(name: str, args) -> dict:
     result["passkey_training"] = train(
         model,
         lambda: passkey_batch(train_stream, generator, args.batch_size, args.train_length),
-        lambda m, ids: answer_logits(m, ids, KEY_DIGITS, context),
+        lambda m, ids, answers: answer_logits(m, ids, answers, context),
         args.passkey_steps,
         args,
         f"{name} passkey",
@@ -253,9 +255,8 @@ def run_model(name: str, args) -> dict:
         pairs = args.mqar_pairs[int(torch.randint(len(args.mqar_pairs), (1,), generator=generator))]
         return mqar_batch(train_stream, generator, vocabulary, args.batch_size, args.mqar_train_length, pairs)
 
-    def mqar_logits(m, ids):
-        pairs = ids[0].ge(vocabulary.first_value_symbol)[-2 * max(args.mqar_pairs) :].sum()
-        return answer_logits(m, ids, int(pairs), context, stride=2)
+    def mqar_logits(m, ids, pairs):
+        return answer_logits(m, ids, pairs, context, stride=2)
 
     start = time.perf_counter()
     result["mqar_training"] = train(model, mqar_training_batch, mqar_logits, args.mqar_steps, args, f"{name} mqar")

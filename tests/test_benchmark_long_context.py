@@ -111,5 +111,5 @@ def test_training_that_turns_nan_stops_and_says_when():
         pytest.skip("needs ../shared/data for the argument check")
     batch = lambda: (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long))  # noqa: E731
     model = Diverging()
-    result = bench.train(model, batch, lambda m, ids: m(ids), 5, args, "nan")
+    result = bench.train(model, batch, lambda m, ids, count: m(ids), 5, args, "nan")
     assert result == {"losses": [], "diverged_at": 1} and model.scale.item() == 1.0  # no step taken with NaN
