@@ -94,6 +94,27 @@ def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> t
     return torch.view_as_real(pairs * rotations).flatten(-2).to(states.dtype)
 
 
+def count_windows(lengths: torch.Tensor, window: int, min_window: int) -> torch.Tensor:
+    """Windows of sequences of `lengths` tokens: the full ones, plus the tail if it has at least `min_window` tokens
+    or is all there is; a shorter tail joins the window before it."""
+    full, tail = lengths // window, lengths % window
+    return full + ((tail > 0) & ((tail >= min_window) | (full == 0))).long()
+
+
+def group_starts(counts: torch.Tensor) -> torch.Tensor:
+    """Where each group starts in a packed tensor that holds `counts[i]` entries of group i, one group after another."""
+    return F.pad(torch.cumsum(counts, 0), (1, 0))[:-1]
+
+
+def true_positions(flags: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` True entries of the 1-D `flags`, in order: `flags.nonzero()` without the host
+    synchronisation that finding `count` costs."""
+    slots = torch.where(flags, torch.cumsum(flags, 0) - 1, count)  # every False entry lands in one spare slot
+    positions = torch.empty(count + 1, dtype=torch.long, device=flags.device)
+    positions.scatter_(0, slots, torch.arange(flags.numel(), device=flags.device))
+    return positions[:count]
+
+
 @dataclass
 class RANWindowLayout:
     """Where every real token sits in the windows of its sequence.
@@ -108,6 +129,21 @@ class RANWindowLayout:
     batch. When a causal model continues cached sequences (`past_lengths`), windows may also read cached tokens:
     the "tail" of each row (the tokens of its unfinished window, plus its enrichment tokens), P of them in all.
     Window slots index the concatenation [new tokens (T); cached tail tokens (P); an empty row].
+
+    Example (`RANWindowLayout.from_attention_mask`): two right-padded sequences of 5 and 11 tokens, window 4,
+    minimum window 2, no overlap. Sequence 0's tail of one token joins its first window; sequence 1 keeps its tail
+    of three. Tokens are numbered in the flat (T = 16) order, the empty row is 16:
+
+        num_windows    [1, 3]             window_sequence [0, 1, 1, 1]    window_number [0, 0, 1, 2]
+        window_slots   [[ 0,  1,  2,  3,  4],      slot_mask  [[1, 1, 1, 1, 1],
+                        [ 5,  6,  7,  8, 16],                  [1, 1, 1, 1, 0],
+                        [ 9, 10, 11, 12, 16],                  [1, 1, 1, 1, 0],
+                        [13, 14, 15, 16, 16]]                  [1, 1, 1, 0, 0]]
+        query_index    the same as window_slots (every own token is new, and slot s holds query s)
+        query_slots    [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 3, 0], [0, 1, 2, 0, 0]]   (Q = 5; 0 where none)
+        output_slot    [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 15, 16, 17]   (token t's query, k * Q + q)
+        step_windows   [[0, 1], [4, 2], [4, 3]]   (scan step j: the window each sequence reads; 4 = none)
+        token_window   [[0, 0, 0, 0, 0, 0, ...], [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2]]
     """
 
     lengths: torch.Tensor  # (B,) new real tokens per sequence
@@ -142,80 +178,80 @@ class RANWindowLayout:
     def from_attention_mask(
         cls, attention_mask: torch.Tensor, config: RANConfig, past_lengths: torch.Tensor | None = None
     ) -> "RANWindowLayout":
+        """Build the layout in five steps: count windows, pack them, place slots, pick queries, keep the cache tail.
+
+        Every size that shapes a tensor is read to the host in one synchronisation (step 1); nothing else waits on
+        the device.
+        """
         window, overlap = config.window_size, config.window_overlap
         min_window = 1 if config.is_causal else config.min_window_size
+        own_slots = window + min_window - 1  # the longest window: a full one plus a tail too short to stand alone
         batch_size, padded_length = attention_mask.shape
         device = attention_mask.device
         real = attention_mask.bool()
         lengths = real.sum(-1)  # (B,)
         past = torch.zeros_like(lengths) if past_lengths is None else past_lengths.to(device)
+
+        # 1. Count windows per sequence, and the cached tokens a continuation reads again.
         total = past + lengths  # (B,) sequence length after this pass
-
-        full, remainder = total // window, total % window
-        merged_tail = (remainder == 0) | (remainder < min_window)
-        total_windows = torch.where(total <= window, (total > 0).long(), torch.where(merged_tail, full, full + 1))
-        first_window = past // window  # windows already finished before this pass
+        total_windows = count_windows(total, window, min_window)
+        first_window = past // window  # windows finished before this pass
         num_windows = torch.where(lengths > 0, total_windows - first_window, 0)  # (B,)
-
-        # Cached tail read by this pass: the unfinished window's tokens and the enrichment before them.
-        tail_lengths = torch.minimum(past, past % window + overlap)  # (B,)
-        token_index = real.flatten().nonzero().squeeze(-1)  # (T,)
-        total_tokens, total_tail = token_index.numel(), int(tail_lengths.sum())
-        empty = total_tokens + total_tail
-        new_start = torch.cumsum(lengths, 0) - lengths  # (B,) offset of each row in the new tokens
-        tail_start = total_tokens + torch.cumsum(tail_lengths, 0) - tail_lengths  # (B,) offset in the cached tail
+        tail_lengths = torch.minimum(past, past % window + overlap)  # (B,) cached tokens read again
+        next_tail_lengths = torch.minimum(total, total % window + overlap)  # (B,) tokens to cache for the next pass
+        num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail = torch.stack(
+            [lengths.sum(), tail_lengths.sum(), num_windows.sum(), num_windows.max(), lengths.max(),
+             tail_lengths.max(), next_tail_lengths.max()]
+        ).tolist()
+        token_index = true_positions(real.flatten(), num_tokens)  # (T,)
+        empty = num_tokens + num_tail
+        new_start, tail_start = group_starts(lengths), num_tokens + group_starts(tail_lengths)  # (B,) each
 
         def source_index(rows, position):
             """Index in [new; cached tail] of the token at sequence `position` of row `rows`."""
-            is_new = position >= past[rows]
             from_new = new_start[rows] + position - past[rows]
             from_tail = tail_start[rows] + position - (past[rows] - tail_lengths[rows])
-            return torch.where(is_new, from_new, from_tail)
+            return torch.where(position >= past[rows], from_new, from_tail)
 
-        window_sequence = torch.repeat_interleave(torch.arange(batch_size, device=device), num_windows)  # (K,)
-        num_packed = window_sequence.numel()
-        window_number = (
-            torch.arange(num_packed, device=device) - (torch.cumsum(num_windows, 0) - num_windows)[window_sequence]
+        # 2. Pack the windows of all sequences, in batch order; the scan reads them step-major.
+        window_sequence = torch.repeat_interleave(
+            torch.arange(batch_size, device=device), num_windows, output_size=num_packed
         )  # (K,)
-        absolute_window = first_window[window_sequence] + window_number  # (K,)
+        packed = torch.arange(num_packed, device=device)
+        window_number = packed - group_starts(num_windows)[window_sequence]  # (K,)
+        step_windows = torch.full((num_steps, batch_size), num_packed, dtype=torch.long, device=device)
+        step_windows[window_number, window_sequence] = packed
 
+        # 3. Place every window's tokens in its slots: enrichment first, then its own tokens.
+        absolute_window = first_window[window_sequence] + window_number  # (K,)
         start = absolute_window * window  # (K,) first own token in the sequence
         is_last = window_number == num_windows[window_sequence] - 1
         end = torch.where(is_last, total[window_sequence], start + window)  # (K,)
-        enrichment = torch.where(absolute_window > 0, overlap, 0)  # (K,) tokens read from the window before
-        num_slots = overlap + window + min_window - 1
-        slot = torch.arange(num_slots, device=device)
-        position = (start - enrichment)[:, None] + slot[None, :]  # (K, S)
+        first_slot = start - torch.where(absolute_window > 0, overlap, 0)  # (K,) sequence position of slot 0
+        position = first_slot[:, None] + torch.arange(overlap + own_slots, device=device)  # (K, S)
         slot_mask = position < end[:, None]
         rows = window_sequence[:, None].expand_as(position)
         window_slots = torch.where(slot_mask, source_index(rows, position), empty)
 
-        # Only new own tokens need outputs: a decoding step asks one query per window, not S.
-        first_query = torch.maximum(start, past[window_sequence]) - (start - enrichment)  # (K,) its slot
-        num_queries = end - torch.maximum(start, past[window_sequence])  # (K,)
-        query_offset = torch.arange(int(num_queries.max()) if num_packed else 0, device=device)
-        is_query = query_offset[None, :] < num_queries[:, None]  # (K, Q)
-        query_slots = torch.where(is_query, first_query[:, None] + query_offset[None, :], 0)
-        query_index = torch.where(is_query, window_slots.gather(1, query_slots), total_tokens)  # new tokens only
-        output_slot = torch.empty(total_tokens, dtype=torch.long, device=device)
-        output_slot[query_index[is_query]] = is_query.flatten().nonzero().squeeze(-1)
-        num_queries_max = query_offset.numel()
+        # 4. Pick the queries: only new own tokens need an output (a decoding step asks one per window, not S).
+        # New tokens come in the same order as the windows' queries, so query q of window k is simply the next one.
+        first_query = torch.maximum(start, past[window_sequence])  # (K,) sequence position of the first query
+        offset = torch.arange(min(longest, own_slots), device=device)  # (Q,)
+        is_query = offset < (end - first_query)[:, None]  # (K, Q)
+        query_slots = torch.where(is_query, (first_query - first_slot)[:, None] + offset, 0)
+        query_index = torch.where(is_query, torch.cumsum(is_query.flatten(), 0).view_as(is_query) - 1, num_tokens)
+        output_slot = true_positions(is_query.flatten(), num_tokens)  # (T,)
+        token_position = past[:, None] + torch.cumsum(real, -1) - 1  # (B, L) sequence position of each new token
+        token_window = torch.minimum(token_position // window, (total_windows - 1)[:, None]) * real
 
-        num_steps = int(num_windows.max()) if batch_size > 0 else 0
-        step_windows = torch.full((batch_size, num_steps), num_packed, dtype=torch.long, device=device)
-        step_windows[window_sequence, window_number] = torch.arange(num_packed, device=device)
-
-        token_window = torch.zeros(batch_size * padded_length, dtype=torch.long, device=device)
-        token_window[token_index] = absolute_window[output_slot // max(num_queries_max, 1)]
-
+        # 5. Keep the cache tail: which cached tokens this pass reads, and which tokens the next pass reads.
         cached_tail = next_tail = None
         if past_lengths is not None:
-            cached_tail = torch.arange(int(tail_lengths.max()), device=device)[None, :] < tail_lengths[:, None]
-            next_lengths = torch.minimum(total, total % window + overlap)  # (B,)
-            offset = torch.arange(int(next_lengths.max()), device=device)[None, :]  # (1, P')
-            next_position = (total - next_lengths)[:, None] + offset  # (B, P')
+            cached_tail = torch.arange(longest_tail, device=device) < tail_lengths[:, None]  # (B, P)
+            offset = torch.arange(longest_next_tail, device=device)  # (P',)
+            next_position = (total - next_tail_lengths)[:, None] + offset  # (B, P')
             rows = torch.arange(batch_size, device=device)[:, None].expand_as(next_position)
-            next_tail = torch.where(offset < next_lengths[:, None], source_index(rows, next_position), empty)
+            next_tail = torch.where(offset < next_tail_lengths[:, None], source_index(rows, next_position), empty)
 
         return cls(
             lengths=lengths,
@@ -229,8 +265,8 @@ class RANWindowLayout:
             output_slot=output_slot,
             window_sequence=window_sequence,
             window_number=window_number,
-            step_windows=step_windows.T.contiguous(),
-            token_window=token_window.view(batch_size, padded_length),
+            step_windows=step_windows,
+            token_window=token_window,
             finished_windows=total // window,
             cached_tail=cached_tail,
             next_tail=next_tail,
