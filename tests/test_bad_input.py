@@ -4,6 +4,8 @@ import json
 import logging
 import math
 
+from unittest import mock
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -16,6 +18,7 @@ from ran_hf import (
     RANForTokenClassification,
     RANModel,
 )
+from ran_hf import modeling_ran
 
 HEADS = [
     pytest.param(RANModel, id="model"),
@@ -218,6 +221,24 @@ def test_labels_of_the_wrong_shape_dtype_or_range(make_config, input_ids, head, 
     model = model_class(make_config(**overrides))
     with pytest.raises(ValueError, match=message):
         model(input_ids=input_ids, labels=labels)
+
+
+@pytest.mark.parametrize(
+    "head, labels",
+    [
+        pytest.param(MASKED_LM, torch.ones(BATCH_SIZE, LENGTH).long(), id="masked-lm"),
+        pytest.param((RANForCausalLM, {}), torch.ones(BATCH_SIZE, LENGTH).long(), id="causal-lm"),
+        pytest.param(TOKENS, torch.zeros(BATCH_SIZE, LENGTH).long(), id="token-classification"),
+        pytest.param(SINGLE, torch.zeros(BATCH_SIZE).long(), id="sequence-classification"),
+    ],
+)
+def test_a_labelled_forward_validates_its_inputs_once(make_config, input_ids, head, labels):
+    """Heads check their labels' shape themselves and leave the inputs' values to one check in `RANModel`."""
+    model_class, overrides = head
+    model = model_class(make_config(**overrides)).eval()
+    with mock.patch.object(modeling_ran, "validate_ran_inputs", wraps=modeling_ran.validate_ran_inputs) as validate:
+        model(input_ids=input_ids, labels=labels)
+    assert validate.call_count == 1
 
 
 @pytest.mark.parametrize(

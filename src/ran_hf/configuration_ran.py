@@ -140,6 +140,9 @@ class RANConfig(PreTrainedConfig):
             run may put all its review weight on it and never learn to pick the cell that holds what a token needs.
             `False` removes it (tokens of the first window then read no cell); measured on key retrieval it rescues
             such runs but stalls others (docs/memory.md), so it is not the default.
+        scan_implementation (`str`, *optional*, defaults to `"reference"`):
+            Which cell scan the layers run, by its name in `ran_hf.cell_scan.ALL_SCAN_FUNCTIONS`. `"reference"` is
+            the plain step-by-step loop; other scans register there and must compute the same thing.
         hidden_act (`str`, *optional*, defaults to `"silu"`):
             Activation of every projection (swish in the paper).
         hidden_dropout_prob (`float`, *optional*, defaults to 0.1):
@@ -192,6 +195,7 @@ class RANConfig(PreTrainedConfig):
     cell_input_residual: bool | None = None
     review_qk_norm: bool | None = None
     review_initial_cell: bool | None = None
+    scan_implementation: str = "reference"
     hidden_act: str = "silu"
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
@@ -270,6 +274,9 @@ class RANConfig(PreTrainedConfig):
             raise ValueError(f"`cell_pooling` must be one of {_CELL_POOLINGS}, got {self.cell_pooling!r}.")
         if self.token_pooling not in _TOKEN_POOLINGS:
             raise ValueError(f"`token_pooling` must be one of {_TOKEN_POOLINGS}, got {self.token_pooling!r}.")
+        if not isinstance(self.scan_implementation, str) or not self.scan_implementation:
+            # Whether the name is registered is checked when a layer runs: scans may register after the config.
+            raise ValueError(f"`scan_implementation` must be a cell-scan name, got {self.scan_implementation!r}.")
         for name in ("memory_review", "use_cell_residual", "use_rotary", "is_causal", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

@@ -29,6 +29,7 @@ from transformers.utils import ModelOutput, logging
 from transformers.utils.generic import can_return_tuple
 
 from .cache_ran import RANCache, RANCacheLayer
+from .cell_scan import ALL_SCAN_FUNCTIONS
 from .configuration_ran import RANConfig
 
 logger = logging.get_logger(__name__)
@@ -162,6 +163,7 @@ class RANWindowLayout:
     finished_windows: torch.Tensor  # (B,) windows of the whole sequence complete after this pass (causal)
     cached_tail: torch.Tensor | None  # (B, P_max) which cached tail entries are read, or None without a cache
     next_tail: torch.Tensor | None  # (B, P_max') index in [new; cached tail; empty] of the tail to cache next
+    continued_rows: int  # sequences whose first window here continues a cached one (its cell has a residual)
     batch_size: int
     padded_length: int
     _rotary: torch.Tensor | None = None
@@ -199,10 +201,11 @@ class RANWindowLayout:
         num_windows = torch.where(lengths > 0, total_windows - first_window, 0)  # (B,)
         tail_lengths = torch.minimum(past, past % window + overlap)  # (B,) cached tokens read again
         next_tail_lengths = torch.minimum(total, total % window + overlap)  # (B,) tokens to cache for the next pass
-        num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail = torch.stack(
-            [lengths.sum(), tail_lengths.sum(), num_windows.sum(), num_windows.max(), lengths.max(),
-             tail_lengths.max(), next_tail_lengths.max()]
-        ).tolist()
+        sizes = [lengths.sum(), tail_lengths.sum(), num_windows.sum(), num_windows.max(), lengths.max()]
+        sizes += [tail_lengths.max(), next_tail_lengths.max(), (first_window > 0).sum()]
+        num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail, continued_rows = (
+            torch.stack(sizes).tolist()
+        )
         token_index = true_positions(real.flatten(), num_tokens)  # (T,)
         empty = num_tokens + num_tail
         new_start, tail_start = group_starts(lengths), num_tokens + group_starts(tail_lengths)  # (B,) each
@@ -270,6 +273,7 @@ class RANWindowLayout:
             finished_windows=total // window,
             cached_tail=cached_tail,
             next_tail=next_tail,
+            continued_rows=continued_rows,
             batch_size=batch_size,
             padded_length=padded_length,
         )
@@ -367,6 +371,16 @@ class RANMemoryReview(nn.Module):
         return review + self.glu(query)
 
 
+def scan_function(name: str):
+    """The cell scan registered under `name` in `ALL_SCAN_FUNCTIONS`."""
+    if name not in ALL_SCAN_FUNCTIONS:
+        raise ValueError(
+            f"`config.scan_implementation` is {name!r}, which is not a registered cell scan; registered: "
+            f"{sorted(ALL_SCAN_FUNCTIONS)}. Add one with `ran_hf.cell_scan.RANScanInterface.register(name, function)`."
+        )
+    return ALL_SCAN_FUNCTIONS[name]
+
+
 class RANLayer(GradientCheckpointingLayer):
     """One RAN layer over all windows of a batch (bidirectional, or causal when `config.is_causal`)."""
 
@@ -457,56 +471,6 @@ class RANLayer(GradientCheckpointingLayer):
             query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
             key = apply_interleaved_rotary(key, rotations)
         return query, key, value, new_kv
-
-    # ---- phase 2 ---------------------------------------------------------------------------------------------------
-
-    def scan_cells(self, cell, previous_raw, keys, values, layout: RANWindowLayout):
-        """The only sequential part: window by window, the cell attends over itself and its window, then is updated.
-
-        `cell` (B, D) is the cell the first window reads; `previous_raw` (B, D) the raw output of the window before
-        it, if any (continuing a cached sequence). Returns, per step j (the j-th window of every sequence here),
-        stacked as (N, B, ...): the key and value of the cell the window reads, its raw cell ĉ and its cell c.
-        """
-        scale = 1.0 / math.sqrt(self.head_dim)
-        # Step-major views of every sequence's windows; a sequence that has run out of windows reads its first
-        # one with every slot masked (its results are never used). One sequence needs no gather at all.
-        # `unbind` (not indexing inside the loop) keeps the backward pass linear in the number of steps.
-        if layout.batch_size == 1:
-            step_keys, step_values, step_mask = keys[:, None], values[:, None], layout.slot_mask[:, None]
-        else:
-            has_window = layout.step_windows < keys.shape[0]  # (N, B)
-            windows = torch.where(has_window, layout.step_windows, 0)
-            step_keys, step_values = keys[windows], values[windows]  # (N, B, H, S, d)
-            step_mask = layout.slot_mask[windows] & has_window[..., None]  # (N, B, S)
-        step_keys, step_values, step_mask = step_keys.unbind(0), step_values.unbind(0), step_mask.unbind(0)
-        # The first window of a sequence has no residual; decided once here, not per step on the device.
-        steps = torch.arange(layout.num_steps, device=cell.device)
-        residual = (layout.first_window[None, :] + steps[:, None]) > 0  # (N, B)
-        residual &= self.config.use_cell_residual
-        residual_kind = ["all" if all(row) else "some" if any(row) else "none" for row in residual.tolist()]
-
-        read_keys, read_values, raw_cells, cells = [], [], [], []
-        for step in range(layout.num_steps):
-            normed = self.normalize_input(cell)  # (B, D)
-            query, key, value = self.project(normed).unbind(-3)  # (B, H, d) each
-            token_scores = torch.einsum("bhd,bhsd->bhs", query, step_keys[step])  # (B, H, S)
-            token_scores = token_scores.masked_fill(~step_mask[step][:, None, :], float("-inf"))
-            cell_score = (query * key).sum(-1, keepdim=True)  # (B, H, 1)
-            probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
-            probs = F.dropout(probs, self.attention_dropout, self.training)
-            attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], step_values[step])
-            raw = self.write_cell(attended.flatten(-2), normed)  # (B, D)
-            if residual_kind[step] == "none":
-                cell = raw
-            else:
-                updated = self.dropout(self.cell_norm(raw + self.cell_glu(previous_raw)))
-                cell = updated if residual_kind[step] == "all" else torch.where(residual[step, :, None], updated, raw)
-            previous_raw = raw
-            read_keys.append(key)
-            read_values.append(value)
-            raw_cells.append(raw)
-            cells.append(cell)
-        return torch.stack(read_keys), torch.stack(read_values), torch.stack(raw_cells), torch.stack(cells)
 
     # ---- phase 3 ---------------------------------------------------------------------------------------------------
 
@@ -606,7 +570,8 @@ class RANLayer(GradientCheckpointingLayer):
         query, key, value, new_kv = self.project_windows(normed_tokens, layout, cache)  # (K, H, S, d) each
 
         # 2. The cell scan: the only sequential step.
-        read_keys, read_values, raw_cells, cells = self.scan_cells(start_cell, start_previous, key, value, layout)
+        scan = scan_function(self.config.scan_implementation)
+        read_keys, read_values, raw_cells, cells = scan(self, start_cell, start_previous, key, value, layout)
 
         # 3. Token attention of all windows in one batched call, then the per-token tail.
         attended = self.attend_windows(
@@ -733,8 +698,8 @@ class RANModelOutput(ModelOutput):
     past_key_values: RANCache | None = None
 
 
-def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0) -> None:
-    """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN."""
+def input_batch_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int) -> tuple:
+    """(batch_size, sequence_length) of the inputs, checking only what needs no look at their values."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
     if input_ids is not None:
@@ -746,27 +711,29 @@ def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embe
             # The embedding takes int64 / int32 only: name the dtype instead of failing inside it.
             raise ValueError(f"`input_ids` must hold integer token ids (int64 or int32), got dtype {input_ids.dtype}.")
         shape = tuple(input_ids.shape)
-        if input_ids.numel() > 0:
-            low, high = int(input_ids.min()), int(input_ids.max())
-            if low < 0 or high >= config.vocab_size:
-                bad = low if low < 0 else high
-                raise ValueError(
-                    f"`input_ids` holds token id {bad}, outside the vocabulary [0, {config.vocab_size - 1}]."
-                )
     else:
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
             raise ValueError(
-                f"`inputs_embeds` must have shape (batch_size, sequence_length, {config.hidden_size}), "
+                f"`inputs_embeds` must have shape (batch_size, sequence_length, {hidden_size}), "
                 f"got {tuple(inputs_embeds.shape)}."
             )
         shape = tuple(inputs_embeds.shape[:2])
-        if not torch.isfinite(inputs_embeds).all():
-            # One NaN spreads through the window attention and the cells to every later token of its sequence.
-            raise ValueError("`inputs_embeds` holds NaN or infinite values.")
     if shape[0] == 0:
         raise ValueError("Got a batch of 0 sequences: RAN needs at least one sequence.")
     if shape[1] == 0:
         raise ValueError("Got sequences of length 0: RAN needs at least one token per batch.")
+    return shape
+
+
+def validate_ran_inputs(
+    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0
+) -> tuple[int, int]:
+    """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN.
+
+    Shapes are checked first; the values (token ids in the vocabulary, finite embeddings, a 0/1 mask) are then
+    checked with a single host synchronisation. Returns (batch_size, sequence_length).
+    """
+    shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
     if attention_mask is not None and tuple(attention_mask.shape) not in (
         shape,
         (shape[0], past_positions + shape[1]),
@@ -776,15 +743,35 @@ def check_model_inputs(config: RANConfig, input_ids, attention_mask, inputs_embe
             + (f" or of the whole text so far {(shape[0], past_positions + shape[1])}" if past_positions else "")
             + f", got {tuple(attention_mask.shape)}."
         )
+
+    if input_ids is not None:
+        checks = [input_ids.min(), input_ids.max()]
+    else:
+        # One NaN spreads through the window attention and the cells to every later token of its sequence.
+        checks = [(~torch.isfinite(inputs_embeds)).any()]
+    not_binary = None
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         # Anything but 0/1 is read as "real token" where nonzero: an additive mask (0 / -10000) would be inverted.
         not_binary = (attention_mask != 0) & (attention_mask != 1)
-        if not_binary.any():
-            value = attention_mask[not_binary][0].item()
+        checks.append(not_binary.any().to(checks[0].device))
+    found = torch.stack([check.long() for check in checks]).tolist()
+
+    if input_ids is not None:
+        low, high = found[:2]
+        if low < 0 or high >= config.vocab_size:
             raise ValueError(
-                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got {value}. An additive mask "
-                "(0 for tokens, a large negative number for padding) must be turned into 0/1 first: `(mask == 0)`."
+                f"`input_ids` holds token id {low if low < 0 else high}, outside the vocabulary "
+                f"[0, {config.vocab_size - 1}]."
             )
+    elif found[0]:
+        raise ValueError("`inputs_embeds` holds NaN or infinite values.")
+    if not_binary is not None and found[-1]:
+        value = attention_mask[not_binary][0].item()
+        raise ValueError(
+            f"`attention_mask` must hold 1 for real tokens and 0 for padding, got {value}. An additive mask "
+            "(0 for tokens, a large negative number for padding) must be turned into 0/1 first: `(mask == 0)`."
+        )
+    return shape
 
 
 @contextmanager
@@ -857,7 +844,7 @@ class RANModel(RANPreTrainedModel):
             logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
             use_cache = False
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
-        check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds, past_positions)
+        validate_ran_inputs(self.config, input_ids, attention_mask, inputs_embeds, past_positions)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -944,8 +931,9 @@ def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: in
         raise ValueError(f"`labels` must have shape {batch_shape} (one {name} per token), got {tuple(labels.shape)}.")
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise ValueError(f"`labels` must hold integer {name}s, got dtype {labels.dtype}.")
-    real = labels[labels != -100]
-    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= num_classes):
+    scored = labels.masked_fill(labels == -100, 0)
+    low, high = torch.stack([scored.min(), scored.max()]).tolist()  # one host synchronisation
+    if low < 0 or high >= num_classes:
         raise ValueError(f"`labels` holds a {name} outside [0, {num_classes - 1}] (use -100 to ignore a position).")
 
 
@@ -997,8 +985,7 @@ class RANForMaskedLM(RANLanguageModelBase):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
         """
         if labels is not None:
-            check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
-            batch_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
             check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
         # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
         outputs = self.model(
@@ -1087,8 +1074,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
             `config.problem_type` and is inferred as in Transformers when unset.
         """
         if labels is not None:
-            check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
-            batch_size = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+            batch_size = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)[0]
             labels = self.check_labels(labels, batch_size)
         # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
         outputs = self.model(
@@ -1134,8 +1120,7 @@ class RANForTokenClassification(RANPreTrainedModel):
             Class id of every token; -100 (and every padding position) is ignored.
         """
         if labels is not None:
-            check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
-            batch_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
             check_token_labels(labels, batch_shape, self.num_labels, "class id")
         # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
         outputs = self.model(
@@ -1192,8 +1177,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
         """
         if labels is not None:
-            check_model_inputs(self.config, input_ids, attention_mask, inputs_embeds)
-            batch_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
             check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
             if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
                 raise ValueError(

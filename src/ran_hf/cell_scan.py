@@ -1,0 +1,83 @@
+"""The cell scan: the one sequential part of a RAN layer, window by window.
+
+A scan function has the signature of `reference_cell_scan`. It takes the layer (whose projections and norms it
+uses) and returns, per scan step, the key and value of the cell each window reads, its raw cell and its cell. The
+layer calls the function that `config.scan_implementation` names in `ALL_SCAN_FUNCTIONS`; other implementations
+(a fused GPU scan, or a benchmark's variant of the design) join with `RANScanInterface.register`, as attention
+functions join Transformers' `AttentionInterface`.
+"""
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers.utils.generic import GeneralInterface
+
+if TYPE_CHECKING:
+    from .modeling_ran import RANLayer, RANWindowLayout
+
+
+def reference_cell_scan(
+    layer: "RANLayer",
+    cell: torch.Tensor,
+    previous_raw: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: "RANWindowLayout",
+):
+    """Window by window, the cell attends over itself and its window's tokens, then is updated (paper eq. 5-7).
+
+    `cell` (B, D) is the cell the first window reads; `previous_raw` (B, D) the raw output of the window before it,
+    if any (continuing a cached sequence); `keys`/`values` (K, H, S, d) the window slots' keys and values. Returns,
+    per step j (the j-th window of every sequence in this pass), stacked as (N, B, ...): the key and value of the
+    cell the window reads, its raw cell ĉ and its cell c.
+    """
+    scale = 1.0 / math.sqrt(layer.head_dim)
+    # Step-major views of every sequence's windows; a sequence that has run out of windows reads its first one
+    # with every slot masked (its results are never used). One sequence needs no gather at all. `unbind` (not
+    # indexing inside the loop) keeps the backward pass linear in the number of steps.
+    if layout.batch_size == 1:
+        step_keys, step_values, step_mask = keys[:, None], values[:, None], layout.slot_mask[:, None]
+    else:
+        has_window = layout.step_windows < keys.shape[0]  # (N, B)
+        windows = torch.where(has_window, layout.step_windows, 0)
+        step_keys, step_values = keys[windows], values[windows]  # (N, B, H, S, d)
+        step_mask = layout.slot_mask[windows] & has_window[..., None]  # (N, B, S)
+    step_keys, step_values, step_mask = step_keys.unbind(0), step_values.unbind(0), step_mask.unbind(0)
+    # Every window after a sequence's first has a cell residual; at step 0 only sequences continued from a cache.
+    use_residual = layer.config.use_cell_residual
+    first_step_continues = layout.first_window[:, None] > 0  # (B, 1)
+
+    read_keys, read_values, raw_cells, cells = [], [], [], []
+    for step in range(layout.num_steps):
+        normed = layer.normalize_input(cell)  # (B, D)
+        query, key, value = layer.project(normed).unbind(-3)  # (B, H, d) each
+        token_scores = torch.einsum("bhd,bhsd->bhs", query, step_keys[step])  # (B, H, S)
+        token_scores = token_scores.masked_fill(~step_mask[step][:, None, :], float("-inf"))
+        cell_score = (query * key).sum(-1, keepdim=True)  # (B, H, 1)
+        probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
+        probs = F.dropout(probs, layer.attention_dropout, layer.training)
+        attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], step_values[step])
+        raw = layer.write_cell(attended.flatten(-2), normed)  # (B, D)
+        if not use_residual or (step == 0 and layout.continued_rows == 0):
+            cell = raw
+        else:
+            updated = layer.dropout(layer.cell_norm(raw + layer.cell_glu(previous_raw)))
+            partial = step == 0 and layout.continued_rows < layout.batch_size
+            cell = torch.where(first_step_continues, updated, raw) if partial else updated
+        previous_raw = raw
+        read_keys.append(key)
+        read_values.append(value)
+        raw_cells.append(raw)
+        cells.append(cell)
+    return torch.stack(read_keys), torch.stack(read_values), torch.stack(raw_cells), torch.stack(cells)
+
+
+class RANScanInterface(GeneralInterface):
+    """The cell scans a RAN layer can run, by name (`config.scan_implementation`)."""
+
+    _global_mapping = {"reference": reference_cell_scan}
+
+
+ALL_SCAN_FUNCTIONS = RANScanInterface()
