@@ -3,7 +3,6 @@
 import json
 import logging
 import math
-
 from unittest import mock
 
 import pytest
@@ -17,8 +16,8 @@ from ran_hf import (
     RANForSequenceClassification,
     RANForTokenClassification,
     RANModel,
+    modeling_ran,
 )
-from ran_hf import modeling_ran
 
 HEADS = [
     pytest.param(RANModel, id="model"),

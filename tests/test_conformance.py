@@ -88,6 +88,9 @@ class RANModelTester:
         self.num_labels = num_labels
         self.pad_token_id = pad_token_id
         self.is_causal = is_causal
+        # Window attention weights: every token over its window's read cell and slots (a merged tail included).
+        min_window = 1 if is_causal else min_window_size
+        self.key_length = 1 + window_size + min_window - 1
 
     def get_config(self) -> RANConfig:
         return RANConfig(
@@ -172,34 +175,7 @@ class RANModelTester:
 # (Tests that need hardware or libraries absent here, such as CPU/disk offload, multi-device model parallelism, device
 # context managers, DeepSpeed and compiled training, apply to RAN and skip themselves when those are missing.)
 NOT_APPLICABLE = {
-    # Attention: RAN calls `scaled_dot_product_attention` itself, with no attention interface to switch between.
-    "test_attention_outputs": "RAN exposes no attention weights",
-    "test_sliding_window_mask": "RAN exposes no attention weights and has no sliding-window attention setting",
-    "test_eager_matches_sdpa_inference": "RAN has a single attention path (SDPA): there is no eager one to compare",
-    "test_attn_implementation_composite_models": "RAN has no attention implementation to choose",
-    "test_can_set_attention_dynamically": "RAN has no attention implementation to choose",
-    "test_can_set_attention_dynamically_composite_model": "RAN has no attention implementation to choose",
-    "test_sdpa_can_dispatch_non_composite_models": "RAN has no attention implementation to choose",
-    "test_sdpa_can_dispatch_composite_models": "RAN has no attention implementation to choose",
-    "test_sdpa_can_dispatch_on_flash": "RAN has no attention implementation to choose",
-    "test_sdpa_can_compile_dynamic": "RAN has no attention implementation to choose",
-    "test_flex_attention_with_grads": "RAN has no flex-attention path",
-    "test_flash_attn_2_can_compile_with_attention_mask_None_without_graph_break": "RAN has no flash-attention path",
-    "test_flash_attn_2_can_dispatch_composite_models": "RAN has no flash-attention path",
-    "test_flash_attn_2_fp32_ln": "RAN has no flash-attention path",
-    "test_flash_attn_2_from_config": "RAN has no flash-attention path",
-    "test_flash_attn_2_inference_equivalence": "RAN has no flash-attention path",
-    "test_flash_attn_2_inference_equivalence_right_padding": "RAN has no flash-attention path",
-    "test_flash_attn_3_can_dispatch_composite_models": "RAN has no flash-attention path",
-    "test_flash_attn_3_from_config": "RAN has no flash-attention path",
-    "test_flash_attn_3_inference_equivalence": "RAN has no flash-attention path",
-    "test_flash_attn_3_inference_equivalence_right_padding": "RAN has no flash-attention path",
-    "test_flash_attn_4_can_dispatch_composite_models": "RAN has no flash-attention path",
-    "test_flash_attn_4_from_config": "RAN has no flash-attention path",
-    "test_flash_attn_4_inference_equivalence": "RAN has no flash-attention path",
-    "test_flash_attn_4_inference_equivalence_right_padding": "RAN has no flash-attention path",
-    "test_flash_attn_kernels_inference_equivalence": "RAN has no flash-attention path",
-    "test_flash_attn_kernels_mps_inference_equivalence": "RAN has no flash-attention path",
+    "test_sliding_window_mask": "RAN's windows are its layout, not a sliding-window attention setting",
     "test_kernels_can_load_without_crashing": "RAN uses no Hub kernels",
     # Positions: rotary embeddings restart in every window, with a fixed `rope_theta` and no `rope_parameters`.
     "test_resize_position_vector_embeddings": "RAN has no position embeddings",
@@ -240,7 +216,6 @@ class RANTesterMixin(ModelTesterMixin):
     """What every RAN test class shares: the tester, the config tests and RAN's place in the task tables."""
 
     model_tester_kwargs = {}
-    has_attentions = False
     # `_init_weights` covers every parameter; the check is otherwise reserved for models added since 2023.
     test_can_init_all_missing_weights_before_2023 = True
     # Not every parameter gets a gradient on every batch: the last layer's cell update reaches token outputs only

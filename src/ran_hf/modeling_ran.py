@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -25,7 +26,9 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
-from transformers.utils import ModelOutput, logging
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.processing_utils import Unpack
+from transformers.utils import ModelOutput, TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
 from .cache_ran import RANCache, RANCacheLayer
@@ -51,6 +54,12 @@ def standard_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
     mean = hidden_states.mean(-1, keepdim=True)
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
     return ((hidden_states - mean) * torch.rsqrt(mean_square + eps)).to(input_dtype)
+
+
+def unit_vectors(states: torch.Tensor) -> torch.Tensor:
+    """L2-normalised along the last axis, in float32: in half precision the guard against a zero vector (padding)
+    underflows to 0, and 0 / 0 is NaN."""
+    return F.normalize(states.float(), dim=-1).to(states.dtype)
 
 
 class RANLayerNorm(nn.Module):
@@ -307,6 +316,25 @@ class RANWindowLayout:
         """(B, L, F) -> (T, F): the real tokens only."""
         return padded_states.flatten(0, 1)[self.token_index]
 
+    def to_windows(self, token_states: torch.Tensor) -> torch.Tensor:
+        """(T, F) -> (K, Q, F): the inverse of `from_windows`, zeros at unused query slots."""
+        num_windows, num_queries = self.query_slots.shape
+        windows = token_states.new_zeros(num_windows * num_queries, token_states.shape[-1])
+        windows[self.output_slot] = token_states
+        return windows.view(num_windows, num_queries, -1)
+
+    def weights_per_token(self, weights: torch.Tensor) -> torch.Tensor:
+        """(K, H, Q, X) attention weights of the windows' queries -> (B, H, L, X) those of each token, zeros at padding."""
+        num_heads, num_keys = weights.shape[1], weights.shape[-1]
+        per_token = self.from_windows(weights.transpose(1, 2).flatten(-2))  # (T, H * X)
+        return self.to_padded(per_token).unflatten(-1, (num_heads, num_keys)).transpose(1, 2)
+
+    def weights_per_window(self, token_weights: torch.Tensor) -> torch.Tensor:
+        """(B, H, L, X) -> (K, H, Q, X): the inverse of `weights_per_token`."""
+        num_heads, num_keys = token_weights.shape[1], token_weights.shape[-1]
+        per_token = self.from_padded(token_weights.transpose(1, 2).flatten(-2))  # (T, H * X)
+        return self.to_windows(per_token).unflatten(-1, (num_heads, num_keys)).transpose(1, 2)
+
     def per_sequence(self, step_states: torch.Tensor) -> torch.Tensor:
         """(N, B, F) per-step states -> (K, F) the state of every packed window."""
         return step_states[self.window_number, self.window_sequence]
@@ -315,6 +343,27 @@ class RANWindowLayout:
 # --------------------------------------------------------------------------------------------------------------------
 # The RAN layer
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def eager_window_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """Softmax attention in plain matmuls, the one implementation that can return its weights.
+
+    query (K, H, Q, d), key and value (K, H, X, d), attention_mask additive (K, 1, Q or 1, X). Returns the output as
+    (K, Q, H, d), like every attention function of Transformers, and the weights (K, H, Q, X).
+    """
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling + attention_mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    attended = torch.matmul(F.dropout(weights, p=dropout, training=module.training), value)
+    return attended.transpose(1, 2).contiguous(), weights
 
 
 class RANMemoryReview(nn.Module):
@@ -344,7 +393,7 @@ class RANMemoryReview(nn.Module):
     def project_cells(self, cells: torch.Tensor) -> torch.Tensor:
         """(..., D) cells -> (..., 2 D) their keys and values; a cache keeps these, not the cells."""
         key, value = self.kv_proj(cells).chunk(2, dim=-1)
-        key = F.normalize(key, dim=-1) if self.qk_norm else self.act(key)
+        key = unit_vectors(key) if self.qk_norm else self.act(key)
         return torch.cat([key, self.act(value)], dim=-1)
 
     def forward(self, token_states: torch.Tensor, cell_states: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
@@ -360,7 +409,7 @@ class RANMemoryReview(nn.Module):
         key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
         # Few keys (one per window) and many queries: plain matmuls beat fused attention kernels here, whose
         # CPU backward is tuned for long key sequences.
-        scoring_query = F.normalize(projected, dim=-1) if self.qk_norm else query
+        scoring_query = unit_vectors(projected) if self.qk_norm else query
         scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, L, N)
         # A token that may read no cell (a causal first window, an all-padding row) gets no review; its row is
         # unmasked only to keep the softmax finite, then zeroed.
@@ -418,6 +467,7 @@ class RANLayer(GradientCheckpointingLayer):
         self.act = ACT2FN[config.hidden_act]
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
+        self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
 
     # ---- shared per-position maths -------------------------------------------------------------------------------
 
@@ -474,25 +524,39 @@ class RANLayer(GradientCheckpointingLayer):
 
     # ---- phase 3 ---------------------------------------------------------------------------------------------------
 
-    def attend_windows(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout) -> torch.Tensor:
-        """Token attention of all windows in one call: window k's keys are its read cell followed by its slots."""
+    def attend_windows(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions):
+        """Token attention of all windows in one call: window k's keys are its read cell followed by its slots.
+
+        Packed windows are a batch of K sequences, so any of Transformers' attention functions runs them
+        (`config._attn_implementation`). Returns the attended values (T, H * d) and, with `output_attentions` and
+        an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None.
+        """
         key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
         value = torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
-        key_mask = F.pad(layout.slot_mask, (1, 0), value=True)  # (K, 1 + S)
+        visible = F.pad(layout.slot_mask, (1, 0), value=True)[:, None, None, :]  # (K, 1, 1, 1 + S)
         if self.config.is_causal:
             key_slot = torch.arange(-1, layout.num_slots, device=key.device)  # the cell is "slot -1"
-            causal = key_slot[None, None, :] <= layout.query_slots[:, :, None]  # (K, Q, 1 + S)
-            attention_mask = (key_mask[:, None, :] & causal)[:, None]  # (K, 1, Q, 1 + S)
-        else:
-            attention_mask = key_mask[:, None, None, :]  # (K, 1, 1, 1 + S)
-        attended = F.scaled_dot_product_attention(
+            visible = visible & (key_slot <= layout.query_slots[:, :, None])[:, None]  # (K, 1, Q, 1 + S)
+        # One additive mask suits every implementation; the cell is always visible, so no row is fully masked.
+        attention_mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+        attention_mask = attention_mask.masked_fill(~visible, torch.finfo(query.dtype).min)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
+        attended, weights = attention(
+            self,
             query,
             key,
             value,
-            attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-        )  # (K, H, Q, d)
-        return layout.from_windows(attended.transpose(1, 2).flatten(-2))  # (T, H * d)
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.head_dim**-0.5,
+        )  # (K, Q, H, d)
+        if weights is not None and output_attentions:
+            # The returned weights stay in the graph, as returned hidden states do: the output is recomputed from
+            # them, so that gradients with respect to the attention weights exist.
+            weights = layout.weights_per_token(weights)  # (B, H, L, 1 + S)
+            dropped = F.dropout(layout.weights_per_window(weights), self.attention_dropout, self.training)
+            attended = torch.matmul(dropped, value).transpose(1, 2)
+        return layout.from_windows(attended.flatten(-2)), weights  # (T, H * d)
 
     def cell_states(self, raw_cells, layout: RANWindowLayout, cache: RANCacheLayer | None) -> torch.Tensor:
         """(B, C, 2 D) memory-review keys and values of every sequence's cells by window number, cached ones first.
@@ -552,19 +616,29 @@ class RANLayer(GradientCheckpointingLayer):
     def forward(
         self,
         token_states: torch.Tensor,
-        initial_cell: torch.Tensor,
+        cell: torch.Tensor | None,
         layout: RANWindowLayout,
         cache: RANCacheLayer | None = None,
+        output_attentions: bool = False,
     ):
-        """token_states (T, D) new real tokens; initial_cell (B, D) the cell of a sequence's first window.
+        """token_states (T, D) new real tokens; cell (B, D) the cell each sequence's first window reads, or None for
+        the layer's own learned starting cell (read here, inside the layer, so that a sharded parameter is gathered).
 
         With a `cache` (causal continuation) the scan starts from the cached cell and the cache is updated in place.
-        Returns token states (T, D), raw cells (N, B, D) and cells (N, B, D) of this pass's windows.
+        Returns token states (T, D), raw cells (N, B, D) of this pass's windows, each sequence's last cell (B, D)
+        (the starting one for a row of padding only) and, if asked for, every token's window attention weights
+        (B, H, L, 1 + S).
         """
-        normed_tokens = self.normalize_input(token_states)  # (T, D)
-        start_cell, start_previous = initial_cell, torch.zeros_like(initial_cell)
+        initial_cell = None
+        if hasattr(self, "initial_cell"):
+            initial_cell = self.dropout(self.initial_cell[None].expand(layout.batch_size, -1))
+        start_cell = initial_cell if cell is None else cell
+        start_previous = torch.zeros_like(start_cell)
         if cache is not None and cache.is_initialized:
             start_cell, start_previous = cache.cell, cache.previous_raw_cell
+        if layout.num_steps == 0:  # padding only: nothing to read, nothing to write
+            return token_states, token_states.new_zeros(0, *start_cell.shape), start_cell, None
+        normed_tokens = self.normalize_input(token_states)  # (T, D)
 
         # 1. Everything that does not depend on the cell, for all windows at once.
         query, key, value, new_kv = self.project_windows(normed_tokens, layout, cache)  # (K, H, S, d) each
@@ -574,8 +648,9 @@ class RANLayer(GradientCheckpointingLayer):
         read_keys, read_values, raw_cells, cells = scan(self, start_cell, start_previous, key, value, layout)
 
         # 3. Token attention of all windows in one batched call, then the per-token tail.
-        attended = self.attend_windows(
-            query, key, value, layout.per_sequence(read_keys), layout.per_sequence(read_values), layout
+        read_key, read_value = layout.per_sequence(read_keys), layout.per_sequence(read_values)
+        attended, attention_weights = self.attend_windows(
+            query, key, value, read_key, read_value, layout, output_attentions
         )  # (T, H * d)
         if self.residual_stream:
             token_states = token_states + self.attention_output(attended, normed_tokens)  # (T, D)
@@ -589,7 +664,11 @@ class RANLayer(GradientCheckpointingLayer):
             token_states = self.output_norm(token_states)
         if cache is not None:
             self.update_cache(cache, layout, (start_cell, start_previous), raw_cells, cells, cell_states, new_kv)
-        return token_states, raw_cells, cells
+        # A sequence's last cell starts the next layer; a row of padding only keeps the cell it came with.
+        last_step = (layout.num_windows - 1).clamp(min=0)
+        rows = torch.arange(layout.batch_size, device=last_step.device)
+        last_cell = torch.where((layout.num_windows > 0)[:, None], cells[last_step, rows], start_cell)
+        return token_states, raw_cells, last_cell, attention_weights
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -644,6 +723,7 @@ def masked_mean(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return total / mask.sum(1, keepdim=True).clamp(min=1)
 
 
+@auto_docstring
 class RANPreTrainedModel(PreTrainedModel):
     config: RANConfig
     config_class = RANConfig
@@ -651,15 +731,19 @@ class RANPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["RANLayer"]
+    # Window attention runs through Transformers' attention functions: eager (weights), SDPA (default), flex. The
+    # memory review and the cell scan keep their own small matmuls: one key per window, or one query per step.
+    _supports_sdpa = True
+    _supports_flex_attn = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
         super()._init_weights(module)
         if isinstance(module, RANLayer) and hasattr(module, "initial_cell"):
             # Zero is what the official initialiser gives: LayerNorm(swish(U * 0)) = the norm's zero-initialised bias.
-            module.initial_cell.zero_()
+            init.zeros_(module.initial_cell)
         elif isinstance(module, RANLanguageModelBase) and module.decoder.bias is not None:
-            module.decoder.bias.zero_()
+            init.zeros_(module.decoder.bias)
 
 
 @dataclass
@@ -684,6 +768,11 @@ class RANModelOutput(ModelOutput):
         hidden_states (`tuple(torch.FloatTensor)`, *optional*, returned when `output_hidden_states=True`):
             The embedding output and the token states after every layer, each `(batch_size, sequence_length,
             hidden_size)`.
+        attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's window attention weights, each `(batch_size, num_heads, sequence_length, 1 + window_slots)`:
+            what each token read in its window, the cell it reads first (index 0), then the window's slots (the
+            enrichment tokens, then its own tokens; zeros where a slot is empty, masked or in the future). Eager
+            attention only.
         past_key_values (`RANCache`, *optional*, returned when `use_cache=True`):
             Causal models: the recurrent state after these tokens, to continue the text with.
     """
@@ -695,6 +784,7 @@ class RANModelOutput(ModelOutput):
     cells: torch.FloatTensor | None = None
     cells_mask: torch.BoolTensor | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
     past_key_values: RANCache | None = None
 
 
@@ -789,17 +879,22 @@ def checkpointing_off(layer: RANLayer, when: bool):
         layer.gradient_checkpointing = True
 
 
+@auto_docstring(
+    custom_intro="The bare RAN encoder (or causal decoder when `config.is_causal`): embeddings, RAN layers, optional "
+    "pooler (the official cell transform)."
+)
 class RANModel(RANPreTrainedModel):
-    """The bare RAN encoder (or causal decoder when `config.is_causal`): embeddings, RAN layers, optional pooler."""
-
     def __init__(self, config: RANConfig, add_pooling_layer: bool = True):
+        r"""
+        add_pooling_layer (`bool`, *optional*, defaults to `True`):
+            Whether to build the pooler (the official cell transform) that gives `pooler_output`.
+        """
         super().__init__(config)
         self.embeddings = RANEmbeddings(config)
         self.layers = nn.ModuleList([RANLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)])
         # A residual stream is normalised once, after the last layer; official layers end in their own norm.
         self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps) if config.uses_residual_stream else None
         self.pooler = RANPooler(config) if add_pooling_layer else None
-        self.cell_dropout = nn.Dropout(config.hidden_dropout_prob)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -809,10 +904,8 @@ class RANModel(RANPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    def initial_cell(self, layer: RANLayer, batch_size: int) -> torch.Tensor:
-        return self.cell_dropout(layer.initial_cell[None].expand(batch_size, -1))
-
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -820,8 +913,9 @@ class RANModel(RANPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         past_key_values: RANCache | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> RANModelOutput:
         r"""
         input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`):
@@ -834,6 +928,8 @@ class RANModel(RANPreTrainedModel):
             Causal models only: the recurrent state after the tokens read so far; the inputs continue them.
         use_cache (`bool`, *optional*):
             Causal models only: return the recurrent state (a new `RANCache` when none was passed).
+        output_attentions (`bool`, *optional*):
+            Also return every layer's window attention weights (with `attn_implementation="eager"` only).
         output_hidden_states (`bool`, *optional*):
             Also return the embedding output and every layer's token states.
         """
@@ -848,6 +944,14 @@ class RANModel(RANPreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        if output_attentions and self.config._attn_implementation != "eager":
+            logger.warning_once(
+                f"`output_attentions=True` returns window attention weights only with the eager attention; this model "
+                f"runs {self.config._attn_implementation!r}, so `attentions` is None. Load it with "
+                '`attn_implementation="eager"` to get them.'
+            )
+            output_attentions = False
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
         batch_size, padded_length = embeddings.shape[:2]
         if attention_mask is None:
@@ -859,24 +963,23 @@ class RANModel(RANPreTrainedModel):
         layout = RANWindowLayout.from_attention_mask(attention_mask, self.config, past_lengths)
 
         token_states = layout.from_padded(embeddings)  # (T, D)
-        cell = self.initial_cell(self.layers[0], batch_size)  # (B, D)
+        cell = None  # the first layer starts from its own learned cell
         all_hidden_states = () if output_hidden_states else None
-        raw_cells = embeddings.new_zeros(0, batch_size, self.config.hidden_size)  # (N, B, D)
-        has_windows = layout.num_windows > 0
-        last_step = (layout.num_windows - 1).clamp(min=0)
+        all_attentions = () if output_attentions else None
         for layer in self.layers:
             if output_hidden_states:
                 # The returned states stay in the graph: the layer reads its tokens back from them.
                 all_hidden_states += (layout.to_padded(token_states),)
                 token_states = layout.from_padded(all_hidden_states[-1])
-            if self.config.is_causal and layer.layer_idx > 0:
-                cell = self.initial_cell(layer, batch_size)
-            if layout.num_steps > 0:
-                layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
-                with checkpointing_off(layer, when=layer_cache is not None and self.training):
-                    token_states, raw_cells, cells = layer(token_states, cell, layout=layout, cache=layer_cache)
-                # A sequence's last cell starts the next layer; an all-padding row keeps the cell it came with.
-                cell = torch.where(has_windows[:, None], cells[last_step, torch.arange(batch_size)], cell)
+            if self.config.is_causal:
+                cell = None  # every causal layer starts from its own learned cell: the cell below has read ahead
+            layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
+            with checkpointing_off(layer, when=layer_cache is not None and self.training):
+                token_states, raw_cells, cell, attention_weights = layer(
+                    token_states, cell, layout=layout, cache=layer_cache, output_attentions=output_attentions
+                )
+            if output_attentions:
+                all_attentions += (attention_weights,)
 
         if past_key_values is not None:
             past_key_values.advance(layout.lengths, padded_length)
@@ -904,6 +1007,7 @@ class RANModel(RANPreTrainedModel):
             cells=cells,
             cells_mask=cells_mask,
             hidden_states=all_hidden_states,
+            attentions=all_attentions,
             past_key_values=past_key_values,
         )
 
@@ -970,15 +1074,17 @@ class RANLanguageModelBase(RANPreTrainedModel):
         self.decoder = new_embeddings
 
 
+@auto_docstring(custom_intro="RAN with the official masked-language-modelling head, tied to the token embedding.")
 class RANForMaskedLM(RANLanguageModelBase):
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MaskedLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
@@ -1000,9 +1106,14 @@ class RANForMaskedLM(RANLanguageModelBase):
                 loss = loss_of_nothing(logits)
             else:
                 loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
 
 
+@auto_docstring(
+    custom_intro="RAN with a linear classifier (or regressor) on the document representation, `pooler_output`."
+)
 class RANForSequenceClassification(RANPreTrainedModel):
     def __init__(self, config: RANConfig):
         super().__init__(config)
@@ -1059,13 +1170,14 @@ class RANForSequenceClassification(RANPreTrainedModel):
         return labels
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.Tensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> SequenceClassifierOutput:
         r"""
         labels (`torch.Tensor`, *optional*):
@@ -1094,9 +1206,12 @@ class RANForSequenceClassification(RANPreTrainedModel):
                 loss = loss_of_nothing(logits)
             else:
                 loss = self.loss_function(labels=labels, pooled_logits=loss_logits, config=self.config, **kwargs)
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
 
 
+@auto_docstring(custom_intro="RAN with a linear classifier on every token state (e.g. named-entity recognition).")
 class RANForTokenClassification(RANPreTrainedModel):
     def __init__(self, config: RANConfig):
         super().__init__(config)
@@ -1107,13 +1222,14 @@ class RANForTokenClassification(RANPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> TokenClassifierOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
@@ -1135,15 +1251,18 @@ class RANForTokenClassification(RANPreTrainedModel):
                 loss = loss_of_nothing(logits)
             else:
                 loss = self.loss_function(logits, labels, self.config, **kwargs)
-        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
 
 
-class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
-    """Causal language model: a strictly causal, recurrent RAN with the official LM head tied to the embedding.
-
+@auto_docstring(
+    custom_intro="""
+    Causal language model: a strictly causal, recurrent RAN with the official LM head tied to the embedding.
     Generation carries a `RANCache`: constant-size state per layer plus a key and a value per finished window.
     """
-
+)
+class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
     # A recurrent state cannot be rolled back to an earlier token: assisted generation is refused up front.
     _is_stateful = True
 
@@ -1159,6 +1278,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         return False
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1168,7 +1288,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
@@ -1207,7 +1327,11 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             else:
                 loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
 
 
