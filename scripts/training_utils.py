@@ -18,6 +18,7 @@ import string
 import sys
 import zipfile
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import datasets
@@ -43,7 +44,8 @@ from ran_hf.folders import normal_permissions, recover_interrupted, replace_fold
 
 logger = logging.getLogger(__name__)
 
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "TEMPLATE.md"
+# Shipped with the package, beside the other model cards (src/ran_hf/model_cards/).
+MODEL_CARD_TEMPLATE = resources.files("ran_hf").joinpath("model_cards").joinpath("TEMPLATE.md")
 WEIGHTS_NAMES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -637,8 +639,8 @@ def write_model_card(
     tags: list[str] | None = None,
     **unused,
 ) -> Path:
-    """Fill `model_cards/TEMPLATE.md` from the run (config, hyperparameters, the saved `all_results.json`) and write it
-    to `README.md` in the output folder, next to the saved model."""
+    """Fill `ran_hf/model_cards/TEMPLATE.md` from the run (config, hyperparameters, the saved `all_results.json`) and
+    write it to `README.md` in the output folder, next to the saved model."""
     args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
     config = model.config
     output_dir = Path(args.output_dir)
