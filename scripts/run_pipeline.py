@@ -8,12 +8,13 @@ on long-document classification, evaluate it, and save it with its code and mode
         --output_dir outputs/pipeline-hyperpartisan
     python scripts/run_pipeline.py --dataset_name <hub dataset> --text_column_name text --label_column_name label
 
-Steps, each one of the scripts next to this one run in the same process (so every flag they document also works when
-running them alone): `train_tokenizer.py` on the training texts -> `run_mlm.py` from scratch on the training texts ->
-`run_classification.py` from that checkpoint (train, validation, test). Everything lands under `--output_dir`:
-`tokenizer/`, `mlm/`, `classifier/` (the final model: weights, `modeling_ran.py`, tokenizer, README.md model card,
-metrics as JSON), `pipeline_results.json` and, for the built-in data, `data/`. Tokenizer training is not
-bit-reproducible (huggingface/tokenizers issue 1794); `--tokenizer_name` reuses a tokenizer for identical reruns.
+Steps, each one of the example scripts run in the same process (so every flag they document also works when running
+them alone): `train_tokenizer.py` on the training texts -> `language-modeling/run_mlm.py` from scratch on the training
+texts -> `text-classification/run_classification.py` from that checkpoint (train, validation, test). Everything lands
+under `--output_dir`: `tokenizer/`, `mlm/`, `classifier/` (the final model: weights, `modeling_ran.py`, tokenizer,
+README.md model card, metrics as JSON), `pipeline_results.json` and, for the built-in data, `data/`. Tokenizer training
+is not bit-reproducible (huggingface/tokenizers issue 1794); `--tokenizer_name` reuses a tokenizer for identical
+reruns.
 
 Built-in data (no network needed): synthetic "topic documents", written by `write_topic_documents`. Every document
 is 25 to 45 sentences (300 to 550 tokens) built from one shared filler vocabulary, into which 4 to 8 words of one of
@@ -35,9 +36,14 @@ import torch
 from datasets import get_dataset_split_names, load_dataset
 from transformers import HfArgumentParser
 
-import run_classification
-import run_mlm
 import train_tokenizer
+
+# The example scripts it runs, each in its task folder (in the style of Transformers' examples/pytorch/<task>/).
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE / "language-modeling"), str(HERE / "text-classification")]
+
+import run_classification  # noqa: E402
+import run_mlm  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
-"""What the `scripts/run_*.py` training scripts share: model and training arguments, logging, the output folder
-(refusing to train over a previous run unasked, resuming, an atomic final save), DDP settings, data and
+"""What every example training script (`scripts/<task>/run_*.py`) shares: model and training arguments, logging, the
+output folder (refusing to train over a previous run unasked, resuming, an atomic final save), DDP settings, data and
 tokenizer/config checks, a parameter checksum hook and the model card.
 
-The scripts import this module from their own folder, so they run from any working directory, under `python`,
-`torchrun` or `accelerate launch`.
+What only one task uses sits beside its scripts instead (`language-modeling/lm_data.py`, say). Each script puts this
+folder, `scripts/`, on `sys.path` with one line before importing this module, so it runs from any working directory,
+under `python`, `torchrun` or `accelerate launch`.
 """
 
 import hashlib
@@ -17,6 +18,7 @@ import string
 import sys
 import zipfile
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import datasets
@@ -42,7 +44,8 @@ from ran_hf.folders import normal_permissions, recover_interrupted, replace_fold
 
 logger = logging.getLogger(__name__)
 
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "TEMPLATE.md"
+# Shipped with the package, beside the other model cards (src/ran_hf/model_cards/).
+MODEL_CARD_TEMPLATE = resources.files("ran_hf").joinpath("model_cards").joinpath("TEMPLATE.md")
 WEIGHTS_NAMES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -434,35 +437,6 @@ def describe_source(data_args) -> str:
     return ", ".join(files)
 
 
-def load_text_datasets(model_args: ModelArguments, data_args) -> DatasetDict:
-    """Train / validation text for language modelling, with the text in column "text".
-
-    Without a validation split, `validation_split_percentage` % of the training documents are held out.
-    """
-    column = data_args.text_column_name
-    files = {"train": data_args.train_file, "validation": data_args.validation_file}
-    # Local files: a null or blank text is an error naming its line. Hub corpora (WikiText, say) hold empty rows
-    # between paragraphs by design: those are dropped, and counted.
-    text_columns = (column,) if data_args.dataset_name is None else ()
-    splits = load_splits(
-        model_args, data_args.dataset_name, data_args.dataset_config_name, files, [column], text_columns=text_columns
-    )
-    if "validation" not in splits and "train" in splits and data_args.validation_split_percentage > 0:
-        held_out = splits["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=0)
-        splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
-    splits = DatasetDict({split: dataset.select_columns([column]) for split, dataset in splits.items()})
-    if column != "text":
-        splits = splits.rename_column(column, "text")
-    kept = splits.filter(lambda example: isinstance(example["text"], str) and bool(example["text"].strip()))
-    for split in splits:
-        dropped = len(splits[split]) - len(kept[split])
-        if dropped:
-            logger.info(f"{split}: dropped {dropped:,} empty or blank documents of {len(splits[split]):,}.")
-        if len(kept[split]) == 0:
-            raise ValueError(f"The {split} split holds no text: its {len(splits[split]):,} documents are all blank.")
-    return kept
-
-
 def cut_for_tokenizer(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int) -> list[str]:
     """The texts, long ones cut to a part that still gives more than `max_length` tokens, to tokenize with truncation.
 
@@ -495,17 +469,6 @@ def cut_at_whitespace(text: str, characters: int, from_left: bool) -> str:
     part = text[:characters]
     end = max(part.rfind(space) for space in " \t\n\r")
     return part[:end] if end > 0 else part
-
-
-def group_into_blocks(examples: dict[str, list[list]], block_size: int) -> dict[str, list[list]]:
-    """Concatenate tokenized documents and cut the stream into blocks of `block_size` (the last may be shorter:
-    RAN needs no fixed length and the collator pads it)."""
-    concatenated = {key: [item for row in values for item in row] for key, values in examples.items()}
-    total = len(next(iter(concatenated.values())))
-    return {
-        key: [values[start : start + block_size] for start in range(0, total, block_size)]
-        for key, values in concatenated.items()
-    }
 
 
 # ---- tokenizer, config and model ---------------------------------------------------------------------------------
@@ -578,14 +541,6 @@ def load_model(auto_class, model_args: ModelArguments, config):
         trust_remote_code=model_args.trust_remote_code,
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
-
-
-def end_of_text_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The token that ends a document in a language-modelling stream: EOS, else SEP."""
-    token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    if token_id is None:
-        raise ValueError("The tokenizer has neither an EOS nor a SEP token to end documents with.")
-    return token_id
 
 
 # ---- parameter checksums ------------------------------------------------------------------------------------------
@@ -684,8 +639,8 @@ def write_model_card(
     tags: list[str] | None = None,
     **unused,
 ) -> Path:
-    """Fill `model_cards/TEMPLATE.md` from the run (config, hyperparameters, the saved `all_results.json`) and write it
-    to `README.md` in the output folder, next to the saved model."""
+    """Fill `ran_hf/model_cards/TEMPLATE.md` from the run (config, hyperparameters, the saved `all_results.json`) and
+    write it to `README.md` in the output folder, next to the saved model."""
     args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
     config = model.config
     output_dir = Path(args.output_dir)

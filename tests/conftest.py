@@ -10,8 +10,13 @@ from transformers import PreTrainedTokenizerFast
 from ran_hf import RANConfig
 from ran_hf.data import read_conll
 
+# The scripts the tests import, each from its folder (scripts/README.md): the shared ones in scripts/, the example
+# training scripts in their task folders, the benchmarks with their baselines.
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT_FOLDERS = (".", "language-modeling", "text-classification", "token-classification", "benchmarks")
+sys.path[:0] = [str(SCRIPTS / folder) for folder in SCRIPT_FOLDERS]
+
 # The tokenizer the tests use is trained by the project's own script.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from train_tokenizer import TokenizerArguments, build_tokenizer  # noqa: E402
 
 # The test models are tiny: one intra-op thread is faster than several, and does not oversubscribe shared cores

@@ -1,5 +1,5 @@
-"""The benchmark baselines (scripts/baseline_models.py): padding invariance, slicing and enrichment, losses,
-learning, argument checks and parameter counts, on tiny models."""
+"""The benchmark baselines (scripts/benchmarks/baseline_models.py): padding invariance, slicing and enrichment,
+losses, learning, argument checks and parameter counts, on tiny models."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmarks"))  # also done by conftest.py
 from baseline_models import (
     BiLSTMForSequenceClassification,
     BiLSTMForTokenClassification,

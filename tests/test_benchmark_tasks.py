@@ -9,7 +9,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))  # also done by conftest.py
 
 import benchmark_tasks  # noqa: E402
 from baseline_models import count_parameters  # noqa: E402

@@ -1,7 +1,7 @@
 """Converting official RAN checkpoints (TensorFlow `rannet`): parity with rannet's outputs and tokenizer, the written
 folder, errors on bad input, and loading the result as remote code where `ran_hf` is not installed.
 
-The references were computed by rannet 0.3.1 itself (`scripts/make_rannet_fixtures.py`, see
+The references were computed by rannet 0.3.1 itself (`scripts/rannet_tf/make_rannet_fixtures.py`, see
 `tests/fixtures/rannet/README.md`); no TensorFlow is needed here.
 """
 

@@ -14,8 +14,7 @@ from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassificatio
 from ran_hf import RANConfig, RANForSequenceClassification
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # the scripts import their shared module from their own folder
+SCRIPTS = ROOT / "scripts"  # conftest.py puts its folders on sys.path
 
 import run_pipeline
 import train_tokenizer
@@ -68,7 +67,7 @@ def check_replicas_and_checkpoint(output_dir: Path, auto_class) -> None:
 
 def test_run_mlm_on_two_processes(data, tmp_path):
     completed = torchrun(
-        "run_mlm.py",
+        "language-modeling/run_mlm.py",
         ["--tokenizer_name", str(data["tokenizer"]), "--config_overrides", TINY_OVERRIDES]
         + ["--train_file", str(data["long"]), "--max_seq_length", "48", "--do_train", "--output_dir", str(tmp_path)]
         + ["--max_steps", str(STEPS), "--save_steps", str(STEPS), "--per_device_train_batch_size", "2"]
@@ -91,13 +90,13 @@ def classification_argv(data, output_dir: Path) -> list[str]:
 def test_run_classification_on_two_processes_with_unused_parameters(data, tmp_path):
     """Sequences shorter than one window under activation checkpointing: Trainer alone would turn
     `find_unused_parameters` off and DDP would fail; the scripts turn it on."""
-    completed = torchrun("run_classification.py", classification_argv(data, tmp_path))
+    completed = torchrun("text-classification/run_classification.py", classification_argv(data, tmp_path))
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     check_replicas_and_checkpoint(tmp_path, AutoModelForSequenceClassification)
 
     # The same run with the setting forced off fails on the cell-residual weights, which these inputs never use.
     failed = torchrun(
-        "run_classification.py",
+        "text-classification/run_classification.py",
         classification_argv(data, tmp_path / "off") + ["--ddp_find_unused_parameters", "false"],
     )
     output = failed.stdout + failed.stderr

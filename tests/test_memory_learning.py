@@ -1,4 +1,5 @@
-"""The causal RAN's memory learns: a key digit read in one window is recalled in the next (scripts/diagnose_memory.py).
+"""The causal RAN's memory learns: a key digit read in one window is recalled in the next
+(scripts/benchmarks/diagnose_memory.py).
 
 Trained from scratch on CPU, deterministic given the seed. The same budget leaves the official post-norm layer at
 chance (benchmarks/memory_diagnosis.md), which is what made this test necessary.

@@ -28,8 +28,7 @@ from ran_hf.data import ClassificationLabels, TagLabels, read_conll, read_record
 from remote_code import run_without_ran_hf
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # the scripts import their shared module from their own folder
+SCRIPTS = ROOT / "scripts"  # conftest.py puts its folders on sys.path
 
 import evaluate_perplexity
 import run_classification
@@ -640,7 +639,7 @@ def test_killed_run_resumes_with_the_same_state(tokenizer_dir, topic_files, tmp_
     process = subprocess.Popen(
         [
             sys.executable,
-            str(SCRIPTS / "run_classification.py"),
+            str(SCRIPTS / "text-classification" / "run_classification.py"),
             *classification_run(tokenizer_dir, topic_files, killed_dir, max_steps),
         ],
         env=env,

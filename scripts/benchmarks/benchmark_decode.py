@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Per-token decoding latency and cache memory at growing contexts: causal RAN against a GPT-2 of the same size.
 
-    python scripts/benchmark_decode.py                                  # contexts 512, 4K, 16K, 64K on CPU
-    python scripts/benchmark_decode.py --contexts 512 4096 --device cuda
+    python scripts/benchmarks/benchmark_decode.py                       # contexts 512, 4K, 16K, 64K on CPU
+    python scripts/benchmarks/benchmark_decode.py --contexts 512 4096 --device cuda
 
 RAN reads the context for real (chunked prefill through its `RANCache`), then decodes `--steps` tokens greedily;
 the latency is the mean over those steps, which cover a whole window so that the cell updates at window ends are

@@ -13,7 +13,7 @@ first window's own outputs change (to show the change reaches the model) and
 how much a change of the last token moves any earlier causal output. Run it with the
 TensorFlow environment described in ``make_rannet_fixtures.py``::
 
-    /work/tfenv/bin/python scripts/measure_rannet_causal_influence.py
+    /work/tfenv/bin/python scripts/rannet_tf/measure_rannet_causal_influence.py
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Tables and plots of scripts/benchmark_tasks.py: mean and spread over seeds, per task and model."""
+"""Tables and plots of benchmark_tasks.py: mean and spread over seeds, per task and model."""
 
 import json
 from pathlib import Path

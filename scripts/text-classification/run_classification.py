@@ -2,7 +2,7 @@
 """Fine-tune and evaluate a RAN on document classification: single-label or multi-label, any number of classes, long
 documents read whole (up to `--max_seq_length`, 4096 tokens by default, not 512).
 
-    python scripts/run_classification.py --model_name_or_path outputs/ran-mlm \\
+    python scripts/text-classification/run_classification.py --model_name_or_path outputs/ran-mlm \\
         --train_file ../shared/data/hyperpartisan/train.jsonl \\
         --validation_file ../shared/data/hyperpartisan/dev.jsonl \\
         --test_file ../shared/data/hyperpartisan/test.jsonl \\
@@ -20,6 +20,7 @@ sigmoid is at least `--multi_label_threshold`. Predictions go to `predict_result
 """
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,10 @@ from datasets import ClassLabel, List
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
 from ran_hf.data import ClassificationLabels
-from training_utils import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
+
+from training_utils import (  # noqa: E402
     ModelArguments,
     ParameterChecksumCallback,
     RANTrainer,

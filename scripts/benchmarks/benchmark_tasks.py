@@ -4,9 +4,9 @@ Every model is trained from scratch on every task it applies to, with the same w
 RAN's (the recurrent baselines' widths are searched to match; embeddings excluded), the same number of optimiser
 steps on the same batches in the same order, and the same optimiser. Then it is evaluated once, on the test split.
 
-    python scripts/benchmark_tasks.py                       # the CPU table: benchmarks/tasks_cpu.{md,json,png}
-    python scripts/benchmark_tasks.py --tasks probe --models ran bert-512 --seeds 0
-    python scripts/benchmark_tasks.py --budget_scale 8 --hidden_size 256 --num_heads 4 --device cuda \
+    python scripts/benchmarks/benchmark_tasks.py            # the CPU table: benchmarks/tasks_cpu.{md,json,png}
+    python scripts/benchmarks/benchmark_tasks.py --tasks probe --models ran bert-512 --seeds 0
+    python scripts/benchmarks/benchmark_tasks.py --budget_scale 8 --hidden_size 256 --num_heads 4 --device cuda \
         --output_name tasks_gpu                             # a larger run on a GPU (see docs/benchmarks.md)
 
 Tasks (data from ../shared/data unless --data_dir says otherwise):
@@ -21,7 +21,7 @@ Tasks (data from ../shared/data unless --data_dir says otherwise):
   window_study   RAN on Hyperpartisan at several window sizes: accuracy and training seconds per epoch (Figure 5)
 
 Models: ran, its Table-4 ablations (ran-mean-pooling, ran-no-cell-residual, ran-no-memory-review, ran-no-rotary),
-ran-bpie (window_overlap > 0), bilstm, srnn, bpie-bisrnn (scripts/baseline_models.py), longformer, bert-512
+ran-bpie (window_overlap > 0), bilstm, srnn, bpie-bisrnn (baseline_models.py), longformer, bert-512
 (Transformers' models, from scratch, BERT reading the first 512 tokens only); for lm: ran-causal and
 ran-causal-official.
 
@@ -47,8 +47,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
+# This folder (the baselines, the report), and the example scripts whose tokenizer, label alignment and metrics the
+# benchmark reuses: train_tokenizer.py in scripts/, run_classification.py and run_ner.py in their task folders.
+SCRIPTS = ROOT / "scripts"
+sys.path[:0] = [str(SCRIPTS / folder) for folder in ("benchmarks", ".", "text-classification", "token-classification")]
 
 from baseline_models import (  # noqa: E402
     BiLSTMForTokenClassification,
@@ -779,7 +782,7 @@ def main(argv: list[str] | None = None) -> dict:
     keys = {run["key"] for run in runs}
     results = [json.loads(line) for line in runs_file.read_text().splitlines() if line.strip()]
     results = with_window_study_reuse([result for result in results if result["key"] in keys], args)
-    command = "python scripts/benchmark_tasks.py" + (
+    command = "python scripts/benchmarks/benchmark_tasks.py" + (
         " " + " ".join(argv) if argv else " " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else ""
     )
     return write_report(results, args, info, output_dir / args.output_name, command.strip())

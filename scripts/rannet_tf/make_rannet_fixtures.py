@@ -6,7 +6,7 @@ separate environment that has TensorFlow, tf-keras, langml and rannet installed:
 
     python3 -m venv /work/tfenv
     /work/tfenv/bin/pip install tensorflow==2.21.0 tf-keras==2.21.0 langml==0.4.2 rannet==0.3.1
-    /work/tfenv/bin/python scripts/make_rannet_fixtures.py
+    /work/tfenv/bin/python scripts/rannet_tf/make_rannet_fixtures.py
 
 For every entry of ``FIXTURES`` it writes ``<output_dir>/<name>/`` holding
 
@@ -128,7 +128,7 @@ FIXTURES: List[Dict] = [
 ]
 
 # Default location of the benchmark data (../shared/data next to the project).
-DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "data")
 
 # Keys of the config.json written next to each checkpoint that are the same
 # for every fixture (rannet's RanNetParams reads all of them).
@@ -678,7 +678,7 @@ def main() -> None:
     # The layout description travels with the fixtures.
     with open(os.path.join(args.output_dir, "README.md"), "w") as f:
         f.write("# rannet reference fixtures\n\n"
-                "Written by `scripts/make_rannet_fixtures.py`; what follows is its docstring.\n\n")
+                "Written by `scripts/rannet_tf/make_rannet_fixtures.py`; what follows is its docstring.\n\n")
         f.write(__doc__.replace("::\n", ":\n"))
     for spec in specs:
         folder = make_fixture(spec, args.output_dir)

@@ -2,24 +2,29 @@
 """Train a causal RAN language model (`RANForCausalLM` through `AutoModelForCausalLM`), from scratch or from a
 checkpoint.
 
-    python scripts/run_clm.py --tokenizer_name outputs/tokenizer \\
+    python scripts/language-modeling/run_clm.py --tokenizer_name outputs/tokenizer \\
         --config_overrides "hidden_size=128,num_attention_heads=4,head_dim=32,window_size=128" \\
         --train_file corpus.jsonl.gz --validation_file ../shared/data/wikitext-2/valid.txt \\
         --do_train --do_eval --output_dir outputs/ran-clm
 
 Every document becomes its tokens followed by one end-of-text token (EOS, or SEP for BERT-style tokenizers), the
 documents are concatenated and cut into blocks of `--block_size` tokens, and the labels are the inputs themselves (the
-model shifts them). `scripts/evaluate_perplexity.py` then reads a long text in one recurrent stream. Hub data, several
-machines and resuming work as in `scripts/run_mlm.py`.
+model shifts them). `evaluate_perplexity.py` (in this folder) then reads a long text in one recurrent stream. Hub
+data, several machines and resuming work as in `run_mlm.py`.
 """
 
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, set_seed
 
-from training_utils import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
+
+from lm_data import end_of_text_id, group_into_blocks, load_text_datasets  # noqa: E402
+from training_utils import (  # noqa: E402
     ModelArguments,
     ParameterChecksumCallback,
     RANTrainer,
@@ -27,11 +32,8 @@ from training_utils import (
     check_training_length,
     configure_data_parallelism,
     describe_source,
-    end_of_text_id,
-    group_into_blocks,
     load_config,
     load_model,
-    load_text_datasets,
     load_tokenizer,
     parse_arguments,
     prepare_output_dir,

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Perplexity of a causal RAN language model over a long text, such as the WikiText-2 test set.
 
-    python scripts/evaluate_perplexity.py --model_name_or_path outputs/ran-clm \\
+    python scripts/language-modeling/evaluate_perplexity.py --model_name_or_path outputs/ran-clm \\
         --text_file ../shared/data/wikitext-2/test.txt --output_file outputs/ran-clm/perplexity_wikitext2_test.json
 
-The text is read as `scripts/run_clm.py` trains: every non-blank line is tokenized without special tokens and ended by
-one end-of-text token (EOS, or SEP), and the lines are concatenated into one stream. Two ways to read it:
+The text is read as `run_clm.py` (in this folder) trains: every non-blank line is tokenized without special tokens
+and ended by one end-of-text token (EOS, or SEP), and the lines are concatenated into one stream. Two ways to read it:
 
 * `--mode stream` (default): the whole text is one sequence, fed `--chunk_length` tokens at a time with the
   recurrent `RANCache` carried from chunk to chunk. The logits equal those of a single forward pass over the whole
@@ -20,7 +20,7 @@ whitespace-separated tokens of the non-blank lines plus one end of line per non-
 depend on the tokenizer, so models with different vocabularies can be compared; WikiText-2's published count (245,569
 test tokens) also has an end of line for each of its 1,468 blank lines, which this script does not score.
 
-Masked language models have no left-to-right likelihood: their `perplexity` from `scripts/run_mlm.py` is the
+Masked language models have no left-to-right likelihood: their `perplexity` from `run_mlm.py` is the
 exponential of the masked-token loss, which is not comparable with these numbers.
 """
 
@@ -38,7 +38,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 import ran_hf  # noqa: F401  (registers RAN with the Auto classes)
 from ran_hf.data import read_lines
-from training_utils import check_tokenizer_matches_config, end_of_text_id
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
+
+from lm_data import end_of_text_id  # noqa: E402
+from training_utils import check_tokenizer_matches_config  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

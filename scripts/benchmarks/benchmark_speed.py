@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Tokens per second and peak memory, inference and training, for RAN and the long-document encoders users pick.
 
-    python scripts/benchmark_speed.py                             # CPU, lengths 512 2K 8K 32K, < 15 minutes here
-    python scripts/benchmark_speed.py --device cuda --dtype bfloat16
-    python scripts/benchmark_speed.py --models ran ceiling longformer --lengths 8192 --repeats 3
+    python scripts/benchmarks/benchmark_speed.py                  # CPU, lengths 512 2K 8K 32K, < 15 minutes here
+    python scripts/benchmarks/benchmark_speed.py --device cuda --dtype bfloat16
+    python scripts/benchmarks/benchmark_speed.py --models ran ceiling longformer --lengths 8192 --repeats 3
 
 Models, all at the same width, depth and heads, random weights, dropout off:
   ran            ran_hf RAN, window `--window_size` (default 256)
@@ -202,10 +202,10 @@ def shapes(args) -> list:
 
 
 def run_rannet(args, length: int, batch_size: int) -> dict:
-    """The official TensorFlow model, measured by `benchmark_rannet_tf.py` under `--rannet_python`."""
+    """The official TensorFlow model, measured by `../rannet_tf/benchmark_rannet_tf.py` under `--rannet_python`."""
     import subprocess
 
-    script = Path(__file__).with_name("benchmark_rannet_tf.py")
+    script = Path(__file__).resolve().parents[1] / "rannet_tf" / "benchmark_rannet_tf.py"
     command = [
         args.rannet_python, str(script), "--length", str(length), "--batch_size", str(batch_size),
         "--hidden_size", str(args.hidden_size), "--num_layers", str(args.num_layers), "--num_heads",
@@ -351,7 +351,7 @@ def main():
     print_ratios(results)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = f"speed_{torch.device(args.device).type}"
-    command = "python scripts/benchmark_speed.py " + " ".join(sys.argv[1:])
+    command = "python scripts/benchmarks/benchmark_speed.py " + " ".join(sys.argv[1:])
     report = {"machine_info": info, "command": command, "settings": {**vars(args), "output_dir": str(args.output_dir)},
               "results": results}  # fmt: skip
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))

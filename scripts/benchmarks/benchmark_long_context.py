@@ -17,8 +17,9 @@ docs/memory.md (`ran-before`: official layer), the official causal design (its c
 GPT-2 whose context is 1K for the passkey (longer inputs keep their last 1K tokens, as a user of such a model
 would) and 2K for MQAR. Also measured: decoding time per token and cache size after reading each passkey length.
 
-    python scripts/benchmark_long_context.py                       # CPU default, about 35 minutes on 2 cores
-    python scripts/benchmark_long_context.py --device cuda --eval_lengths 1024 4096 16384 65536 262144 --jobs 1
+    python scripts/benchmarks/benchmark_long_context.py            # CPU default, about 35 minutes on 2 cores
+    python scripts/benchmarks/benchmark_long_context.py --device cuda \
+        --eval_lengths 1024 4096 16384 65536 262144 --jobs 1
 
 Writes benchmarks/long_context.{json,md,png}. Running some `--models` again with otherwise equal arguments replaces
 their results and keeps the others'.

@@ -10,8 +10,8 @@ Models: a GPT-2 of the same size, the causal RAN as it is now, and the designs t
 layer, one config field at a time (`residual_stream`, `cell_input_residual`, `review_qk_norm`,
 `review_initial_cell`), so the table says what each change is worth:
 
-    python scripts/diagnose_memory.py --across_steps 1000   # 33 minutes on 2 CPU cores (2,000 steps: longer)
-    python scripts/diagnose_memory.py --tasks in-window --models ran gpt2 --seeds 0
+    python scripts/benchmarks/diagnose_memory.py --across_steps 1000  # 33 minutes on 2 CPU cores (2,000 steps: longer)
+    python scripts/benchmarks/diagnose_memory.py --tasks in-window --models ran gpt2 --seeds 0
 
 Writes benchmarks/memory_diagnosis.{json,md,png}.
 """

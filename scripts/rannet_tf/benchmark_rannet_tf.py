@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Throughput and peak memory of the official TensorFlow RAN (rannet 0.3.1) at one shape.
 
-Run with an interpreter that has `tensorflow`, `tf-keras`, `langml` and `rannet` installed; `benchmark_speed.py`
-calls it through `--rannet_python`. Prints one JSON line with the same fields as the PyTorch measurements.
+Run with an interpreter that has `tensorflow`, `tf-keras`, `langml` and `rannet` installed (the TensorFlow
+environment of `scripts/README.md`); `scripts/benchmarks/benchmark_speed.py` calls it through `--rannet_python`.
+Prints one JSON line with the same fields as the PyTorch measurements.
 """
 
 import os

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fine-tune and evaluate a RAN on named-entity recognition (token classification), scored with seqeval.
 
-    python scripts/run_ner.py --model_name_or_path outputs/ran-mlm \\
+    python scripts/token-classification/run_ner.py --model_name_or_path outputs/ran-mlm \\
         --train_file ../shared/data/conll2003/train.txt \\
         --validation_file ../shared/data/conll2003/valid.txt \\
         --test_file ../shared/data/conll2003/test.txt \\
@@ -19,6 +19,7 @@ functions; `evaluate` fetches its metric scripts from the Hub, which offline mac
 """
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,10 @@ from transformers import (
 )
 
 from ran_hf.data import TagLabels, check_columns, check_text, file_format, read_conll, read_records
-from training_utils import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
+
+from training_utils import (  # noqa: E402
     ModelArguments,
     ParameterChecksumCallback,
     RANTrainer,

@@ -3,7 +3,7 @@
 
 From scratch, with a tokenizer made by `scripts/train_tokenizer.py`:
 
-    python scripts/run_mlm.py --tokenizer_name outputs/tokenizer \\
+    python scripts/language-modeling/run_mlm.py --tokenizer_name outputs/tokenizer \\
         --config_overrides "hidden_size=128,num_attention_heads=4,head_dim=32,window_size=128" \\
         --train_file corpus.jsonl.gz --validation_file valid.txt \\
         --do_train --do_eval --output_dir outputs/ran-mlm
@@ -22,11 +22,16 @@ order exactly, but the masks drawn after the resume differ from an uninterrupted
 
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, set_seed
 
-from training_utils import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
+
+from lm_data import group_into_blocks, load_text_datasets  # noqa: E402
+from training_utils import (  # noqa: E402
     ModelArguments,
     ParameterChecksumCallback,
     RANTrainer,
@@ -35,10 +40,8 @@ from training_utils import (
     configure_data_parallelism,
     cut_for_tokenizer,
     describe_source,
-    group_into_blocks,
     load_config,
     load_model,
-    load_text_datasets,
     load_tokenizer,
     parse_arguments,
     prepare_output_dir,
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
             "auto_class": "AutoModelForMaskedLM",
             "data": describe_data(data_args, train_dataset, eval_dataset),
             "intended_use": "A pretrained encoder to fine-tune on long-document tasks with "
-            "`scripts/run_classification.py` or `scripts/run_ner.py`, or to fill masked tokens.",
+            "`scripts/text-classification/run_classification.py` or `scripts/token-classification/run_ner.py`, or "
+            "to fill masked tokens.",
             "limitations": "Pretrained on the text named above only; its vocabulary and knowledge are those of "
             "that text.",
         },

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Peak memory of a RAN forward + backward pass on one long sequence, at growing lengths.
 
-    python scripts/benchmark_memory.py                       # 4K, 8K, 16K, 32K tokens on CPU
-    python scripts/benchmark_memory.py --lengths 8192 32768 --device cuda
+    python scripts/benchmarks/benchmark_memory.py            # 4K, 8K, 16K, 32K tokens on CPU
+    python scripts/benchmarks/benchmark_memory.py --lengths 8192 32768 --device cuda
 
 Every length runs in a fresh process so that one measurement cannot inherit another's peak. On CPU the peak is the
 growth of the process's resident memory over its size just before the pass (after a short warm-up); on CUDA it is

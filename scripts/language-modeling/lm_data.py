@@ -1,0 +1,62 @@
+"""What the language-modelling scripts of this folder share (`run_mlm.py`, `run_clm.py`, `evaluate_perplexity.py`):
+their text datasets, the cutting of a token stream into blocks, and the token that ends a document.
+
+What every example script shares (arguments, output folder, checkpoints, model card) is `../training_utils.py`.
+"""
+
+import logging
+
+from datasets import DatasetDict
+from transformers import PreTrainedTokenizerBase
+
+from training_utils import ModelArguments, load_splits
+
+logger = logging.getLogger(__name__)
+
+
+def load_text_datasets(model_args: ModelArguments, data_args) -> DatasetDict:
+    """Train / validation text for language modelling, with the text in column "text".
+
+    Without a validation split, `validation_split_percentage` % of the training documents are held out.
+    """
+    column = data_args.text_column_name
+    files = {"train": data_args.train_file, "validation": data_args.validation_file}
+    # Local files: a null or blank text is an error naming its line. Hub corpora (WikiText, say) hold empty rows
+    # between paragraphs by design: those are dropped, and counted.
+    text_columns = (column,) if data_args.dataset_name is None else ()
+    splits = load_splits(
+        model_args, data_args.dataset_name, data_args.dataset_config_name, files, [column], text_columns=text_columns
+    )
+    if "validation" not in splits and "train" in splits and data_args.validation_split_percentage > 0:
+        held_out = splits["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=0)
+        splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
+    splits = DatasetDict({split: dataset.select_columns([column]) for split, dataset in splits.items()})
+    if column != "text":
+        splits = splits.rename_column(column, "text")
+    kept = splits.filter(lambda example: isinstance(example["text"], str) and bool(example["text"].strip()))
+    for split in splits:
+        dropped = len(splits[split]) - len(kept[split])
+        if dropped:
+            logger.info(f"{split}: dropped {dropped:,} empty or blank documents of {len(splits[split]):,}.")
+        if len(kept[split]) == 0:
+            raise ValueError(f"The {split} split holds no text: its {len(splits[split]):,} documents are all blank.")
+    return kept
+
+
+def group_into_blocks(examples: dict[str, list[list]], block_size: int) -> dict[str, list[list]]:
+    """Concatenate tokenized documents and cut the stream into blocks of `block_size` (the last may be shorter:
+    RAN needs no fixed length and the collator pads it)."""
+    concatenated = {key: [item for row in values for item in row] for key, values in examples.items()}
+    total = len(next(iter(concatenated.values())))
+    return {
+        key: [values[start : start + block_size] for start in range(0, total, block_size)]
+        for key, values in concatenated.items()
+    }
+
+
+def end_of_text_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The token that ends a document in a language-modelling stream: EOS, else SEP."""
+    token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    if token_id is None:
+        raise ValueError("The tokenizer has neither an EOS nor a SEP token to end documents with.")
+    return token_id
