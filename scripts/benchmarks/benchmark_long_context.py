@@ -41,6 +41,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from benchmark_utils import machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
+from benchmark_tasks import OFFICIAL_CAUSAL_SCAN  # importing it registers the official causal scan
 from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
 
 PAD, KEY, QUESTION, FIRST_DIGIT = 0, 1, 2, 3  # digits are 3..12
@@ -48,11 +49,12 @@ NUM_WORDS = 2000  # the most frequent words of the training text; the rest becom
 NUM_SYMBOLS = 64  # MQAR keys and values each come from their own 64 symbols
 KEY_DIGITS = 5
 
-# name -> RAN fields that differ from the causal defaults ("official_scan": the cell reads only itself); None: GPT-2
+# name -> RAN fields that differ from the causal defaults (the official causal scan: the cell reads only itself);
+# None: GPT-2
 MODELS = {
     "ran": {},
     "ran-before": OFFICIAL_LAYER_FIELDS,
-    "ran-official-causal": OFFICIAL_LAYER_FIELDS | {"official_scan": True},
+    "ran-official-causal": OFFICIAL_LAYER_FIELDS | {"scan_implementation": OFFICIAL_CAUSAL_SCAN},
     "gpt2": None,
 }
 
@@ -136,20 +138,12 @@ def build_model(name: str, vocab_size: int, context: int, args) -> torch.nn.Modu
             eos_token_id=None,
         )  # fmt: skip
         return GPT2LMHeadModel(config)
-    fields = dict(fields)
-    official_scan = fields.pop("official_scan", False)
     config = RANConfig(
         vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
         num_attention_heads=args.num_heads, head_dim=args.hidden_size // args.num_heads, window_size=args.window_size,
         min_window_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_causal=True, **fields,
     )  # fmt: skip
-    model = RANForCausalLM(config)
-    if official_scan:
-        from benchmark_tasks import official_causal_scan
-
-        for layer in model.model.layers:
-            layer.scan_cells = official_causal_scan.__get__(layer)
-    return model
+    return RANForCausalLM(config)
 
 
 def answer_logits(model, ids: torch.Tensor, num_answers: int, context: int | None, stride: int = 1):

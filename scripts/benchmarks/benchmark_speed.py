@@ -36,12 +36,14 @@ import torch
 
 from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subprocess
 
+from ran_hf.cell_scan import RANScanInterface
+
 MODELS = ["ran", "ran-small", "ceiling", "longformer", "bigbird", "modernbert", "bert", "rannet"]
 OPTIONAL_MODELS = ["ran-compiled"]
 VOCAB_SIZE = 1000
 
 
-def ran_config(args, window_size):
+def ran_config(args, window_size, **fields):
     from ran_hf import RANConfig
 
     return RANConfig(
@@ -54,11 +56,12 @@ def ran_config(args, window_size):
         min_window_size=min(16, window_size // 4),
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
+        **fields,
     )
 
 
 def scan_without_recurrence(self, cell, previous_raw, keys, values, layout):
-    """Drop-in for `RANLayer.scan_cells` where every window reads the starting cell: one batched step, no loop.
+    """A cell scan where every window reads the starting cell: one batched step, no loop.
 
     The per-window work is the scan's (cell projections, attention over the window, output projection, norms, the
     residual GLU against the previous window's raw cell), so what remains between RAN and this is the recurrence.
@@ -80,6 +83,10 @@ def scan_without_recurrence(self, cell, previous_raw, keys, values, layout):
     return step_major(key), step_major(value), step_major(raw), step_major(cells)
 
 
+WITHOUT_RECURRENCE = "without-recurrence"
+RANScanInterface.register(WITHOUT_RECURRENCE, scan_without_recurrence)
+
+
 def build_model(name: str, args, max_length: int) -> torch.nn.Module:
     import transformers
 
@@ -95,14 +102,10 @@ def build_model(name: str, args, max_length: int) -> torch.nn.Module:
     )
     if name in ("ran", "ran-small", "ceiling", "ran-compiled"):
         from ran_hf import RANModel
-        from ran_hf.modeling_ran import RANLayer
 
         window = args.small_window_size if name == "ran-small" else args.window_size
-        model = RANModel(ran_config(args, window))
-        if name == "ceiling":
-            for layer in model.layers:
-                layer.scan_cells = scan_without_recurrence.__get__(layer, RANLayer)
-        return model
+        scan = {"scan_implementation": WITHOUT_RECURRENCE} if name == "ceiling" else {}
+        return RANModel(ran_config(args, window, **scan))
     if name == "longformer":
         config = transformers.LongformerConfig(
             **common, attention_window=args.window_size, max_position_embeddings=max_length + args.window_size + 2

@@ -61,6 +61,8 @@ from baseline_models import (  # noqa: E402
 from benchmark_tasks_report import write_report  # noqa: E402
 from benchmark_utils import machine_info  # noqa: E402
 
+from ran_hf.cell_scan import RANScanInterface, reference_cell_scan  # noqa: E402
+
 logger = logging.getLogger("benchmark_tasks")
 
 TASKS = ("hyperpartisan", "20newsgroups", "eurlex", "conll", "lm", "window_study", "probe")
@@ -77,6 +79,7 @@ CLASSIFIERS = (*RAN_VARIANTS, "bilstm", "srnn", "bpie-bisrnn", "longformer", "be
 TAGGERS = ("ran", "ran-bpie", "bilstm", "longformer", "bert-512")
 LANGUAGE_MODELS = ("ran-causal", "ran-causal-official")
 BERT_MAX_LENGTH = 512
+OFFICIAL_CAUSAL_SCAN = "official-causal"  # registered below
 
 
 @dataclass
@@ -418,11 +421,12 @@ def ran_config(args: BenchmarkArguments, task: dict, model: str, window: int, **
 
 def official_causal_scan(layer, cell, previous_raw, keys, values, layout):
     """The official causal design: the cell sits at position 0 under the triangular mask, so it reads only itself."""
-    from ran_hf.modeling_ran import RANLayer
-
     # The scan sees windows without token slots: the cell's attention is over itself alone.
     blind = dataclasses.replace(layout, slot_mask=layout.slot_mask[:, :0])
-    return RANLayer.scan_cells(layer, cell, previous_raw, keys[:, :, :0], values[:, :, :0], blind)
+    return reference_cell_scan(layer, cell, previous_raw, keys[:, :, :0], values[:, :, :0], blind)
+
+
+RANScanInterface.register(OFFICIAL_CAUSAL_SCAN, official_causal_scan)
 
 
 def transformer_config(config_class, args: BenchmarkArguments, task: dict, **extra):
@@ -456,12 +460,11 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
     if task_name == "lm":
         official = name == "ran-causal-official"
         # The official causal model is built from the official (post-norm) layer.
-        layer_fields = OFFICIAL_LAYER_FIELDS if official else {}
+        layer_fields = {**OFFICIAL_LAYER_FIELDS, "scan_implementation": OFFICIAL_CAUSAL_SCAN} if official else {}
         config = ran_config(args, task, "ran", args.lm_window_size, **layer_fields)
         model = RANForCausalLM(config)
         if official:
             for layer in model.model.layers:
-                layer.scan_cells = official_causal_scan.__get__(layer)
                 # A cell that reads only itself stays exactly zero from a zero start, where the normalisations'
                 # gradients scale by 1 / sqrt(eps) per step and overflow; a random start carries no text either.
                 torch.nn.init.normal_(layer.initial_cell.data)

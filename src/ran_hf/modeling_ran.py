@@ -731,10 +731,10 @@ class RANPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["RANLayer"]
-    # Window attention runs through Transformers' attention functions: eager (weights), SDPA (default), flex. The
-    # memory review and the cell scan keep their own small matmuls: one key per window, or one query per step.
+    # Window attention runs through Transformers' attention functions: eager (returns weights) and SDPA (default).
+    # Flex attention is not claimed: on CPU it has no backward and its compiled forward crashed here. The memory
+    # review and the cell scan keep their own small matmuls: one key per window, or one query per step.
     _supports_sdpa = True
-    _supports_flex_attn = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):

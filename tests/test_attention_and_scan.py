@@ -1,0 +1,97 @@
+"""The seams of a RAN layer: window attention through Transformers' attention functions (and the weights it returns),
+and the cell scan chosen by name from `ALL_SCAN_FUNCTIONS`."""
+
+import logging
+
+import pytest
+import torch
+
+from ran_hf import RANForCausalLM, RANModel
+from ran_hf.cell_scan import ALL_SCAN_FUNCTIONS, RANScanInterface, reference_cell_scan
+
+LENGTHS = (13, 6)  # three windows (the last a merged tail) and two windows, right-padded
+
+
+def batch(vocab_size=64):
+    ids = torch.randint(1, vocab_size, (len(LENGTHS), max(LENGTHS)), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(max(LENGTHS))[None, :] < torch.tensor(LENGTHS)[:, None]).long()
+    return ids, mask
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["encoder", "causal"])
+def test_eager_weights_are_what_each_token_read(make_config, is_causal):
+    config = make_config(is_causal=is_causal)
+    model = RANModel._from_config(config, attn_implementation="eager").eval()
+    ids, mask = batch()
+    attentions = model(ids, attention_mask=mask, output_attentions=True).attentions
+    num_slots = config.window_size + (1 if is_causal else config.min_window_size) - 1
+    assert len(attentions) == config.num_hidden_layers
+    for weights in attentions:
+        assert weights.shape == (2, config.num_attention_heads, max(LENGTHS), 1 + num_slots)
+        real = mask.bool()[:, None, :].expand(-1, config.num_attention_heads, -1)
+        torch.testing.assert_close(weights.sum(-1)[real], torch.ones(int(real.sum())))
+        assert (weights[~real] == 0).all()
+        if is_causal:
+            # Token t of a window (slot t) reads the cell (key 0) and slots 0..t only.
+            position_in_window = torch.arange(max(LENGTHS)) % config.window_size
+            future = torch.arange(1 + num_slots)[None, :] > position_in_window[:, None] + 1  # (L, 1 + S)
+            assert (weights[:, :, future] == 0).all()
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["encoder", "causal"])
+def test_eager_and_sdpa_compute_the_same(make_config, is_causal):
+    config = make_config(is_causal=is_causal)
+    torch.manual_seed(0)
+    reference = RANModel._from_config(config, attn_implementation="eager").eval()
+    ids, mask = batch()
+    expected = reference(ids, attention_mask=mask).last_hidden_state
+    model = RANModel._from_config(config, attn_implementation="sdpa").eval()
+    model.load_state_dict(reference.state_dict())
+    torch.testing.assert_close(model(ids, attention_mask=mask).last_hidden_state, expected)
+
+
+def test_attention_weights_need_the_eager_implementation(make_config, caplog):
+    model = RANModel._from_config(make_config(), attn_implementation="sdpa").eval()
+    ids, mask = batch()
+    with caplog.at_level(logging.WARNING, logger="ran_hf.modeling_ran"):
+        outputs = model(ids, attention_mask=mask, output_attentions=True)
+    assert outputs.attentions is None
+    assert 'attn_implementation="eager"' in caplog.text
+
+
+def test_generation_returns_no_weights_but_runs_eager(make_config):
+    model = RANForCausalLM._from_config(make_config(), attn_implementation="eager").eval()
+    ids, mask = batch()
+    sdpa = RANForCausalLM._from_config(make_config(), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(model.state_dict())
+    kwargs = dict(attention_mask=mask[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids[:1], **kwargs), sdpa.generate(ids[:1], **kwargs))
+
+
+def test_a_registered_scan_is_the_one_that_runs(make_config):
+    calls = []
+
+    def counting_scan(layer, *args):
+        calls.append(layer.layer_idx)
+        return reference_cell_scan(layer, *args)
+
+    RANScanInterface.register("counting", counting_scan)
+    try:
+        torch.manual_seed(0)
+        reference = RANModel(make_config()).eval()
+        counting = RANModel(make_config(scan_implementation="counting")).eval()
+        counting.load_state_dict(reference.state_dict())
+        ids, mask = batch()
+        torch.testing.assert_close(
+            counting(ids, attention_mask=mask).last_hidden_state, reference(ids, attention_mask=mask).last_hidden_state
+        )
+        assert calls == [0, 1]
+    finally:
+        del RANScanInterface._global_mapping["counting"]
+    assert "counting" not in ALL_SCAN_FUNCTIONS
+
+
+def test_an_unknown_scan_is_named(make_config):
+    model = RANModel(make_config(scan_implementation="fused-someday")).eval()
+    with pytest.raises(ValueError, match=r"'fused-someday'.*registered: \['reference'\]"):
+        model(*batch())
