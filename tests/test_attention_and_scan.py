@@ -93,5 +93,5 @@ def test_a_registered_scan_is_the_one_that_runs(make_config):
 
 def test_an_unknown_scan_is_named(make_config):
     model = RANModel(make_config(scan_implementation="fused-someday")).eval()
-    with pytest.raises(ValueError, match=r"'fused-someday'.*registered: \['reference'\]"):
+    with pytest.raises(ValueError, match=r"'fused-someday'.*registered: \[.*'reference'"):
         model(*batch())
