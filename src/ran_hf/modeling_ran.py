@@ -450,7 +450,8 @@ class RANLayer(GradientCheckpointingLayer):
             rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2)
             query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
             key = apply_interleaved_rotary(key, rotations)
-        return query, key, value, new_kv
+        # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
+        return query, key, value, new_kv if cache is not None else None
 
     # ---- phase 2 ---------------------------------------------------------------------------------------------------
 
