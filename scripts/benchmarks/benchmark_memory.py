@@ -1,29 +1,29 @@
 #!/usr/bin/env python
-"""Peak memory of a RAN forward + backward pass on one long sequence, at growing lengths.
+"""Peak memory of RAN on one long sequence, at growing lengths: inference (forward) and training (forward + backward).
 
-    python scripts/benchmarks/benchmark_memory.py            # 4K, 8K, 16K, 32K tokens on CPU
-    python scripts/benchmarks/benchmark_memory.py --lengths 8192 32768 --device cuda
+    python scripts/benchmarks/benchmark_memory.py --threads 1   # inference at 62.5K ... 1M tokens, training at 8K ... 128K
+    python scripts/benchmarks/benchmark_memory.py --inference_lengths 100000 --training_lengths 8192 32768 --device cuda
 
-Every length runs in a fresh process so that one measurement cannot inherit another's peak. On CPU the peak is the
-growth of the process's resident memory over its size just before the pass (after a short warm-up); on CUDA it is
-`torch.cuda.max_memory_allocated` over the memory held before the pass. Activation bytes (tensors autograd keeps
-for the backward pass, each storage counted once) are reported too: they are exact and independent of the
-allocator. Writes a table to stdout and JSON + a log-log plot under --output_dir.
+Every measurement runs in a fresh process so that one cannot inherit another's peak. On CPU the peak is the growth
+of the process's resident memory over its size just before the pass (after a short warm-up); on CUDA it is
+`torch.cuda.max_memory_allocated` over the memory held before the pass. For training, activation bytes (tensors
+autograd keeps for the backward pass, each storage counted once) are reported too: they are exact and independent
+of the allocator. Writes a table to stdout and JSON + a log-log plot under --output_dir.
 """
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subprocess
 
 
 def measure(length: int, args) -> dict:
-    """One forward + backward pass at `length` tokens, in this process."""
+    """One pass at `length` tokens, in this process: forward only (`--mode inference`) or forward + backward."""
     from ran_hf import RANConfig, RANModel
 
     torch.manual_seed(0)
@@ -37,10 +37,15 @@ def measure(length: int, args) -> dict:
         min_window_size=16,
     )
     device = torch.device(args.device)
-    model = RANModel(config).to(device).train()
+    training = args.mode == "training"
+    model = RANModel(config).to(device).train(training)
 
     def step(num_tokens: int, count_saved: bool = False) -> int:
         ids = torch.randint(1, config.vocab_size, (1, num_tokens), device=device)
+        if not training:
+            with torch.no_grad():
+                model(ids)
+            return 0
         storages = {}
 
         def pack(tensor):
@@ -64,7 +69,13 @@ def measure(length: int, args) -> dict:
     saved = step(length, count_saved=True)
     peak = memory.peak_bytes()
     seconds = time.perf_counter() - start
-    return {"length": length, "peak_bytes": peak, "saved_activation_bytes": saved, "seconds": seconds}
+    return {
+        "mode": args.mode,
+        "length": length,
+        "peak_bytes": peak,
+        "saved_activation_bytes": saved,
+        "seconds": seconds,
+    }
 
 
 def plot(results: list, path: Path) -> None:
@@ -73,76 +84,86 @@ def plot(results: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = [r["length"] for r in results]
-    figure, axis = plt.subplots(figsize=(6, 4))
-    axis.loglog(lengths, [r["peak_bytes"] / 2**20 for r in results], "o-", label="peak memory")
-    axis.loglog(lengths, [r["saved_activation_bytes"] / 2**20 for r in results], "s--", label="saved activations")
-    reference = results[0]["peak_bytes"] / 2**20
-    axis.loglog(lengths, [reference * n / lengths[0] for n in lengths], ":", color="gray", label="linear")
+    figure, axis = plt.subplots(figsize=(6.5, 4.5))
+    for mode, marker in (("inference", "o"), ("training", "s")):
+        runs = [r for r in results if r["mode"] == mode]
+        if not runs:
+            continue
+        lengths = [r["length"] for r in runs]
+        peaks = [r["peak_bytes"] / 2**20 for r in runs]
+        line = axis.loglog(lengths, peaks, f"{marker}-", label=f"{mode}: peak memory")[0]
+        axis.loglog(lengths, [peaks[0] * n / lengths[0] for n in lengths], ":", color=line.get_color())
+        if mode == "training":
+            saved = [r["saved_activation_bytes"] / 2**20 for r in runs]
+            label = "training: saved activations"
+            axis.loglog(lengths, saved, f"{marker}--", color=line.get_color(), alpha=0.5, label=label)
+    axis.plot([], [], ":", color="gray", label="linear in the length")
     axis.set_xlabel("tokens in the sequence")
     axis.set_ylabel("MiB")
-    axis.set_title("RAN forward + backward, batch 1")
-    axis.legend()
+    axis.set_title("RAN peak memory, batch 1 (inference: forward; training: forward + backward)", fontsize=9)
+    axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--inference_lengths", type=int, nargs="*", default=[62500, 125000, 250000, 500000, 1000000])
+    parser.add_argument("--training_lengths", type=int, nargs="*", default=[8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--hidden_size", type=int, default=128)
     parser.add_argument("--num_layers", type=int, default=2)
     parser.add_argument("--num_heads", type=int, default=4)
     parser.add_argument("--window_size", type=int, default=256)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's); 1 keeps a shared machine fair")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
-    parser.add_argument("--single", type=int, help=argparse.SUPPRESS)  # internal: measure one length and print JSON
+    # internal: measure one length in one mode and print JSON
+    parser.add_argument("--single", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="training", choices=["inference", "training"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.single is not None:
         print(json.dumps(measure(args.single, args)))
         return
 
     info = machine_info(args.device)
     print(machine_line(info))
+    settings = ["--hidden_size", args.hidden_size, "--num_layers", args.num_layers, "--num_heads", args.num_heads]
+    settings += ["--window_size", args.window_size, "--device", args.device, "--threads", torch.get_num_threads()]
+    runs = [("inference", n) for n in args.inference_lengths] + [("training", n) for n in args.training_lengths]
     results = []
-    print(f"{'tokens':>8} {'peak MiB':>10} {'saved MiB':>10} {'seconds':>8}")
-    for length in args.lengths:
-        result = run_in_subprocess(__file__, ["--single", str(length)] + strip_lengths(sys.argv[1:]))
+    started = time.perf_counter()
+    tqdm.write(f"{'mode':>9} {'tokens':>9} {'peak MiB':>10} {'saved MiB':>10} {'seconds':>8}")
+    progress = tqdm(runs, desc="measurements")
+    for mode, length in progress:
+        progress.set_postfix_str(f"{mode} {length}")
+        result = run_in_subprocess(__file__, [str(a) for a in ["--single", length, "--mode", mode, *settings]])
         if "error" in result:
-            raise SystemExit(f"measuring {length} tokens failed: {result['error']}")
+            raise SystemExit(f"measuring {mode} at {length} tokens failed: {result['error']}")
         results.append(result)
-        print(
-            f"{length:>8} {result['peak_bytes'] / 2**20:>10.1f} {result['saved_activation_bytes'] / 2**20:>10.1f} "
-            f"{result['seconds']:>8.2f}",
-            flush=True,
+        tqdm.write(
+            f"{mode:>9} {length:>9} {result['peak_bytes'] / 2**20:>10.1f} "
+            f"{result['saved_activation_bytes'] / 2**20:>10.1f} {result['seconds']:>8.2f}"
         )
-    by_length = {r["length"]: r for r in results}
-    if 8192 in by_length and 32768 in by_length:
-        ratio = by_length[32768]["peak_bytes"] / by_length[8192]["peak_bytes"]
-        saved_ratio = by_length[32768]["saved_activation_bytes"] / by_length[8192]["saved_activation_bytes"]
-        print(f"peak(32K) / peak(8K) = {ratio:.2f} (linear: 4.00); saved activations: {saved_ratio:.2f}")
+    progress.close()
+    for mode in ("inference", "training"):
+        # Linear memory: 4x the tokens, 4x the peak.
+        peaks = {r["length"]: r["peak_bytes"] for r in results if r["mode"] == mode}
+        longest = max(peaks, default=None)
+        if longest is not None and longest // 4 in peaks and longest % 4 == 0:
+            ratio = peaks[longest] / peaks[longest // 4]
+            print(f"{mode}: peak({longest}) / peak({longest // 4}) = {ratio:.2f} (linear: 4.00)")
+    print(f"total time {time.perf_counter() - started:.0f} s")
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = f"memory_{args.device}"
-    report = {"machine_info": info, "config": vars(args) | {"output_dir": str(args.output_dir)}, "results": results}
+    settings = {key: value for key, value in vars(args).items() if key not in ("single", "mode")}
+    report = {"machine_info": info, "config": settings | {"output_dir": str(args.output_dir)}, "results": results}
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json and .png")
-
-
-def strip_lengths(argv: list) -> list:
-    """The command line minus `--lengths ...`, to hand the other settings to a child process."""
-    kept, skipping = [], False
-    for token in argv:
-        if token.startswith("--lengths"):
-            skipping = "=" not in token
-            continue
-        if skipping and not token.startswith("--"):
-            continue
-        skipping = False
-        kept.append(token)
-    return kept
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -372,7 +373,15 @@ class RANMemoryReview(nn.Module):
     Official layer: LayerNorm(review + GLU(query)). With `config.residual_stream`, the norm comes first and the
     token states pass through: states + review + GLU(query), queries read from LayerNorm(states). With
     `config.review_qk_norm`, a cell's score is the scaled cosine of the un-activated query and key projections.
+
+    Tokens are reviewed `chunk_size` at a time: their scores over the cells form a (tokens x windows) matrix, which
+    for a whole long document would grow with the square of its length.
     """
+
+    # A class constant, not a config field: it trades speed for memory and never changes the outputs (beyond float
+    # rounding), so checkpoints need not carry it. 1,024 tokens keep the matmuls large and a chunk's scores at 16 MB
+    # for a million-token document (3,907 windows of 256).
+    chunk_size = 1024
 
     def __init__(self, config: RANConfig):
         super().__init__()
@@ -396,26 +405,47 @@ class RANMemoryReview(nn.Module):
         key = unit_vectors(key) if self.qk_norm else self.act(key)
         return torch.cat([key, self.act(value)], dim=-1)
 
-    def forward(self, token_states: torch.Tensor, cell_states: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
-        # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; cell_mask (B or 1, L or 1, C): which
-        # cells each token may read
-        if self.residual_stream:
-            return token_states + self.review(self.norm(token_states), cell_states, cell_mask)
-        return self.norm(self.review(token_states, cell_states, cell_mask))
+    def forward(
+        self, token_states: torch.Tensor, cell_states: torch.Tensor, readable_cells: torch.Tensor
+    ) -> torch.Tensor:
+        # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; readable_cells (B, L): each token
+        # reads cells [0, readable_cells)
+        length = token_states.shape[1]
+        # With several chunks, each one's backward recomputes it (same dropout mask: checkpoint restores the RNG
+        # state) so that training keeps (chunk x windows) probabilities for one chunk at a time, not for them all.
+        recompute = torch.is_grad_enabled() and length > self.chunk_size
+        reviewed = []
+        for start in range(0, length, self.chunk_size):
+            chunk = slice(start, start + self.chunk_size)
+            inputs = (token_states[:, chunk], cell_states, readable_cells[:, chunk])
+            if recompute:
+                reviewed.append(checkpoint(self.review_chunk, *inputs, use_reentrant=False))
+            else:
+                reviewed.append(self.review_chunk(*inputs))
+        return torch.cat(reviewed, dim=1) if len(reviewed) > 1 else reviewed[0]  # (B, L, D)
 
-    def review(self, token_states: torch.Tensor, cell_states: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
-        projected = self.q_proj(token_states)  # (B, L, D)
+    def review_chunk(
+        self, token_states: torch.Tensor, cell_states: torch.Tensor, readable_cells: torch.Tensor
+    ) -> torch.Tensor:
+        if self.residual_stream:
+            return token_states + self.review(self.norm(token_states), cell_states, readable_cells)
+        return self.norm(self.review(token_states, cell_states, readable_cells))
+
+    def review(self, token_states: torch.Tensor, cell_states: torch.Tensor, readable_cells: torch.Tensor):
+        projected = self.q_proj(token_states)  # (B, l, D)
         query = self.act(projected)
         key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
         # Few keys (one per window) and many queries: plain matmuls beat fused attention kernels here, whose
         # CPU backward is tuned for long key sequences.
         scoring_query = unit_vectors(projected) if self.qk_norm else query
-        scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, L, N)
+        scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
         # A token that may read no cell (a causal first window, an all-padding row) gets no review; its row is
         # unmasked only to keep the softmax finite, then zeroed.
-        readable = cell_mask.any(-1, keepdim=True)
-        probs = torch.softmax(scores.masked_fill(~(cell_mask | ~readable), float("-inf")), dim=-1) * readable
-        review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, L, D)
+        readable = readable_cells[..., None] > 0  # (B, l, 1)
+        limit = torch.where(readable, readable_cells[..., None], key.shape[1])  # (B, l, 1)
+        hidden = torch.arange(key.shape[1], device=key.device) >= limit  # (B, l, C): cells the token may not read
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
+        review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, l, D)
         review = self.dropout(self.act(self.o_proj(review)))
         return review + self.glu(query)
 
@@ -520,7 +550,8 @@ class RANLayer(GradientCheckpointingLayer):
             rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2)
             query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
             key = apply_interleaved_rotary(key, rotations)
-        return query, key, value, new_kv
+        # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
+        return query, key, value, new_kv if cache is not None else None
 
     # ---- phase 3 ---------------------------------------------------------------------------------------------------
 
@@ -579,19 +610,19 @@ class RANLayer(GradientCheckpointingLayer):
     def review_memory(self, token_states, cells, initial_cell, layout: RANWindowLayout) -> torch.Tensor:
         """Every token reads the cells of its sequence (causal: the cells of earlier windows).
 
-        `cells` (B, C, 2 D) are the projected cells of `cell_states`.
+        `cells` (B, C, 2 D) are the projected cells of `cell_states`. Which cells a token reads is a count per token,
+        (B, L), not a (B, L, C) mask: the memory review builds the mask one chunk of tokens at a time.
         """
         padded_states = layout.to_padded(token_states)  # (B, L, D)
-        index = torch.arange(cells.shape[1], device=cells.device)
         if self.config.is_causal:
-            cell_mask = layout.token_window[:, :, None] > index[None, None, :]  # (B, L, C): earlier windows only
+            readable_cells = layout.token_window  # (B, L): a token in window w reads cells 0 .. w - 1
             if self.config.uses_review_initial_cell:
                 initial = self.memory_review.project_cells(initial_cell[:, None])  # (B, 1, 2 D)
                 cells = torch.cat([initial, cells], dim=1)  # (B, 1 + C, 2 D)
-                cell_mask = F.pad(cell_mask, (1, 0), value=True)  # (B, L, 1 + C)
+                readable_cells = readable_cells + 1  # ... and the initial cell before them
         else:
-            cell_mask = (index[None, :] < layout.num_windows[:, None])[:, None, :]  # (B, 1, C)
-        reviewed = self.memory_review(padded_states, cells, cell_mask)
+            readable_cells = layout.num_windows[:, None].expand_as(layout.token_window)  # (B, L): all of them
+        reviewed = self.memory_review(padded_states, cells, readable_cells)
         return layout.from_padded(reviewed)
 
     def update_cache(self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, cell_states, kv):

@@ -1,0 +1,108 @@
+"""Memory review in chunks of tokens: the same outputs and gradients as one pass over all tokens.
+
+`RANMemoryReview.chunk_size` bounds the (tokens x windows) scores a long document would otherwise hold at once; in
+training each chunk is recomputed in the backward pass. Forcing a chunk of a few tokens here exercises every chunk
+boundary (inside windows, across windows, across padding) on sequences the tiny configs cut into many windows.
+"""
+
+import pytest
+import torch
+
+from ran_hf import RANForCausalLM, RANModel
+from ran_hf import modeling_ran
+from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
+from ran_hf.modeling_ran import RANMemoryReview
+from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
+
+TOLERANCE = 1e-5
+WHOLE = 10**9  # a chunk longer than any test sequence: the unchunked review
+CONFIGS = [
+    pytest.param({}, id="encoder"),
+    pytest.param({"window_overlap": 2, "cell_pooling": "mean"}, id="encoder-overlap"),
+    pytest.param({"is_causal": True}, id="causal"),
+    pytest.param({"is_causal": True, **OFFICIAL_LAYER_FIELDS}, id="causal-official-layer"),
+]
+
+
+def run(model, chunk_size, monkeypatch, *inputs, **kwargs):
+    """Outputs and parameter gradients of one forward + backward pass with memory review in `chunk_size` chunks."""
+    monkeypatch.setattr(RANMemoryReview, "chunk_size", chunk_size)
+    model.zero_grad(set_to_none=True)
+    outputs = model(*inputs, **kwargs)
+    outputs.last_hidden_state.pow(2).sum().backward(retain_graph=outputs.pooler_output is not None)
+    if outputs.pooler_output is not None:
+        outputs.pooler_output.pow(2).sum().backward()
+    gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return outputs, gradients
+
+
+def assert_close(actual, expected, what):
+    """Within 1e-5, relative to the largest entry where that exceeds 1 (summed gradients reach ~10)."""
+    diff = (actual - expected).abs().max().item()
+    scale = max(1.0, expected.abs().max().item())
+    assert diff <= TOLERANCE * scale, f"{what}: max abs diff {diff:.2e} (largest entry {scale:.1f})"
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7])
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("overrides", CONFIGS)
+def test_chunked_review_equals_whole(overrides, side, chunk_size, monkeypatch):
+    config = tiny_config(num_hidden_layers=2, **overrides)
+    model = randomize_(RANModel(config), seed=1).train()  # train(): the chunks are recomputed in the backward pass
+    sequences = [random_ids(n, config.vocab_size, seed=n) for n in (23, 9, 1, 16)]
+    ids, mask = pad_batch(sequences, side=side)
+
+    whole, whole_gradients = run(model, WHOLE, monkeypatch, ids, attention_mask=mask)
+    chunked, chunked_gradients = run(model, chunk_size, monkeypatch, ids, attention_mask=mask)
+
+    for row in range(len(sequences)):
+        real = real_positions(mask[row])
+        assert_close(chunked.last_hidden_state[row, real], whole.last_hidden_state[row, real], "token states")
+    for field in ("pooler_output", "pooled_cell", "last_cell", "cells"):
+        assert_close(getattr(chunked, field), getattr(whole, field), field)
+    assert chunked_gradients.keys() == whole_gradients.keys()
+    for name, gradient in whole_gradients.items():
+        assert_close(chunked_gradients[name], gradient, f"gradient of {name}")
+
+
+@pytest.mark.parametrize("overrides", CONFIGS[2:])
+def test_chunked_review_continues_a_cache(overrides, monkeypatch):
+    """A causal continuation reads cached cells; its logits and gradients do not depend on the chunk size."""
+    model = randomize_(RANForCausalLM(tiny_config(**overrides)), seed=2).train()
+    ids, mask = pad_batch([random_ids(n, model.config.vocab_size, seed=n) for n in (31, 20)], side="left")
+
+    def continue_text(chunk_size):
+        monkeypatch.setattr(RANMemoryReview, "chunk_size", chunk_size)
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            cache = model(ids[:, :12], attention_mask=mask[:, :12], use_cache=True).past_key_values
+        logits = model(ids[:, 12:], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        logits.pow(2).sum().backward()
+        return logits, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    whole, whole_gradients = continue_text(WHOLE)
+    chunked, chunked_gradients = continue_text(2)
+    real = mask[:, 12:].bool()
+    assert_close(chunked[real], whole[real], "logits")
+    for name, gradient in whole_gradients.items():
+        assert_close(chunked_gradients[name], gradient, f"gradient of {name}")
+
+
+@pytest.mark.parametrize("overrides", [CONFIGS[0], CONFIGS[2]])
+def test_recomputed_chunks_reuse_their_dropout(overrides, monkeypatch):
+    """With dropout on, the backward pass recomputes each chunk with the dropout masks its forward pass drew."""
+    config = tiny_config(attention_probs_dropout_prob=0.3, hidden_dropout_prob=0.2, **overrides)
+    model = randomize_(RANModel(config), seed=3).train()
+    ids = random_ids(29, config.vocab_size, seed=5)[None]
+
+    def gradients():
+        torch.manual_seed(0)
+        return run(model, 4, monkeypatch, ids)
+
+    recomputed, recomputed_gradients = gradients()
+    # The same chunks, kept whole for the backward pass instead of recomputed: the same RNG draws, in order.
+    monkeypatch.setattr(modeling_ran, "checkpoint", lambda function, *args, **kwargs: function(*args))
+    kept, kept_gradients = gradients()
+    assert_close(recomputed.last_hidden_state, kept.last_hidden_state, "token states")
+    for name, gradient in kept_gradients.items():
+        assert_close(recomputed_gradients[name], gradient, f"gradient of {name}")
