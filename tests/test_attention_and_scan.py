@@ -6,7 +6,14 @@ import logging
 import pytest
 import torch
 
-from ran_hf import RANForCausalLM, RANModel
+from ran_hf import (
+    RANForCausalLM,
+    RANForMaskedLM,
+    RANForSequenceClassification,
+    RANForTokenClassification,
+    RANModel,
+)
+from ran_hf import modeling_ran
 from ran_hf.cell_scan import ALL_SCAN_FUNCTIONS, RANScanInterface, reference_cell_scan
 
 LENGTHS = (13, 6)  # three windows (the last a merged tail) and two windows, right-padded
@@ -50,13 +57,45 @@ def test_eager_and_sdpa_compute_the_same(make_config, is_causal):
     torch.testing.assert_close(model(ids, attention_mask=mask).last_hidden_state, expected)
 
 
-def test_attention_weights_need_the_eager_implementation(make_config, caplog):
+@pytest.mark.parametrize("is_causal", [False, True], ids=["encoder", "causal"])
+def test_memory_review_weights_read_only_the_cells_a_token_may_read(make_config, is_causal):
+    config = make_config(is_causal=is_causal)
+    model = RANModel(config).eval()
+    ids, mask = batch()
+    outputs = model(ids, attention_mask=mask, output_attentions=True)
+    window = torch.arange(max(LENGTHS)) // config.window_size
+    for weights in outputs.memory_attentions:
+        # The longest sequence has three windows (4 + 4 + 5: the tail merges), or four causal ones (4 + 4 + 4 + 1) plus
+        # the starting cell, read first.
+        num_cells = 5 if is_causal else 3
+        assert weights.shape == (2, max(LENGTHS), num_cells)
+        real = mask.bool()
+        torch.testing.assert_close(weights.sum(-1)[real], torch.ones(int(real.sum())))
+        assert (weights[~real] == 0).all()
+        if is_causal:
+            # A token of window w reads the starting cell and the cells of windows 0 .. w - 1.
+            readable = torch.arange(num_cells)[None, :] <= window[:, None]  # (L, C)
+            assert (weights[:, ~readable] == 0).all()
+        else:
+            assert (weights[1, :, 2:] == 0).all()  # the 6-token sequence has two windows
+
+
+def test_sdpa_returns_memory_weights_and_warns_about_window_weights(make_config, caplog):
     model = RANModel._from_config(make_config(), attn_implementation="sdpa").eval()
     ids, mask = batch()
+    modeling_ran.logger.warning_once.cache_clear()  # a warning given once per process may have been given already
     with caplog.at_level(logging.WARNING, logger="ran_hf.modeling_ran"):
         outputs = model(ids, attention_mask=mask, output_attentions=True)
     assert outputs.attentions is None
+    assert len(outputs.memory_attentions) == model.config.num_hidden_layers
     assert 'attn_implementation="eager"' in caplog.text
+
+
+@pytest.mark.parametrize("head", [RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification])
+def test_heads_pass_both_weights_on(make_config, head):
+    model = head._from_config(make_config(), attn_implementation="eager").eval()
+    outputs = model(*batch(), output_attentions=True)
+    assert len(outputs.attentions) == len(outputs.memory_attentions) == model.config.num_hidden_layers
 
 
 def test_generation_returns_no_weights_but_runs_eager(make_config):

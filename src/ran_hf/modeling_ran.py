@@ -406,30 +406,40 @@ class RANMemoryReview(nn.Module):
         return torch.cat([key, self.act(value)], dim=-1)
 
     def forward(
-        self, token_states: torch.Tensor, cell_states: torch.Tensor, readable_cells: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        token_states: torch.Tensor,
+        cell_states: torch.Tensor,
+        readable_cells: torch.Tensor,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; readable_cells (B, L): each token
-        # reads cells [0, readable_cells)
+        # reads cells [0, readable_cells). Returns the reviewed states (B, L, D) and, with `output_attentions`, the
+        # review weights (B, L, C), which then exist whole.
         length = token_states.shape[1]
         # With several chunks, each one's backward recomputes it (same dropout mask: checkpoint restores the RNG
         # state) so that training keeps (chunk x windows) probabilities for one chunk at a time, not for them all.
         recompute = torch.is_grad_enabled() and length > self.chunk_size
-        reviewed = []
+        reviewed, weights = [], []
         for start in range(0, length, self.chunk_size):
             chunk = slice(start, start + self.chunk_size)
             inputs = (token_states[:, chunk], cell_states, readable_cells[:, chunk])
             if recompute:
-                reviewed.append(checkpoint(self.review_chunk, *inputs, use_reentrant=False))
+                states, probs = checkpoint(self.review_chunk, *inputs, use_reentrant=False)
             else:
-                reviewed.append(self.review_chunk(*inputs))
-        return torch.cat(reviewed, dim=1) if len(reviewed) > 1 else reviewed[0]  # (B, L, D)
+                states, probs = self.review_chunk(*inputs)
+            reviewed.append(states)
+            weights.append(probs)
+        weights = torch.cat(weights, dim=1) if output_attentions else None
+        return torch.cat(reviewed, dim=1) if len(reviewed) > 1 else reviewed[0], weights
 
     def review_chunk(
         self, token_states: torch.Tensor, cell_states: torch.Tensor, readable_cells: torch.Tensor
     ) -> torch.Tensor:
         if self.residual_stream:
-            return token_states + self.review(self.norm(token_states), cell_states, readable_cells)
-        return self.norm(self.review(token_states, cell_states, readable_cells))
+            review, probs = self.review(self.norm(token_states), cell_states, readable_cells)
+            return token_states + review, probs
+        review, probs = self.review(token_states, cell_states, readable_cells)
+        return self.norm(review), probs
 
     def review(self, token_states: torch.Tensor, cell_states: torch.Tensor, readable_cells: torch.Tensor):
         projected = self.q_proj(token_states)  # (B, l, D)
@@ -447,7 +457,7 @@ class RANMemoryReview(nn.Module):
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, l, D)
         review = self.dropout(self.act(self.o_proj(review)))
-        return review + self.glu(query)
+        return review + self.glu(query), probs
 
 
 def scan_function(name: str):
@@ -607,8 +617,9 @@ class RANLayer(GradientCheckpointingLayer):
         merged[rows[here], (layout.first_window[:, None] + steps[None, :])[here]] = cells[here]
         return merged
 
-    def review_memory(self, token_states, cells, initial_cell, layout: RANWindowLayout) -> torch.Tensor:
-        """Every token reads the cells of its sequence (causal: the cells of earlier windows).
+    def review_memory(self, token_states, cells, initial_cell, layout: RANWindowLayout, output_attentions=False):
+        """Every token reads the cells of its sequence (causal: the cells of earlier windows). Returns the reviewed
+        token states (T, D) and, with `output_attentions`, the review weights (B, L, C), zeros at padding.
 
         `cells` (B, C, 2 D) are the projected cells of `cell_states`. Which cells a token reads is a count per token,
         (B, L), not a (B, L, C) mask: the memory review builds the mask one chunk of tokens at a time.
@@ -622,8 +633,10 @@ class RANLayer(GradientCheckpointingLayer):
                 readable_cells = readable_cells + 1  # ... and the initial cell before them
         else:
             readable_cells = layout.num_windows[:, None].expand_as(layout.token_window)  # (B, L): all of them
-        reviewed = self.memory_review(padded_states, cells, readable_cells)
-        return layout.from_padded(reviewed)
+        reviewed, weights = self.memory_review(padded_states, cells, readable_cells, output_attentions)
+        if weights is not None:
+            weights = weights * layout.to_padded(weights.new_ones(layout.token_index.numel(), 1))  # none at padding
+        return layout.from_padded(reviewed), weights
 
     def update_cache(self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, cell_states, kv):
         """Keep what the next pass needs: the cell after the last finished window, and the unfinished tail."""
@@ -657,8 +670,9 @@ class RANLayer(GradientCheckpointingLayer):
 
         With a `cache` (causal continuation) the scan starts from the cached cell and the cache is updated in place.
         Returns token states (T, D), raw cells (N, B, D) of this pass's windows, each sequence's last cell (B, D)
-        (the starting one for a row of padding only) and, if asked for, every token's window attention weights
-        (B, H, L, 1 + S).
+        (the starting one for a row of padding only) and, with `output_attentions`, every token's window attention
+        weights (B, H, L, 1 + S) (None unless the attention implementation gives them) and memory-review weights
+        (B, L, C).
         """
         initial_cell = None
         if hasattr(self, "initial_cell"):
@@ -668,7 +682,7 @@ class RANLayer(GradientCheckpointingLayer):
         if cache is not None and cache.is_initialized:
             start_cell, start_previous = cache.cell, cache.previous_raw_cell
         if layout.num_steps == 0:  # padding only: nothing to read, nothing to write
-            return token_states, token_states.new_zeros(0, *start_cell.shape), start_cell, None
+            return token_states, token_states.new_zeros(0, *start_cell.shape), start_cell, None, None
         normed_tokens = self.normalize_input(token_states)  # (T, D)
 
         # 1. Everything that does not depend on the cell, for all windows at once.
@@ -688,9 +702,12 @@ class RANLayer(GradientCheckpointingLayer):
         else:
             token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
 
-        cell_states = self.cell_states(raw_cells, layout, cache) if self.config.memory_review else None
+        cell_states, review_weights = None, None
         if self.config.memory_review:
-            token_states = self.review_memory(token_states, cell_states, initial_cell, layout)
+            cell_states = self.cell_states(raw_cells, layout, cache)
+            token_states, review_weights = self.review_memory(
+                token_states, cell_states, initial_cell, layout, output_attentions
+            )
         elif not self.residual_stream:
             token_states = self.output_norm(token_states)
         if cache is not None:
@@ -699,7 +716,7 @@ class RANLayer(GradientCheckpointingLayer):
         last_step = (layout.num_windows - 1).clamp(min=0)
         rows = torch.arange(layout.batch_size, device=last_step.device)
         last_cell = torch.where((layout.num_windows > 0)[:, None], cells[last_step, rows], start_cell)
-        return token_states, raw_cells, last_cell, attention_weights
+        return token_states, raw_cells, last_cell, attention_weights, review_weights
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -804,6 +821,11 @@ class RANModelOutput(ModelOutput):
             what each token read in its window, the cell it reads first (index 0), then the window's slots (the
             enrichment tokens, then its own tokens; zeros where a slot is empty, masked or in the future). Eager
             attention only.
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, each `(batch_size, sequence_length, num_cells)`: how much each token
+            read of each window's cell. Causal models with `review_initial_cell` put the layer's starting cell at
+            index 0 (window w's cell at w + 1); a token reads only earlier windows' cells, and a token that may read
+            none (or padding) has all zeros. Any attention implementation.
         past_key_values (`RANCache`, *optional*, returned when `use_cache=True`):
             Causal models: the recurrent state after these tokens, to continue the text with.
     """
@@ -816,7 +838,60 @@ class RANModelOutput(ModelOutput):
     cells_mask: torch.BoolTensor | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
     past_key_values: RANCache | None = None
+
+
+@dataclass
+class RANMaskedLMOutput(MaskedLMOutput):
+    """
+    [`MaskedLMOutput`] with the memory-review weights.
+
+    Args:
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+    """
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class RANSequenceClassifierOutput(SequenceClassifierOutput):
+    """
+    [`SequenceClassifierOutput`] with the memory-review weights.
+
+    Args:
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+    """
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class RANTokenClassifierOutput(TokenClassifierOutput):
+    """
+    [`TokenClassifierOutput`] with the memory-review weights.
+
+    Args:
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+    """
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class RANCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """
+    [`CausalLMOutputWithPast`] with the memory-review weights.
+
+    Args:
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+    """
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 def input_batch_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int) -> tuple:
@@ -960,7 +1035,8 @@ class RANModel(RANPreTrainedModel):
         use_cache (`bool`, *optional*):
             Causal models only: return the recurrent state (a new `RANCache` when none was passed).
         output_attentions (`bool`, *optional*):
-            Also return every layer's window attention weights (with `attn_implementation="eager"` only).
+            Also return every layer's memory-review weights and, with `attn_implementation="eager"`, its window
+            attention weights.
         output_hidden_states (`bool`, *optional*):
             Also return the embedding output and every layer's token states.
         """
@@ -979,10 +1055,9 @@ class RANModel(RANPreTrainedModel):
         if output_attentions and self.config._attn_implementation != "eager":
             logger.warning_once(
                 f"`output_attentions=True` returns window attention weights only with the eager attention; this model "
-                f"runs {self.config._attn_implementation!r}, so `attentions` is None. Load it with "
-                '`attn_implementation="eager"` to get them.'
+                f"runs {self.config._attn_implementation!r}, so `attentions` is None (`memory_attentions` are "
+                'returned). Load it with `attn_implementation="eager"` to get both.'
             )
-            output_attentions = False
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
         batch_size, padded_length = embeddings.shape[:2]
         if attention_mask is None:
@@ -997,6 +1072,7 @@ class RANModel(RANPreTrainedModel):
         cell = None  # the first layer starts from its own learned cell
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
+        all_memory_attentions = () if output_attentions and self.config.memory_review else None
         for layer in self.layers:
             if output_hidden_states:
                 # The returned states stay in the graph: the layer reads its tokens back from them.
@@ -1006,11 +1082,13 @@ class RANModel(RANPreTrainedModel):
                 cell = None  # every causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
-                token_states, raw_cells, cell, attention_weights = layer(
+                token_states, raw_cells, cell, attention_weights, review_weights = layer(
                     token_states, cell, layout=layout, cache=layer_cache, output_attentions=output_attentions
                 )
             if output_attentions:
-                all_attentions += (attention_weights,)
+                all_attentions = None if attention_weights is None else all_attentions + (attention_weights,)
+                if self.config.memory_review:
+                    all_memory_attentions += (review_weights,)
 
         if past_key_values is not None:
             past_key_values.advance(layout.lengths, padded_length)
@@ -1039,6 +1117,7 @@ class RANModel(RANPreTrainedModel):
             cells_mask=cells_mask,
             hidden_states=all_hidden_states,
             attentions=all_attentions,
+            memory_attentions=all_memory_attentions,
             past_key_values=past_key_values,
         )
 
@@ -1116,7 +1195,7 @@ class RANForMaskedLM(RANLanguageModelBase):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MaskedLMOutput:
+    ) -> RANMaskedLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
@@ -1137,8 +1216,12 @@ class RANForMaskedLM(RANLanguageModelBase):
                 loss = loss_of_nothing(logits)
             else:
                 loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        return MaskedLMOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        return RANMaskedLMOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            memory_attentions=outputs.memory_attentions,
         )
 
 
@@ -1209,7 +1292,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> SequenceClassifierOutput:
+    ) -> RANSequenceClassifierOutput:
         r"""
         labels (`torch.Tensor`, *optional*):
             `(batch_size,)` class ids for single-label classification, `(batch_size, num_labels)` 0/1 targets for
@@ -1237,8 +1320,12 @@ class RANForSequenceClassification(RANPreTrainedModel):
                 loss = loss_of_nothing(logits)
             else:
                 loss = self.loss_function(labels=labels, pooled_logits=loss_logits, config=self.config, **kwargs)
-        return SequenceClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        return RANSequenceClassifierOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            memory_attentions=outputs.memory_attentions,
         )
 
 
@@ -1261,7 +1348,7 @@ class RANForTokenClassification(RANPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> TokenClassifierOutput:
+    ) -> RANTokenClassifierOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Class id of every token; -100 (and every padding position) is ignored.
@@ -1282,8 +1369,12 @@ class RANForTokenClassification(RANPreTrainedModel):
                 loss = loss_of_nothing(logits)
             else:
                 loss = self.loss_function(logits, labels, self.config, **kwargs)
-        return TokenClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        return RANTokenClassifierOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            memory_attentions=outputs.memory_attentions,
         )
 
 
@@ -1320,7 +1411,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
+    ) -> RANCausalLMOutputWithPast:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Usually `input_ids`: the loss predicts token t + 1 from tokens up to t; -100 and padding are ignored.
@@ -1357,12 +1448,13 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
                 loss = loss_of_nothing(logits)
             else:
                 loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        return RANCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            memory_attentions=outputs.memory_attentions,
         )
 
 
