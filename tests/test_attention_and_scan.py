@@ -12,8 +12,8 @@ from ran_hf import (
     RANForSequenceClassification,
     RANForTokenClassification,
     RANModel,
+    modeling_ran,
 )
-from ran_hf import modeling_ran
 from ran_hf.cell_scan import ALL_SCAN_FUNCTIONS, RANScanInterface, reference_cell_scan
 
 LENGTHS = (13, 6)  # three windows (the last a merged tail) and two windows, right-padded
@@ -103,7 +103,7 @@ def test_generation_returns_no_weights_but_runs_eager(make_config):
     ids, mask = batch()
     sdpa = RANForCausalLM._from_config(make_config(), attn_implementation="sdpa").eval()
     sdpa.load_state_dict(model.state_dict())
-    kwargs = dict(attention_mask=mask[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    kwargs = {"attention_mask": mask[:1], "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(model.generate(ids[:1], **kwargs), sdpa.generate(ids[:1], **kwargs))
 
 
