@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Peak memory of RAN on one long sequence, at growing lengths: inference (forward) and training (forward + backward).
+"""Peak memory of RAN on one long sequence, at growing lengths: inference (forward) and training (forward + backward),
+and stream training of the causal LM (chunks carrying a detached `RANCache`: truncated backpropagation).
 
     python scripts/benchmarks/benchmark_memory.py --threads 1   # inference at 62.5K ... 1M tokens, training at 8K ... 128K
     python scripts/benchmarks/benchmark_memory.py --inference_lengths 100000 --training_lengths 8192 32768 --device cuda
@@ -8,7 +9,9 @@ Every measurement runs in a fresh process so that one cannot inherit another's p
 of the process's resident memory over its size just before the pass (after a short warm-up); on CUDA it is
 `torch.cuda.max_memory_allocated` over the memory held before the pass. For training, activation bytes (tensors
 autograd keeps for the backward pass, each storage counted once) are reported too: they are exact and independent
-of the allocator. Writes a table to stdout and JSON + a log-log plot under --output_dir.
+of the allocator. Stream training reads `--stream_chunk_size`-token chunks of one stream, backpropagating through
+each chunk alone: its peak should not grow with the number of chunks. Writes a table to stdout and JSON + a log-log
+plot under --output_dir.
 """
 
 import argparse
@@ -25,6 +28,9 @@ from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subpr
 def measure(length: int, args) -> dict:
     """One pass at `length` tokens, in this process: forward only (`--mode inference`) or forward + backward."""
     from ran_hf import RANConfig, RANModel
+
+    if args.mode == "stream":
+        return measure_stream(length, args)
 
     torch.manual_seed(0)
     config = RANConfig(
@@ -78,6 +84,47 @@ def measure(length: int, args) -> dict:
     }
 
 
+def measure_stream(num_chunks: int, args) -> dict:
+    """Causal-LM training over `num_chunks` chunks of one stream, the cache carried and detached between chunks."""
+    from ran_hf import RANConfig, RANForCausalLM
+
+    torch.manual_seed(0)
+    config = RANConfig(
+        vocab_size=1000,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        head_dim=args.hidden_size // args.num_heads,
+        window_size=args.window_size,
+        is_causal=True,
+    )
+    device = torch.device(args.device)
+    model = RANForCausalLM(config).to(device).train()
+
+    def train_on(chunks: int) -> None:
+        cache = None
+        for _ in range(chunks):
+            ids = torch.randint(1, config.vocab_size, (1, args.stream_chunk_size), device=device)
+            outputs = model(ids, labels=ids, past_key_values=cache, use_cache=True)
+            outputs.loss.backward()
+            model.zero_grad(set_to_none=True)
+            cache = outputs.past_key_values.detach()
+
+    train_on(2)  # warm-up: allocator pools, lazy initialisation
+    memory = PeakMemory(device)
+    memory.reset()
+    start = time.perf_counter()
+    train_on(num_chunks)
+    return {
+        "mode": "stream",
+        "length": num_chunks * args.stream_chunk_size,
+        "chunks": num_chunks,
+        "peak_bytes": memory.peak_bytes(),
+        "saved_activation_bytes": 0,
+        "seconds": time.perf_counter() - start,
+    }
+
+
 def plot(results: list, path: Path) -> None:
     import matplotlib
 
@@ -85,20 +132,22 @@ def plot(results: list, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6.5, 4.5))
-    for mode, marker in (("inference", "o"), ("training", "s")):
+    for mode, marker in (("inference", "o"), ("training", "s"), ("stream", "^")):
         runs = [r for r in results if r["mode"] == mode]
         if not runs:
             continue
         lengths = [r["length"] for r in runs]
         peaks = [r["peak_bytes"] / 2**20 for r in runs]
-        line = axis.loglog(lengths, peaks, f"{marker}-", label=f"{mode}: peak memory")[0]
-        axis.loglog(lengths, [peaks[0] * n / lengths[0] for n in lengths], ":", color=line.get_color())
+        label = "stream training: peak memory" if mode == "stream" else f"{mode}: peak memory"
+        line = axis.loglog(lengths, peaks, f"{marker}-", label=label)[0]
+        if mode != "stream":  # stream training should stay flat, not grow
+            axis.loglog(lengths, [peaks[0] * n / lengths[0] for n in lengths], ":", color=line.get_color())
         if mode == "training":
             saved = [r["saved_activation_bytes"] / 2**20 for r in runs]
             label = "training: saved activations"
             axis.loglog(lengths, saved, f"{marker}--", color=line.get_color(), alpha=0.5, label=label)
     axis.plot([], [], ":", color="gray", label="linear in the length")
-    axis.set_xlabel("tokens in the sequence")
+    axis.set_xlabel("tokens in the sequence (stream: read in chunks)")
     axis.set_ylabel("MiB")
     axis.set_title("RAN peak memory, batch 1 (inference: forward; training: forward + backward)", fontsize=9)
     axis.legend(fontsize=8)
@@ -110,6 +159,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inference_lengths", type=int, nargs="*", default=[62500, 125000, 250000, 500000, 1000000])
     parser.add_argument("--training_lengths", type=int, nargs="*", default=[8192, 16384, 32768, 65536, 131072])
+    parser.add_argument("--stream_chunks", type=int, nargs="*", default=[4, 16, 64])
+    parser.add_argument("--stream_chunk_size", type=int, default=4096)
     parser.add_argument("--hidden_size", type=int, default=128)
     parser.add_argument("--num_layers", type=int, default=2)
     parser.add_argument("--num_heads", type=int, default=4)
@@ -119,7 +170,7 @@ def main():
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
     # internal: measure one length in one mode and print JSON
     parser.add_argument("--single", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="training", choices=["inference", "training"], help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="training", choices=["inference", "training", "stream"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.threads:
@@ -132,19 +183,21 @@ def main():
     print(machine_line(info))
     settings = ["--hidden_size", args.hidden_size, "--num_layers", args.num_layers, "--num_heads", args.num_heads]
     settings += ["--window_size", args.window_size, "--device", args.device, "--threads", torch.get_num_threads()]
+    settings += ["--stream_chunk_size", args.stream_chunk_size]
     runs = [("inference", n) for n in args.inference_lengths] + [("training", n) for n in args.training_lengths]
+    runs += [("stream", n) for n in args.stream_chunks]
     results = []
     started = time.perf_counter()
     tqdm.write(f"{'mode':>9} {'tokens':>9} {'peak MiB':>10} {'saved MiB':>10} {'seconds':>8}")
     progress = tqdm(runs, desc="measurements")
     for mode, length in progress:
-        progress.set_postfix_str(f"{mode} {length}")
+        progress.set_postfix_str(f"{mode} {length}" + (" chunks" if mode == "stream" else ""))
         result = run_in_subprocess(__file__, [str(a) for a in ["--single", length, "--mode", mode, *settings]])
         if "error" in result:
             raise SystemExit(f"measuring {mode} at {length} tokens failed: {result['error']}")
         results.append(result)
         tqdm.write(
-            f"{mode:>9} {length:>9} {result['peak_bytes'] / 2**20:>10.1f} "
+            f"{mode:>9} {result['length']:>9} {result['peak_bytes'] / 2**20:>10.1f} "
             f"{result['saved_activation_bytes'] / 2**20:>10.1f} {result['seconds']:>8.2f}"
         )
     progress.close()
@@ -155,6 +208,10 @@ def main():
         if longest is not None and longest // 4 in peaks and longest % 4 == 0:
             ratio = peaks[longest] / peaks[longest // 4]
             print(f"{mode}: peak({longest}) / peak({longest // 4}) = {ratio:.2f} (linear: 4.00)")
+    stream = {r["chunks"]: r["peak_bytes"] for r in results if r["mode"] == "stream"}
+    if len(stream) > 1:
+        fewest, most = min(stream), max(stream)
+        print(f"stream: peak after {most} chunks / after {fewest} = {stream[most] / stream[fewest]:.3f} (flat: 1.00)")
     print(f"total time {time.perf_counter() - started:.0f} s")
 
     args.output_dir.mkdir(parents=True, exist_ok=True)

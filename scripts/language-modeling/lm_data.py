@@ -6,7 +6,8 @@ What every example script shares (arguments, output folder, checkpoints, model c
 
 import logging
 
-from datasets import DatasetDict
+import numpy as np
+from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
 from training_utils import ModelArguments, load_splits
@@ -52,6 +53,23 @@ def group_into_blocks(examples: dict[str, list[list]], block_size: int) -> dict[
         key: [values[start : start + block_size] for start in range(0, total, block_size)]
         for key, values in concatenated.items()
     }
+
+
+def interleave_streams(token_ids: np.ndarray, num_streams: int, chunk_size: int) -> Dataset:
+    """Cut one token stream into `num_streams` parallel streams of whole chunks, ordered so that batches of
+    `num_streams` rows, read in order, hold chunk t of every stream in batch t: row r of every batch continues row r
+    of the batch before. The tokens that do not fill a chunk of every stream are dropped.
+
+        tokens 0..11, 2 streams, chunks of 3 -> rows [0 1 2] [6 7 8] [3 4 5] [9 10 11]
+    """
+    chunks_per_stream = len(token_ids) // (num_streams * chunk_size)
+    if chunks_per_stream == 0:
+        raise ValueError(
+            f"{len(token_ids):,} tokens cannot fill one chunk of {chunk_size} tokens in each of {num_streams} streams: "
+            "use fewer streams (--per_device_train_batch_size) or a smaller --block_size."
+        )
+    streams = token_ids[: num_streams * chunks_per_stream * chunk_size].reshape(num_streams, chunks_per_stream, -1)
+    return Dataset.from_dict({"input_ids": streams.transpose(1, 0, 2).reshape(-1, chunk_size).tolist()})
 
 
 def end_of_text_id(tokenizer: PreTrainedTokenizerBase) -> int:

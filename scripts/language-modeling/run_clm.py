@@ -11,19 +11,27 @@ Every document becomes its tokens followed by one end-of-text token (EOS, or SEP
 documents are concatenated and cut into blocks of `--block_size` tokens, and the labels are the inputs themselves (the
 model shifts them). `evaluate_perplexity.py` (in this folder) then reads a long text in one recurrent stream. Hub
 data, several machines and resuming work as in `run_mlm.py`.
+
+With `--stream_training`, the training text is read as `--per_device_train_batch_size` parallel streams instead:
+each batch row continues the same row of the batch before, and the recurrent state (`RANCache`) is carried from
+batch to batch, detached, so backpropagation is truncated at chunk boundaries of `--block_size` tokens. The model
+then learns to use what it carried over from arbitrarily far back, with the memory of one chunk (docs/training.md).
 """
 
+import itertools
 import logging
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
-from lm_data import end_of_text_id, group_into_blocks, load_text_datasets  # noqa: E402
+from lm_data import end_of_text_id, group_into_blocks, interleave_streams, load_text_datasets  # noqa: E402
 from training_utils import (  # noqa: E402
     ModelArguments,
     ParameterChecksumCallback,
@@ -57,7 +65,16 @@ class DataTrainingArguments:
     validation_split_percentage: int = field(
         default=5, metadata={"help": "Percentage of training documents held out when there is no validation split."}
     )
-    block_size: int = field(default=1024, metadata={"help": "Tokens per training example."})
+    block_size: int = field(
+        default=1024, metadata={"help": "Tokens per training example (per chunk of a stream with --stream_training)."}
+    )
+    stream_training: bool = field(
+        default=False,
+        metadata={
+            "help": "Train on the text as parallel streams (one per batch row), carrying the recurrent state from "
+            "chunk to chunk and truncating backpropagation at chunk boundaries. Single process only."
+        },
+    )
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training blocks."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many validation blocks."})
@@ -76,6 +93,11 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging(training_args, logger)
     configure_data_parallelism(training_args)
     check_training_length(training_args)
+    if data_args.stream_training and training_args.world_size > 1:
+        raise ValueError(
+            "--stream_training carries each stream's state from batch to batch in one process; it cannot split "
+            f"batches over {training_args.world_size} processes. Run it in a single process."
+        )
     checkpoint = prepare_output_dir(training_args)  # refuses to train over a previous run unasked
     set_seed(training_args.seed)
 
@@ -113,7 +135,15 @@ def main(argv: list[str] | None = None) -> dict:
             desc=f"Grouping into blocks of {data_args.block_size}",
         )
     train_dataset = eval_dataset = None
-    if training_args.do_train:
+    if training_args.do_train and data_args.stream_training:
+        num_streams = training_args.per_device_train_batch_size
+        stream = np.fromiter(itertools.chain.from_iterable(tokenized["train"]["input_ids"]), dtype=np.int64)
+        train_dataset = interleave_streams(stream, num_streams, data_args.block_size)
+        if data_args.max_train_samples is not None:  # whole batches: every stream stops at the same chunk
+            kept = min(len(train_dataset), data_args.max_train_samples) // num_streams * num_streams
+            train_dataset = train_dataset.select(range(kept))
+        logger.info(f"Stream training: {num_streams} streams of {len(train_dataset) // num_streams:,} chunks each.")
+    elif training_args.do_train:
         train_dataset = lm_datasets["train"]
         if data_args.max_train_samples is not None:
             train_dataset = train_dataset.select(range(min(len(train_dataset), data_args.max_train_samples)))
@@ -131,7 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
         scored = labels != -100
         return {"accuracy": float((predictions[scored] == labels[scored]).mean())}
 
-    trainer = RANTrainer(
+    trainer_class, stream_kwargs = RANTrainer, {}
+    if data_args.stream_training:
+        trainer_class = StreamTrainer
+        stream_kwargs = {"chunks_per_stream": len(train_dataset) // training_args.per_device_train_batch_size}
+    trainer = trainer_class(
+        **stream_kwargs,
         model=model,
         args=training_args,
         train_dataset=train_dataset,
@@ -185,14 +220,47 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+class StreamTrainer(RANTrainer):
+    """Trains on parallel streams (`interleave_streams`): row r of every training batch continues row r of the batch
+    before, so the model's `RANCache` is carried over, detached: truncated backpropagation through time. Evaluation
+    reads independent blocks, as `RANTrainer` does."""
+
+    def __init__(self, *args, chunks_per_stream: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chunks_per_stream = chunks_per_stream
+        self.stream_cache = None
+        self.chunks_read = None
+
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.chunks_read is None:  # a resumed run continues its epoch where the checkpoint left it
+            self.chunks_read = self.state.global_step * self.args.gradient_accumulation_steps
+        if self.chunks_read % self.chunks_per_stream == 0:
+            self.stream_cache = None  # every epoch reads the streams from their beginning
+        self.chunks_read += 1
+        inputs = {**inputs, "past_key_values": self.stream_cache, "use_cache": True}
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        self.stream_cache = outputs.past_key_values.detach()
+        return (loss, outputs) if return_outputs else loss
+
+
 def describe_data(data_args: DataTrainingArguments, train_dataset, eval_dataset) -> str:
     source = describe_source(data_args)
-    counts = ", ".join(
-        f"{len(dataset):,} {name} blocks"
-        for name, dataset in (("training", train_dataset), ("validation", eval_dataset))
-        if dataset is not None
+    parts = []
+    if train_dataset is not None and data_args.stream_training:
+        parts.append(f"{len(train_dataset):,} training chunks read as parallel streams (truncated backpropagation)")
+    elif train_dataset is not None:
+        parts.append(f"{len(train_dataset):,} training blocks")
+    if eval_dataset is not None:
+        parts.append(f"{len(eval_dataset):,} validation blocks")
+    return (
+        f"{source}; documents ended by an end-of-text token, concatenated and cut into {data_args.block_size}-token "
+        f"pieces ({', '.join(parts)})."
     )
-    return f"{source}; documents ended by an end-of-text token, concatenated into blocks of {data_args.block_size} tokens ({counts})."
 
 
 if __name__ == "__main__":

@@ -141,6 +141,14 @@ class RANCache(Cache):
         super().reset()
         self.lengths, self.seen_positions = None, 0
 
+    def detach(self) -> "RANCache":
+        """Cut backpropagation here, keeping the state: training on a stream in chunks then backpropagates through
+        one chunk at a time (truncated backpropagation through time) while every chunk still reads the ones before.
+        Returns the cache itself."""
+        for layer in self.layers:
+            layer._map(torch.Tensor.detach)
+        return self
+
     def nbytes(self) -> int:
         """Bytes held by all cached tensors."""
         total = 0 if self.lengths is None else self.lengths.numel() * self.lengths.element_size()

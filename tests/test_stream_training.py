@@ -1,0 +1,68 @@
+"""Training a causal RAN on streams longer than memory: chunks carry the recurrent state, backpropagation stops at
+chunk boundaries (`RANCache.detach`, `lm_data.interleave_streams`, `run_clm.py --stream_training`)."""
+
+import json
+
+import numpy as np
+import torch
+
+import run_clm
+from lm_data import interleave_streams
+from ran_hf import RANForCausalLM
+from test_scripts import QUIET, from_scratch, topic_files, tokenizer_dir  # noqa: F401 (fixtures)
+
+
+def test_streams_are_interleaved_so_each_row_continues_itself():
+    rows = interleave_streams(np.arange(20), num_streams=2, chunk_size=3)["input_ids"]
+    assert rows == [[0, 1, 2], [9, 10, 11], [3, 4, 5], [12, 13, 14], [6, 7, 8], [15, 16, 17]]
+
+
+def test_a_detached_cache_keeps_its_state_and_cuts_the_graph(make_config):
+    torch.manual_seed(0)
+    model = RANForCausalLM(make_config())
+    ids = torch.randint(1, 64, (2, 24))
+    first = model(ids[:, :12], use_cache=True)
+    cache = first.past_key_values
+    before = {i: {name: t.clone() for name, t in layer.tensors().items()} for i, layer in enumerate(cache.layers)}
+    assert any(t.requires_grad for layer in cache.layers for t in layer.tensors().values())
+    assert cache.detach() is cache
+    for i, layer in enumerate(cache.layers):
+        for name, tensor in layer.tensors().items():
+            assert not tensor.requires_grad
+            assert torch.equal(tensor, before[i][name])
+    # The next chunk reads the carried state, and its backward pass stops at the chunk boundary.
+    second = model(ids[:, 12:], labels=ids[:, 12:], past_key_values=cache, use_cache=True)
+    second.loss.backward()
+    reference = model(ids, use_cache=False).logits[:, 12:]
+    torch.testing.assert_close(second.logits, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_run_clm_trains_on_streams_and_its_loss_goes_down(topic_files, tokenizer_dir, tmp_path):  # noqa: F811
+    output_dir = tmp_path / "streams"
+    results = run_clm.main(
+        from_scratch(tokenizer_dir, output_dir)
+        + ["--train_file", str(topic_files["train"]), "--validation_split_percentage", "0", "--stream_training"]
+        + ["--block_size", "24", "--per_device_train_batch_size", "2", "--do_train", "--num_train_epochs", "3"]
+        + ["--learning_rate", "3e-3", "--logging_steps", "1", "--seed", "0"]
+        + QUIET
+    )
+    assert results["train"]["train_samples"] % 2 == 0
+    losses = [entry["loss"] for entry in json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+              if "loss" in entry]  # fmt: skip
+    tenth = max(len(losses) // 10, 1)
+    assert np.mean(losses[-tenth:]) < 0.8 * np.mean(losses[:tenth])
+    assert "parallel streams" in (output_dir / "README.md").read_text()
+
+
+def test_the_stream_trainer_carries_the_state_within_an_epoch_only(make_config, tmp_path):
+    from transformers import TrainingArguments
+
+    model = RANForCausalLM(make_config()).train()
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=2)
+    trainer = run_clm.StreamTrainer(model=model, args=args, chunks_per_stream=2)
+    ids = torch.randint(1, 64, (2, 12))
+    carried = []
+    for _ in range(3):  # chunk 1 and 2 of an epoch, then chunk 1 of the next
+        trainer.compute_loss(model, {"input_ids": ids, "labels": ids}).backward()
+        carried.append(trainer.stream_cache.lengths.tolist())
+    assert carried == [[12, 12], [24, 24], [12, 12]]
