@@ -50,6 +50,6 @@ def test_causal_continuation_reads_the_cached_tail():
     assert layout.query_slots.tolist() == [[3, 4, 0], [1, 0, 0], [1, 0, 0]]
     assert layout.query_index.tolist() == [[0, 1, 4], [2, 4, 4], [3, 4, 4]]
     assert layout.token_window.tolist() == [[1, 1, 2], [1, 0, 0]]
-    assert layout.cached_tail.int().tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert layout.cached_tail.tolist() == [0, 1, 2, 3]  # of the (2 x 3) cached tails: all of row 0, one of row 1
     # Next pass: sequence 0 (9 tokens) keeps position 7 (overlap) and 8; sequence 1 (5 tokens) positions 3 and 4.
     assert layout.next_tail.tolist() == [[1, 2], [7, 3]]

@@ -171,9 +171,12 @@ class RANWindowLayout:
     step_windows: torch.Tensor  # (N, B) window index k read at scan step j by sequence b; K when it has none
     token_window: torch.Tensor  # (B, L) number of each new token's window in the whole sequence (0 for padding)
     finished_windows: torch.Tensor  # (B,) windows of the whole sequence complete after this pass (causal)
-    cached_tail: torch.Tensor | None  # (B, P_max) which cached tail entries are read, or None without a cache
+    cached_tail: torch.Tensor | None  # (P,) entries of the (B * P_max) cached tail read again; None without a cache
     next_tail: torch.Tensor | None  # (B, P_max') index in [new; cached tail; empty] of the tail to cache next
     continued_rows: int  # sequences whose first window here continues a cached one (its cell has a residual)
+    cached_tail_width: int  # P_max: the longest cached tail
+    cell_capacity: int  # windows of the longest sequence after this pass: the cells memory review may read
+    most_finished_windows: int  # the most windows any sequence has finished after this pass
     batch_size: int
     padded_length: int
     _rotary: torch.Tensor | None = None
@@ -211,11 +214,12 @@ class RANWindowLayout:
         num_windows = torch.where(lengths > 0, total_windows - first_window, 0)  # (B,)
         tail_lengths = torch.minimum(past, past % window + overlap)  # (B,) cached tokens read again
         next_tail_lengths = torch.minimum(total, total % window + overlap)  # (B,) tokens to cache for the next pass
+        finished_windows = total // window
         sizes = [lengths.sum(), tail_lengths.sum(), num_windows.sum(), num_windows.max(), lengths.max()]
         sizes += [tail_lengths.max(), next_tail_lengths.max(), (first_window > 0).sum()]
-        num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail, continued_rows = (
-            torch.stack(sizes).tolist()
-        )
+        sizes += [(first_window + num_windows).max(), finished_windows.max()]
+        (num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail, continued_rows,
+         cell_capacity, most_finished_windows) = torch.stack(sizes).tolist()  # fmt: skip
         token_index = true_positions(real.flatten(), num_tokens)  # (T,)
         empty = num_tokens + num_tail
         new_start, tail_start = group_starts(lengths), num_tokens + group_starts(tail_lengths)  # (B,) each
@@ -260,7 +264,8 @@ class RANWindowLayout:
         # 5. Keep the cache tail: which cached tokens this pass reads, and which tokens the next pass reads.
         cached_tail = next_tail = None
         if past_lengths is not None:
-            cached_tail = torch.arange(longest_tail, device=device) < tail_lengths[:, None]  # (B, P)
+            is_read = torch.arange(longest_tail, device=device) < tail_lengths[:, None]  # (B, P_max)
+            cached_tail = true_positions(is_read.flatten(), num_tail)  # (P,)
             offset = torch.arange(longest_next_tail, device=device)  # (P',)
             next_position = (total - next_tail_lengths)[:, None] + offset  # (B, P')
             rows = torch.arange(batch_size, device=device)[:, None].expand_as(next_position)
@@ -280,10 +285,13 @@ class RANWindowLayout:
             window_number=window_number,
             step_windows=step_windows,
             token_window=token_window,
-            finished_windows=total // window,
+            finished_windows=finished_windows,
             cached_tail=cached_tail,
             next_tail=next_tail,
             continued_rows=continued_rows,
+            cached_tail_width=longest_tail,
+            cell_capacity=cell_capacity,
+            most_finished_windows=most_finished_windows,
             batch_size=batch_size,
             padded_length=padded_length,
         )
@@ -293,7 +301,7 @@ class RANWindowLayout:
         parts = [token_states]
         if tail_states is not None:
             # A cache whose rows were reselected (beam search) may be wider than its longest tail now.
-            parts.append(tail_states[:, : self.cached_tail.shape[1]][self.cached_tail])
+            parts.append(tail_states[:, : self.cached_tail_width].flatten(0, 1)[self.cached_tail])
         parts.append(token_states.new_zeros(1, *token_states.shape[1:]))
         return torch.cat(parts)
 
@@ -607,14 +615,12 @@ class RANLayer(GradientCheckpointingLayer):
         cells = self.memory_review.project_cells(raw_cells.transpose(0, 1))  # (B, N, 2 D)
         if cache is None or cache.cell_states is None:
             return cells
-        batch_size, num_steps, cached = layout.batch_size, layout.num_steps, cache.cell_states
-        capacity = max(cached.shape[1], int((layout.first_window + num_steps).max()))
-        merged = cells.new_zeros(batch_size, capacity, cells.shape[-1])
+        cached = cache.cell_states
+        merged = cells.new_zeros(layout.batch_size, max(cached.shape[1], layout.cell_capacity), cells.shape[-1])
         merged[:, : cached.shape[1]] = cached
-        steps = torch.arange(num_steps, device=cells.device)
-        here = steps[None, :] < layout.num_windows[:, None]  # (B, N)
-        rows = torch.arange(batch_size, device=cells.device)[:, None].expand_as(here)
-        merged[rows[here], (layout.first_window[:, None] + steps[None, :])[here]] = cells[here]
+        # The packed windows are exactly this pass's cells: window k is cell `window_number[k]` of its sequence.
+        sequence, number = layout.window_sequence, layout.window_number
+        merged[sequence, layout.first_window[sequence] + number] = cells[sequence, number]
         return merged
 
     def review_memory(self, token_states, cells, initial_cell, layout: RANWindowLayout, output_attentions=False):
@@ -649,7 +655,7 @@ class RANLayer(GradientCheckpointingLayer):
             torch.where(has_finished, raw_cells[last, rows], start[1]) if raw_cells.numel() else start[1]
         )
         if self.config.memory_review:
-            kept = int(layout.finished_windows.max())
+            kept = layout.most_finished_windows
             finished = torch.arange(kept, device=last.device)[None, :] < layout.finished_windows[:, None]
             cache.cell_states = cell_states[:, :kept] * finished[..., None]
         tail = None if cache.tail_keys is None else torch.stack([cache.tail_keys, cache.tail_values], 2)
@@ -927,7 +933,8 @@ def validate_ran_inputs(
     """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN.
 
     Shapes are checked first; the values (token ids in the vocabulary, finite embeddings, a 0/1 mask) are then
-    checked with a single host synchronisation. Returns (batch_size, sequence_length).
+    checked with a single host synchronisation, except under `torch.compile` / `torch.export`. Returns (batch_size,
+    sequence_length).
     """
     shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
     if attention_mask is not None and tuple(attention_mask.shape) not in (
@@ -940,6 +947,10 @@ def validate_ran_inputs(
             + f", got {tuple(attention_mask.shape)}."
         )
 
+    if torch.compiler.is_compiling():
+        # Compiled or exported: a value check would read the device inside the graph (a break, or an export that
+        # fails on a data-dependent branch); the eager call of the same model checks them.
+        return shape
     if input_ids is not None:
         checks = [input_ids.min(), input_ids.max()]
     else:
