@@ -1,6 +1,6 @@
 """What every example training script (`scripts/<task>/run_*.py`) shares: model and training arguments, logging, the
 output folder (refusing to train over a previous run unasked, resuming, an atomic final save), DDP settings, data and
-tokenizer/config checks, a parameter checksum hook and the model card.
+tokenizer/config checks, LoRA (`--lora_r`), a parameter checksum hook and the model card.
 
 What only one task uses sits beside its scripts instead (`language-modeling/lm_data.py`, say). Each script puts this
 folder, `scripts/`, on `sys.path` with one line before importing this module, so it runs from any working directory,
@@ -38,7 +38,7 @@ from transformers import (
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import ran_hf  # registers RAN with the Auto classes and marks it for remote code on save
-from ran_hf import RANConfig
+from ran_hf import RAN_LORA_TARGET_MODULES, RANConfig, frozen_new_weights, ran_lora_config
 from ran_hf.data import check_columns, check_text, read_records
 from ran_hf.folders import normal_permissions, recover_interrupted, replace_folder, staging_folder
 
@@ -81,6 +81,9 @@ RUN_FILES = frozenset(
         "cache_ran.py",
     }
 )
+# A LoRA run (`--lora_r`) saves the adapter (and the head modules it trains in full), not the model.
+ADAPTER_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
+RUN_FILES = RUN_FILES | {*ADAPTER_NAMES, "adapter_config.json"}
 WEIGHT_SHARD_PATTERN = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
 # Files `Trainer` loads to resume, checked to load before a checkpoint is chosen.
 RESUMED_TORCH_FILES = re.compile(
@@ -141,6 +144,26 @@ class ModelArguments:
         default=False,
         metadata={"help": "Fine-tuning: re-initialise a head whose shape differs (e.g. another number of labels)."},
     )
+    lora_r: int = field(
+        default=0,
+        metadata={
+            "help": "Fine-tune with LoRA of this rank (PEFT; `pip install ran-hf[peft]`) instead of training every "
+            "weight: the model is frozen, low-rank adapters are trained on the --lora_target_modules, and the "
+            "output folder holds the adapter (adapter_config.json, adapter_model.safetensors), which loads on the "
+            "--model_name_or_path model. New head modules (a classifier's pooler and classifier) are trained in full "
+            "and saved with the adapter. 0: no LoRA."
+        },
+    )
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling: the update is (alpha / r) B A."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the input of the LoRA adapters."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(RAN_LORA_TARGET_MODULES),
+        metadata={
+            "help": "Names (suffixes) of the linear layers to adapt; defaults to ran_hf.RAN_LORA_TARGET_MODULES, "
+            "the attention projections of window attention and memory review. `all-linear` adapts every linear "
+            "layer but the output layer."
+        },
+    )
     parameter_checksum_dir: str | None = field(
         default=None,
         metadata={
@@ -154,6 +177,13 @@ class ModelArguments:
             raise ValueError("--config_overrides only applies when training from scratch (no --model_name_or_path).")
         if self.model_name_or_path is None and self.tokenizer_name is None:
             raise ValueError("Training from scratch needs --tokenizer_name (see scripts/train_tokenizer.py).")
+        if self.lora_r < 0:
+            raise ValueError(f"--lora_r must be 0 (no LoRA) or a positive rank, got {self.lora_r}.")
+        if self.lora_r > 0 and self.model_name_or_path is None:
+            raise ValueError("--lora_r adapts a trained model: pass --model_name_or_path (a model from scratch has "
+                             "random weights for the adapters to adapt, and they would not be saved).")
+        if len(self.lora_target_modules) == 1:
+            self.lora_target_modules = self.lora_target_modules[0]  # "all-linear", or one name
 
 
 # ---- arguments, logging and distributed settings ----------------------------------------------------------------
@@ -220,7 +250,7 @@ def missing_from_checkpoint(folder: str | Path) -> list[str]:
         json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         missing.append("a readable trainer_state.json")
-    if not names.intersection(WEIGHTS_NAMES) and not any(
+    if not names.intersection(WEIGHTS_NAMES + ADAPTER_NAMES) and not any(
         name.startswith(("global_step", "pytorch_model_fsdp")) for name in names
     ):
         missing.append("model weights")
@@ -527,12 +557,13 @@ def check_tokenizer_matches_config(tokenizer: PreTrainedTokenizerBase, config) -
 
 
 def load_model(auto_class, model_args: ModelArguments, config):
-    """Weights from `--model_name_or_path`, or a freshly initialised model from `config`."""
+    """Weights from `--model_name_or_path`, or a freshly initialised model from `config`; with `--lora_r`, that
+    model wrapped for LoRA (`wrap_with_lora`)."""
     if model_args.model_name_or_path is None:
         model = auto_class.from_config(config)
         logger.info(f"New {type(model).__name__} with {model.num_parameters():,} parameters")
         return model
-    return auto_class.from_pretrained(
+    model, loading_info = auto_class.from_pretrained(
         model_args.model_name_or_path,
         config=config,
         cache_dir=model_args.cache_dir,
@@ -540,7 +571,42 @@ def load_model(auto_class, model_args: ModelArguments, config):
         token=model_args.token,
         trust_remote_code=model_args.trust_remote_code,
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+        output_loading_info=True,
     )
+    if model_args.lora_r > 0:
+        new_weights = {*loading_info["missing_keys"], *(key for key, *_ in loading_info["mismatched_keys"])}
+        model = wrap_with_lora(model, model_args, new_weights)
+    return model
+
+
+def wrap_with_lora(model, model_args: ModelArguments, new_weights: set[str]):
+    """The model as a PEFT LoRA model (`ran_hf.ran_lora_config`: the head's new modules trained in full); fails if
+    a newly initialised weight would stay frozen at its random value."""
+    try:
+        from peft import get_peft_model
+    except ImportError as error:
+        raise ImportError("--lora_r needs PEFT: `pip install ran-hf[peft]` (or `pip install peft`).") from error
+    lora_config = ran_lora_config(
+        model,
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=model_args.lora_target_modules,
+    )
+    model = get_peft_model(model, lora_config)
+    frozen = frozen_new_weights(model, new_weights)
+    if frozen:
+        raise ValueError(
+            f"LoRA would leave these newly initialised weights frozen at their random values: {', '.join(frozen)}. "
+            "Start from a checkpoint that has them, or train without --lora_r."
+        )
+    trainable, total = model.get_nb_trainable_parameters()
+    logger.info(
+        f"LoRA (r={model_args.lora_r}, alpha={model_args.lora_alpha}) on {lora_config.target_modules}, trained in "
+        f"full: {lora_config.modules_to_save or 'nothing'}; {trainable:,} of {total:,} parameters trainable "
+        f"({trainable / total:.2%})"
+    )
+    return model
 
 
 # ---- parameter checksums ------------------------------------------------------------------------------------------
@@ -625,6 +691,35 @@ class RANTrainer(Trainer):
             write_model_card(self, **{**self.card, **kwargs})
 
 
+FULL_MODEL_USE = """\
+The model code travels with the weights (`configuration_ran.py`, `modeling_ran.py`), so the model loads with
+`trust_remote_code=True` without installing anything beyond Transformers and PyTorch:
+
+```python
+from transformers import {auto_class}, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{repo_id}")
+model = {auto_class}.from_pretrained("{repo_id}", trust_remote_code=True)
+```
+
+With `ran_hf` installed (`import ran_hf`), the same call uses the installed code instead."""
+
+ADAPTER_USE = """\
+This folder holds a LoRA adapter, not a whole model: `adapter_config.json` and `adapter_model.safetensors` (the
+adapter weights{saved_modules}). It loads on its base model, `{base}`, with PEFT installed (`pip install peft`):
+
+```python
+import ran_hf  # RAN's classes (or pass trust_remote_code=True where the base model holds its code)
+from peft import PeftModel
+from transformers import {auto_class}, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{repo_id}")
+base = {auto_class}.from_pretrained("{base}"{load_kwargs})
+model = PeftModel.from_pretrained(base, "{repo_id}")
+model = model.merge_and_unload()  # optional: a plain model, as fast as the base
+```"""
+
+
 def write_model_card(
     trainer: Trainer,
     task: str,
@@ -643,6 +738,7 @@ def write_model_card(
     write it to `README.md` in the output folder, next to the saved model."""
     args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
     config = model.config
+    lora = model.peft_config.get("default") if hasattr(model, "peft_config") else None
     output_dir = Path(args.output_dir)
     if model_name is None:
         named = args.hub_model_id or (args.run_name if args.run_name not in (None, args.output_dir) else None)
@@ -653,10 +749,10 @@ def write_model_card(
 
     datasets_field = [dataset] if isinstance(dataset, str) else list(dataset or [])
     front_matter = {
-        "library_name": "transformers",
+        "library_name": "transformers" if lora is None else "peft",
         "pipeline_tag": pipeline_tag,
         "license": "apache-2.0",
-        "tags": ["ran", "recurrent-attention-network", "long-document", *(tags or [])],
+        "tags": ["ran", "recurrent-attention-network", "long-document", *(["lora"] if lora else []), *(tags or [])],
     }
     if datasets_field:
         front_matter["datasets"] = datasets_field
@@ -690,6 +786,25 @@ def write_model_card(
         ("precision", "float32" if args.mixed_precision in (None, "no") else args.mixed_precision),
         ("seed", str(args.seed)),
     ]
+    if lora is not None:
+        trainable, total = model.get_nb_trainable_parameters()
+        # PEFT adds its own defaults for the task ("classifier", "score"): name only the modules the model has.
+        module_names = [name for name, _ in model.get_base_model().named_modules()]
+        saved_modules = sorted(
+            saved
+            for saved in set(lora.modules_to_save or ())
+            if any(name == saved or name.endswith(f".{saved}") for name in module_names)
+        )
+        targets = lora.target_modules
+        targets = targets if isinstance(targets, str) else ", ".join(sorted(targets))
+        hyperparameters.append(
+            (
+                "LoRA",
+                f"r={lora.r}, alpha={lora.lora_alpha}, dropout={lora.lora_dropout:g} on {targets}"
+                + (f"; trained in full: {', '.join(saved_modules)}" if saved_modules else "")
+                + f"; {trainable:,} of {total:,} parameters trained ({trainable / total:.2%})",
+            )
+        )
     architecture = [
         ("parameters", f"{model.num_parameters():,}"),
         ("hidden size / layers", f"{config.hidden_size} / {config.num_hidden_layers}"),
@@ -702,19 +817,35 @@ def write_model_card(
         ("causal", str(config.is_causal)),
         ("vocabulary", f"{config.vocab_size:,}"),
     ]
+    repo_id = args.hub_model_id or str(output_dir)
+    if lora is None:
+        adapter = ""
+        how_to_use = FULL_MODEL_USE.format(auto_class=auto_class, repo_id=repo_id)
+    else:
+        adapter = f" This is a LoRA adapter (rank {lora.r}) for that model, not a whole model (see How to use)."
+        labels = {int(index): name for index, name in config.id2label.items()}
+        classifier = auto_class.endswith("Classification")
+        load_kwargs = f", num_labels={config.num_labels}, id2label={labels!r}" if classifier else ""
+        how_to_use = ADAPTER_USE.format(
+            auto_class=auto_class,
+            repo_id=repo_id,
+            base=lora.base_model_name_or_path or finetuned_from,
+            load_kwargs=load_kwargs,
+            saved_modules=f", and the {', '.join(saved_modules)} trained in full" if saved_modules else "",
+        )
     values = {
         "front_matter": "\n".join(front_matter_lines(front_matter)),
         "model_name": model_name,
         "task": task,
         "base": f"fine-tuned from `{finetuned_from}`" if finetuned_from else "trained from scratch",
+        "adapter": adapter,
+        "how_to_use": how_to_use,
         "data": data,
         "results": markdown_table(("metric", "value"), [(name, format_value(results[name])) for name in shown_metrics])
         if shown_metrics
         else "No metrics were recorded.",
         "hyperparameters": markdown_table(("setting", "value"), hyperparameters),
         "architecture": markdown_table(("field", "value"), architecture),
-        "auto_class": auto_class,
-        "repo_id": args.hub_model_id or str(output_dir),
         "intended_use": intended_use,
         "limitations": limitations,
         "versions": (

@@ -15,6 +15,7 @@ from transformers import (
 
 from .cache_ran import RANCache
 from .configuration_ran import RANConfig
+from .lora import RAN_LORA_TARGET_MODULES, RAN_NEW_HEAD_MODULES, frozen_new_weights, ran_lora_config
 from .modeling_ran import (
     RANForCausalLM,
     RANForMaskedLM,
@@ -51,6 +52,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "RAN_LORA_TARGET_MODULES",
+    "RAN_NEW_HEAD_MODULES",
     "RANCache",
     "RANConfig",
     "RANForCausalLM",
@@ -60,4 +63,6 @@ __all__ = [
     "RANModel",
     "RANPreTrainedModel",
     "convert_rannet_checkpoint",
+    "frozen_new_weights",
+    "ran_lora_config",
 ]
