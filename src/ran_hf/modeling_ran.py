@@ -794,8 +794,11 @@ class RANPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module):
         super()._init_weights(module)
         if isinstance(module, RANLayer) and hasattr(module, "initial_cell"):
-            # Zero is what the official initialiser gives: LayerNorm(swish(U * 0)) = the norm's zero-initialised bias.
-            init.zeros_(module.initial_cell)
+            # Not zero (what the official initialiser amounts to): the cell is standardised on reading, and a zero
+            # vector's standardisation has gradient 1 / sqrt(eps) ~ 3e3 (its memory-review key, a unit vector of
+            # zero, far more). At initialisation that gradient was 100-1e8 times all the others together, so
+            # clipping by the global norm left every other weight almost no update. Converted checkpoints load theirs.
+            init.normal_(module.initial_cell, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, RANLanguageModelBase) and module.decoder.bias is not None:
             init.zeros_(module.decoder.bias)
 
