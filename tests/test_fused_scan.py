@@ -48,7 +48,8 @@ def layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float32, seed
     num_windows, num_slots = layout.window_slots.shape
     slots = (num_windows, config.num_attention_heads, num_slots, config.head_dim)
     keys, values = (torch.randn(slots, generator=generator, dtype=dtype) for _ in range(2))
-    cell, previous_raw = (torch.randn(len(lengths), config.hidden_size, generator=generator, dtype=dtype) for _ in "ab")
+    starts = (len(lengths), config.hidden_size)
+    cell, previous_raw = (torch.randn(starts, generator=generator, dtype=dtype) for _ in range(2))
     inputs = [tensor.requires_grad_() for tensor in (cell, previous_raw, keys, values)]
     return layer, inputs, layout
 
@@ -217,7 +218,7 @@ def test_fused_scan_falls_back_to_the_reference_and_warns_once(fields, train, re
 def test_dropout_rates_do_not_matter_in_eval_mode(caplog):
     transformers_logging.warning_once.cache_clear()
     model = RANModel(tiny_config(scan_implementation="fused", hidden_dropout_prob=0.1)).eval()
-    layer = model.layers[0] if hasattr(model, "layers") else next(m for m in model.modules() if isinstance(m, RANLayer))
+    layer = next(module for module in model.modules() if isinstance(module, RANLayer))
     assert fused_scan_unsupported(layer, torch.zeros(1, 16)) is None
     with caplog.at_level(logging.WARNING, logger="ran_hf.cell_scan"):
         model(*pad_batch([random_ids(9, 61, seed=0)]))

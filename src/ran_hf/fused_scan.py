@@ -12,8 +12,7 @@ It computes what `reference_cell_scan` computes for a layer whose activation is 
 or rates of 0), in float32 or float64 and outside autocast; `cell_scan.fused_cell_scan` checks this and otherwise
 runs the reference (warning once). Double backward is not supported.
 
-Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots, Z = 3 H d (+ 2 D with the
-cell's input residual).
+Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots.
 """
 
 from dataclasses import dataclass
@@ -83,7 +82,7 @@ class SavedStep(NamedTuple):
     normed_cell: torch.Tensor  # SN(cell)
     normed: torch.Tensor  # input LayerNorm(cell), the input projection's input
     qkv_pre: torch.Tensor  # (B, 3 H d) queries, keys, values before the activation
-    glu_pre: torch.Tensor | None  # (B, 2 D) the attention GLU's projection
+    glu_pre: torch.Tensor | None  # (B, 2 D) the attention GLU's projection, with the cell's input residual
     query: torch.Tensor  # (B H, 1, d)
     probs: torch.Tensor  # (B H, 1, 1 + S)
     attended: torch.Tensor  # (B, H d)
@@ -101,15 +100,14 @@ class FusedCellScan(torch.autograd.Function):
 
     cell, previous_raw (B, D); step_keys, step_values (N, B, H, S, d) the slots each step reads; score_bias
     (N, B * H, 1, 1 + S) 0 where a key is visible, -inf where masked (key 0 is the cell's own); then the weights:
-    input norm (weight, bias), the fused input projection (Z, D) and bias with rows ordered (H, 3, d) for the
-    queries, keys and values and then the attention GLU's 2 D rows when the cell has its input residual, o_proj
-    (weight, bias), attention norm (weight, bias) or None, cell GLU (weight, bias) or None, cell norm (weight,
-    bias) or None. Returns read keys, read values (N, B, H, d), raw cells and cells (N, B, D).
+    input norm, qkv_proj, o_proj, and (or None) attention GLU and attention norm (with the cell's input residual),
+    cell GLU and cell norm (with the cell residual): each its weight and bias. Returns read keys, read values
+    (N, B, H, d), raw cells and cells (N, B, D).
     """
 
     @staticmethod
     def forward(ctx, plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, *weights):
-        in_w, in_b, x_w, x_b, o_w, o_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
+        in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
         num_steps, batch_size, num_heads, num_slots, head_dim = step_keys.shape
         heads, qkv_size, eps = batch_size * num_heads, 3 * num_heads * head_dim, plan.eps
         # Keys and values of every step with a free slot 0 for the cell's own, filled as the scan reaches it.
@@ -118,15 +116,16 @@ class FusedCellScan(torch.autograd.Function):
         keys_t, values_all = key_buffer.transpose(-1, -2).unbind(0), value_buffer.unbind(0)
         key_slots, value_slots = key_buffer[:, :, :1].unbind(0), value_buffer[:, :, :1].unbind(0)
         biases = score_bias.unbind(0)
-        x_wt, o_wt, cg_wt = x_w.t(), o_w.t(), None if cg_w is None else cg_w.t()
+        qkv_wt, o_wt = qkv_w.t(), o_w.t()
+        ag_wt, cg_wt = (None if weight is None else weight.t() for weight in (ag_w, cg_w))
 
         read_keys, read_values, raw_cells, cells, saved = [], [], [], [], []
         for step in range(num_steps):
             normed_cell, input_norm = standardize(cell, eps)
             normed = torch.addcmul(in_b, normed_cell, in_w)  # (B, D)
-            projected = torch.addmm(x_b, normed, x_wt)  # (B, Z)
-            qkv_pre = projected[:, :qkv_size]
-            query, key, value = F.silu(qkv_pre).view(heads, 3, head_dim).split(1, dim=1)  # (B H, 1, d) each
+            qkv_pre = torch.addmm(qkv_b, normed, qkv_wt)  # (B, 3 H d)
+            qkv = F.silu(qkv_pre).view(batch_size, 3, num_heads, head_dim).transpose(1, 2)  # (B, H, 3, d)
+            query, key, value = qkv.reshape(heads, 3, head_dim).split(1, dim=1)  # (B H, 1, d) each
             key_slots[step].copy_(key)
             value_slots[step].copy_(value)
             scores = torch.baddbmm(biases[step], query, keys_t[step], alpha=head_dim**-0.5)  # (B H, 1, 1 + S)
@@ -136,7 +135,7 @@ class FusedCellScan(torch.autograd.Function):
             output = F.silu(output_pre)
             glu_pre = normed_gated = gated_norm = None
             if plan.cell_input_residual:
-                glu_pre = projected[:, qkv_size:]
+                glu_pre = torch.addmm(ag_b, normed, ag_wt)  # (B, 2 D)
                 normed_gated, gated_norm = standardize(output + F.glu(glu_pre, dim=-1), eps)
                 raw, raw_norm = standardize(torch.addcmul(an_b, normed_gated, an_w), eps)  # (B, D)
             else:
@@ -177,7 +176,7 @@ class FusedCellScan(torch.autograd.Function):
     def backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells):
         plan = ctx.plan
         saved, key_buffer, value_buffer, weights = pytree.tree_unflatten(ctx.saved_tensors, ctx.structure)
-        in_w, in_b, x_w, x_b, o_w, o_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
+        in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
         num_steps, num_heads, head_dim = plan.num_steps, plan.num_heads, plan.head_dim
         batch_size = grad_cells.shape[1]
         heads, qkv_size, scale = batch_size * num_heads, 3 * num_heads * head_dim, head_dim**-0.5
@@ -187,7 +186,8 @@ class FusedCellScan(torch.autograd.Function):
         grad_raw_cells, grad_cells = grad_raw_cells.unbind(0), grad_cells.unbind(0)
 
         # Per step (in reverse), what the weight and slot gradients are summed from once the loop is done.
-        grad_projected, grad_normed, grad_output_pre, grad_scores, grad_attended, grad_written = [], [], [], [], [], []
+        grad_qkv_pre, grad_glu_pre, grad_normed, grad_output_pre, grad_scores, grad_attended = [], [], [], [], [], []
+        grad_written = []
         grad_gates, grad_updated = [], []
         grad_cell, grad_raw = grad_cells[-1], grad_raw_cells[-1]  # what reaches step's cell and raw cell
         grad_previous_raw = None
@@ -228,16 +228,19 @@ class FusedCellScan(torch.autograd.Function):
             grad_query = torch.bmm(grad_score, keys_all[step])  # (B H, 1, d)
             grad_key = torch.addcmul(grad_read_keys[step], grad_score[..., :1], saved_step.query)
             grad_value = torch.addcmul(grad_read_values[step], probs[..., :1], grad_att)
-            grad_activated = torch.cat([grad_query, grad_key, grad_value], dim=1).view(batch_size, qkv_size)
-            grad_step = torch.ops.aten.silu_backward(grad_activated, saved_step.qkv_pre)
+            per_head = (batch_size, num_heads, head_dim)
+            grad_qkv = torch.stack([grad_query.view(per_head), grad_key.view(per_head), grad_value.view(per_head)], 1)
+            grad_qkv = torch.ops.aten.silu_backward(grad_qkv.view(batch_size, qkv_size), saved_step.qkv_pre)
             if plan.cell_input_residual:
-                grad_step = torch.cat([grad_step, grad_glu], dim=-1)  # (B, Z)
-            grad_input = torch.mm(grad_step, x_w)  # (B, D)
+                grad_input = torch.addmm(torch.mm(grad_glu, ag_w), grad_qkv, qkv_w)  # (B, D)
+                grad_glu_pre.append(grad_glu)
+            else:
+                grad_input = torch.mm(grad_qkv, qkv_w)
             grad_cell_before = None if step == 0 else grad_cells[step - 1]
             grad_cell = standardize_backward(grad_input * in_w, saved_step.input_norm, add_to=grad_cell_before)
             grad_raw = grad_raw_before
 
-            grad_projected.append(grad_step)
+            grad_qkv_pre.append(grad_qkv)
             grad_normed.append(grad_input)
             grad_output_pre.append(grad_pre)
             grad_scores.append(grad_score)
@@ -250,14 +253,17 @@ class FusedCellScan(torch.autograd.Function):
         def saved_flat(name):
             return flat([getattr(saved_step, name) for saved_step in saved], reverse=False)
 
-        grad_projected = flat(grad_projected)  # (N B, Z)
-        grad_x_w, grad_x_b = torch.mm(grad_projected.t(), saved_flat("normed")), grad_projected.sum(0)
+        normed = saved_flat("normed")  # (N B, D)
+        grad_qkv_pre = flat(grad_qkv_pre)  # (N B, 3 H d)
+        grad_qkv_w, grad_qkv_b = torch.mm(grad_qkv_pre.t(), normed), grad_qkv_pre.sum(0)
         grad_normed = flat(grad_normed)
         grad_in_w, grad_in_b = (grad_normed * saved_flat("normed_cell")).sum(0), grad_normed.sum(0)
         grad_output_pre = flat(grad_output_pre)
         grad_o_w, grad_o_b = torch.mm(grad_output_pre.t(), saved_flat("attended")), grad_output_pre.sum(0)
-        grad_an_w = grad_an_b = None
+        grad_ag_w = grad_ag_b = grad_an_w = grad_an_b = None
         if plan.cell_input_residual:
+            grad_glu_pre = flat(grad_glu_pre)  # (N B, 2 D)
+            grad_ag_w, grad_ag_b = torch.mm(grad_glu_pre.t(), normed), grad_glu_pre.sum(0)
             grad_written = flat(grad_written)
             grad_an_w, grad_an_b = (grad_written * saved_flat("normed_gated")).sum(0), grad_written.sum(0)
         grad_cg_w = grad_cg_b = grad_cn_w = grad_cn_b = None
@@ -269,25 +275,21 @@ class FusedCellScan(torch.autograd.Function):
             grad_cg_w, grad_cg_b = torch.mm(grad_gates.t(), previous_raws), grad_gates.sum(0)
             grad_cn_w, grad_cn_b = (grad_updated * normed_joined).sum(0), grad_updated.sum(0)
 
-        # The window slots: every step's score and value gradients at once, slot 0 (the cell's own) dropped.
-        grad_scores = torch.stack(grad_scores[::-1])  # (N, B H, 1, 1 + S)
-        probs = torch.stack([saved_step.probs for saved_step in saved])  # (N, B H, 1, 1 + S)
+        # The window slots: every step's score and value gradients at once (outer products), without slot 0, the
+        # cell's own.
+        grad_scores = torch.stack(grad_scores[::-1])[:, :, 0, 1:, None]  # (N, B H, S, 1)
+        probs = torch.stack([saved_step.probs for saved_step in saved])[:, :, 0, 1:, None]  # (N, B H, S, 1)
         queries = torch.stack([saved_step.query for saved_step in saved])  # (N, B H, 1, d)
         grad_attended = torch.stack(grad_attended[::-1])  # (N, B H, 1, d)
         slot_shape = (num_steps, batch_size, num_heads, -1, head_dim)
-        grad_step_keys = torch.matmul(grad_scores.transpose(-1, -2), queries)[:, :, 1:].reshape(slot_shape)
-        grad_step_values = torch.matmul(probs.transpose(-1, -2), grad_attended)[:, :, 1:].reshape(slot_shape)
+        grad_step_keys = (grad_scores * queries).view(slot_shape)  # (N, B, H, S, d)
+        grad_step_values = (probs * grad_attended).view(slot_shape)
 
         return (
             None, grad_cell, grad_previous_raw, grad_step_keys, grad_step_values, None,
-            grad_in_w, grad_in_b, grad_x_w, grad_x_b, grad_o_w, grad_o_b, grad_an_w, grad_an_b,
-            grad_cg_w, grad_cg_b, grad_cn_w, grad_cn_b,
+            grad_in_w, grad_in_b, grad_qkv_w, grad_qkv_b, grad_o_w, grad_o_b, grad_ag_w, grad_ag_b,
+            grad_an_w, grad_an_b, grad_cg_w, grad_cg_b, grad_cn_w, grad_cn_b,
         )  # fmt: skip
-
-
-def head_major(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Rows of the q/k/v projection (3, H, d, ...) reordered (H, 3, d, ...): each head's q, k, v side by side."""
-    return weight.unflatten(0, (3, num_heads, -1)).transpose(0, 1).flatten(0, 2)
 
 
 def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, layout):
@@ -296,14 +298,10 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
     config = layer.config
     num_heads = layer.num_heads
     num_steps, batch_size = step_mask.shape[:2]
-    # The input projection: the queries, keys and values, and the attention GLU when the cell has its input residual.
-    x_w, x_b = head_major(layer.qkv_proj.weight, num_heads), head_major(layer.qkv_proj.bias, num_heads)
-    attention_norm = (None, None)
+    attention_glu = attention_norm = cell_glu = cell_norm = (None, None)
     if layer.cell_input_residual:
-        x_w = torch.cat([x_w, layer.attention_glu.proj.weight])
-        x_b = torch.cat([x_b, layer.attention_glu.proj.bias])
+        attention_glu = (layer.attention_glu.proj.weight, layer.attention_glu.proj.bias)
         attention_norm = (layer.attention_norm.weight, layer.attention_norm.bias)
-    cell_glu = cell_norm = (None, None)
     first_step_residual = False
     if config.use_cell_residual:
         cell_glu = (layer.cell_glu.proj.weight, layer.cell_glu.proj.bias)
@@ -326,7 +324,7 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
     score_bias = torch.zeros(visible.shape, dtype=cell.dtype, device=cell.device).masked_fill_(~visible, float("-inf"))
     score_bias = score_bias[:, :, None, None].expand(-1, -1, num_heads, 1, -1).flatten(1, 2)  # (N, B H, 1, 1 + S)
     weights = (
-        layer.input_norm.weight, layer.input_norm.bias, x_w, x_b, layer.o_proj.weight, layer.o_proj.bias,
-        *attention_norm, *cell_glu, *cell_norm,
+        layer.input_norm.weight, layer.input_norm.bias, layer.qkv_proj.weight, layer.qkv_proj.bias,
+        layer.o_proj.weight, layer.o_proj.bias, *attention_glu, *attention_norm, *cell_glu, *cell_norm,
     )  # fmt: skip
     return FusedCellScan.apply(plan, cell, previous_raw, step_keys, step_values, score_bias, *weights)
