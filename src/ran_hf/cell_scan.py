@@ -3,8 +3,11 @@
 A scan function has the signature of `reference_cell_scan`. It takes the layer (whose projections and norms it
 uses) and returns, per scan step, the key and value of the cell each window reads, its raw cell and its cell. The
 layer calls the function that `config.scan_implementation` names in `ALL_SCAN_FUNCTIONS`; other implementations
-(a fused GPU scan, or a benchmark's variant of the design) join with `RANScanInterface.register`, as attention
-functions join Transformers' `AttentionInterface`.
+(a benchmark's variant of the design) join with `RANScanInterface.register`, as attention functions join
+Transformers' `AttentionInterface`.
+
+Registered here: "reference", the plain loop that autograd records op by op, and "fused", the same maths as one
+autograd node with a hand-written backward (fused_scan.py), which runs the reference, warning once, where it cannot.
 """
 
 import math
@@ -12,10 +15,29 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
+
+from .fused_scan import fused_scan, fused_scan_unsupported
 
 if TYPE_CHECKING:
     from .modeling_ran import RANLayer, RANWindowLayout
+
+logger = logging.get_logger(__name__)
+
+
+def step_major(keys: torch.Tensor, values: torch.Tensor, layout: "RANWindowLayout"):
+    """The window slots each scan step reads, (N, B, H, S, d) keys and values and their (N, B, S) mask.
+
+    A sequence that has run out of windows reads its first one with every slot masked (its results are never
+    used). One sequence needs no gather at all.
+    """
+    if layout.batch_size == 1:
+        return keys[:, None], values[:, None], layout.slot_mask[:, None]
+    has_window = layout.step_windows < keys.shape[0]  # (N, B)
+    windows = torch.where(has_window, layout.step_windows, 0)
+    step_mask = layout.slot_mask[windows] & has_window[..., None]  # (N, B, S)
+    return keys[windows], values[windows], step_mask
 
 
 def reference_cell_scan(
@@ -34,17 +56,9 @@ def reference_cell_scan(
     cell the window reads, its raw cell ĉ and its cell c.
     """
     scale = 1.0 / math.sqrt(layer.head_dim)
-    # Step-major views of every sequence's windows; a sequence that has run out of windows reads its first one
-    # with every slot masked (its results are never used). One sequence needs no gather at all. `unbind` (not
-    # indexing inside the loop) keeps the backward pass linear in the number of steps.
-    if layout.batch_size == 1:
-        step_keys, step_values, step_mask = keys[:, None], values[:, None], layout.slot_mask[:, None]
-    else:
-        has_window = layout.step_windows < keys.shape[0]  # (N, B)
-        windows = torch.where(has_window, layout.step_windows, 0)
-        step_keys, step_values = keys[windows], values[windows]  # (N, B, H, S, d)
-        step_mask = layout.slot_mask[windows] & has_window[..., None]  # (N, B, S)
-    step_keys, step_values, step_mask = step_keys.unbind(0), step_values.unbind(0), step_mask.unbind(0)
+    # Step-major views of every sequence's windows. `unbind` (not indexing inside the loop) keeps the backward pass
+    # linear in the number of steps.
+    step_keys, step_values, step_mask = (states.unbind(0) for states in step_major(keys, values, layout))
     # Every window after a sequence's first has a cell residual; at step 0 only sequences continued from a cache.
     use_residual = layer.config.use_cell_residual
     first_step_continues = layout.first_window[:, None] > 0  # (B, 1)
@@ -74,10 +88,30 @@ def reference_cell_scan(
     return torch.stack(read_keys), torch.stack(read_values), torch.stack(raw_cells), torch.stack(cells)
 
 
+def fused_cell_scan(
+    layer: "RANLayer",
+    cell: torch.Tensor,
+    previous_raw: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: "RANWindowLayout",
+):
+    """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py).
+
+    Where the fused scan does not apply (another activation, active dropout, half precision, autocast), it runs the
+    reference and says why, once.
+    """
+    reason = fused_scan_unsupported(layer, cell)
+    if reason is not None:
+        logger.warning_once(f"The fused cell scan runs the reference scan instead: {reason}.")
+        return reference_cell_scan(layer, cell, previous_raw, keys, values, layout)
+    return fused_scan(layer, cell, previous_raw, *step_major(keys, values, layout), layout)
+
+
 class RANScanInterface(GeneralInterface):
     """The cell scans a RAN layer can run, by name (`config.scan_implementation`)."""
 
-    _global_mapping = {"reference": reference_cell_scan}
+    _global_mapping = {"reference": reference_cell_scan, "fused": fused_cell_scan}
 
 
 ALL_SCAN_FUNCTIONS = RANScanInterface()

@@ -1,0 +1,225 @@
+"""The fused cell scan (`scan_implementation="fused"`) equals the reference scan: outputs and every gradient, in
+both modes, both ways of writing the raw cell, with and without the cell residual, batched with different window
+counts, and continuing cached sequences; where it cannot run it falls back to the reference and warns once."""
+
+import logging
+
+import pytest
+import torch
+from transformers.utils import logging as transformers_logging
+
+from ran_hf import RANCache, RANForCausalLM, RANModel
+from ran_hf.cell_scan import fused_cell_scan, reference_cell_scan
+from ran_hf.fused_scan import fused_scan_unsupported
+from ran_hf import modeling_ran
+from ran_hf.modeling_ran import RANLayer, RANWindowLayout
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
+
+TOLERANCE = 1e-5
+
+MODES = [
+    pytest.param({}, id="encoder"),  # the raw cell is finish_attention(...): the cell's input residual
+    pytest.param({"residual_stream": True, "cell_input_residual": False}, id="encoder-without-cell-input-residual"),
+    pytest.param({"use_cell_residual": False}, id="encoder-without-cell-residual"),
+    pytest.param({"is_causal": True}, id="causal"),
+    pytest.param({"is_causal": True, "residual_stream": False, "cell_input_residual": True}, id="causal-post-norm"),
+    pytest.param({"is_causal": True, "use_cell_residual": False}, id="causal-without-cell-residual"),
+]
+# (lengths, cached lengths or None): one sequence, a batch whose sequences have different window counts, and
+# continuations of cached sequences (all rows, and some rows only: the first step's residual is per row).
+BATCHES = [
+    pytest.param([23], None, id="one-sequence"),
+    pytest.param([23, 7, 16, 3], None, id="batch-of-4"),
+    pytest.param([12, 9], [10, 6], id="continued"),
+    pytest.param([12, 9, 4], [7, 0, 3], id="partly-continued"),
+]
+
+
+def layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float32, seed=0, **config_fields):
+    """A layer with random weights and what its scan reads (random window keys and values, a random start)."""
+    config = tiny_config(**{**overrides, **config_fields})
+    if past_lengths is not None:
+        config.is_causal = True  # only a causal model continues a cache
+    layer = randomize_(RANLayer(config, layer_idx=0), seed=seed).to(dtype)
+    mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
+    past = None if past_lengths is None else torch.tensor(past_lengths)
+    layout = RANWindowLayout.from_attention_mask(mask, config, past_lengths=past)
+    generator = torch.Generator().manual_seed(seed + 1)
+    num_windows, num_slots = layout.window_slots.shape
+    slots = (num_windows, config.num_attention_heads, num_slots, config.head_dim)
+    keys, values = (torch.randn(slots, generator=generator, dtype=dtype) for _ in range(2))
+    starts = (len(lengths), config.hidden_size)
+    cell, previous_raw = (torch.randn(starts, generator=generator, dtype=dtype) for _ in range(2))
+    inputs = [tensor.requires_grad_() for tensor in (cell, previous_raw, keys, values)]
+    return layer, inputs, layout
+
+
+def outputs_and_gradients(scan, layer, inputs, layout):
+    """The scan's four outputs and the gradients of a fixed random probe of all of them."""
+    layer.zero_grad(set_to_none=True)
+    for tensor in inputs:
+        tensor.grad = None
+    outputs = scan(layer, *inputs, layout)
+    generator = torch.Generator().manual_seed(9)
+    probes = [torch.randn(output.shape, generator=generator, dtype=output.dtype) for output in outputs]
+    sum((output * probe).sum() for output, probe in zip(outputs, probes)).backward()
+    named = dict(zip(["cell", "previous_raw", "keys", "values"], inputs), **dict(layer.named_parameters()))
+    gradients = {name: tensor.grad for name, tensor in named.items()}
+    return [output.detach() for output in outputs], gradients
+
+
+def assert_scans_agree(layer, inputs, layout, tolerance):
+    expected, expected_grads = outputs_and_gradients(reference_cell_scan, layer, inputs, layout)
+    actual, actual_grads = outputs_and_gradients(fused_cell_scan, layer, inputs, layout)
+    for name, got, want in zip(["read keys", "read values", "raw cells", "cells"], actual, expected):
+        assert got.shape == want.shape, name
+        diff = (got - want).abs().max().item()
+        assert diff <= tolerance, f"{name}: max abs diff {diff:.2e}"
+    for name, want in expected_grads.items():
+        got = actual_grads[name]
+        if want is None:  # not used by the scan (e.g. the cell GLU of a single step): no gradient either way
+            assert got is None or not got.any(), f"gradient of {name}: the reference has none"
+            continue
+        assert got is not None, f"gradient of {name} missing"
+        # The gradients are sums over steps: compared relative to their size (the float32 reference itself is this
+        # far from float64).
+        diff = (got - want).abs().max().item()
+        assert diff <= tolerance * max(1.0, want.abs().max().item()), f"gradient of {name}: max abs diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("lengths,past_lengths", BATCHES)
+@pytest.mark.parametrize("overrides", MODES)
+def test_fused_scan_equals_the_reference(overrides, lengths, past_lengths):
+    layer, inputs, layout = layer_and_inputs(overrides, lengths, past_lengths)
+    assert fused_scan_unsupported(layer, inputs[0]) is None
+    assert_scans_agree(layer, inputs, layout, TOLERANCE)
+
+
+@pytest.mark.parametrize("lengths,past_lengths", BATCHES[1:])
+@pytest.mark.parametrize("overrides", MODES[:2] + MODES[3:4])
+def test_fused_scan_equals_the_reference_in_float64(overrides, lengths, past_lengths, monkeypatch):
+    """In float64 rounding is out of the way: the hand-written backward is the reference's maths.
+
+    `standard_normalize` computes in float32 whatever its input (for half precision); here it keeps float64.
+    """
+
+    def standard_normalize(states, eps):
+        centred = states - states.mean(-1, keepdim=True)
+        return centred * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
+
+    monkeypatch.setattr(modeling_ran, "standard_normalize", standard_normalize)
+    layer, inputs, layout = layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float64)
+    assert_scans_agree(layer, inputs, layout, 1e-10)
+
+
+@pytest.mark.parametrize("overrides", [MODES[0], MODES[1], MODES[5]])
+def test_fused_scan_passes_gradcheck(overrides):
+    """Finite differences in float64, through the starting cells, the window keys and values and every weight."""
+    layer, inputs, layout = layer_and_inputs(
+        overrides, [7, 4, 5], [4, 0, 0], dtype=torch.float64, hidden_size=8, head_dim=4, window_size=3
+    )
+    # Every weight the scan reads (not the initial cell or memory review, which the layer uses outside the scan).
+    used = [(name, p) for name, p in layer.named_parameters() if name != "initial_cell" and "memory" not in name]
+    names, weights = zip(*used)
+
+    class Scan(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, *tensors):
+            return fused_cell_scan(self.layer, *tensors, layout)
+
+    scan = Scan()
+
+    def function(*tensors):
+        parameters = {f"layer.{name}": tensor for name, tensor in zip(names, tensors[4:])}
+        return torch.func.functional_call(scan, parameters, tuple(tensors[:4]))
+
+    assert torch.autograd.gradcheck(function, (*inputs, *weights), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({}, id="encoder"),
+        pytest.param({"is_causal": True, "num_hidden_layers": 3}, id="causal"),
+        pytest.param({"use_cell_residual": False, "window_overlap": 2}, id="no-cell-residual-overlap"),
+    ],
+)
+def test_models_train_alike_with_either_scan(overrides):
+    """A whole model: the same outputs and parameter gradients with the fused scan as with the reference."""
+    results = []
+    for scan in ("reference", "fused"):
+        model = randomize_(RANModel(tiny_config(scan_implementation=scan, **overrides)), seed=3).train()
+        sequences = [random_ids(n, model.config.vocab_size, seed=i) for i, n in enumerate([17, 6, 11])]
+        ids, mask = pad_batch(sequences, side="left")
+        outputs = model(ids, attention_mask=mask)
+        (outputs.last_hidden_state * mask[..., None]).pow(2).sum().add(outputs.pooler_output.sum()).backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        results.append((outputs.last_hidden_state.detach(), grads))
+    (expected, expected_grads), (actual, actual_grads) = results
+    assert (actual - expected).abs().max() <= TOLERANCE
+    assert actual_grads.keys() == expected_grads.keys()
+    for name, want in expected_grads.items():
+        diff = (actual_grads[name] - want).abs().max().item()
+        assert diff <= TOLERANCE * max(1.0, want.abs().max().item()), f"gradient of {name}: {diff:.2e}"
+
+
+def test_chunked_causal_training_through_a_cache_matches_the_reference():
+    """Continuation: two chunks through a cache (the second scan starts from cached cells), left-padded rows."""
+    ids = torch.randint(1, 61, (2, 19), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # row 1 starts later: its first chunk ends inside its first window, row 0's does not
+    probe = torch.randn(2, 19, 61, generator=torch.Generator().manual_seed(5))
+    results = []
+    for scan in ("reference", "fused"):
+        model = randomize_(RANForCausalLM(tiny_config(is_causal=True, scan_implementation=scan)), seed=2).train()
+        cache = RANCache(model.config)
+        first = model(ids[:, :9], attention_mask=mask[:, :9], past_key_values=cache, use_cache=True)
+        second = model(ids[:, 9:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+        logits = torch.cat([first.logits, second.logits], 1) * mask[..., None]
+        (logits * probe).sum().backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        results.append((logits.detach(), grads))
+    (expected, expected_grads), (actual, actual_grads) = results
+    assert (actual - expected).abs().max() <= TOLERANCE
+    for name, want in expected_grads.items():
+        diff = (actual_grads[name] - want).abs().max().item()
+        assert diff <= TOLERANCE * max(1.0, want.abs().max().item()), f"gradient of {name}: {diff:.2e}"
+
+
+@pytest.mark.parametrize(
+    "fields,train,reason",
+    [
+        pytest.param({"hidden_act": "gelu"}, False, "SiLU", id="other-activation"),
+        pytest.param({"hidden_dropout_prob": 0.1}, True, "dropout", id="dropout-in-training"),
+    ],
+)
+def test_fused_scan_falls_back_to_the_reference_and_warns_once(fields, train, reason, caplog):
+    transformers_logging.warning_once.cache_clear()
+    config_fields = {"scan_implementation": "fused", **fields}
+    torch.manual_seed(0)
+    model = RANModel(tiny_config(**config_fields)).train(train)
+    reference = RANModel(tiny_config(**{**config_fields, "scan_implementation": "reference"})).train(train)
+    reference.load_state_dict(model.state_dict())
+    ids, mask = pad_batch([random_ids(n, 61, seed=n) for n in (13, 6)])
+    with caplog.at_level(logging.WARNING, logger="ran_hf.cell_scan"):
+        torch.manual_seed(1)
+        fused = model(ids, attention_mask=mask).last_hidden_state
+        model(ids, attention_mask=mask)
+    torch.manual_seed(1)
+    expected = reference(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(fused, expected)
+    warnings = [record for record in caplog.records if "fused cell scan runs the reference" in record.getMessage()]
+    assert len(warnings) == 1 and reason in warnings[0].getMessage()
+
+
+def test_dropout_rates_do_not_matter_in_eval_mode(caplog):
+    transformers_logging.warning_once.cache_clear()
+    model = RANModel(tiny_config(scan_implementation="fused", hidden_dropout_prob=0.1)).eval()
+    layer = next(module for module in model.modules() if isinstance(module, RANLayer))
+    assert fused_scan_unsupported(layer, torch.zeros(1, 16)) is None
+    with caplog.at_level(logging.WARNING, logger="ran_hf.cell_scan"):
+        model(*pad_batch([random_ids(9, 61, seed=0)]))
+    assert "fused cell scan" not in caplog.text
