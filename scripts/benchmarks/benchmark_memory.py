@@ -25,23 +25,29 @@ from tqdm.auto import tqdm
 from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subprocess
 
 
-def measure(length: int, args) -> dict:
-    """One pass at `length` tokens, in this process: forward only (`--mode inference`) or forward + backward."""
-    from ran_hf import RANConfig, RANModel
-
-    if args.mode == "stream":
-        return measure_stream(length, args)
+def ran_config(args, **fields):
+    from ran_hf import RANConfig
 
     torch.manual_seed(0)
-    config = RANConfig(
+    return RANConfig(
         vocab_size=1000,
         hidden_size=args.hidden_size,
         num_hidden_layers=args.num_layers,
         num_attention_heads=args.num_heads,
         head_dim=args.hidden_size // args.num_heads,
         window_size=args.window_size,
-        min_window_size=16,
+        **fields,
     )
+
+
+def measure(length: int, args) -> dict:
+    """One pass at `length` tokens, in this process: forward only (`--mode inference`) or forward + backward."""
+    from ran_hf import RANModel
+
+    if args.mode == "stream":
+        return measure_stream(length, args)
+
+    config = ran_config(args, min_window_size=16)
     device = torch.device(args.device)
     training = args.mode == "training"
     model = RANModel(config).to(device).train(training)
@@ -86,18 +92,9 @@ def measure(length: int, args) -> dict:
 
 def measure_stream(num_chunks: int, args) -> dict:
     """Causal-LM training over `num_chunks` chunks of one stream, the cache carried and detached between chunks."""
-    from ran_hf import RANConfig, RANForCausalLM
+    from ran_hf import RANForCausalLM
 
-    torch.manual_seed(0)
-    config = RANConfig(
-        vocab_size=1000,
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        head_dim=args.hidden_size // args.num_heads,
-        window_size=args.window_size,
-        is_causal=True,
-    )
+    config = ran_config(args, is_causal=True)
     device = torch.device(args.device)
     model = RANForCausalLM(config).to(device).train()
 
