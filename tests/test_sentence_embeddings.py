@@ -22,6 +22,8 @@ from remote_code import run_without_ran_hf
 sentence_transformers = pytest.importorskip("sentence_transformers")
 SentenceTransformer = sentence_transformers.SentenceTransformer
 
+import run_classification  # noqa: E402
+import run_mlm  # noqa: E402
 import run_pipeline  # noqa: E402
 import train_tokenizer  # noqa: E402
 
@@ -34,7 +36,8 @@ def tokenizer_dir(tmp_path_factory):
     """A WordPiece tokenizer trained by `train_tokenizer.py` on synthetic topic documents."""
     documents = run_pipeline.write_topic_documents(tmp_path_factory.mktemp("topics"), {"train": 24}, seed=3)
     folder = tmp_path_factory.mktemp("tokenizer")
-    train_tokenizer.main(["--train_files", str(documents["train"]), "--vocab_size", "300", "--output_dir", str(folder)])
+    arguments = ["--train_files", str(documents["train"]), "--vocab_size", "300", "--output_dir", str(folder)]
+    train_tokenizer.main(arguments)
     return folder
 
 
@@ -183,7 +186,7 @@ report["model_class"] = type(model[0].model).__module__
 """
 
 
-@pytest.mark.parametrize("pooling", [pytest.param("cell_transform", id="cell_transform"), pytest.param("max", id="max")])
+@pytest.mark.parametrize("pooling", [pytest.param(pooling, id=pooling) for pooling in ("cell_transform", "max")])
 def test_loads_where_ran_hf_is_not_installed(classifier_folder, documents, pooling, tmp_path):
     """sentence-transformers needs no code of ours beyond the RAN model code already in the folder."""
     model, folder = classifier_folder
@@ -195,3 +198,25 @@ def test_loads_where_ran_hf_is_not_installed(classifier_folder, documents, pooli
     expected = expected_embeddings(model.model, AutoTokenizer.from_pretrained(folder), documents, pooling)
     np.testing.assert_allclose(np.array(report["embeddings"]), expected, atol=TOLERANCE, rtol=0)
     np.testing.assert_allclose(np.array(report["alone"]), expected, atol=TOLERANCE, rtol=0)
+
+
+def test_training_scripts_write_the_files(tokenizer_dir, tmp_path):
+    """`--sentence_transformers_pooling` on an encoder script: the saved classifier loads as a SentenceTransformer; a
+    masked LM, which trains no cell transform, is refused before training."""
+    topics = run_pipeline.write_topic_documents(tmp_path, {"train": 12}, seed=2)
+    tiny = "hidden_size=16,num_attention_heads=2,head_dim=8,window_size=16,min_window_size=4"
+    quiet = ["--report_to", "none", "--disable_tqdm", "true", "--log_level", "warning", "--max_steps", "1"]
+    common = ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", tiny, "--train_file", str(topics["train"])]
+    output_dir = tmp_path / "classifier"
+    run_classification.main(
+        common + ["--output_dir", str(output_dir), "--do_train", "--max_seq_length", "96"]
+        + ["--sentence_transformers_pooling", "cell_transform"] + quiet
+    )  # fmt: skip
+    embedder = SentenceTransformer(str(output_dir), trust_remote_code=True, device="cpu")
+    assert sentence_pooling(embedder) == "cell_transform"
+    assert embedder.encode(["the court heard the appeal"]).shape == (1, 16)
+    with pytest.raises(ValueError, match="needs a trained pooler"):
+        run_mlm.main(
+            common + ["--output_dir", str(tmp_path / "mlm"), "--do_train", "--max_seq_length", "64"]
+            + ["--sentence_transformers_pooling", "cell_transform"] + quiet
+        )  # fmt: skip
