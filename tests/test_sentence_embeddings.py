@@ -220,3 +220,27 @@ def test_training_scripts_write_the_files(tokenizer_dir, tmp_path):
             common + ["--output_dir", str(tmp_path / "mlm"), "--do_train", "--max_seq_length", "64"]
             + ["--sentence_transformers_pooling", "cell_transform"] + quiet
         )  # fmt: skip
+
+
+def test_train_embeddings_on_20_newsgroups(data_dir, wordpiece_tokenizer_dir, tmp_path):
+    """The example script end to end at toy size: RAN (two pooling choices) and the BERT baseline, scored before and
+    after, saved as sentence-transformers folders that keep their pooling."""
+    import train_embeddings
+
+    newsgroups = data_dir / "20newsgroups"
+    results = train_embeddings.main(
+        ["--tokenizer_name", str(wordpiece_tokenizer_dir), "--output_dir", str(tmp_path / "out")]
+        + ["--train_file", str(newsgroups / "train.jsonl.gz"), "--test_file", str(newsgroups / "test.jsonl.gz")]
+        + ["--config_overrides", "hidden_size=16,num_attention_heads=2,head_dim=8,window_size=16,min_window_size=4"]
+        + ["--poolings", "cell_transform", "mean", "--max_seq_length", "96", "--baseline_max_length", "32"]
+        + ["--num_train_pairs", "8", "--num_queries", "4", "--num_corpus", "12", "--max_steps", "1"]
+        + ["--per_device_train_batch_size", "4", "--report_to", "none", "--disable_tqdm", "true"]
+        + ["--results_prefix", str(tmp_path / "embeddings")]
+    )  # fmt: skip
+    assert [row["model"] for row in results["results"]] == ["ran-cell_transform", "ran-mean", "bert-mean"]
+    for row in results["results"]:
+        assert 0 <= row["before"]["ndcg@10"] <= 1 and 0 <= row["after"]["map@100"] <= 1
+    assert "| ran | cell_transform |" in (tmp_path / "embeddings.md").read_text()
+    assert json.loads((tmp_path / "embeddings.json").read_text())["results"] == results["results"]
+    reloaded = SentenceTransformer(str(tmp_path / "out" / "ran-mean"), trust_remote_code=True, device="cpu")
+    assert sentence_pooling(reloaded) == "mean" and reloaded.max_seq_length == 96
