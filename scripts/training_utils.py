@@ -41,6 +41,11 @@ import ran_hf  # registers RAN with the Auto classes and marks it for remote cod
 from ran_hf import RAN_LORA_TARGET_MODULES, RANConfig, frozen_new_weights, ran_lora_config
 from ran_hf.data import check_columns, check_text, read_records
 from ran_hf.folders import normal_permissions, recover_interrupted, replace_folder, staging_folder
+from ran_hf.sentence_embeddings import (
+    SENTENCE_POOLINGS,
+    SENTENCE_TRANSFORMERS_FILES,
+    write_sentence_transformers_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,8 @@ RUN_FILES = frozenset(
         "cache_ran.py",
     }
 )
+# `--sentence_transformers_pooling` adds sentence-transformers' files (and `1_Pooling/` for mean and max pooling).
+RUN_FILES = RUN_FILES | {*SENTENCE_TRANSFORMERS_FILES, "1_Pooling"}
 # A LoRA run (`--lora_r`) saves the adapter (and the head modules it trains in full), not the model.
 ADAPTER_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 RUN_FILES = RUN_FILES | {*ADAPTER_NAMES, "adapter_config.json"}
@@ -164,6 +171,15 @@ class ModelArguments:
             "layer but the output layer."
         },
     )
+    sentence_transformers_pooling: str | None = field(
+        default=None,
+        metadata={
+            "help": "Encoders (run_classification.py, run_mlm.py, run_ner.py): also write sentence-transformers' "
+            "files into the saved model, so that `SentenceTransformer(output_dir, trust_remote_code=True)` embeds "
+            f"documents with this RAN representation: one of {', '.join(SENTENCE_POOLINGS)} "
+            "(ran_hf.sentence_embeddings). `cell_transform` needs a trained pooler: run_classification.py only."
+        },
+    )
     parameter_checksum_dir: str | None = field(
         default=None,
         metadata={
@@ -182,6 +198,14 @@ class ModelArguments:
         if self.lora_r > 0 and self.model_name_or_path is None:
             raise ValueError("--lora_r adapts a trained model: pass --model_name_or_path (a model from scratch has "
                              "random weights for the adapters to adapt, and they would not be saved).")
+        if self.sentence_transformers_pooling is not None:
+            if self.sentence_transformers_pooling not in SENTENCE_POOLINGS:
+                raise ValueError(
+                    f"--sentence_transformers_pooling must be one of {SENTENCE_POOLINGS}, "
+                    f"got {self.sentence_transformers_pooling!r}."
+                )
+            if self.lora_r > 0:
+                raise ValueError("--sentence_transformers_pooling needs a whole model; a LoRA run saves an adapter.")
         if len(self.lora_target_modules) == 1:
             self.lora_target_modules = self.lora_target_modules[0]  # "all-linear", or one name
 
@@ -643,11 +667,25 @@ class RANTrainer(Trainer):
     """`Trainer` whose model card (written by `create_model_card`, and so by `push_to_hub`) is RAN's own.
 
     `card` holds what only the script knows: the task, the data, intended use and limitations (see `write_model_card`).
+    With `sentence_transformers_pooling`, the final save also writes sentence-transformers' files
+    (`ran_hf.sentence_embeddings.write_sentence_transformers_config`) beside the model, in the same atomic step.
     """
 
-    def __init__(self, *args, card: dict | None = None, **kwargs):
+    def __init__(self, *args, card: dict | None = None, sentence_transformers_pooling: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.card = card or {}
+        self.sentence_transformers_pooling = sentence_transformers_pooling
+        if sentence_transformers_pooling == "cell_transform" and not any(
+            name.rsplit(".", 1)[-1] == "pooler" for name, _ in self.model.named_modules()
+        ):
+            raise ValueError(
+                f"--sentence_transformers_pooling cell_transform needs a trained pooler, which a "
+                f"{type(self.model).__name__} does not have: choose pooled_cell, mean or max."
+            )
+
+    def write_sentence_transformers_files(self, folder: str | Path) -> None:
+        if self.sentence_transformers_pooling is not None:
+            write_sentence_transformers_config(folder, pooling=self.sentence_transformers_pooling)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The final save (into `--output_dir`) is atomic: the model is written into a folder beside it, which then
@@ -665,9 +703,12 @@ class RANTrainer(Trainer):
         except OSError as error:
             logger.warning(f"Cannot write beside {target} ({error}): saving into it directly, not atomically.")
             super().save_model(output_dir, _internal_call=_internal_call)
+            self.write_sentence_transformers_files(target)
             return
         try:
             super().save_model(str(staging), _internal_call=True)
+            if any(staging.iterdir()):
+                self.write_sentence_transformers_files(staging)
             written = {path.name for path in staging.iterdir()}
             if not written:  # nothing to publish (a sharded FSDP state, say): keep the folder as it is
                 super().save_model(output_dir, _internal_call=True)

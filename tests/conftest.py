@@ -13,7 +13,14 @@ from ran_hf.data import read_conll
 # The scripts the tests import, each from its folder (scripts/README.md): the shared ones in scripts/, the example
 # training scripts in their task folders, the benchmarks with their baselines.
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-SCRIPT_FOLDERS = (".", "language-modeling", "text-classification", "token-classification", "benchmarks")
+SCRIPT_FOLDERS = (
+    ".",
+    "language-modeling",
+    "text-classification",
+    "token-classification",
+    "sentence-embeddings",
+    "benchmarks",
+)
 sys.path[:0] = [str(SCRIPTS / folder) for folder in SCRIPT_FOLDERS]
 
 # The tokenizer the tests use is trained by the project's own script.

@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_arguments(
         (ModelArguments, DataTrainingArguments, RANTrainingArguments), argv
     )
+    if model_args.sentence_transformers_pooling is not None:
+        raise ValueError("--sentence_transformers_pooling embeds with the bidirectional encoder, not a causal LM.")
     setup_logging(training_args, logger)
     configure_data_parallelism(training_args)
     check_training_length(training_args)

@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks=[ParameterChecksumCallback(model_args.parameter_checksum_dir)]
         if model_args.parameter_checksum_dir
         else None,
+        sentence_transformers_pooling=model_args.sentence_transformers_pooling,
         card={
             "task": "masked language modelling",
             "pipeline_tag": "fill-mask",

@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks=[ParameterChecksumCallback(model_args.parameter_checksum_dir)]
         if model_args.parameter_checksum_dir
         else None,
+        sentence_transformers_pooling=model_args.sentence_transformers_pooling,
         card={
             "task": f"named-entity recognition ({len(tags.names)} IOB tags)",
             "pipeline_tag": "token-classification",

@@ -1,0 +1,344 @@
+#!/usr/bin/env python
+"""Fine-tune RAN as a long-document embedding model with sentence-transformers, once per pooling choice, and the same
+recipe on a BERT-512 baseline; report retrieval quality on held-out documents before and after.
+
+    python scripts/train_tokenizer.py --train_files ../shared/data/20newsgroups/train.jsonl.gz \\
+        --vocab_size 8000 --output_dir outputs/tokenizer-20ng
+    python scripts/sentence-embeddings/train_embeddings.py --tokenizer_name outputs/tokenizer-20ng \\
+        --train_file ../shared/data/20newsgroups/train.jsonl.gz \\
+        --test_file ../shared/data/20newsgroups/test.jsonl.gz --output_dir outputs/embeddings-20ng
+
+Training pairs are two documents with the same label (20 Newsgroups: two posts of one newsgroup; a multi-label set
+such as EURLEX-57K: two documents sharing a label), trained with `MultipleNegativesRankingLoss` (the other documents
+of the batch are the negatives). Evaluation is retrieval among held-out documents: each query document should find
+the corpus documents with its label (`InformationRetrievalEvaluator`: nDCG@10 and MAP@100, cosine similarity).
+
+Every RAN run starts from the same weights: the RAN at `--model_name_or_path`, or a RAN built from scratch with
+`--config_overrides` (random weights; a from-scratch RAN's pooler is random too). Each pooling choice of
+`ran_hf.sentence_embeddings` (`cell_transform`, `pooled_cell`, `mean`, `max`) gets its own copy, trained with the same
+data, steps and seed. The baseline is a `BertModel` of matching width and depth built from scratch with the same
+tokenizer (nothing is downloaded), mean-pooled, reading at most `--baseline_max_length` (512) tokens. Each trained
+model is saved under `--output_dir` and loads with `SentenceTransformer(path, trust_remote_code=True)`.
+
+Results go to `--output_dir/results.json` and, with `--results_prefix benchmarks/embeddings_cpu`, to
+`benchmarks/embeddings_cpu.{json,md}`.
+"""
+
+import dataclasses
+import json
+import logging
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from datasets import Dataset
+from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from sentence_transformers.base.modules import Transformer
+from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+from sentence_transformers.sentence_transformer.modules import Pooling
+from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser, set_seed
+
+from ran_hf import RANConfig, RANModel
+from ran_hf.data import read_records
+from ran_hf.sentence_embeddings import SENTENCE_POOLINGS, ran_sentence_transformer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the machine line of the benchmarks
+
+from benchmark_utils import machine_info, machine_line  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RAN = (
+    "hidden_size=128,num_hidden_layers=2,num_attention_heads=4,head_dim=32,window_size=128,min_window_size=16"
+)
+
+
+@dataclass
+class ModelArguments:
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={"help": "Tokenizer folder (scripts/train_tokenizer.py); defaults to --model_name_or_path's."},
+    )
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A saved RAN (any head) to start from. Leave out to start from scratch."}
+    )
+    config_overrides: str = field(
+        default=DEFAULT_RAN, metadata={"help": "From scratch: RANConfig fields; the baseline BERT copies the size."}
+    )
+    poolings: list[str] = field(
+        default_factory=lambda: list(SENTENCE_POOLINGS),
+        metadata={"help": f"RAN pooling choices to train, each from the same start: {', '.join(SENTENCE_POOLINGS)}."},
+    )
+    baseline: bool = field(default=True, metadata={"help": "Also train the BERT-512 baseline (from scratch)."})
+    baseline_max_length: int = field(default=512, metadata={"help": "The baseline reads at most this many tokens."})
+    max_seq_length: int = field(default=4096, metadata={"help": "RAN reads at most this many tokens per document."})
+
+    def __post_init__(self):
+        if self.tokenizer_name is None and self.model_name_or_path is None:
+            raise ValueError("Give --tokenizer_name (see scripts/train_tokenizer.py) or --model_name_or_path.")
+        unknown = set(self.poolings) - set(SENTENCE_POOLINGS)
+        if unknown:
+            raise ValueError(f"--poolings must be among {SENTENCE_POOLINGS}, got {sorted(unknown)}.")
+
+
+@dataclass
+class DataTrainingArguments:
+    train_file: str = field(metadata={"help": "Training documents: jsonl(.gz) or csv with text and label columns."})
+    test_file: str = field(metadata={"help": "Held-out documents: the queries and the corpus of the evaluation."})
+    text_column_name: str = field(default="text", metadata={"help": "Column with the document."})
+    label_column_name: str = field(default="label", metadata={"help": "Column with the label, or list of labels."})
+    strip_headers: bool = field(
+        default=True,
+        metadata={"help": "Drop everything up to the first blank line (20 Newsgroups' From/Subject/... headers)."},
+    )
+    num_train_pairs: int = field(default=2000, metadata={"help": "Training pairs (documents sharing a label)."})
+    num_queries: int = field(default=200, metadata={"help": "Held-out documents used as queries."})
+    num_corpus: int = field(default=1000, metadata={"help": "Other held-out documents forming the corpus."})
+    results_prefix: str | None = field(
+        default=None, metadata={"help": "Also write PREFIX.json and PREFIX.md (e.g. benchmarks/embeddings_cpu)."}
+    )
+
+
+def read_documents(path: str, data_args: DataTrainingArguments) -> list[tuple[str, frozenset]]:
+    """(text, labels) for every document with a non-blank text; a label list becomes a set of labels."""
+    documents = []
+    for record in read_records(path):
+        text = str(record[data_args.text_column_name])
+        if data_args.strip_headers and "\n\n" in text:
+            text = text.split("\n\n", 1)[1]
+        label = record[data_args.label_column_name]
+        labels = frozenset(map(str, label)) if isinstance(label, list) else frozenset([str(label)])
+        if text.strip() and labels:
+            documents.append((text.strip(), labels))
+    return documents
+
+
+def training_pairs(documents, count: int, rng: random.Random) -> Dataset:
+    """`count` (anchor, positive) pairs of different documents that share a label."""
+    by_label = defaultdict(list)
+    for index, (_, labels) in enumerate(documents):
+        for label in labels:
+            by_label[label].append(index)
+    anchors, positives = [], []
+    while len(anchors) < count:
+        index = rng.randrange(len(documents))
+        label = rng.choice(sorted(documents[index][1]))
+        if len(by_label[label]) < 2:
+            continue
+        other = rng.choice(by_label[label])
+        if other != index:
+            anchors.append(documents[index][0])
+            positives.append(documents[other][0])
+    return Dataset.from_dict({"anchor": anchors, "positive": positives})
+
+
+def retrieval_evaluator(documents, data_args: DataTrainingArguments, rng: random.Random, batch_size: int):
+    """Queries and corpus drawn from the held-out documents; a corpus document is relevant when it shares a label."""
+    order = list(range(len(documents)))
+    rng.shuffle(order)
+    queries = {f"q{i}": documents[i][0] for i in order[: data_args.num_queries]}
+    corpus_ids = order[data_args.num_queries : data_args.num_queries + data_args.num_corpus]
+    corpus = {f"d{i}": documents[i][0] for i in corpus_ids}
+    relevant = {
+        f"q{q}": {f"d{d}" for d in corpus_ids if documents[q][1] & documents[d][1]}
+        for q in order[: data_args.num_queries]
+    }
+    return InformationRetrievalEvaluator(
+        queries, corpus, relevant, ndcg_at_k=[10], map_at_k=[100], mrr_at_k=[10], accuracy_at_k=[1],
+        precision_recall_at_k=[10], batch_size=batch_size, show_progress_bar=True, write_csv=False, name="heldout",
+    )  # fmt: skip
+
+
+def retrieval_scores(model: SentenceTransformer, evaluator) -> dict:
+    scores = evaluator(model)
+    return {
+        "ndcg@10": scores[f"{evaluator.name}_cosine_ndcg@10"],
+        "map@100": scores[f"{evaluator.name}_cosine_map@100"],
+    }
+
+
+def parse_overrides(overrides: str) -> dict:
+    fields = {}
+    for item in filter(None, overrides.split(",")):
+        key, value = item.split("=", 1)
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            value = {"true": True, "false": False}.get(value.lower(), value)
+        fields[key.strip()] = value
+    return fields
+
+
+def starting_ran(model_args: ModelArguments, tokenizer, folder: Path) -> Path:
+    """The folder every RAN run starts from: --model_name_or_path, or a RAN from scratch saved into `folder`."""
+    if model_args.model_name_or_path is not None:
+        return Path(model_args.model_name_or_path)
+    config = RANConfig(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **parse_overrides(model_args.config_overrides)
+    )
+    RANModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def baseline_bert(ran_config, tokenizer, max_length: int, folder: Path) -> SentenceTransformer:
+    """A BertModel of RAN's width and depth, from scratch, mean-pooled, reading at most `max_length` tokens."""
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=ran_config.hidden_size,
+        num_hidden_layers=ran_config.num_hidden_layers,
+        num_attention_heads=ran_config.num_attention_heads,
+        intermediate_size=4 * ran_config.hidden_size,
+        max_position_embeddings=max_length,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    BertModel(config, add_pooling_layer=False).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    transformer = Transformer(str(folder), max_seq_length=max_length)
+    return SentenceTransformer(modules=[transformer, Pooling(config.hidden_size, "mean")], similarity_fn_name="cosine")
+
+
+def count_parameters(model: SentenceTransformer) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def train_and_evaluate(name, model, train_dataset, evaluator, training_args, output_dir: Path) -> dict:
+    logger.info(f"*** {name}: before training ***")
+    before = retrieval_scores(model, evaluator)
+    args = dataclasses.replace(training_args, output_dir=str(output_dir / name), save_strategy="no")
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=train_dataset, loss=MultipleNegativesRankingLoss(model)
+    )
+    start = time.perf_counter()
+    train_result = trainer.train()
+    seconds = time.perf_counter() - start
+    logger.info(f"*** {name}: after training ***")
+    after = retrieval_scores(model, evaluator)
+    model.save(str(output_dir / name))
+    row = {
+        "model": name,
+        "parameters": count_parameters(model),
+        "max_tokens": model.max_seq_length,
+        "before": before,
+        "after": after,
+        "train_loss": train_result.training_loss,
+        "train_steps": train_result.global_step,
+        "train_seconds": round(seconds, 1),
+    }
+    logger.info(json.dumps(row))
+    return row
+
+
+def markdown(rows, info, setup) -> str:
+    lines = [
+        f"Machine: {machine_line(info)}",
+        "",
+        f"{setup['data']}; {setup['pairs']:,} training pairs, {setup['queries']} queries over {setup['corpus']:,} "
+        f"held-out documents (a document is relevant when it shares the query's label). {setup['start']}. "
+        f"{setup['steps']} steps of batch {setup['batch_size']}, learning rate {setup['learning_rate']}, "
+        f"MultipleNegativesRankingLoss, seed {setup['seed']}. Held-out documents: {setup['token_stats']}. "
+        f"On average {setup['relevant_share']:.1%} of the corpus is relevant to a query (a random ranking's "
+        f"precision).",
+        "",
+        "| model | pooling | parameters | reads | nDCG@10 before | nDCG@10 after | MAP@100 before | MAP@100 after | "
+        "train s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        model, _, pooling = row["model"].partition("-")
+        lines.append(
+            f"| {model} | {pooling} | {row['parameters']:,} | {row['max_tokens']:,} tokens | "
+            f"{row['before']['ndcg@10']:.3f} | {row['after']['ndcg@10']:.3f} | {row['before']['map@100']:.3f} | "
+            f"{row['after']['map@100']:.3f} | {row['train_seconds']:.0f} |"
+        )
+    lines += ["", f"Command: `{setup['command']}`", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, SentenceTransformerTrainingArguments))
+    if argv is None:
+        argv = sys.argv[1:]
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    transformers.utils.logging.set_verbosity_warning()
+    set_seed(training_args.seed)
+    output_dir = Path(training_args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    # Data: training pairs from the train file, queries and corpus from the held-out file
+    rng = random.Random(training_args.seed)
+    train_documents = read_documents(data_args.train_file, data_args)
+    test_documents = read_documents(data_args.test_file, data_args)
+    train_dataset = training_pairs(train_documents, data_args.num_train_pairs, rng)
+    evaluator = retrieval_evaluator(test_documents, data_args, rng, training_args.per_device_eval_batch_size)
+    relevant_share = sum(len(evaluator.relevant_docs[q]) for q in evaluator.queries_ids) / (
+        len(evaluator.queries_ids) * len(evaluator.corpus)
+    )  # what a random ranking puts in its top 10, on average
+    logger.info(
+        f"{len(train_dataset):,} training pairs from {len(train_documents):,} documents; "
+        f"{len(evaluator.queries)} queries, {len(evaluator.corpus):,} corpus documents, {relevant_share:.1%} of the "
+        f"corpus relevant to a query on average"
+    )
+
+    # The RAN every pooling choice starts from, and the tokenizer all models share
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
+    start = starting_ran(model_args, tokenizer, output_dir / "ran-initial")
+    ran_config = RANConfig.from_pretrained(start)
+    lengths = [len(ids) for ids in tokenizer(evaluator.queries + evaluator.corpus)["input_ids"]]
+    token_stats = (
+        f"{sum(lengths) / len(lengths):.0f} tokens on average, longest {max(lengths):,}, "
+        f"{sum(length > model_args.baseline_max_length for length in lengths) / len(lengths):.0%} longer than "
+        f"{model_args.baseline_max_length}"
+    )
+    logger.info(f"Held-out documents: {token_stats}")
+
+    rows = []
+    for pooling in model_args.poolings:
+        set_seed(training_args.seed)
+        model = ran_sentence_transformer(start, pooling=pooling, max_seq_length=model_args.max_seq_length)
+        rows.append(train_and_evaluate(f"ran-{pooling}", model, train_dataset, evaluator, training_args, output_dir))
+    if model_args.baseline:
+        set_seed(training_args.seed)
+        model = baseline_bert(ran_config, tokenizer, model_args.baseline_max_length, output_dir / "bert-initial")
+        rows.append(train_and_evaluate("bert-mean", model, train_dataset, evaluator, training_args, output_dir))
+
+    info = machine_info()
+    setup = {
+        "data": f"{data_args.train_file} -> {data_args.test_file}",
+        "pairs": len(train_dataset),
+        "queries": len(evaluator.queries),
+        "corpus": len(evaluator.corpus),
+        "start": f"RAN from {model_args.model_name_or_path}"
+        if model_args.model_name_or_path
+        else f"RAN and BERT from scratch (random weights; RAN {model_args.config_overrides})",
+        "steps": rows[0]["train_steps"] if rows else 0,
+        "batch_size": training_args.per_device_train_batch_size,
+        "learning_rate": training_args.learning_rate,
+        "seed": training_args.seed,
+        "token_stats": token_stats,
+        "relevant_share": relevant_share,
+        "command": "python scripts/sentence-embeddings/train_embeddings.py " + " ".join(argv),
+    }
+    results = {"machine_info": info, "setup": setup, "results": rows}
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = markdown(rows, info, setup)
+    print(table)
+    if data_args.results_prefix:
+        Path(f"{data_args.results_prefix}.json").write_text(json.dumps(results, indent=2) + "\n")
+        Path(f"{data_args.results_prefix}.md").write_text(table)
+    return results
+
+
+if __name__ == "__main__":
+    main()
