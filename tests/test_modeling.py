@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForMaskedLM
 
-from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
+from ran_hf import RANForCausalLM, RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
 
 BATCH_SIZE, LENGTH = 3, 13
 
@@ -353,3 +353,19 @@ def test_resize_token_embeddings_resizes_the_tied_decoder(make_config, tmp_path,
     assert_tied(reloaded)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=input_ids).logits, output.logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["encoder", "causal"])
+def test_no_gradient_dwarfs_the_others_at_initialisation(make_config, is_causal):
+    """Global-norm clipping scales every gradient by the largest: one parameter with a huge gradient at
+    initialisation starves all the others. (A zero starting cell, standardised on reading, did: its gradient and its
+    memory-review key's were 1e2-1e7 times the rest, and cross-window retrieval did not train.)"""
+    torch.manual_seed(0)
+    config = make_config(is_causal=is_causal, num_labels=3)
+    model = (RANForCausalLM if is_causal else RANForSequenceClassification)(config)
+    input_ids = torch.randint(1, 64, (4, 40), generator=torch.Generator().manual_seed(0))
+    labels = input_ids if is_causal else torch.tensor([0, 1, 2, 0])
+    model(input_ids, labels=labels).loss.backward()
+    norms = {name: parameter.grad.norm() for name, parameter in model.named_parameters() if parameter.grad is not None}
+    total = torch.stack(list(norms.values())).norm()
+    assert total < 10, max(norms.items(), key=lambda item: item[1])
