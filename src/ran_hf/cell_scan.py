@@ -54,7 +54,29 @@ def reference_cell_scan(
     if any (continuing a cached sequence); `keys`/`values` (K, H, S, d) the window slots' keys and values. Returns,
     per step j (the j-th window of every sequence in this pass), stacked as (N, B, ...): the key and value of the
     cell the window reads, its raw cell ĉ and its cell c.
+
+    Under autocast the loop runs in the layer's weights' dtype (float32 in mixed precision), and so do the cells it
+    returns. Under `torch.compile`, where the fused scan applies, its single op runs instead (the same results to
+    float rounding): traced, this loop would be unrolled, one copy per window and a new graph per window count.
     """
+    if torch.compiler.is_compiling():
+        reason = fused_scan_unsupported(layer, cell)
+        if reason is None:
+            return fused_scan(layer, cell, previous_raw, *step_major(keys, values, layout), layout)
+        logger.warning_once(
+            f"Compiled, the cell scan is unrolled into the graph, which is then rebuilt for every number of windows: "
+            f"its single-op form cannot run here, as {reason}."
+        )
+    device = cell.device.type
+    if torch.is_autocast_enabled(device):
+        # The cell is a running state rewritten every window, through standardisations that divide by a mean of
+        # squares: in bfloat16 its gradients were up to 28% off their float32 values.
+        dtype = layer.qkv_proj.weight.dtype
+        with torch.autocast(device, enabled=False):
+            read_keys, read_values, raw_cells, cells = reference_cell_scan(
+                layer, cell.to(dtype), previous_raw.to(dtype), keys.to(dtype), values.to(dtype), layout
+            )
+        return read_keys.to(keys.dtype), read_values.to(values.dtype), raw_cells, cells
     scale = 1.0 / math.sqrt(layer.head_dim)
     # Step-major views of every sequence's windows. `unbind` (not indexing inside the loop) keeps the backward pass
     # linear in the number of steps.
@@ -98,8 +120,8 @@ def fused_cell_scan(
 ):
     """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py).
 
-    Where the fused scan does not apply (another activation, active dropout, half precision, autocast), it runs the
-    reference and says why, once.
+    Where the fused scan does not apply (another activation, active dropout), it runs the reference and says why,
+    once. It computes in float32 whatever the inputs' dtype and autocast.
     """
     reason = fused_scan_unsupported(layer, cell)
     if reason is not None:

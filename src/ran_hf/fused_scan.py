@@ -9,8 +9,9 @@ reverse and leaves every weight gradient, and the gradients of the window keys a
 products over all steps once the loop is done.
 
 It computes what `reference_cell_scan` computes for a layer whose activation is SiLU, with dropout inactive (eval,
-or rates of 0), in float32 or float64 and outside autocast; `cell_scan.fused_cell_scan` checks this and otherwise
-runs the reference (warning once). Double backward is not supported.
+or rates of 0); `cell_scan.fused_cell_scan` checks this and otherwise runs the reference (warning once). It computes
+in float32 (float64 for a float64 cell) whatever the inputs' dtype, autocast included. Double backward is not
+supported. Under `torch.compile` the same maths run as one custom op (scan_op.py).
 
 Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots.
 """
@@ -31,10 +32,6 @@ def fused_scan_unsupported(layer, cell: torch.Tensor) -> str | None:
         return f"it computes SiLU activations only (`hidden_act` is {layer.config.hidden_act!r})"
     if layer.training and (layer.dropout.p > 0 or layer.attention_dropout > 0):
         return "it has no dropout (train with dropout rates of 0, or run in eval mode)"
-    if cell.dtype not in (torch.float32, torch.float64):
-        return f"it computes in float32 or float64 (the cell is {cell.dtype})"
-    if torch.is_autocast_enabled(cell.device.type):
-        return "it does not run under autocast"
     return None
 
 
@@ -107,189 +104,208 @@ class FusedCellScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, *weights):
-        in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
-        num_steps, batch_size, num_heads, num_slots, head_dim = step_keys.shape
-        heads, qkv_size, eps = batch_size * num_heads, 3 * num_heads * head_dim, plan.eps
-        # Keys and values of every step with a free slot 0 for the cell's own, filled as the scan reaches it.
-        key_buffer = F.pad(step_keys, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
-        value_buffer = F.pad(step_values, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
-        keys_t, values_all = key_buffer.transpose(-1, -2).unbind(0), value_buffer.unbind(0)
-        key_slots, value_slots = key_buffer[:, :, :1].unbind(0), value_buffer[:, :, :1].unbind(0)
-        biases = score_bias.unbind(0)
-        qkv_wt, o_wt = qkv_w.t(), o_w.t()
-        ag_wt, cg_wt = (None if weight is None else weight.t() for weight in (ag_w, cg_w))
-
-        read_keys, read_values, raw_cells, cells, saved = [], [], [], [], []
-        for step in range(num_steps):
-            normed_cell, input_norm = standardize(cell, eps)
-            normed = torch.addcmul(in_b, normed_cell, in_w)  # (B, D)
-            qkv_pre = torch.addmm(qkv_b, normed, qkv_wt)  # (B, 3 H d)
-            qkv = F.silu(qkv_pre).view(batch_size, 3, num_heads, head_dim).transpose(1, 2)  # (B, H, 3, d)
-            query, key, value = qkv.reshape(heads, 3, head_dim).split(1, dim=1)  # (B H, 1, d) each
-            key_slots[step].copy_(key)
-            value_slots[step].copy_(value)
-            scores = torch.baddbmm(biases[step], query, keys_t[step], alpha=head_dim**-0.5)  # (B H, 1, 1 + S)
-            probs = torch.softmax(scores, dim=-1)
-            attended = torch.bmm(probs, values_all[step]).view(batch_size, -1)  # (B, H d)
-            output_pre = torch.addmm(o_b, attended, o_wt)  # (B, D)
-            output = F.silu(output_pre)
-            glu_pre = normed_gated = gated_norm = None
-            if plan.cell_input_residual:
-                glu_pre = torch.addmm(ag_b, normed, ag_wt)  # (B, 2 D)
-                normed_gated, gated_norm = standardize(output + F.glu(glu_pre, dim=-1), eps)
-                raw, raw_norm = standardize(torch.addcmul(an_b, normed_gated, an_w), eps)  # (B, D)
-            else:
-                raw, raw_norm = standardize(output, eps)
-            residual = plan.has_residual(step)
-            residual_input = cell_gate = joined_norm = None
-            if residual is False:
-                new_cell = raw
-            else:
-                residual_input = previous_raw
-                cell_gate = torch.addmm(cg_b, previous_raw, cg_wt)  # (B, 2 D)
-                normed_joined, joined_norm = standardize(raw + F.glu(cell_gate, dim=-1), eps)
-                new_cell = torch.addcmul(cn_b, normed_joined, cn_w)
-                if residual is not True:
-                    new_cell = torch.where(residual, new_cell, raw)
-            if plan.keep_for_backward:
-                saved.append(
-                    SavedStep(input_norm, normed_cell, normed, qkv_pre, glu_pre, query, probs, attended, output_pre,
-                              gated_norm, normed_gated, raw_norm, residual_input, cell_gate, joined_norm)
-                )  # fmt: skip
-            read_keys.append(key)
-            read_values.append(value)
-            raw_cells.append(raw)
-            cells.append(new_cell)
-            cell, previous_raw = new_cell, raw
-
+        outputs, state = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, weights)
         if plan.keep_for_backward:
             # Through `save_for_backward`, so that the saved tensors are freed after the backward pass.
-            tensors, ctx.structure = pytree.tree_flatten((saved, key_buffer, value_buffer, weights))
+            tensors, ctx.structure = pytree.tree_flatten((state, weights))
             ctx.save_for_backward(*tensors)
             ctx.plan = plan
-        stacked_keys = torch.stack(read_keys).view(num_steps, batch_size, num_heads, head_dim)
-        stacked_values = torch.stack(read_values).view(num_steps, batch_size, num_heads, head_dim)
-        return stacked_keys, stacked_values, torch.stack(raw_cells), torch.stack(cells)
+        return outputs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells):
-        plan = ctx.plan
-        saved, key_buffer, value_buffer, weights = pytree.tree_unflatten(ctx.saved_tensors, ctx.structure)
-        in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
-        num_steps, num_heads, head_dim = plan.num_steps, plan.num_heads, plan.head_dim
-        batch_size = grad_cells.shape[1]
-        heads, qkv_size, scale = batch_size * num_heads, 3 * num_heads * head_dim, head_dim**-0.5
-        keys_all, values_t = key_buffer.unbind(0), value_buffer.transpose(-1, -2).unbind(0)
-        grad_read_keys = grad_read_keys.reshape(num_steps, heads, 1, head_dim).unbind(0)
-        grad_read_values = grad_read_values.reshape(num_steps, heads, 1, head_dim).unbind(0)
-        grad_raw_cells, grad_cells = grad_raw_cells.unbind(0), grad_cells.unbind(0)
+        state, weights = pytree.tree_unflatten(ctx.saved_tensors, ctx.structure)
+        grads = (grad_read_keys, grad_read_values, grad_raw_cells, grad_cells)
+        grad_cell, grad_previous_raw, grad_keys, grad_values, *grad_weights = scan_backward(
+            ctx.plan, state, weights, grads
+        )
+        return None, grad_cell, grad_previous_raw, grad_keys, grad_values, None, *grad_weights
 
-        # Per step (in reverse), what the weight and slot gradients are summed from once the loop is done.
-        grad_qkv_pre, grad_glu_pre, grad_normed, grad_output_pre, grad_scores, grad_attended = [], [], [], [], [], []
-        grad_written = []
-        grad_gates, grad_updated = [], []
-        grad_cell, grad_raw = grad_cells[-1], grad_raw_cells[-1]  # what reaches step's cell and raw cell
-        grad_previous_raw = None
-        for step in reversed(range(num_steps)):
-            saved_step = saved[step]
-            # The cell update: cell = LN_cell(raw + GLU_cell(previous_raw)), or cell = raw.
-            residual = plan.has_residual(step)
-            if residual is False:
-                grad_raw = grad_raw + grad_cell
-                grad_raw_before = None if step == 0 else grad_raw_cells[step - 1]
-            else:
-                grad_update = grad_cell if residual is True else torch.where(residual, grad_cell, 0.0)
-                grad_joined = standardize_backward(grad_update * cn_w, saved_step.joined_norm)  # (B, D)
-                grad_gate = torch.ops.aten.glu_backward(grad_joined, saved_step.cell_gate, -1)  # (B, 2 D)
-                if step == 0:  # the previous raw cell is the scan's `previous_raw` input
-                    grad_raw_before = grad_previous_raw = torch.mm(grad_gate, cg_w)
-                else:
-                    grad_raw_before = torch.addmm(grad_raw_cells[step - 1], grad_gate, cg_w)
-                grad_raw = grad_raw + grad_joined
-                if residual is not True:
-                    grad_raw = grad_raw + (grad_cell - grad_update)
-                grad_gates.append(grad_gate)
-                grad_updated.append(grad_update)
 
-            # Writing the raw cell.
-            grad_raw = standardize_backward(grad_raw, saved_step.raw_norm)
-            if plan.cell_input_residual:
-                grad_written.append(grad_raw)
-                grad_raw = standardize_backward(grad_raw * an_w, saved_step.gated_norm)  # (B, D)
-                grad_glu = torch.ops.aten.glu_backward(grad_raw, saved_step.glu_pre, -1)  # (B, 2 D)
-            grad_pre = torch.ops.aten.silu_backward(grad_raw, saved_step.output_pre)  # (B, D)
-            grad_att = torch.mm(grad_pre, o_w).view(heads, 1, head_dim)
+def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, weights):
+    """The scan's forward steps (`FusedCellScan`'s inputs, the 14 weights as one tuple). Returns its four outputs
+    and, with `plan.keep_for_backward`, what `scan_backward` reads (else None)."""
+    in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
+    num_steps, batch_size, num_heads, num_slots, head_dim = step_keys.shape
+    heads, qkv_size, eps = batch_size * num_heads, 3 * num_heads * head_dim, plan.eps
+    # Keys and values of every step with a free slot 0 for the cell's own, filled as the scan reaches it.
+    key_buffer = F.pad(step_keys, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
+    value_buffer = F.pad(step_values, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
+    keys_t, values_all = key_buffer.transpose(-1, -2).unbind(0), value_buffer.unbind(0)
+    key_slots, value_slots = key_buffer[:, :, :1].unbind(0), value_buffer[:, :, :1].unbind(0)
+    biases = score_bias.unbind(0)
+    qkv_wt, o_wt = qkv_w.t(), o_w.t()
+    ag_wt, cg_wt = (None if weight is None else weight.t() for weight in (ag_w, cg_w))
 
-            # Attention of the cell over [its own key; the window's slots].
-            probs = saved_step.probs
-            grad_probs = torch.bmm(grad_att, values_t[step])  # (B H, 1, 1 + S)
-            grad_score = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype).mul_(scale)
-            grad_query = torch.bmm(grad_score, keys_all[step])  # (B H, 1, d)
-            grad_key = torch.addcmul(grad_read_keys[step], grad_score[..., :1], saved_step.query)
-            grad_value = torch.addcmul(grad_read_values[step], probs[..., :1], grad_att)
-            per_head = (batch_size, num_heads, head_dim)
-            grad_qkv = torch.stack([grad_query.view(per_head), grad_key.view(per_head), grad_value.view(per_head)], 1)
-            grad_qkv = torch.ops.aten.silu_backward(grad_qkv.view(batch_size, qkv_size), saved_step.qkv_pre)
-            if plan.cell_input_residual:
-                grad_input = torch.addmm(torch.mm(grad_glu, ag_w), grad_qkv, qkv_w)  # (B, D)
-                grad_glu_pre.append(grad_glu)
-            else:
-                grad_input = torch.mm(grad_qkv, qkv_w)
-            grad_cell_before = None if step == 0 else grad_cells[step - 1]
-            grad_cell = standardize_backward(grad_input * in_w, saved_step.input_norm, add_to=grad_cell_before)
-            grad_raw = grad_raw_before
-
-            grad_qkv_pre.append(grad_qkv)
-            grad_normed.append(grad_input)
-            grad_output_pre.append(grad_pre)
-            grad_scores.append(grad_score)
-            grad_attended.append(grad_att)
-
-        # Everything that is a sum over steps, in one product each. The lists above are in reverse step order.
-        def flat(tensors, reverse=True):
-            return torch.stack(tensors[::-1] if reverse else tensors).flatten(0, -2)  # (N B, F) in step order
-
-        def saved_flat(name):
-            return flat([getattr(saved_step, name) for saved_step in saved], reverse=False)
-
-        normed = saved_flat("normed")  # (N B, D)
-        grad_qkv_pre = flat(grad_qkv_pre)  # (N B, 3 H d)
-        grad_qkv_w, grad_qkv_b = torch.mm(grad_qkv_pre.t(), normed), grad_qkv_pre.sum(0)
-        grad_normed = flat(grad_normed)
-        grad_in_w, grad_in_b = (grad_normed * saved_flat("normed_cell")).sum(0), grad_normed.sum(0)
-        grad_output_pre = flat(grad_output_pre)
-        grad_o_w, grad_o_b = torch.mm(grad_output_pre.t(), saved_flat("attended")), grad_output_pre.sum(0)
-        grad_ag_w = grad_ag_b = grad_an_w = grad_an_b = None
+    read_keys, read_values, raw_cells, cells, saved = [], [], [], [], []
+    for step in range(num_steps):
+        normed_cell, input_norm = standardize(cell, eps)
+        normed = torch.addcmul(in_b, normed_cell, in_w)  # (B, D)
+        qkv_pre = torch.addmm(qkv_b, normed, qkv_wt)  # (B, 3 H d)
+        qkv = F.silu(qkv_pre).view(batch_size, 3, num_heads, head_dim).transpose(1, 2)  # (B, H, 3, d)
+        query, key, value = qkv.reshape(heads, 3, head_dim).split(1, dim=1)  # (B H, 1, d) each
+        key_slots[step].copy_(key)
+        value_slots[step].copy_(value)
+        scores = torch.baddbmm(biases[step], query, keys_t[step], alpha=head_dim**-0.5)  # (B H, 1, 1 + S)
+        probs = torch.softmax(scores, dim=-1)
+        attended = torch.bmm(probs, values_all[step]).view(batch_size, -1)  # (B, H d)
+        output_pre = torch.addmm(o_b, attended, o_wt)  # (B, D)
+        output = F.silu(output_pre)
+        glu_pre = normed_gated = gated_norm = None
         if plan.cell_input_residual:
-            grad_glu_pre = flat(grad_glu_pre)  # (N B, 2 D)
-            grad_ag_w, grad_ag_b = torch.mm(grad_glu_pre.t(), normed), grad_glu_pre.sum(0)
-            grad_written = flat(grad_written)
-            grad_an_w, grad_an_b = (grad_written * saved_flat("normed_gated")).sum(0), grad_written.sum(0)
-        grad_cg_w = grad_cg_b = grad_cn_w = grad_cn_b = None
-        if grad_gates:
-            residual_steps = [saved_step for saved_step in saved if saved_step.cell_gate is not None]
-            grad_gates, grad_updated = flat(grad_gates), flat(grad_updated)
-            previous_raws = flat([saved_step.previous_raw for saved_step in residual_steps], reverse=False)
-            normed_joined = flat([saved_step.joined_norm[1] for saved_step in residual_steps], reverse=False)
-            grad_cg_w, grad_cg_b = torch.mm(grad_gates.t(), previous_raws), grad_gates.sum(0)
-            grad_cn_w, grad_cn_b = (grad_updated * normed_joined).sum(0), grad_updated.sum(0)
+            glu_pre = torch.addmm(ag_b, normed, ag_wt)  # (B, 2 D)
+            normed_gated, gated_norm = standardize(output + F.glu(glu_pre, dim=-1), eps)
+            raw, raw_norm = standardize(torch.addcmul(an_b, normed_gated, an_w), eps)  # (B, D)
+        else:
+            raw, raw_norm = standardize(output, eps)
+        residual = plan.has_residual(step)
+        residual_input = cell_gate = joined_norm = None
+        if residual is False:
+            new_cell = raw
+        else:
+            residual_input = previous_raw
+            cell_gate = torch.addmm(cg_b, previous_raw, cg_wt)  # (B, 2 D)
+            normed_joined, joined_norm = standardize(raw + F.glu(cell_gate, dim=-1), eps)
+            new_cell = torch.addcmul(cn_b, normed_joined, cn_w)
+            if residual is not True:
+                new_cell = torch.where(residual, new_cell, raw)
+        if plan.keep_for_backward:
+            saved.append(
+                SavedStep(input_norm, normed_cell, normed, qkv_pre, glu_pre, query, probs, attended, output_pre,
+                          gated_norm, normed_gated, raw_norm, residual_input, cell_gate, joined_norm)
+            )  # fmt: skip
+        read_keys.append(key)
+        read_values.append(value)
+        raw_cells.append(raw)
+        cells.append(new_cell)
+        cell, previous_raw = new_cell, raw
 
-        # The window slots: every step's score and value gradients at once (outer products), without slot 0, the
-        # cell's own.
-        grad_scores = torch.stack(grad_scores[::-1])[:, :, 0, 1:, None]  # (N, B H, S, 1)
-        probs = torch.stack([saved_step.probs for saved_step in saved])[:, :, 0, 1:, None]  # (N, B H, S, 1)
-        queries = torch.stack([saved_step.query for saved_step in saved])  # (N, B H, 1, d)
-        grad_attended = torch.stack(grad_attended[::-1])  # (N, B H, 1, d)
-        slot_shape = (num_steps, batch_size, num_heads, -1, head_dim)
-        grad_step_keys = (grad_scores * queries).view(slot_shape)  # (N, B, H, S, d)
-        grad_step_values = (probs * grad_attended).view(slot_shape)
+    stacked_keys = torch.stack(read_keys).view(num_steps, batch_size, num_heads, head_dim)
+    stacked_values = torch.stack(read_values).view(num_steps, batch_size, num_heads, head_dim)
+    state = (saved, key_buffer, value_buffer) if plan.keep_for_backward else None
+    return (stacked_keys, stacked_values, torch.stack(raw_cells), torch.stack(cells)), state
 
-        return (
-            None, grad_cell, grad_previous_raw, grad_step_keys, grad_step_values, None,
-            grad_in_w, grad_in_b, grad_qkv_w, grad_qkv_b, grad_o_w, grad_o_b, grad_ag_w, grad_ag_b,
-            grad_an_w, grad_an_b, grad_cg_w, grad_cg_b, grad_cn_w, grad_cn_b,
-        )  # fmt: skip
+
+def scan_backward(plan: ScanPlan, state, weights, grads):
+    """The scan's backward: `state` from `scan_forward`, `grads` those of its four outputs. Returns the gradients of
+    cell, previous_raw, step_keys, step_values and the 14 weights (None for absent ones)."""
+    saved, key_buffer, value_buffer = state
+    grad_read_keys, grad_read_values, grad_raw_cells, grad_cells = grads
+    in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
+    num_steps, num_heads, head_dim = plan.num_steps, plan.num_heads, plan.head_dim
+    batch_size = grad_cells.shape[1]
+    heads, qkv_size, scale = batch_size * num_heads, 3 * num_heads * head_dim, head_dim**-0.5
+    keys_all, values_t = key_buffer.unbind(0), value_buffer.transpose(-1, -2).unbind(0)
+    grad_read_keys = grad_read_keys.reshape(num_steps, heads, 1, head_dim).unbind(0)
+    grad_read_values = grad_read_values.reshape(num_steps, heads, 1, head_dim).unbind(0)
+    grad_raw_cells, grad_cells = grad_raw_cells.unbind(0), grad_cells.unbind(0)
+
+    # Per step (in reverse), what the weight and slot gradients are summed from once the loop is done.
+    grad_qkv_pre, grad_glu_pre, grad_normed, grad_output_pre, grad_scores, grad_attended = [], [], [], [], [], []
+    grad_written = []
+    grad_gates, grad_updated = [], []
+    grad_cell, grad_raw = grad_cells[-1], grad_raw_cells[-1]  # what reaches step's cell and raw cell
+    grad_previous_raw = None
+    for step in reversed(range(num_steps)):
+        saved_step = saved[step]
+        # The cell update: cell = LN_cell(raw + GLU_cell(previous_raw)), or cell = raw.
+        residual = plan.has_residual(step)
+        if residual is False:
+            grad_raw = grad_raw + grad_cell
+            grad_raw_before = None if step == 0 else grad_raw_cells[step - 1]
+        else:
+            grad_update = grad_cell if residual is True else torch.where(residual, grad_cell, 0.0)
+            grad_joined = standardize_backward(grad_update * cn_w, saved_step.joined_norm)  # (B, D)
+            grad_gate = torch.ops.aten.glu_backward(grad_joined, saved_step.cell_gate, -1)  # (B, 2 D)
+            if step == 0:  # the previous raw cell is the scan's `previous_raw` input
+                grad_raw_before = grad_previous_raw = torch.mm(grad_gate, cg_w)
+            else:
+                grad_raw_before = torch.addmm(grad_raw_cells[step - 1], grad_gate, cg_w)
+            grad_raw = grad_raw + grad_joined
+            if residual is not True:
+                grad_raw = grad_raw + (grad_cell - grad_update)
+            grad_gates.append(grad_gate)
+            grad_updated.append(grad_update)
+
+        # Writing the raw cell.
+        grad_raw = standardize_backward(grad_raw, saved_step.raw_norm)
+        if plan.cell_input_residual:
+            grad_written.append(grad_raw)
+            grad_raw = standardize_backward(grad_raw * an_w, saved_step.gated_norm)  # (B, D)
+            grad_glu = torch.ops.aten.glu_backward(grad_raw, saved_step.glu_pre, -1)  # (B, 2 D)
+        grad_pre = torch.ops.aten.silu_backward(grad_raw, saved_step.output_pre)  # (B, D)
+        grad_att = torch.mm(grad_pre, o_w).view(heads, 1, head_dim)
+
+        # Attention of the cell over [its own key; the window's slots].
+        probs = saved_step.probs
+        grad_probs = torch.bmm(grad_att, values_t[step])  # (B H, 1, 1 + S)
+        grad_score = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype).mul_(scale)
+        grad_query = torch.bmm(grad_score, keys_all[step])  # (B H, 1, d)
+        grad_key = torch.addcmul(grad_read_keys[step], grad_score[..., :1], saved_step.query)
+        grad_value = torch.addcmul(grad_read_values[step], probs[..., :1], grad_att)
+        per_head = (batch_size, num_heads, head_dim)
+        grad_qkv = torch.stack([grad_query.view(per_head), grad_key.view(per_head), grad_value.view(per_head)], 1)
+        grad_qkv = torch.ops.aten.silu_backward(grad_qkv.view(batch_size, qkv_size), saved_step.qkv_pre)
+        if plan.cell_input_residual:
+            grad_input = torch.addmm(torch.mm(grad_glu, ag_w), grad_qkv, qkv_w)  # (B, D)
+            grad_glu_pre.append(grad_glu)
+        else:
+            grad_input = torch.mm(grad_qkv, qkv_w)
+        grad_cell_before = None if step == 0 else grad_cells[step - 1]
+        grad_cell = standardize_backward(grad_input * in_w, saved_step.input_norm, add_to=grad_cell_before)
+        grad_raw = grad_raw_before
+
+        grad_qkv_pre.append(grad_qkv)
+        grad_normed.append(grad_input)
+        grad_output_pre.append(grad_pre)
+        grad_scores.append(grad_score)
+        grad_attended.append(grad_att)
+
+    # Everything that is a sum over steps, in one product each. The lists above are in reverse step order.
+    def flat(tensors, reverse=True):
+        return torch.stack(tensors[::-1] if reverse else tensors).flatten(0, -2)  # (N B, F) in step order
+
+    def saved_flat(name):
+        return flat([getattr(saved_step, name) for saved_step in saved], reverse=False)
+
+    normed = saved_flat("normed")  # (N B, D)
+    grad_qkv_pre = flat(grad_qkv_pre)  # (N B, 3 H d)
+    grad_qkv_w, grad_qkv_b = torch.mm(grad_qkv_pre.t(), normed), grad_qkv_pre.sum(0)
+    grad_normed = flat(grad_normed)
+    grad_in_w, grad_in_b = (grad_normed * saved_flat("normed_cell")).sum(0), grad_normed.sum(0)
+    grad_output_pre = flat(grad_output_pre)
+    grad_o_w, grad_o_b = torch.mm(grad_output_pre.t(), saved_flat("attended")), grad_output_pre.sum(0)
+    grad_ag_w = grad_ag_b = grad_an_w = grad_an_b = None
+    if plan.cell_input_residual:
+        grad_glu_pre = flat(grad_glu_pre)  # (N B, 2 D)
+        grad_ag_w, grad_ag_b = torch.mm(grad_glu_pre.t(), normed), grad_glu_pre.sum(0)
+        grad_written = flat(grad_written)
+        grad_an_w, grad_an_b = (grad_written * saved_flat("normed_gated")).sum(0), grad_written.sum(0)
+    grad_cg_w = grad_cg_b = grad_cn_w = grad_cn_b = None
+    if grad_gates:
+        residual_steps = [saved_step for saved_step in saved if saved_step.cell_gate is not None]
+        grad_gates, grad_updated = flat(grad_gates), flat(grad_updated)
+        previous_raws = flat([saved_step.previous_raw for saved_step in residual_steps], reverse=False)
+        normed_joined = flat([saved_step.joined_norm[1] for saved_step in residual_steps], reverse=False)
+        grad_cg_w, grad_cg_b = torch.mm(grad_gates.t(), previous_raws), grad_gates.sum(0)
+        grad_cn_w, grad_cn_b = (grad_updated * normed_joined).sum(0), grad_updated.sum(0)
+
+    # The window slots: every step's score and value gradients at once (outer products), without slot 0, the
+    # cell's own.
+    grad_scores = torch.stack(grad_scores[::-1])[:, :, 0, 1:, None]  # (N, B H, S, 1)
+    probs = torch.stack([saved_step.probs for saved_step in saved])[:, :, 0, 1:, None]  # (N, B H, S, 1)
+    queries = torch.stack([saved_step.query for saved_step in saved])  # (N, B H, 1, d)
+    grad_attended = torch.stack(grad_attended[::-1])  # (N, B H, 1, d)
+    slot_shape = (num_steps, batch_size, num_heads, -1, head_dim)
+    grad_step_keys = (grad_scores * queries).view(slot_shape)  # (N, B, H, S, d)
+    grad_step_values = (probs * grad_attended).view(slot_shape)
+
+    return (
+        grad_cell, grad_previous_raw, grad_step_keys, grad_step_values,
+        grad_in_w, grad_in_b, grad_qkv_w, grad_qkv_b, grad_o_w, grad_o_b, grad_ag_w, grad_ag_b,
+        grad_an_w, grad_an_b, grad_cg_w, grad_cg_b, grad_cn_w, grad_cn_b,
+    )  # fmt: skip
 
 
 def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, layout):
@@ -320,11 +336,30 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
         first_step_residual=first_step_residual,
         keep_for_backward=torch.is_grad_enabled(),
     )
+    # Float32 (float64 if the cell is) whatever the inputs and autocast say: the cell is a running state, written
+    # once per window from the one before, and its standardisations divide by a mean of squares.
+    compute_dtype = torch.float64 if cell.dtype == torch.float64 else torch.float32
     visible = F.pad(step_mask, (1, 0), value=True)  # (N, B, 1 + S): the cell's own key is always visible
-    score_bias = torch.zeros(visible.shape, dtype=cell.dtype, device=cell.device).masked_fill_(~visible, float("-inf"))
+    score_bias = torch.zeros(visible.shape, dtype=compute_dtype, device=cell.device)
+    score_bias = score_bias.masked_fill_(~visible, float("-inf"))
     score_bias = score_bias[:, :, None, None].expand(-1, -1, num_heads, 1, -1).flatten(1, 2)  # (N, B H, 1, 1 + S)
     weights = (
         layer.input_norm.weight, layer.input_norm.bias, layer.qkv_proj.weight, layer.qkv_proj.bias,
         layer.o_proj.weight, layer.o_proj.bias, *attention_glu, *attention_norm, *cell_glu, *cell_norm,
     )  # fmt: skip
-    return FusedCellScan.apply(plan, cell, previous_raw, step_keys, step_values, score_bias, *weights)
+    weights = tuple(None if weight is None else weight.to(compute_dtype) for weight in weights)
+    inputs = (cell, previous_raw, step_keys, step_values)
+    with torch.autocast(cell.device.type, enabled=False):
+        if torch.compiler.is_compiling():
+            # One opaque op for dynamo: the steps are not unrolled into the graph, whose shapes then follow the
+            # number of windows instead of being rebuilt for each one.
+            from .scan_op import cell_scan_op
+
+            outputs = cell_scan_op(plan, *(tensor.to(compute_dtype) for tensor in inputs), score_bias, weights)
+        else:
+            outputs = FusedCellScan.apply(
+                plan, *(tensor.to(compute_dtype) for tensor in inputs), score_bias, *weights
+            )
+    # The cells keep the dtype of the cell read (float32 under autocast); the keys and values that of the tokens'.
+    dtypes = (step_keys.dtype, step_values.dtype, cell.dtype, cell.dtype)
+    return tuple(output.to(dtype) for output, dtype in zip(outputs, dtypes))

@@ -424,6 +424,10 @@ class RANMemoryReview(nn.Module):
         # reads cells [0, readable_cells). Returns the reviewed states (B, L, D) and, with `output_attentions`, the
         # review weights (B, L, C), which then exist whole.
         length = token_states.shape[1]
+        if length <= self.chunk_size:
+            # No loop for one chunk: under torch.compile, a loop over a symbolic length would fix the length.
+            reviewed, weights = self.review_chunk(token_states, cell_states, readable_cells)
+            return reviewed, weights if output_attentions else None
         # With several chunks, each one's backward recomputes it (same dropout mask: checkpoint restores the RNG
         # state) so that training keeps (chunk x windows) probabilities for one chunk at a time, not for them all.
         recompute = torch.is_grad_enabled() and length > self.chunk_size

@@ -1,0 +1,150 @@
+"""The fused cell scan as a custom op, `torch.ops.ran_hf.cell_scan`, for `torch.compile`.
+
+Traced by dynamo, a scan's Python loop over the windows is unrolled into the graph: a graph as long as the text, and
+a new one (seconds to a minute of compiling) for every new number of windows. As one custom op the scan is a single
+node, whose fake implementation gives its output shapes from its inputs' (N steps from `step_keys`), so dynamic
+shapes cover every window count. Its autograd is the fused scan's hand-written backward, itself a custom op, which
+first runs the forward steps again to get what it reads: the op keeps nothing between the two passes (the scan's
+forward is a small part of a layer's work).
+
+Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots.
+"""
+
+import torch
+from torch import Tensor
+
+from .fused_scan import ScanPlan, scan_backward, scan_forward
+
+# first_step_mode: how the first step joins the previous raw cell (`ScanPlan.first_step_residual`)
+NO_ROW, EVERY_ROW, SOME_ROWS = 0, 1, 2
+
+
+def scan_plan(step_keys: Tensor, first_step_rows: Tensor, eps, cell_input_residual, use_cell_residual, mode, keep):
+    num_steps, _, num_heads, _, head_dim = step_keys.shape
+    return ScanPlan(
+        num_steps=num_steps,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        eps=eps,
+        cell_input_residual=cell_input_residual,
+        use_cell_residual=use_cell_residual,
+        first_step_residual={NO_ROW: False, EVERY_ROW: True}.get(mode, first_step_rows),
+        keep_for_backward=keep,
+    )
+
+
+@torch.library.custom_op("ran_hf::cell_scan", mutates_args=())
+def _cell_scan(
+    cell: Tensor,
+    previous_raw: Tensor,
+    step_keys: Tensor,
+    step_values: Tensor,
+    score_bias: Tensor,
+    first_step_rows: Tensor,
+    weights: list[Tensor | None],
+    eps: float,
+    cell_input_residual: bool,
+    use_cell_residual: bool,
+    first_step_mode: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`FusedCellScan`'s forward: read keys, read values (N, B, H, d), raw cells and cells (N, B, D)."""
+    plan = scan_plan(step_keys, first_step_rows, eps, cell_input_residual, use_cell_residual, first_step_mode, False)
+    outputs, _ = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, tuple(weights))
+    return outputs
+
+
+@_cell_scan.register_fake
+def _(cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, weights, *plan):
+    num_steps, batch_size, num_heads, _, head_dim = step_keys.shape
+    read = step_keys.new_empty(num_steps, batch_size, num_heads, head_dim)
+    cells = cell.new_empty(num_steps, batch_size, cell.shape[-1])
+    return read, torch.empty_like(read), cells, torch.empty_like(cells)
+
+
+@torch.library.custom_op("ran_hf::cell_scan_backward", mutates_args=())
+def _cell_scan_backward(
+    grads: list[Tensor],
+    cell: Tensor,
+    previous_raw: Tensor,
+    step_keys: Tensor,
+    step_values: Tensor,
+    score_bias: Tensor,
+    first_step_rows: Tensor,
+    weights: list[Tensor | None],
+    eps: float,
+    cell_input_residual: bool,
+    use_cell_residual: bool,
+    first_step_mode: int,
+) -> list[Tensor]:
+    """Gradients of cell, previous_raw, step_keys, step_values and of every weight that is not None, in order."""
+    plan = scan_plan(step_keys, first_step_rows, eps, cell_input_residual, use_cell_residual, first_step_mode, True)
+    _, state = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, tuple(weights))
+    inputs = (cell, previous_raw, step_keys, step_values, *weights)
+    gradients = scan_backward(plan, state, tuple(weights), tuple(grads))
+    # A weight the scan never reached (the cell GLU of a scan without residual steps) gets zeros, not None.
+    return [
+        tensor.new_zeros(tensor.shape) if gradient is None else gradient.contiguous()
+        for tensor, gradient in zip(inputs, gradients)
+        if tensor is not None
+    ]
+
+
+@_cell_scan_backward.register_fake
+def _(grads, cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, weights, *plan):
+    inputs = (cell, previous_raw, step_keys, step_values, *weights)
+    return [tensor.new_empty(tensor.shape) for tensor in inputs if tensor is not None]  # contiguous
+
+
+def _setup_context(ctx, inputs, output):
+    cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, weights, *plan = inputs
+    ctx.plan = plan
+    ctx.has_weight = [weight is not None for weight in weights]
+    ctx.save_for_backward(
+        cell, previous_raw, step_keys, step_values, score_bias, first_step_rows,
+        *(weight for weight in weights if weight is not None),
+    )  # fmt: skip
+
+
+def _backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells):
+    cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, *present = ctx.saved_tensors
+    num_steps, batch_size, num_heads, _, head_dim = step_keys.shape
+    read_shape, cell_shape = (num_steps, batch_size, num_heads, head_dim), (num_steps, batch_size, cell.shape[-1])
+    grads = [
+        cell.new_zeros(shape) if grad is None else grad
+        for grad, shape in zip(
+            (grad_read_keys, grad_read_values, grad_raw_cells, grad_cells), (read_shape, read_shape, cell_shape, cell_shape)
+        )
+    ]
+    present_weights = iter(present)
+    weights = [next(present_weights) if has else None for has in ctx.has_weight]
+    gradients = iter(
+        _cell_scan_backward(grads, cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, weights, *ctx.plan)
+    )
+    grad_cell, grad_previous_raw, grad_keys, grad_values = (next(gradients) for _ in range(4))
+    grad_weights = [next(gradients) if has else None for has in ctx.has_weight]
+    return grad_cell, grad_previous_raw, grad_keys, grad_values, None, None, grad_weights, None, None, None, None
+
+
+_cell_scan.register_autograd(_backward, setup_context=_setup_context)
+
+
+def cell_scan_op(plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, weights):
+    """`FusedCellScan.apply(plan, ...)` as the custom op: the same inputs and outputs."""
+    residual = plan.first_step_residual
+    if isinstance(residual, torch.Tensor):
+        mode, rows = SOME_ROWS, residual
+    else:
+        mode, rows = (EVERY_ROW if residual else NO_ROW), cell.new_zeros(cell.shape[0], 1, dtype=torch.bool)
+    return _cell_scan(
+        cell,
+        previous_raw,
+        step_keys,
+        step_values,
+        score_bias,
+        rows,
+        list(weights),
+        plan.eps,
+        plan.cell_input_residual,
+        plan.use_cell_residual,
+        mode,
+    )

@@ -1,0 +1,73 @@
+"""`torch.compile` of a RAN: graph breaks only where the window layout is built, none inside a layer; no new graph
+for a new number of windows once two have been seen (the cell scan is one custom op, not a loop unrolled per window);
+compiled outputs and gradients equal eager ones.
+
+The backends here are dynamo's capture alone (`CompileCounter`) and `aot_eager` (adds AOTAutograd: the custom op's
+fake shapes and its registered backward), which compile in seconds; inductor is measured by
+scripts/benchmarks/benchmark_compile.py."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounter
+
+from ran_hf import RANModel
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
+
+TOLERANCE = 1e-5
+# Lengths of 4, 6 and 9 windows of 5 tokens.
+LENGTHS = [18, 28, 43]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("scan", ["reference", "fused"])
+def test_graph_breaks_only_where_the_layout_is_built(scan):
+    model = randomize_(RANModel(tiny_config(scan_implementation=scan)))
+    explanation = torch._dynamo.explain(model)(random_ids(LENGTHS[0], 61, seed=0)[None])
+    assert explanation.graph_break_count <= 3
+    for reason in explanation.break_reasons:
+        functions = [frame.name for frame in reason.user_stack]
+        assert "from_attention_mask" in functions, f"graph break outside the layout: {reason.reason} at {functions}"
+
+
+@pytest.mark.parametrize("scan", ["reference", "fused"])
+def test_a_third_window_count_compiles_no_new_graph(scan):
+    model = randomize_(RANModel(tiny_config(scan_implementation=scan)))
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    frames = []
+    for length in LENGTHS:
+        ids = random_ids(length, 61, seed=length)[None]
+        with torch.no_grad():
+            got = compiled(ids).last_hidden_state
+            want = model(ids).last_hidden_state
+        assert (got - want).abs().max() <= TOLERANCE
+        frames.append(counter.frame_count)
+    assert frames[2] == frames[1], f"frames compiled after each window count: {frames}"
+
+
+def test_compiled_training_matches_eager():
+    """aot_eager: the scan op's fake shapes and backward, with padding (left) and three window counts per batch."""
+    model = randomize_(RANModel(tiny_config(scan_implementation="fused")), seed=2).train()
+    compiled = torch.compile(model, backend="aot_eager")
+    for lengths in ([17, 6, 11], [23, 9, 14]):
+        ids, mask = pad_batch([random_ids(n, 61, seed=n) for n in lengths], side="left")
+        results = []
+        for run in (compiled, model):
+            model.zero_grad(set_to_none=True)
+            outputs = run(ids, attention_mask=mask)
+            (outputs.last_hidden_state.pow(2).sum() + outputs.pooler_output.sum()).backward()
+            grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            results.append((outputs.last_hidden_state.detach(), grads))
+        (got, got_grads), (want, want_grads) = results
+        assert (got - want).abs().max() <= TOLERANCE
+        assert got_grads.keys() == want_grads.keys()
+        for name, expected in want_grads.items():
+            diff = (got_grads[name] - expected).abs().max().item()
+            assert diff <= TOLERANCE * max(1.0, expected.abs().max().item()), f"gradient of {name}: {diff:.2e}"
