@@ -1,6 +1,6 @@
 """Memory review in chunks of tokens: the same outputs and gradients as one pass over all tokens.
 
-`RANMemoryReview.chunk_size` bounds the (tokens x windows) scores a long document would otherwise hold at once; in
+`RANMemoryReview.tokens_per_chunk` bounds the (tokens x windows) scores a long document would otherwise hold at once; in
 training each chunk is recomputed in the backward pass. Forcing a chunk of a few tokens here exercises every chunk
 boundary (inside windows, across windows, across padding) on sequences the tiny configs cut into many windows.
 """
@@ -26,7 +26,7 @@ CONFIGS = [
 
 def run(model, chunk_size, monkeypatch, *inputs, **kwargs):
     """Outputs and parameter gradients of one forward + backward pass with memory review in `chunk_size` chunks."""
-    monkeypatch.setattr(RANMemoryReview, "chunk_size", chunk_size)
+    monkeypatch.setattr(RANMemoryReview, "tokens_per_chunk", lambda self, num_cells: chunk_size)
     model.zero_grad(set_to_none=True)
     outputs = model(*inputs, **kwargs)
     outputs.last_hidden_state.pow(2).sum().backward(retain_graph=outputs.pooler_output is not None)
@@ -72,7 +72,7 @@ def test_chunked_review_continues_a_cache(overrides, monkeypatch):
     ids, mask = pad_batch([random_ids(n, model.config.vocab_size, seed=n) for n in (31, 20)], side="left")
 
     def continue_text(chunk_size):
-        monkeypatch.setattr(RANMemoryReview, "chunk_size", chunk_size)
+        monkeypatch.setattr(RANMemoryReview, "tokens_per_chunk", lambda self, num_cells: chunk_size)
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
             cache = model(ids[:, :12], attention_mask=mask[:, :12], use_cache=True).past_key_values

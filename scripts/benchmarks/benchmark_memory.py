@@ -214,8 +214,19 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = f"memory_{args.device}"
     settings = {key: value for key, value in vars(args).items() if key not in ("single", "mode")}
-    report = {"machine_info": info, "config": settings | {"output_dir": str(args.output_dir)}, "results": results}
-    (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    # A mode given no lengths (`--training_lengths` with none) keeps its results from the last report, so that one
+    # mode can be measured again alone; the report says which run measured each mode.
+    measured = {mode for mode, _ in runs}
+    report_path = args.output_dir / f"{name}.json"
+    earlier = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    kept = [r for r in earlier.get("results", []) if r["mode"] not in measured]
+    older = {key: earlier[key] for key in ("machine_info", "config") if key in earlier}  # reports of one run
+    runs_by_mode = {mode: earlier.get("runs_by_mode", {}).get(mode, older) for mode in {r["mode"] for r in kept}}
+    runs_by_mode |= {mode: {"machine_info": info, "config": settings | {"output_dir": str(args.output_dir)}}
+                     for mode in measured}  # fmt: skip
+    results = kept + results
+    report = {"runs_by_mode": runs_by_mode, "results": results}
+    report_path.write_text(json.dumps(report, indent=2))
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json and .png")
 

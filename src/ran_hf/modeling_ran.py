@@ -382,14 +382,18 @@ class RANMemoryReview(nn.Module):
     token states pass through: states + review + GLU(query), queries read from LayerNorm(states). With
     `config.review_qk_norm`, a cell's score is the scaled cosine of the un-activated query and key projections.
 
-    Tokens are reviewed `chunk_size` at a time: their scores over the cells form a (tokens x windows) matrix, which
-    for a whole long document would grow with the square of its length.
+    Tokens are reviewed in chunks: their scores over the cells form a (tokens x windows) matrix, which for a whole
+    long document would grow with the square of its length.
     """
 
     # A class constant, not a config field: it trades speed for memory and never changes the outputs (beyond float
-    # rounding), so checkpoints need not carry it. 1,024 tokens keep the matmuls large and a chunk's scores at 16 MB
-    # for a million-token document (3,907 windows of 256).
-    chunk_size = 1024
+    # rounding), so checkpoints need not carry it. 2^18 scores are 1 MB in float32.
+    chunk_scores = 2**18
+
+    def tokens_per_chunk(self, num_cells: int) -> int:
+        """Tokens whose scores over `num_cells` cells fit in `chunk_scores`: the working set of memory review is then
+        the same for 8 cells or 8,000 (a document of a million tokens, or a stream trained chunk by chunk)."""
+        return max(1, self.chunk_scores // max(num_cells, 1))
 
     def __init__(self, config: RANConfig):
         super().__init__()
@@ -424,16 +428,17 @@ class RANMemoryReview(nn.Module):
         # reads cells [0, readable_cells). Returns the reviewed states (B, L, D) and, with `output_attentions`, the
         # review weights (B, L, C), which then exist whole.
         length = token_states.shape[1]
-        if length <= self.chunk_size:
-            # No loop for one chunk: under torch.compile, a loop over a symbolic length would fix the length.
+        # Compiled: one chunk, so that a new length or number of cells needs no new graph (memory O(tokens x cells)).
+        chunk_size = length if torch.compiler.is_compiling() else self.tokens_per_chunk(cell_states.shape[1])
+        if length <= chunk_size:
             reviewed, weights = self.review_chunk(token_states, cell_states, readable_cells)
             return reviewed, weights if output_attentions else None
         # With several chunks, each one's backward recomputes it (same dropout mask: checkpoint restores the RNG
         # state) so that training keeps (chunk x windows) probabilities for one chunk at a time, not for them all.
-        recompute = torch.is_grad_enabled() and length > self.chunk_size
+        recompute = torch.is_grad_enabled()
         reviewed, weights = [], []
-        for start in range(0, length, self.chunk_size):
-            chunk = slice(start, start + self.chunk_size)
+        for start in range(0, length, chunk_size):
+            chunk = slice(start, start + chunk_size)
             inputs = (token_states[:, chunk], cell_states, readable_cells[:, chunk])
             if recompute:
                 states, probs = checkpoint(self.review_chunk, *inputs, use_reentrant=False)
