@@ -445,7 +445,8 @@ class RANMemoryReview(nn.Module):
             else:
                 states, probs = self.review_chunk(*inputs)
             reviewed.append(states)
-            weights.append(probs)
+            if output_attentions:  # kept only when asked for: all chunks' weights together are (tokens x cells)
+                weights.append(probs)
         weights = torch.cat(weights, dim=1) if output_attentions else None
         return torch.cat(reviewed, dim=1) if len(reviewed) > 1 else reviewed[0], weights
 
