@@ -5,6 +5,9 @@ training each chunk is recomputed in the backward pass. Forcing a chunk of a few
 boundary (inside windows, across windows, across padding) on sequences the tiny configs cut into many windows.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -106,3 +109,25 @@ def test_recomputed_chunks_reuse_their_dropout(overrides, monkeypatch):
     assert_close(recomputed.last_hidden_state, kept.last_hidden_state, "token states")
     for name, gradient in kept_gradients.items():
         assert_close(recomputed_gradients[name], gradient, f"gradient of {name}")
+
+
+def test_chunk_weights_are_not_kept_unless_asked_for(monkeypatch):
+    """Each chunk's review weights are (chunk x cells); kept for every chunk they would be (tokens x cells) again."""
+    monkeypatch.setattr(RANMemoryReview, "tokens_per_chunk", lambda self, num_cells: 3)
+    review_chunk, alive, most_alive = RANMemoryReview.review_chunk, [], []
+
+    def tracked(self, *inputs):
+        gc.collect()
+        most_alive.append(sum(ref() is not None for ref in alive))  # earlier chunks' weights still held
+        states, probs = review_chunk(self, *inputs)
+        alive.append(weakref.ref(probs))
+        return states, probs
+
+    monkeypatch.setattr(RANMemoryReview, "review_chunk", tracked)
+    model = RANModel(tiny_config()).eval()
+    ids = random_ids(40, model.config.vocab_size, seed=0)[None]
+    with torch.no_grad():
+        model(ids)
+        assert len(alive) > 10 and max(most_alive) <= 1  # at most the chunk before, in a loop variable
+        outputs = model(ids, output_attentions=True)  # asked for: every chunk's weights, then all layers'
+    assert outputs.memory_attentions[0].shape[:2] == (1, 40)
