@@ -10,12 +10,11 @@ import weakref
 
 import pytest
 import torch
+from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
 
-from ran_hf import RANForCausalLM, RANModel
-from ran_hf import modeling_ran
+from ran_hf import RANForCausalLM, RANModel, modeling_ran
 from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
 from ran_hf.modeling_ran import RANMemoryReview
-from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
 
 TOLERANCE = 1e-5
 WHOLE = 10**9  # a chunk longer than any test sequence: the unchunked review

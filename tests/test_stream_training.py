@@ -4,12 +4,12 @@ chunk boundaries (`RANCache.detach`, `lm_data.interleave_streams`, `run_clm.py -
 import json
 
 import numpy as np
-import torch
-
 import run_clm
+import torch
 from lm_data import interleave_streams
+from test_scripts import QUIET, from_scratch, tokenizer_dir, topic_files  # noqa: F401 (fixtures)
+
 from ran_hf import RANForCausalLM
-from test_scripts import QUIET, from_scratch, topic_files, tokenizer_dir  # noqa: F401 (fixtures)
 
 
 def test_streams_are_interleaved_so_each_row_continues_itself():
