@@ -1,6 +1,6 @@
 """Memory review in chunks of tokens: the same outputs and gradients as one pass over all tokens.
 
-`RANMemoryReview.tokens_per_chunk` bounds the (tokens x windows) scores a long document would otherwise hold at once; in
+`RANMemoryReview.chunk_size` bounds the (tokens x windows) scores a long document would otherwise hold at once; in
 training each chunk is recomputed in the backward pass. Forcing a chunk of a few tokens here exercises every chunk
 boundary (inside windows, across windows, across padding) on sequences the tiny configs cut into many windows.
 """
@@ -28,7 +28,7 @@ CONFIGS = [
 
 def run(model, chunk_size, monkeypatch, *inputs, **kwargs):
     """Outputs and parameter gradients of one forward + backward pass with memory review in `chunk_size` chunks."""
-    monkeypatch.setattr(RANMemoryReview, "tokens_per_chunk", lambda self, num_cells: chunk_size)
+    monkeypatch.setattr(RANMemoryReview, "chunk_size", chunk_size)
     model.zero_grad(set_to_none=True)
     outputs = model(*inputs, **kwargs)
     outputs.last_hidden_state.pow(2).sum().backward(retain_graph=outputs.pooler_output is not None)
@@ -74,7 +74,7 @@ def test_chunked_review_continues_a_cache(overrides, monkeypatch):
     ids, mask = pad_batch([random_ids(n, model.config.vocab_size, seed=n) for n in (31, 20)], side="left")
 
     def continue_text(chunk_size):
-        monkeypatch.setattr(RANMemoryReview, "tokens_per_chunk", lambda self, num_cells: chunk_size)
+        monkeypatch.setattr(RANMemoryReview, "chunk_size", chunk_size)
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
             cache = model(ids[:, :12], attention_mask=mask[:, :12], use_cache=True).past_key_values
@@ -112,7 +112,7 @@ def test_recomputed_chunks_reuse_their_dropout(overrides, monkeypatch):
 
 def test_chunk_weights_are_not_kept_unless_asked_for(monkeypatch):
     """Each chunk's review weights are (chunk x cells); kept for every chunk they would be (tokens x cells) again."""
-    monkeypatch.setattr(RANMemoryReview, "tokens_per_chunk", lambda self, num_cells: 3)
+    monkeypatch.setattr(RANMemoryReview, "chunk_size", 3)
     review_chunk, alive, most_alive = RANMemoryReview.review_chunk, [], []
 
     def tracked(self, *inputs):
