@@ -128,7 +128,7 @@ def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
     and, with `plan.keep_for_backward`, what `scan_backward` reads (else None)."""
     in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
     num_steps, batch_size, num_heads, num_slots, head_dim = step_keys.shape
-    heads, qkv_size, eps = batch_size * num_heads, 3 * num_heads * head_dim, plan.eps
+    heads, eps = batch_size * num_heads, plan.eps
     # Keys and values of every step with a free slot 0 for the cell's own, filled as the scan reaches it.
     key_buffer = F.pad(step_keys, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
     value_buffer = F.pad(step_values, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
