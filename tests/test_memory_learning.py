@@ -15,7 +15,7 @@ from diagnose_memory import MODELS, TASKS, build_model, make_batch, train_once
 
 def run_arguments(**overrides) -> argparse.Namespace:
     arguments = {
-        "learning_rate": 2e-3, "batch_size": 16, "in_window_steps": 300, "across_steps": 600, "eval_every": 50,
+        "learning_rate": 2e-3, "batch_size": 16, "in_window_steps": 300, "across_steps": 1000, "eval_every": 50,
         "threads": 1, "jobs": 1,
     }  # fmt: skip
     arguments.update(overrides)

@@ -4,7 +4,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForMaskedLM
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 from ran_hf import RANForCausalLM, RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
 
@@ -322,6 +322,28 @@ def test_untied_masked_lm_keeps_its_own_decoder(make_config, tmp_path):
     assert reloaded.decoder.weight is not reloaded.get_input_embeddings().weight
     assert torch.equal(reloaded.decoder.weight, model.decoder.weight)
     assert torch.equal(reloaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
+
+
+def test_causal_models_default_to_their_own_decoder(make_config, tmp_path):
+    """Causal configs default to an untied decoder (tied, a causal RAN merged key digits for good: docs/memory.md);
+    the encoder's default stays tied, as the official checkpoints are, and an explicit choice wins either way."""
+    assert make_config().tie_word_embeddings is True
+    assert make_config(is_causal=True).tie_word_embeddings is False
+    assert make_config(is_causal=True, tie_word_embeddings=True).tie_word_embeddings is True
+    torch.manual_seed(0)
+    model = RANForCausalLM(make_config(is_causal=True))
+    assert model.decoder.weight is not model.get_input_embeddings().weight
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.tie_word_embeddings is False
+    assert reloaded.decoder.weight is not reloaded.get_input_embeddings().weight
+    assert torch.equal(reloaded.decoder.weight, model.decoder.weight)
+    # A causal checkpoint saved tied (every one saved before the default changed) reloads tied: the config file
+    # names the choice, and the decoder has no weight of its own in the checkpoint.
+    tied = RANForCausalLM(make_config(is_causal=True, tie_word_embeddings=True))
+    assert_tied(tied)
+    tied.save_pretrained(tmp_path / "tied")
+    assert_tied(AutoModelForCausalLM.from_pretrained(tmp_path / "tied"))
 
 
 @pytest.mark.parametrize("new_size", [pytest.param(80, id="grow"), pytest.param(48, id="shrink")])

@@ -461,7 +461,7 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
         official = name == "ran-causal-official"
         # The official causal model is built from the official (post-norm) layer.
         layer_fields = {**OFFICIAL_LAYER_FIELDS, "scan_implementation": OFFICIAL_CAUSAL_SCAN} if official else {}
-        config = ran_config(args, task, "ran", args.lm_window_size, **layer_fields)
+        config = ran_config(args, task, "ran", args.lm_window_size, is_causal=True, **layer_fields)
         model = RANForCausalLM(config)
         if official:
             for layer in model.model.layers:

@@ -161,8 +161,11 @@ class RANConfig(PreTrainedConfig):
             Beginning-of-sequence token id.
         eos_token_id (`int`, *optional*):
             End-of-sequence token id.
-        tie_word_embeddings (`bool`, *optional*, defaults to `True`):
-            Whether language-model heads share the token embedding.
+        tie_word_embeddings (`bool`, *optional*):
+            Whether language-model heads share the token embedding. Defaults to `True` for the encoder (the official
+            checkpoints are tied) and to `False` for causal models: trained from scratch, a tied causal RAN can merge
+            the embeddings of tokens that play the same role (two key digits reached a cosine of 0.99) and then never
+            tell them apart again. Set when the config is built: a config whose `is_causal` changes later keeps it.
 
     Example:
 
@@ -205,9 +208,11 @@ class RANConfig(PreTrainedConfig):
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool | None = None
 
     def __post_init__(self, **kwargs):
+        if self.tie_word_embeddings is None:
+            self.tie_word_embeddings = not self.is_causal
         self._validate_ran_fields()
         self._warn_about_unknown_keywords(kwargs)
         # Every saved folder names the code of every head, so that any Auto class loads it as remote code.

@@ -11,7 +11,7 @@ adapter weights):
 - `q_proj`, `kv_proj`: memory review's query projection and its key/value projection of the cells.
 
 Left out: the gated linear units (`attention_glu`, `cell_glu`, `memory_review.glu`: RAN's gated residuals, not
-attention), the pooler, the masked-LM transform and the decoder (tied to the token embedding).
+attention), the pooler, the masked-LM transform and the decoder (the token embedding itself, where tied).
 
 A classifier fine-tuned from an encoder gets new, randomly initialised modules: the pooler (the cell transform) and
 the classifier of `RANForSequenceClassification`, the classifier of `RANForTokenClassification`. Under LoRA every

@@ -1187,7 +1187,8 @@ class RANPredictionHead(nn.Module):
 
 
 class RANLanguageModelBase(RANPreTrainedModel):
-    """What both language models share: the encoder and the official LM head, tied to the token embedding."""
+    """What both language models share: the encoder and the official LM head, tied to the token embedding when the
+    config says so (`tie_word_embeddings`: the encoder's default, not the causal model's)."""
 
     _tied_weights_keys = {"decoder.weight": "model.embeddings.word_embeddings.weight"}
 
@@ -1401,7 +1402,8 @@ class RANForTokenClassification(RANPreTrainedModel):
 
 @auto_docstring(
     custom_intro="""
-    Causal language model: a strictly causal, recurrent RAN with the official LM head tied to the embedding.
+    Causal language model: a strictly causal, recurrent RAN with the official LM head (its decoder is untied from
+    the embedding unless the config says `tie_word_embeddings=True`).
     Generation carries a `RANCache`: constant-size state per layer plus a key and a value per finished window.
     """
 )
@@ -1411,7 +1413,10 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
 
     def __init__(self, config: RANConfig):
         if not config.is_causal:
-            logger.warning("RANForCausalLM is a causal model: setting `config.is_causal=True`.")
+            logger.warning(
+                "RANForCausalLM is a causal model: setting `config.is_causal=True` (its other fields stay as they "
+                f"are, `tie_word_embeddings={config.tie_word_embeddings}` included)."
+            )
             config.is_causal = True
         super().__init__(config)
 
