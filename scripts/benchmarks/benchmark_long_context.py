@@ -17,7 +17,7 @@ docs/memory.md (`ran-before`: official layer), the official causal design (its c
 GPT-2 whose context is 1K for the passkey (longer inputs keep their last 1K tokens, as a user of such a model
 would) and 2K for MQAR. Also measured: decoding time per token and cache size after reading each passkey length.
 
-    python scripts/benchmarks/benchmark_long_context.py            # CPU default, about 35 minutes on 2 cores
+    python scripts/benchmarks/benchmark_long_context.py            # CPU default, about 40 minutes on 2 cores
     python scripts/benchmarks/benchmark_long_context.py --device cuda \
         --eval_lengths 1024 4096 16384 65536 262144 --jobs 1
 
@@ -371,7 +371,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval_examples", type=int, default=16)
     parser.add_argument("--eval_batch_size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=2, help="models trained at the same time, one process each")
+    # One at a time by default: a RAN's 64K-token evaluation peaked at 13 GB, and two at once ran out of 24 GB.
+    parser.add_argument("--jobs", type=int, default=1, help="models trained at the same time, one process each")
     parser.add_argument("--threads", type=int, default=1, help="threads per model")
     parser.add_argument("--output", default="benchmarks/long_context", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)
