@@ -2,10 +2,10 @@
 
 Every rank builds the same tiny RAN, keeps an unsharded copy as the single-process reference, then shards the model
 with `fully_shard` on each `RANLayer` and on the root (the unit that holds the embedding and the language models'
-decoder: tied to the embedding in the masked LM, its own weight in the causal LM). Each rank trains the sharded model on its half of a fixed batch, the reference on
-the whole batch, for a few optimizer steps; the reference's loss is the mean of the two halves' losses, since FSDP
-averages gradients over ranks. Rank 0 writes the largest difference between the gathered parameters and the
-reference's to `--output` (JSON).
+decoder: tied to the embedding in the masked LM, its own weight in the causal LM). Each rank trains the sharded
+model on its half of a fixed batch, the reference on the whole batch, for a few optimizer steps; the reference's
+loss is the mean of the two halves' losses, since FSDP averages gradients over ranks. Rank 0 writes the largest
+difference between the gathered parameters and the reference's to `--output` (JSON).
 
     torchrun --standalone --nproc_per_node 2 tests/fsdp_worker.py --heads masked-lm causal-lm --output parity.json
 """
