@@ -1,7 +1,7 @@
 """Memory review in chunks of tokens: the same outputs and gradients as one pass over all tokens.
 
-`RANMemoryReview.chunk_size` bounds the (tokens x windows) scores a long document would otherwise hold at once; in
-training each chunk is recomputed in the backward pass. Forcing a chunk of a few tokens here exercises every chunk
+`RANMemoryReview.chunk_length` bounds the (tokens x windows) scores a long document would otherwise hold at once;
+in training each chunk is recomputed in the backward pass. Forcing a chunk of a few tokens here exercises every chunk
 boundary (inside windows, across windows, across padding) on sequences the tiny configs cut into many windows.
 """
 
@@ -26,9 +26,13 @@ CONFIGS = [
 ]
 
 
+def review_in_chunks_of(chunk_size, monkeypatch):
+    monkeypatch.setattr(RANMemoryReview, "chunk_length", lambda self, batch_size, num_cells: chunk_size)
+
+
 def run(model, chunk_size, monkeypatch, *inputs, **kwargs):
     """Outputs and parameter gradients of one forward + backward pass with memory review in `chunk_size` chunks."""
-    monkeypatch.setattr(RANMemoryReview, "chunk_size", chunk_size)
+    review_in_chunks_of(chunk_size, monkeypatch)
     model.zero_grad(set_to_none=True)
     outputs = model(*inputs, **kwargs)
     outputs.last_hidden_state.pow(2).sum().backward(retain_graph=outputs.pooler_output is not None)
@@ -74,7 +78,7 @@ def test_chunked_review_continues_a_cache(overrides, monkeypatch):
     ids, mask = pad_batch([random_ids(n, model.config.vocab_size, seed=n) for n in (31, 20)], side="left")
 
     def continue_text(chunk_size):
-        monkeypatch.setattr(RANMemoryReview, "chunk_size", chunk_size)
+        review_in_chunks_of(chunk_size, monkeypatch)
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
             cache = model(ids[:, :12], attention_mask=mask[:, :12], use_cache=True).past_key_values
@@ -112,7 +116,7 @@ def test_recomputed_chunks_reuse_their_dropout(overrides, monkeypatch):
 
 def test_chunk_weights_are_not_kept_unless_asked_for(monkeypatch):
     """Each chunk's review weights are (chunk x cells); kept for every chunk they would be (tokens x cells) again."""
-    monkeypatch.setattr(RANMemoryReview, "chunk_size", 3)
+    review_in_chunks_of(3, monkeypatch)
     review_chunk, alive, most_alive = RANMemoryReview.review_chunk, [], []
 
     def tracked(self, *inputs):
@@ -130,3 +134,27 @@ def test_chunk_weights_are_not_kept_unless_asked_for(monkeypatch):
         assert len(alive) > 10 and max(most_alive) <= 1  # at most the chunk before, in a loop variable
         outputs = model(ids, output_attentions=True)  # asked for: every chunk's weights, then all layers'
     assert outputs.memory_attentions[0].shape[:2] == (1, 40)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_chunk_holds_at_most_its_share_of_scores(batch_size, monkeypatch):
+    """However many cells the tokens read, one chunk scores at most `max_chunk_scores` (batch x tokens x cells)."""
+    monkeypatch.setattr(RANMemoryReview, "max_chunk_scores", 60)
+    review_chunk, scores_per_chunk = RANMemoryReview.review_chunk, []
+
+    def counted(self, *inputs):
+        states, probs = review_chunk(self, *inputs)
+        scores_per_chunk.append(probs.numel())
+        return states, probs
+
+    monkeypatch.setattr(RANMemoryReview, "review_chunk", counted)
+    model = RANModel(tiny_config(num_hidden_layers=1)).eval()
+    for length in (12, 40, 90):
+        scores_per_chunk.clear()
+        with torch.no_grad():
+            outputs = model(random_ids(length, model.config.vocab_size, seed=length)[None].repeat(batch_size, 1))
+        num_cells = outputs.cells.shape[1]
+        chunk_length = max(1, 60 // (batch_size * num_cells))
+        assert len(scores_per_chunk) == -(-length // chunk_length)
+        assert max(scores_per_chunk) <= max(60, batch_size * num_cells)  # a chunk has at least one token
+    assert len(scores_per_chunk) > 10

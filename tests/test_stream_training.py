@@ -6,10 +6,12 @@ import json
 import numpy as np
 import run_clm
 import torch
+from benchmark_utils import LiveTensorPeak
 from lm_data import interleave_streams
 from test_scripts import QUIET, from_scratch, tokenizer_dir, topic_files  # noqa: F401 (fixtures)
 
 from ran_hf import RANForCausalLM
+from ran_hf.modeling_ran import RANMemoryReview
 
 
 def test_streams_are_interleaved_so_each_row_continues_itself():
@@ -35,6 +37,32 @@ def test_a_detached_cache_keeps_its_state_and_cuts_the_graph(make_config):
     second.loss.backward()
     reference = model(ids, use_cache=False).logits[:, 12:]
     torch.testing.assert_close(second.logits, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_stream_training_memory_does_not_grow_with_the_stream(make_config, monkeypatch):
+    """Twenty-four chunks in, a training step holds what it held at the fourth, plus a few copies of the carried cells.
+
+    The cells are the only state that grows (2 D per window per layer, by design: memory review reads every earlier
+    window); memory review's scores stay within `max_chunk_scores` however many cells there are. Counted exactly, as
+    the bytes of live tensors. Without the chunk bound the step's peak grows by 6x the cells' growth here.
+    """
+    monkeypatch.setattr(RANMemoryReview, "max_chunk_scores", 2048)
+    torch.manual_seed(0)
+    model = RANForCausalLM(make_config(window_size=16)).train()
+    cache, peaks, cell_bytes = None, [], []
+    with LiveTensorPeak() as memory:
+        for _ in range(24):
+            memory.reset_peak()
+            ids = torch.randint(1, 64, (2, 64))
+            outputs = model(ids, labels=ids, past_key_values=cache, use_cache=True)
+            outputs.loss.backward()
+            model.zero_grad(set_to_none=True)
+            cache = outputs.past_key_values.detach()
+            del outputs
+            peaks.append(memory.peak_bytes)
+            cell_bytes.append(sum(t.nbytes for layer in cache.layers for t in layer.tensors().values()))
+    assert cell_bytes[-1] > 5 * cell_bytes[3]  # the stream really accumulated cells
+    assert peaks[-1] - peaks[3] <= 3 * (cell_bytes[-1] - cell_bytes[3])
 
 
 def test_run_clm_trains_on_streams_and_its_loss_goes_down(topic_files, tokenizer_dir, tmp_path):  # noqa: F811

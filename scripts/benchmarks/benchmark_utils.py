@@ -5,8 +5,11 @@ import platform
 import resource
 import subprocess
 import sys
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def machine_info(device: str = "cpu") -> dict:
@@ -59,6 +62,45 @@ class PeakMemory:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.baseline
         return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.baseline)
+
+
+class LiveTensorPeak(TorchDispatchMode):
+    """The most bytes held at once by tensors created inside this context: exact, and blind to the allocator.
+
+    Every operator's outputs are seen here; each storage is counted once, from its creation until it is freed. On
+    CPU the resident size (`PeakMemory`) also counts what the allocator keeps for reuse and what a warm-up already
+    grew, so it moves by tens of MiB between runs of the same code; this count does not. Tensors alive before the
+    context (parameters, inputs) are not counted.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.storage_bytes: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _release(self, address: int) -> None:
+        self.live_bytes -= self.storage_bytes.pop(address)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        outputs = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an input's storage: only new storages are counted.
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(outputs):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            address, size = storage.data_ptr(), storage.nbytes()
+            if size == 0 or address in inputs or address in self.storage_bytes:
+                continue
+            self.storage_bytes[address] = size
+            self.live_bytes += size
+            weakref.finalize(storage, self._release, address)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return outputs
 
 
 def run_in_subprocess(script: str, arguments: list, timeout: float | None = None) -> dict:

@@ -386,11 +386,12 @@ class RANMemoryReview(nn.Module):
     long document would grow with the square of its length.
     """
 
-    # A class constant, not a config field: it trades speed for memory and never changes the outputs (beyond float
-    # rounding), so checkpoints need not carry it. 1,024 tokens keep the matmuls large and a chunk's scores at 16 MB
-    # for a million-token document (3,907 windows of 256). (Chunks holding a fixed number of scores instead, 2^18,
-    # measured worse: 4.87x the 250K peak at 1M tokens, against 3.53x.)
-    chunk_size = 1024
+    # The most scores one chunk holds (batch x tokens x cells): 2^20, 4 MiB in float32. A chunk's working set then
+    # stays the same however many cells a document or a carried stream has accumulated: 1,024 tokens of one
+    # sequence against 1,024 cells, 268 against the 3,907 cells of a million-token document (windows of 256). A
+    # class constant, not a config field: it trades speed for memory and never changes the outputs (beyond float
+    # rounding), so checkpoints need not carry it.
+    max_chunk_scores = 2**20
 
     def __init__(self, config: RANConfig):
         super().__init__()
@@ -408,6 +409,10 @@ class RANMemoryReview(nn.Module):
         # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
         self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
 
+    def chunk_length(self, batch_size: int, num_cells: int) -> int:
+        """Tokens per chunk, so that a chunk holds at most `max_chunk_scores` scores."""
+        return max(1, self.max_chunk_scores // max(1, batch_size * num_cells))
+
     def project_cells(self, cells: torch.Tensor) -> torch.Tensor:
         """(..., D) cells -> (..., 2 D) their keys and values; a cache keeps these, not the cells."""
         key, value = self.kv_proj(cells).chunk(2, dim=-1)
@@ -424,9 +429,9 @@ class RANMemoryReview(nn.Module):
         # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; readable_cells (B, L): each token
         # reads cells [0, readable_cells). Returns the reviewed states (B, L, D) and, with `output_attentions`, the
         # review weights (B, L, C), which then exist whole.
-        length = token_states.shape[1]
+        batch_size, length = token_states.shape[:2]
         # Compiled: one chunk, so that a new length or number of cells needs no new graph (memory O(tokens x cells)).
-        chunk_size = length if torch.compiler.is_compiling() else self.chunk_size
+        chunk_size = length if torch.compiler.is_compiling() else self.chunk_length(batch_size, cell_states.shape[1])
         if length <= chunk_size:
             reviewed, weights = self.review_chunk(token_states, cell_states, readable_cells)
             return reviewed, weights if output_attentions else None
