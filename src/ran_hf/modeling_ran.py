@@ -628,12 +628,13 @@ class RANLayer(GradientCheckpointingLayer):
         if cache is None or cache.cell_states is None:
             return cells
         cached = cache.cell_states
-        merged = cells.new_zeros(layout.batch_size, max(cached.shape[1], layout.cell_capacity), cells.shape[-1])
-        merged[:, : cached.shape[1]] = cached
+        room = cells.new_zeros(layout.batch_size, max(0, layout.cell_capacity - cached.shape[1]), cells.shape[-1])
         # The packed windows are exactly this pass's cells: window k is cell `window_number[k]` of its sequence.
         sequence, number = layout.window_sequence, layout.window_number
-        merged[sequence, layout.first_window[sequence] + number] = cells[sequence, number]
-        return merged
+        slots = (sequence, layout.first_window[sequence] + number)
+        # Out of place: inductor (torch 2.13, CPU) miscompiled the in-place writes into a zeros buffer when decoding
+        # with two or more layers, giving a layer the cells of the next one.
+        return torch.cat([cached, room], dim=1).index_put(slots, cells[sequence, number])
 
     def review_memory(self, token_states, cells, initial_cell, layout: RANWindowLayout, output_attentions=False):
         """Every token reads the cells of its sequence (causal: the cells of earlier windows). Returns the reviewed
