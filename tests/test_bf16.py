@@ -1,7 +1,9 @@
 """bfloat16 autocast: the cell scan runs in float32 (both scans, the fused one without falling back), and the heads'
 gradients stay within 2x the error of `nn.TransformerEncoder` with the same head (benchmark_bf16_gradients.py).
 
-Sequence and token classification do not meet the 2x bound yet (benchmarks/bf16_cpu.md): marked xfail."""
+Sequence and token classification do not meet the 2x bound yet (benchmarks/bf16_cpu.md): marked xfail. Sequence
+classification's gap is max pooling picking another of two near-tied tokens under bf16 (2.8x with the float32 choice
+kept); token classification's is the error of token states that no residual stream carries in float32 (2.7x)."""
 
 import logging
 import sys
@@ -13,6 +15,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from ran_hf import RANModel
+from ran_hf.modeling_ran import RANLayerNorm
 from ran_testing import pad_batch, random_ids, tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmarks"))
@@ -33,6 +36,15 @@ def test_the_cell_scan_runs_in_float32_under_autocast(scan, caplog):
     # The cells (float32 scan over bfloat16 window keys and values) stay close to float32 ones.
     error = (mixed.last_cell - exact.last_cell).norm() / exact.last_cell.norm()
     assert error < 2e-2
+
+
+def test_normalisation_stays_float32_under_autocast():
+    """Cast back to bf16, the token states lose what context adds to a token's identity, and max pooling ties."""
+    states = torch.randn(3, 7, 16).bfloat16()
+    norm = RANLayerNorm(16, 1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert norm(states).dtype == torch.float32
+    assert norm.to(torch.bfloat16)(states).dtype == torch.bfloat16  # a bf16 model without autocast stays bf16
 
 
 ARGS = Namespace(hidden_size=32, num_layers=2, num_heads=4, window_size=16, length=160, vocab_size=300, scan="fused")

@@ -48,13 +48,16 @@ def standard_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean(x)) / sqrt(mean(x^2) + eps) over the last axis: the official RAN normalisation.
 
     Note the denominator: the mean of x^2, not the variance. Computed in float32 so that bf16/fp16 inputs keep
-    their precision.
+    their precision. Under autocast the result stays float32 (CUDA's autocast runs `nn.LayerNorm` in float32 too):
+    cast back to bf16, the token states lose the small differences that context makes between two occurrences of
+    a token, and max pooling then splits its gradient between tokens that tie.
     """
     input_dtype = hidden_states.dtype
     hidden_states = hidden_states.float()
     mean = hidden_states.mean(-1, keepdim=True)
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
-    return ((hidden_states - mean) * torch.rsqrt(mean_square + eps)).to(input_dtype)
+    normalized = (hidden_states - mean) * torch.rsqrt(mean_square + eps)
+    return normalized if torch.is_autocast_enabled(normalized.device.type) else normalized.to(input_dtype)
 
 
 def unit_vectors(states: torch.Tensor) -> torch.Tensor:
@@ -386,12 +389,13 @@ class RANMemoryReview(nn.Module):
     long document would grow with the square of its length.
     """
 
-    # The most scores one chunk holds (batch x tokens x cells): 2^20, 4 MiB in float32. A chunk's working set then
+    # The most scores one chunk holds (batch x tokens x cells): 2^18, 1 MiB in float32. A chunk's working set then
     # stays the same however many cells a document or a carried stream has accumulated: 1,024 tokens of one
-    # sequence against 1,024 cells, 268 against the 3,907 cells of a million-token document (windows of 256). A
-    # class constant, not a config field: it trades speed for memory and never changes the outputs (beyond float
+    # sequence against 256 cells, 67 against the 3,907 cells of a million-token document (windows of 256). With 2^20,
+    # stream training's peak grew by 6% until the stream held 256 cells (benchmark_memory.py). A class
+    # constant, not a config field: it trades speed for memory and never changes the outputs (beyond float
     # rounding), so checkpoints need not carry it.
-    max_chunk_scores = 2**20
+    max_chunk_scores = 2**18
 
     def __init__(self, config: RANConfig):
         super().__init__()
