@@ -82,3 +82,22 @@ def test_generate_on_an_inductor_compiled_model_matches_eager():
     expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
     model.forward = torch.compile(model.forward, backend="inductor")
     assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("exporter", ["torch.export", "onnx-dynamo", "onnx-torchscript"])
+def test_export_is_refused_with_the_reason(exporter, tmp_path):
+    """Export cannot work yet (data-dependent layout sizes, a scan over a data-dependent number of windows): it says
+    so at once, instead of failing deep inside the layout with a symbolic-shape error."""
+    model = RANModel(tiny_config()).eval()
+    ids = random_ids(23, 61, seed=0)[None]
+    with pytest.raises(Exception) as caught:
+        if exporter == "torch.export":
+            torch.export.export(model, (ids,))
+        else:
+            pytest.importorskip("onnxscript" if exporter == "onnx-dynamo" else "onnx")
+            torch.onnx.export(model, (ids,), tmp_path / "ran.onnx", dynamo=exporter == "onnx-dynamo")
+    messages, error = [], caught.value
+    while error is not None:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    assert any("RAN cannot be exported" in message for message in messages)

@@ -947,6 +947,17 @@ def input_batch_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tenso
     return shape
 
 
+def refuse_export() -> None:
+    """`torch.export` and ONNX export would otherwise fail deep inside the window layout with a symbolic-shape error."""
+    if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+        raise NotImplementedError(
+            "RAN cannot be exported (torch.export, ONNX) yet. Its window layout's sizes depend on the values of the "
+            "attention mask (read on the host in `RANWindowLayout.from_attention_mask`), and the cell scan loops over "
+            "a data-dependent number of windows, which ONNX would need as a `Loop`/`Scan`; the TorchScript exporter "
+            "also has no translation of `torch.polar` (the rotary embedding). `torch.compile` works."
+        )
+
+
 def validate_ran_inputs(
     config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0
 ) -> tuple[int, int]:
@@ -1071,6 +1082,7 @@ class RANModel(RANPreTrainedModel):
         output_hidden_states (`bool`, *optional*):
             Also return the embedding output and every layer's token states.
         """
+        refuse_export()
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
         if self.gradient_checkpointing and self.training and use_cache and past_key_values is None:
