@@ -10,9 +10,9 @@ of the process's resident memory over its size just before the pass (after a sho
 bytes held at once by tensors the pass created (`LiveTensorPeak`): the resident size also counts what the allocator
 keeps and moves by tens of MiB between runs of the same code, so the targets are judged on the exact count. On CUDA
 the peak is `torch.cuda.max_memory_allocated` over the memory held before the pass. For training, activation bytes
-(tensors autograd keeps for the backward pass, each storage counted once) are reported too. Stream training reads `--stream_chunk_size`-token chunks of one stream, backpropagating through
-each chunk alone: its peak should not grow with the number of chunks. Writes a table to stdout and JSON + a log-log
-plot under --output_dir.
+(tensors autograd keeps for the backward pass, each storage counted once) are reported too. Stream training reads
+`--stream_chunk_size`-token chunks of one stream, backpropagating through each chunk alone: its peak should not grow
+with the number of chunks. Writes a table to stdout and JSON + a log-log plot under --output_dir.
 """
 
 import argparse
@@ -216,7 +216,8 @@ def main():
             raise SystemExit(f"measuring {mode} at {length} tokens failed: {result['error']}")
         results.append(result)
         tqdm.write(
-            f"{mode:>9} {result['length']:>9} {exact_peak(result) / 2**20:>10.1f} {result['peak_bytes'] / 2**20:>10.1f} "
+            f"{mode:>9} {result['length']:>9} {exact_peak(result) / 2**20:>10.1f} "
+            f"{result['peak_bytes'] / 2**20:>10.1f} "
             f"{result['saved_activation_bytes'] / 2**20:>10.1f} {result['seconds']:>8.2f}"
         )
     progress.close()
