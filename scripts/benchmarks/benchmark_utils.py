@@ -87,14 +87,18 @@ class LiveTensorPeak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         outputs = func(*args, **(kwargs or {}))
-        # A view or an in-place result shares an input's storage: only new storages are counted.
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        input_addresses = None
         for tensor in tree_leaves(outputs):
             if not isinstance(tensor, torch.Tensor):
                 continue
             storage = tensor.untyped_storage()
             address, size = storage.data_ptr(), storage.nbytes()
-            if size == 0 or address in inputs or address in self.storage_bytes:
+            if size == 0 or address in self.storage_bytes:
+                continue
+            if input_addresses is None:  # a view or an in-place result shares an input's storage: not new
+                leaves = tree_leaves((args, kwargs))
+                input_addresses = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+            if address in input_addresses:
                 continue
             self.storage_bytes[address] = size
             self.live_bytes += size

@@ -391,8 +391,8 @@ class RANMemoryReview(nn.Module):
 
     # The most scores one chunk holds (batch x tokens x cells): 2^18, 1 MiB in float32. A chunk's working set then
     # stays the same however many cells a document or a carried stream has accumulated: 1,024 tokens of one
-    # sequence against 256 cells, 67 against the 3,907 cells of a million-token document (windows of 256). With 2^20,
-    # stream training's peak grew by 6% until the stream held 256 cells (benchmark_memory.py). A class
+    # sequence against 256 cells, 67 against the 3,907 cells of a million-token document (windows of 256). With
+    # 2^20, stream training's peak grew by 6% until the stream held 256 cells (benchmark_memory.py). A class
     # constant, not a config field: it trades speed for memory and never changes the outputs (beyond float
     # rounding), so checkpoints need not carry it.
     max_chunk_scores = 2**18
