@@ -52,15 +52,19 @@ def test_a_third_window_count_compiles_no_new_graph(scan):
     assert frames[2] == frames[1], f"frames compiled after each window count: {frames}"
 
 
-def test_compiled_training_matches_eager():
-    """aot_eager: the scan op's fake shapes and backward, with padding (left) and three window counts per batch."""
-    model = randomize_(RANModel(tiny_config(scan_implementation="fused")), seed=2).train()
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no-dropout", "dropout"])
+def test_compiled_training_matches_eager(dropout):
+    """aot_eager: the scan op's fake shapes and backward, with padding (left) and three window counts per batch;
+    with dropout, whose masks the scan op takes as inputs, the same seed drops the same units."""
+    config = tiny_config(scan_implementation="fused", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    model = randomize_(RANModel(config), seed=2).train()
     compiled = torch.compile(model, backend="aot_eager")
     for lengths in ([17, 6, 11], [23, 9, 14]):
         ids, mask = pad_batch([random_ids(n, 61, seed=n) for n in lengths], side="left")
         results = []
         for run in (compiled, model):
             model.zero_grad(set_to_none=True)
+            torch.manual_seed(3)
             outputs = run(ids, attention_mask=mask)
             (outputs.last_hidden_state.pow(2).sum() + outputs.pooler_output.sum()).backward()
             grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

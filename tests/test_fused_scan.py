@@ -1,6 +1,7 @@
 """The fused cell scan (`scan_implementation="fused"`) equals the reference scan: outputs and every gradient, in
 both modes, both ways of writing the raw cell, with and without the cell residual, batched with different window
-counts, and continuing cached sequences; where it cannot run it falls back to the reference and warns once."""
+counts, continuing cached sequences, and with dropout (both scans draw the same masks for the same seed); where it
+cannot run it falls back to the reference and warns once."""
 
 import logging
 
@@ -59,6 +60,7 @@ def outputs_and_gradients(scan, layer, inputs, layout):
     layer.zero_grad(set_to_none=True)
     for tensor in inputs:
         tensor.grad = None
+    torch.manual_seed(11)  # the same dropout masks for both scans
     outputs = scan(layer, *inputs, layout)
     generator = torch.Generator().manual_seed(9)
     probes = [torch.randn(output.shape, generator=generator, dtype=output.dtype) for output in outputs]
@@ -95,6 +97,24 @@ def test_fused_scan_equals_the_reference(overrides, lengths, past_lengths):
     assert_scans_agree(layer, inputs, layout, TOLERANCE)
 
 
+DROPOUT = {"hidden_dropout_prob": 0.3, "attention_probs_dropout_prob": 0.2}
+
+
+@pytest.mark.parametrize("lengths,past_lengths", BATCHES[1:])
+@pytest.mark.parametrize("overrides", MODES)
+def test_fused_scan_equals_the_reference_with_dropout(overrides, lengths, past_lengths):
+    layer, inputs, layout = layer_and_inputs(overrides, lengths, past_lengths, **DROPOUT)
+    layer.train()
+    assert fused_scan_unsupported(layer, inputs[0]) is None
+    assert_scans_agree(layer, inputs, layout, TOLERANCE)
+    # and dropout did drop: eval mode gives other cells
+    with torch.no_grad():
+        torch.manual_seed(11)
+        trained = fused_cell_scan(layer, *inputs, layout)[3]
+        evaluated = fused_cell_scan(layer.eval(), *inputs, layout)[3]
+    assert (trained - evaluated).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("lengths,past_lengths", BATCHES[1:])
 @pytest.mark.parametrize("overrides", MODES[:2] + MODES[3:4])
 def test_fused_scan_equals_the_reference_in_float64(overrides, lengths, past_lengths, monkeypatch):
@@ -112,12 +132,19 @@ def test_fused_scan_equals_the_reference_in_float64(overrides, lengths, past_len
     assert_scans_agree(layer, inputs, layout, 1e-10)
 
 
-@pytest.mark.parametrize("overrides", [MODES[0], MODES[1], MODES[5]])
-def test_fused_scan_passes_gradcheck(overrides):
-    """Finite differences in float64, through the starting cells, the window keys and values and every weight."""
+@pytest.mark.parametrize(
+    "overrides,dropout",
+    [(MODES[i].values[0], dropout) for i, dropout in [(0, {}), (1, {}), (5, {}), (0, DROPOUT), (3, DROPOUT)]],
+    ids=["encoder", "encoder-without-cell-input-residual", "causal-without-cell-residual", "encoder-dropout",
+         "causal-dropout"],
+)  # fmt: skip
+def test_fused_scan_passes_gradcheck(overrides, dropout):
+    """Finite differences in float64, through the starting cells, the window keys and values and every weight; with
+    dropout, every evaluation draws the same masks."""
     layer, inputs, layout = layer_and_inputs(
-        overrides, [7, 4, 5], [4, 0, 0], dtype=torch.float64, hidden_size=8, head_dim=4, window_size=3
+        overrides, [7, 4, 5], [4, 0, 0], dtype=torch.float64, hidden_size=8, head_dim=4, window_size=3, **dropout
     )
+    layer.train()
     # Every weight the scan reads (not the initial cell or memory review, which the layer uses outside the scan).
     used = [(name, p) for name, p in layer.named_parameters() if name != "initial_cell" and "memory" not in name]
     names, weights = zip(*used)
@@ -128,6 +155,7 @@ def test_fused_scan_passes_gradcheck(overrides):
             self.layer = layer
 
         def forward(self, *tensors):
+            torch.manual_seed(5)
             return fused_cell_scan(self.layer, *tensors, layout)
 
     scan = Scan()
@@ -145,6 +173,8 @@ def test_fused_scan_passes_gradcheck(overrides):
         pytest.param({}, id="encoder"),
         pytest.param({"is_causal": True, "num_hidden_layers": 3}, id="causal"),
         pytest.param({"use_cell_residual": False, "window_overlap": 2}, id="no-cell-residual-overlap"),
+        pytest.param({"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}, id="encoder-dropout"),
+        pytest.param({"is_causal": True, "hidden_dropout_prob": 0.1}, id="causal-dropout"),
     ],
 )
 def test_models_train_alike_with_either_scan(overrides):
@@ -154,6 +184,7 @@ def test_models_train_alike_with_either_scan(overrides):
         model = randomize_(RANModel(tiny_config(scan_implementation=scan, **overrides)), seed=3).train()
         sequences = [random_ids(n, model.config.vocab_size, seed=i) for i, n in enumerate([17, 6, 11])]
         ids, mask = pad_batch(sequences, side="left")
+        torch.manual_seed(6)  # the same dropout, in the scan and outside it
         outputs = model(ids, attention_mask=mask)
         (outputs.last_hidden_state * mask[..., None]).pow(2).sum().add(outputs.pooler_output.sum()).backward()
         grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -193,7 +224,7 @@ def test_chunked_causal_training_through_a_cache_matches_the_reference():
     "fields,train,reason",
     [
         pytest.param({"hidden_act": "gelu"}, False, "SiLU", id="other-activation"),
-        pytest.param({"hidden_dropout_prob": 0.1}, True, "dropout", id="dropout-in-training"),
+        pytest.param({"hidden_act": "gelu", "hidden_dropout_prob": 0.1}, True, "SiLU", id="other-activation-training"),
     ],
 )
 def test_fused_scan_falls_back_to_the_reference_and_warns_once(fields, train, reason, caplog):
@@ -215,9 +246,10 @@ def test_fused_scan_falls_back_to_the_reference_and_warns_once(fields, train, re
     assert len(warnings) == 1 and reason in warnings[0].getMessage()
 
 
-def test_dropout_rates_do_not_matter_in_eval_mode(caplog):
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "training"])
+def test_dropout_does_not_send_the_fused_scan_back_to_the_reference(train, caplog):
     transformers_logging.warning_once.cache_clear()
-    model = RANModel(tiny_config(scan_implementation="fused", hidden_dropout_prob=0.1)).eval()
+    model = RANModel(tiny_config(scan_implementation="fused", hidden_dropout_prob=0.1)).train(train)
     layer = next(module for module in model.modules() if isinstance(module, RANLayer))
     assert fused_scan_unsupported(layer, torch.zeros(1, 16)) is None
     with caplog.at_level(logging.WARNING, logger="ran_hf.cell_scan"):

@@ -14,11 +14,11 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
 from .fused_scan import fused_scan, fused_scan_unsupported
+from .scan_dropout import draw_scan_dropout, drop
 
 if TYPE_CHECKING:
     from .modeling_ran import RANLayer, RANWindowLayout
@@ -84,22 +84,24 @@ def reference_cell_scan(
     # Every window after a sequence's first has a cell residual; at step 0 only sequences continued from a cache.
     use_residual = layer.config.use_cell_residual
     first_step_continues = layout.first_window[:, None] > 0  # (B, 1)
+    dropout = draw_scan_dropout(layer, layout.num_steps, cell.shape[0], keys.shape[-2], cell.dtype, cell.device)
 
     read_keys, read_values, raw_cells, cells = [], [], [], []
     for step in range(layout.num_steps):
-        normed = layer.normalize_input(cell)  # (B, D)
+        masks = dropout.step(step)
+        normed = drop(layer.input_norm(cell), masks.input)  # (B, D)
         query, key, value = layer.project(normed).unbind(-3)  # (B, H, d) each
         token_scores = torch.einsum("bhd,bhsd->bhs", query, step_keys[step])  # (B, H, S)
         token_scores = token_scores.masked_fill(~step_mask[step][:, None, :], float("-inf"))
         cell_score = (query * key).sum(-1, keepdim=True)  # (B, H, 1)
         probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
-        probs = F.dropout(probs, layer.attention_dropout, layer.training)
+        probs = drop(probs, masks.probs)
         attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], step_values[step])
-        raw = layer.write_cell(attended.flatten(-2), normed)  # (B, D)
+        raw = layer.write_cell(attended.flatten(-2), normed, masks.output, masks.written)  # (B, D)
         if not use_residual or (step == 0 and layout.continued_rows == 0):
             cell = raw
         else:
-            updated = layer.dropout(layer.cell_norm(raw + layer.cell_glu(previous_raw)))
+            updated = drop(layer.cell_norm(raw + layer.cell_glu(previous_raw)), masks.cell)
             partial = step == 0 and layout.continued_rows < layout.batch_size
             cell = torch.where(first_step_continues, updated, raw) if partial else updated
         previous_raw = raw
@@ -120,7 +122,7 @@ def fused_cell_scan(
 ):
     """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py).
 
-    Where the fused scan does not apply (another activation, active dropout), it runs the reference and says why,
+    Where the fused scan does not apply (an activation other than SiLU), it runs the reference and says why,
     once. It computes in float32 whatever the inputs' dtype and autocast.
     """
     reason = fused_scan_unsupported(layer, cell)

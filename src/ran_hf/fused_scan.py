@@ -8,10 +8,11 @@ Its forward loop keeps the few (B, D)-sized tensors each step's backward reads; 
 reverse and leaves every weight gradient, and the gradients of the window keys and values, to a few batched
 products over all steps once the loop is done.
 
-It computes what `reference_cell_scan` computes for a layer whose activation is SiLU, with dropout inactive (eval,
-or rates of 0); `cell_scan.fused_cell_scan` checks this and otherwise runs the reference (warning once). It computes
-in float32 (float64 for a float64 cell) whatever the inputs' dtype, autocast included. Double backward is not
-supported. Under `torch.compile` the same maths run as one custom op (scan_op.py).
+It computes what `reference_cell_scan` computes for a layer whose activation is SiLU, dropout included: both read
+the same masks, drawn before the scan (scan_dropout.py). `cell_scan.fused_cell_scan` checks the activation and
+otherwise runs the reference (warning once). It computes in float32 (float64 for a float64 cell) whatever the
+inputs' dtype, autocast included. Double backward is not supported. Under `torch.compile` the same maths run as one
+custom op (scan_op.py).
 
 Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots.
 """
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from .scan_dropout import draw_scan_dropout, drop
+
 FUSED_ACTIVATIONS = ("silu", "swish")
 
 
@@ -30,8 +33,6 @@ def fused_scan_unsupported(layer, cell: torch.Tensor) -> str | None:
     """Why the fused scan cannot run this layer on this input, or None if it can."""
     if layer.config.hidden_act not in FUSED_ACTIVATIONS:
         return f"it computes SiLU activations only (`hidden_act` is {layer.config.hidden_act!r})"
-    if layer.training and (layer.dropout.p > 0 or layer.attention_dropout > 0):
-        return "it has no dropout (train with dropout rates of 0, or run in eval mode)"
     return None
 
 
@@ -72,6 +73,11 @@ def standardize_backward(grad: torch.Tensor, saved, add_to: torch.Tensor | None 
     return centred.mul_(rstd) if add_to is None else torch.addcmul(add_to, centred, rstd)
 
 
+def heads_first(mask: torch.Tensor | None, *steps: int) -> torch.Tensor | None:
+    """An attention-weight mask (..., B, H, 1 + S) in the scan's layout, (..., B H, 1, 1 + S)."""
+    return None if mask is None else mask.reshape(*steps, -1, 1, mask.shape[-1])
+
+
 class SavedStep(NamedTuple):
     """What the backward of one scan step reads, (B, ...) tensors; (B H, ...) for the attention."""
 
@@ -81,7 +87,7 @@ class SavedStep(NamedTuple):
     qkv_pre: torch.Tensor  # (B, 3 H d) queries, keys, values before the activation
     glu_pre: torch.Tensor | None  # (B, 2 D) the attention GLU's projection, with the cell's input residual
     query: torch.Tensor  # (B H, 1, d)
-    probs: torch.Tensor  # (B H, 1, 1 + S)
+    probs: torch.Tensor  # (B H, 1, 1 + S), before dropout
     attended: torch.Tensor  # (B, H d)
     output_pre: torch.Tensor  # o_proj(attended), before the activation
     gated_norm: tuple | None  # `standardize` of output + GLU(normed)
@@ -96,15 +102,16 @@ class FusedCellScan(torch.autograd.Function):
     """The whole scan as one autograd node. Inputs after the plan:
 
     cell, previous_raw (B, D); step_keys, step_values (N, B, H, S, d) the slots each step reads; score_bias
-    (N, B * H, 1, 1 + S) 0 where a key is visible, -inf where masked (key 0 is the cell's own); then the weights:
+    (N, B * H, 1, 1 + S) 0 where a key is visible, -inf where masked (key 0 is the cell's own); the `ScanDropout`
+    masks; then the weights:
     input norm, qkv_proj, o_proj, and (or None) attention GLU and attention norm (with the cell's input residual),
     cell GLU and cell norm (with the cell residual): each its weight and bias. Returns read keys, read values
     (N, B, H, d), raw cells and cells (N, B, D).
     """
 
     @staticmethod
-    def forward(ctx, plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, *weights):
-        outputs, state = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, weights)
+    def forward(ctx, plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, dropout, *weights):
+        outputs, state = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, dropout, weights)
         if plan.keep_for_backward:
             # Through `save_for_backward`, so that the saved tensors are freed after the backward pass.
             tensors, ctx.structure = pytree.tree_flatten((state, weights))
@@ -120,10 +127,10 @@ class FusedCellScan(torch.autograd.Function):
         grad_cell, grad_previous_raw, grad_keys, grad_values, *grad_weights = scan_backward(
             ctx.plan, state, weights, grads
         )
-        return None, grad_cell, grad_previous_raw, grad_keys, grad_values, None, *grad_weights
+        return None, grad_cell, grad_previous_raw, grad_keys, grad_values, None, None, *grad_weights
 
 
-def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, weights):
+def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, dropout, weights):
     """The scan's forward steps (`FusedCellScan`'s inputs, the 14 weights as one tuple). Returns its four outputs
     and, with `plan.keep_for_backward`, what `scan_backward` reads (else None)."""
     in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
@@ -140,8 +147,9 @@ def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
 
     read_keys, read_values, raw_cells, cells, saved = [], [], [], [], []
     for step in range(num_steps):
+        masks = dropout.step(step)
         normed_cell, input_norm = standardize(cell, eps)
-        normed = torch.addcmul(in_b, normed_cell, in_w)  # (B, D)
+        normed = drop(torch.addcmul(in_b, normed_cell, in_w), masks.input)  # (B, D)
         qkv_pre = torch.addmm(qkv_b, normed, qkv_wt)  # (B, 3 H d)
         qkv = F.silu(qkv_pre).view(batch_size, 3, num_heads, head_dim).transpose(1, 2)  # (B, H, 3, d)
         query, key, value = qkv.reshape(heads, 3, head_dim).split(1, dim=1)  # (B H, 1, d) each
@@ -149,9 +157,10 @@ def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
         value_slots[step].copy_(value)
         scores = torch.baddbmm(biases[step], query, keys_t[step], alpha=head_dim**-0.5)  # (B H, 1, 1 + S)
         probs = torch.softmax(scores, dim=-1)
-        attended = torch.bmm(probs, values_all[step]).view(batch_size, -1)  # (B, H d)
+        dropped = drop(probs, heads_first(masks.probs))
+        attended = torch.bmm(dropped, values_all[step]).view(batch_size, -1)  # (B, H d)
         output_pre = torch.addmm(o_b, attended, o_wt)  # (B, D)
-        output = F.silu(output_pre)
+        output = drop(F.silu(output_pre), masks.output)
         glu_pre = normed_gated = gated_norm = None
         if plan.cell_input_residual:
             glu_pre = torch.addmm(ag_b, normed, ag_wt)  # (B, 2 D)
@@ -159,6 +168,7 @@ def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
             raw, raw_norm = standardize(torch.addcmul(an_b, normed_gated, an_w), eps)  # (B, D)
         else:
             raw, raw_norm = standardize(output, eps)
+        raw = drop(raw, masks.written)
         residual = plan.has_residual(step)
         residual_input = cell_gate = joined_norm = None
         if residual is False:
@@ -167,7 +177,7 @@ def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
             residual_input = previous_raw
             cell_gate = torch.addmm(cg_b, previous_raw, cg_wt)  # (B, 2 D)
             normed_joined, joined_norm = standardize(raw + F.glu(cell_gate, dim=-1), eps)
-            new_cell = torch.addcmul(cn_b, normed_joined, cn_w)
+            new_cell = drop(torch.addcmul(cn_b, normed_joined, cn_w), masks.cell)
             if residual is not True:
                 new_cell = torch.where(residual, new_cell, raw)
         if plan.keep_for_backward:
@@ -183,14 +193,14 @@ def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
 
     stacked_keys = torch.stack(read_keys).view(num_steps, batch_size, num_heads, head_dim)
     stacked_values = torch.stack(read_values).view(num_steps, batch_size, num_heads, head_dim)
-    state = (saved, key_buffer, value_buffer) if plan.keep_for_backward else None
+    state = (saved, key_buffer, value_buffer, dropout) if plan.keep_for_backward else None
     return (stacked_keys, stacked_values, torch.stack(raw_cells), torch.stack(cells)), state
 
 
 def scan_backward(plan: ScanPlan, state, weights, grads):
     """The scan's backward: `state` from `scan_forward`, `grads` those of its four outputs. Returns the gradients of
     cell, previous_raw, step_keys, step_values and the 14 weights (None for absent ones)."""
-    saved, key_buffer, value_buffer = state
+    saved, key_buffer, value_buffer, dropout = state
     grad_read_keys, grad_read_values, grad_raw_cells, grad_cells = grads
     in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
     num_steps, num_heads, head_dim = plan.num_steps, plan.num_heads, plan.head_dim
@@ -208,7 +218,7 @@ def scan_backward(plan: ScanPlan, state, weights, grads):
     grad_cell, grad_raw = grad_cells[-1], grad_raw_cells[-1]  # what reaches step's cell and raw cell
     grad_previous_raw = None
     for step in reversed(range(num_steps)):
-        saved_step = saved[step]
+        saved_step, masks = saved[step], dropout.step(step)
         # The cell update: cell = LN_cell(raw + GLU_cell(previous_raw)), or cell = raw.
         residual = plan.has_residual(step)
         if residual is False:
@@ -216,6 +226,9 @@ def scan_backward(plan: ScanPlan, state, weights, grads):
             grad_raw_before = None if step == 0 else grad_raw_cells[step - 1]
         else:
             grad_update = grad_cell if residual is True else torch.where(residual, grad_cell, 0.0)
+            if residual is not True:
+                grad_raw = grad_raw + (grad_cell - grad_update)
+            grad_update = drop(grad_update, masks.cell)
             grad_joined = standardize_backward(grad_update * cn_w, saved_step.joined_norm)  # (B, D)
             grad_gate = torch.ops.aten.glu_backward(grad_joined, saved_step.cell_gate, -1)  # (B, 2 D)
             if step == 0:  # the previous raw cell is the scan's `previous_raw` input
@@ -223,24 +236,23 @@ def scan_backward(plan: ScanPlan, state, weights, grads):
             else:
                 grad_raw_before = torch.addmm(grad_raw_cells[step - 1], grad_gate, cg_w)
             grad_raw = grad_raw + grad_joined
-            if residual is not True:
-                grad_raw = grad_raw + (grad_cell - grad_update)
             grad_gates.append(grad_gate)
             grad_updated.append(grad_update)
 
         # Writing the raw cell.
-        grad_raw = standardize_backward(grad_raw, saved_step.raw_norm)
+        grad_raw = standardize_backward(drop(grad_raw, masks.written), saved_step.raw_norm)
         if plan.cell_input_residual:
             grad_written.append(grad_raw)
             grad_raw = standardize_backward(grad_raw * an_w, saved_step.gated_norm)  # (B, D)
             grad_glu = torch.ops.aten.glu_backward(grad_raw, saved_step.glu_pre, -1)  # (B, 2 D)
-        grad_pre = torch.ops.aten.silu_backward(grad_raw, saved_step.output_pre)  # (B, D)
+        grad_pre = torch.ops.aten.silu_backward(drop(grad_raw, masks.output), saved_step.output_pre)  # (B, D)
         grad_att = torch.mm(grad_pre, o_w).view(heads, 1, head_dim)
 
         # Attention of the cell over [its own key; the window's slots].
-        probs = saved_step.probs
-        grad_probs = torch.bmm(grad_att, values_t[step])  # (B H, 1, 1 + S)
+        probs, probs_mask = saved_step.probs, heads_first(masks.probs)
+        grad_probs = drop(torch.bmm(grad_att, values_t[step]), probs_mask)  # (B H, 1, 1 + S)
         grad_score = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype).mul_(scale)
+        probs = drop(probs, probs_mask)  # what the values were weighted by
         grad_query = torch.bmm(grad_score, keys_all[step])  # (B H, 1, d)
         grad_key = torch.addcmul(grad_read_keys[step], grad_score[..., :1], saved_step.query)
         grad_value = torch.addcmul(grad_read_values[step], probs[..., :1], grad_att)
@@ -252,6 +264,7 @@ def scan_backward(plan: ScanPlan, state, weights, grads):
             grad_glu_pre.append(grad_glu)
         else:
             grad_input = torch.mm(grad_qkv, qkv_w)
+        grad_input = drop(grad_input, masks.input)  # now that of the input norm's output
         grad_cell_before = None if step == 0 else grad_cells[step - 1]
         grad_cell = standardize_backward(grad_input * in_w, saved_step.input_norm, add_to=grad_cell_before)
         grad_raw = grad_raw_before
@@ -294,7 +307,8 @@ def scan_backward(plan: ScanPlan, state, weights, grads):
     # The window slots: every step's score and value gradients at once (outer products), without slot 0, the
     # cell's own.
     grad_scores = torch.stack(grad_scores[::-1])[:, :, 0, 1:, None]  # (N, B H, S, 1)
-    probs = torch.stack([saved_step.probs for saved_step in saved])[:, :, 0, 1:, None]  # (N, B H, S, 1)
+    probs = drop(torch.stack([saved_step.probs for saved_step in saved]), heads_first(dropout.probs, num_steps))
+    probs = probs[:, :, 0, 1:, None]  # (N, B H, S, 1)
     queries = torch.stack([saved_step.query for saved_step in saved])  # (N, B H, 1, d)
     grad_attended = torch.stack(grad_attended[::-1])  # (N, B H, 1, d)
     slot_shape = (num_steps, batch_size, num_heads, -1, head_dim)
@@ -348,6 +362,7 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
         layer.o_proj.weight, layer.o_proj.bias, *attention_glu, *attention_norm, *cell_glu, *cell_norm,
     )  # fmt: skip
     weights = tuple(None if weight is None else weight.to(compute_dtype) for weight in weights)
+    dropout = draw_scan_dropout(layer, num_steps, batch_size, step_keys.shape[-2], compute_dtype, cell.device)
     inputs = (cell, previous_raw, step_keys, step_values)
     with torch.autocast(cell.device.type, enabled=False):
         if torch.compiler.is_compiling():
@@ -355,10 +370,12 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
             # number of windows instead of being rebuilt for each one.
             from .scan_op import cell_scan_op
 
-            outputs = cell_scan_op(plan, *(tensor.to(compute_dtype) for tensor in inputs), score_bias, weights)
+            outputs = cell_scan_op(
+                plan, *(tensor.to(compute_dtype) for tensor in inputs), score_bias, dropout, weights
+            )
         else:
             outputs = FusedCellScan.apply(
-                plan, *(tensor.to(compute_dtype) for tensor in inputs), score_bias, *weights
+                plan, *(tensor.to(compute_dtype) for tensor in inputs), score_bias, dropout, *weights
             )
     # The cells keep the dtype of the cell read (float32 under autocast); the keys and values that of the tokens'.
     dtypes = (step_keys.dtype, step_values.dtype, cell.dtype, cell.dtype)

@@ -35,6 +35,7 @@ from transformers.utils.generic import can_return_tuple
 from .cache_ran import RANCache, RANCacheLayer
 from .cell_scan import ALL_SCAN_FUNCTIONS
 from .configuration_ran import RANConfig
+from .scan_dropout import drop
 
 logger = logging.get_logger(__name__)
 
@@ -553,16 +554,18 @@ class RANLayer(GradientCheckpointingLayer):
         output = self.attention_norm(self.attention_output(attended, normed))
         return self.dropout(standard_normalize(output, self.config.layer_norm_eps))
 
-    def write_cell(self, attended: torch.Tensor, normed_cell: torch.Tensor) -> torch.Tensor:
-        """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D).
+    def write_cell(self, attended: torch.Tensor, normed_cell: torch.Tensor, output_mask=None, written_mask=None):
+        """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D); the masks are the scan's dropout
+        (scan_dropout.py), None where nothing is dropped.
 
         Without `cell_input_residual` the cell is what its attention read from the window: the gated residual of
         the cell's own input would add a term that is the same for every text in the first window and drowns it.
+        With it, this is `finish_attention` for the cell.
         """
+        written = drop(self.act(self.o_proj(attended)), output_mask)
         if self.cell_input_residual:
-            return self.finish_attention(attended, normed_cell)
-        written = self.dropout(self.act(self.o_proj(attended)))
-        return self.dropout(standard_normalize(written, self.config.layer_norm_eps))
+            written = self.attention_norm(written + self.attention_glu(normed_cell))
+        return drop(standard_normalize(written, self.config.layer_norm_eps), written_mask)
 
     # ---- phase 1 ---------------------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ a new one (seconds to a minute of compiling) for every new number of windows. As
 node, whose fake implementation gives its output shapes from its inputs' (N steps from `step_keys`), so dynamic
 shapes cover every window count. Its autograd is the fused scan's hand-written backward, itself a custom op, which
 first runs the forward steps again to get what it reads: the op keeps nothing between the two passes (the scan's
-forward is a small part of a layer's work).
+forward is a small part of a layer's work). Dropout masks are inputs, drawn outside the op, so that the rerun drops
+the same units and the op stays a function of its inputs.
 
 Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots.
 """
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .fused_scan import ScanPlan, scan_backward, scan_forward
+from .scan_dropout import ScanDropout
 
 # first_step_mode: how the first step joins the previous raw cell (`ScanPlan.first_step_residual`)
 NO_ROW, EVERY_ROW, SOME_ROWS = 0, 1, 2
@@ -41,6 +43,7 @@ def _cell_scan(
     step_values: Tensor,
     score_bias: Tensor,
     first_step_rows: Tensor,
+    dropout: list[Tensor | None],
     weights: list[Tensor | None],
     eps: float,
     cell_input_residual: bool,
@@ -49,12 +52,13 @@ def _cell_scan(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`FusedCellScan`'s forward: read keys, read values (N, B, H, d), raw cells and cells (N, B, D)."""
     plan = scan_plan(step_keys, first_step_rows, eps, cell_input_residual, use_cell_residual, first_step_mode, False)
-    outputs, _ = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, tuple(weights))
+    masks = ScanDropout(*dropout)
+    outputs, _ = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, masks, tuple(weights))
     return outputs
 
 
 @_cell_scan.register_fake
-def _(cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, weights, *plan):
+def _(cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, dropout, weights, *plan):
     num_steps, batch_size, num_heads, _, head_dim = step_keys.shape
     read = step_keys.new_empty(num_steps, batch_size, num_heads, head_dim)
     cells = cell.new_empty(num_steps, batch_size, cell.shape[-1])
@@ -70,6 +74,7 @@ def _cell_scan_backward(
     step_values: Tensor,
     score_bias: Tensor,
     first_step_rows: Tensor,
+    dropout: list[Tensor | None],
     weights: list[Tensor | None],
     eps: float,
     cell_input_residual: bool,
@@ -78,7 +83,8 @@ def _cell_scan_backward(
 ) -> list[Tensor]:
     """Gradients of cell, previous_raw, step_keys, step_values and of every weight that is not None, in order."""
     plan = scan_plan(step_keys, first_step_rows, eps, cell_input_residual, use_cell_residual, first_step_mode, True)
-    _, state = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, tuple(weights))
+    masks = ScanDropout(*dropout)
+    _, state = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, masks, tuple(weights))
     inputs = (cell, previous_raw, step_keys, step_values, *weights)
     gradients = scan_backward(plan, state, tuple(weights), tuple(grads))
     # A weight the scan never reached (the cell GLU of a scan without residual steps) gets zeros, not None.
@@ -90,18 +96,19 @@ def _cell_scan_backward(
 
 
 @_cell_scan_backward.register_fake
-def _(grads, cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, weights, *plan):
+def _(grads, cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, dropout, weights, *plan):
     inputs = (cell, previous_raw, step_keys, step_values, *weights)
     return [tensor.new_empty(tensor.shape) for tensor in inputs if tensor is not None]  # contiguous
 
 
 def _setup_context(ctx, inputs, output):
-    cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, weights, *plan = inputs
+    cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, dropout, weights, *plan = inputs
     ctx.plan = plan
+    ctx.has_mask = [mask is not None for mask in dropout]
     ctx.has_weight = [weight is not None for weight in weights]
     ctx.save_for_backward(
         cell, previous_raw, step_keys, step_values, score_bias, first_step_rows,
-        *(weight for weight in weights if weight is not None),
+        *(mask for mask in dropout if mask is not None), *(weight for weight in weights if weight is not None),
     )  # fmt: skip
 
 
@@ -115,20 +122,25 @@ def _backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells)
             (grad_read_keys, grad_read_values, grad_raw_cells, grad_cells), (read_shape, read_shape, cell_shape, cell_shape)
         )
     ]
-    present_weights = iter(present)
-    weights = [next(present_weights) if has else None for has in ctx.has_weight]
-    gradients = iter(
-        _cell_scan_backward(grads, cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, weights, *ctx.plan)
-    )
+    present = iter(present)
+    dropout = [next(present) if has else None for has in ctx.has_mask]
+    weights = [next(present) if has else None for has in ctx.has_weight]
+    inputs = (cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, dropout, weights)
+    gradients = iter(_cell_scan_backward(grads, *inputs, *ctx.plan))
     grad_cell, grad_previous_raw, grad_keys, grad_values = (next(gradients) for _ in range(4))
     grad_weights = [next(gradients) if has else None for has in ctx.has_weight]
-    return grad_cell, grad_previous_raw, grad_keys, grad_values, None, None, grad_weights, None, None, None, None
+    # The masks are constants. Their gradient takes the list's structure, but a list of Nones only is one leaf.
+    no_grad_masks = [None] * len(ctx.has_mask) if any(ctx.has_mask) else None
+    return (
+        grad_cell, grad_previous_raw, grad_keys, grad_values, None, None, no_grad_masks, grad_weights,
+        None, None, None, None,
+    )  # fmt: skip
 
 
 _cell_scan.register_autograd(_backward, setup_context=_setup_context)
 
 
-def cell_scan_op(plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, weights):
+def cell_scan_op(plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, dropout, weights):
     """`FusedCellScan.apply(plan, ...)` as the custom op: the same inputs and outputs."""
     residual = plan.first_step_residual
     if isinstance(residual, torch.Tensor):
@@ -142,6 +154,7 @@ def cell_scan_op(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
         step_values,
         score_bias,
         rows,
+        list(dropout),
         list(weights),
         plan.eps,
         plan.cell_input_residual,

@@ -1,0 +1,56 @@
+"""Dropout inside the cell scan, drawn for every step at once.
+
+Both scans read the same masks, drawn before their loops in one call per dropout site, so that the reference and the
+fused scan drop the same units for the same seed, and the fused scan's backward reuses them. On a GPU that is five
+random-number kernels for a layer's scan, not five per window.
+
+Shapes: N scan steps, B batch, H heads, D hidden size, S window slots.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+
+class ScanDropout(NamedTuple):
+    """Keep-masks scaled by 1 / (1 - rate), per step; None where a rate is 0 (nothing is dropped there)."""
+
+    input: torch.Tensor | None  # (N, B, D) the cell's input norm, which feeds its projections and gated residual
+    probs: torch.Tensor | None  # (N, B, H, 1 + S) the cell's attention weights over its own key and the slots
+    output: torch.Tensor | None  # (N, B, D) the activated output projection
+    written: torch.Tensor | None  # (N, B, D) the standardised raw cell
+    cell: torch.Tensor | None  # (N, B, D) the cell norm's output, on steps with a cell residual
+
+    def step(self, index: int) -> "ScanDropout":
+        """The masks of one step: (B, ...) each."""
+        return ScanDropout(*(None if mask is None else mask[index] for mask in self))
+
+
+NO_DROPOUT = ScanDropout(None, None, None, None, None)
+
+
+def keep_mask(shape: tuple, rate: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    if rate == 0:
+        return None
+    keep = torch.empty(shape, dtype=torch.float32, device=device).bernoulli_(1 - rate).to(dtype)
+    return keep if rate == 1 else keep.mul_(1 / (1 - rate))
+
+
+def draw_scan_dropout(layer, num_steps: int, batch_size: int, num_slots: int, dtype, device) -> ScanDropout:
+    """The masks of one scan of `layer` (its rates; none outside training)."""
+    rate, attention_rate = layer.dropout.p, layer.attention_dropout
+    if not layer.training or (rate == 0 and attention_rate == 0):
+        return NO_DROPOUT
+    hidden = (num_steps, batch_size, layer.config.hidden_size)
+    probs = (num_steps, batch_size, layer.num_heads, 1 + num_slots)
+    return ScanDropout(
+        input=keep_mask(hidden, rate, dtype, device),
+        probs=keep_mask(probs, attention_rate, dtype, device),
+        output=keep_mask(hidden, rate, dtype, device),
+        written=keep_mask(hidden, rate, dtype, device),
+        cell=keep_mask(hidden, rate, dtype, device) if layer.config.use_cell_residual else None,
+    )
+
+
+def drop(states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return states if mask is None else states * mask
