@@ -58,7 +58,10 @@ def window_attention(layer, cell, tokens, config, causal):
     eps, heads, d = config.layer_norm_eps, config.num_attention_heads, config.head_dim
     act = F.silu if config.hidden_act == "silu" else getattr(F, config.hidden_act)
     x = layer_norm(torch.cat([cell[None], tokens]), layer.input_norm, eps)  # (1 + w, D)
-    q, k, v = act(linear(x, layer.qkv_proj)).view(x.shape[0], 3, heads, d).unbind(1)
+    q, k, v = linear(x, layer.qkv_proj).view(x.shape[0], 3, heads, d).unbind(1)
+    if config.uses_attention_qk_activation:
+        q, k = act(q), act(k)
+    v = act(v)
     positions = torch.arange(x.shape[0])
     if config.use_rotary:
         q, k = rotate(q, positions, config.rope_theta), rotate(k, positions, config.rope_theta)
@@ -67,13 +70,14 @@ def window_attention(layer, cell, tokens, config, causal):
         allowed = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool).tril()
         allowed[0] = True  # the cell is written after its window: it reads all of it
         scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], heads * d)
-    out = act(linear(out, layer.o_proj))
+    out = linear(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], heads * d), layer.o_proj)
+    written = act(out[0]) if config.uses_memory_value_activation else out[0]  # what the cell writes
+    out = act(out)
     gated = out + glu(x, layer.attention_glu)
     if config.uses_cell_input_residual:
-        raw_cell = standard_norm(layer_norm(gated[0], layer.attention_norm, eps), eps)
+        raw_cell = standard_norm(layer_norm(written + glu(x[0], layer.attention_glu), layer.attention_norm, eps), eps)
     else:  # the cell is what its attention read
-        raw_cell = standard_norm(out[0], eps)
+        raw_cell = standard_norm(written, eps)
     if config.uses_residual_stream:  # tokens pass through; the branch is added to them
         token_out = tokens + gated[1:]
     else:
@@ -91,7 +95,8 @@ def memory_review(layer, outputs, cells, token_windows, initial_cell, config, ca
     residual = config.uses_residual_stream
     q_linear = linear(layer_norm(outputs, review.norm, eps) if residual else outputs, review.q_proj)
     k_linear, v_linear = linear(cells, review.kv_proj).chunk(2, -1)
-    q, v = act(q_linear), act(v_linear)
+    q = act(q_linear)
+    v = act(v_linear) if config.uses_memory_value_activation else v_linear
     if config.uses_review_qk_norm:  # scaled cosine of the un-activated projections
         scores = F.normalize(q_linear, dim=-1) @ F.normalize(k_linear, dim=-1).T * math.sqrt(q.shape[-1])
     else:
@@ -101,7 +106,8 @@ def memory_review(layer, outputs, cells, token_windows, initial_cell, config, ca
         windows = torch.tensor(token_windows)[:, None]
         allowed = torch.arange(cells.shape[0])[None, :] < windows + int(sink)
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)  # window 0: reads nothing
-    out = act(linear(probs @ v, review.o_proj)) + glu(q, review.glu)
+    read = linear(probs @ v, review.o_proj)
+    out = (act(read) if config.uses_memory_value_activation else read) + glu(q, review.glu)
     return outputs + out if residual else layer_norm(out, review.norm, eps)
 
 

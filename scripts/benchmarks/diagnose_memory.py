@@ -7,8 +7,9 @@ trained from scratch with AdamW, batch 16, gradient clipping 1.0 and evaluated o
 `--eval_every` steps; a run stops early once it is at 99% twice in a row.
 
 Models: a GPT-2 of the same size, the causal RAN as it is now, and the designs that led to it from the official
-layer, one config field at a time (`residual_stream`, `cell_input_residual`, `review_qk_norm`,
-`review_initial_cell`), so the table says what each change is worth:
+layer, one config field at a time (`residual_stream`, `cell_input_residual`, `review_qk_norm`, then
+`attention_qk_activation` and `memory_value_activation` together), and the RAN without one of its changes
+(`review_initial_cell`, memory review, an untied decoder), so the table says what each change is worth:
 
     python scripts/benchmarks/diagnose_memory.py --across_steps 1000  # 33 minutes on 2 CPU cores (2,000 steps: longer)
     python scripts/benchmarks/diagnose_memory.py --tasks in-window --models ran gpt2 --seeds 0
@@ -36,13 +37,17 @@ VOCAB_SIZE = 64
 KEY, QUESTION, FIRST_DIGIT, FIRST_FILLER = 1, 2, 3, 13  # 0 is padding; digits are 3..12; filler 13..63
 WINDOW = 64
 
+# The official swish activations of the window attention's queries and keys and of the memory path.
+ACTIVATED = {"attention_qk_activation": True, "memory_value_activation": True}
+
 # name -> the RAN fields that differ from the causal defaults (None: GPT-2). From the official layer, one change at a
 # time, to the causal RAN as it is; then the RAN without one of its changes.
 MODELS = {
     "official-layer": OFFICIAL_LAYER_FIELDS,
     "+residual-stream": OFFICIAL_LAYER_FIELDS | {"residual_stream": True},
-    "+cell-written-by-attention": {"review_qk_norm": False},
-    "ran": {},  # + cosine scores in memory review
+    "+cell-written-by-attention": ACTIVATED | {"review_qk_norm": False},
+    "+review-qk-norm": ACTIVATED,  # + cosine scores in memory review
+    "ran": {},  # + plain attention scores and a linear memory path
     "ran-without-initial-cell": {"review_initial_cell": False},
     "no-initial-cell-dot-review": {"review_initial_cell": False, "review_qk_norm": False},
     "ran-no-memory-review": {"memory_review": False},
@@ -231,9 +236,9 @@ def plot(results: list[RunResult], path: Path) -> None:
 
 
 def default_models(task: str) -> list[str]:
-    # Eight windows cost 4.5 times the tokens: there only the causal RAN with and without the initial cell, and GPT-2.
+    # Eight windows cost 4.5 times the tokens: there only the causal RAN, the design before it, and GPT-2.
     if task == "across-8":
-        return ["ran", "ran-without-initial-cell", "gpt2"]
+        return ["ran", "+review-qk-norm", "gpt2"]
     return list(MODELS)
 
 

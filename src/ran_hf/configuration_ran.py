@@ -17,6 +17,8 @@ OFFICIAL_LAYER_FIELDS = {
     "cell_input_residual": True,
     "review_qk_norm": False,
     "review_initial_cell": True,
+    "attention_qk_activation": True,
+    "memory_value_activation": True,
 }
 _LEARNABLE_MEMORY_FIELDS = tuple(OFFICIAL_LAYER_FIELDS)
 _CELL_POOLINGS = ("last", "mean", "max")
@@ -140,6 +142,17 @@ class RANConfig(PreTrainedConfig):
             run may put all its review weight on it and never learn to pick the cell that holds what a token needs.
             `False` removes it (tokens of the first window then read no cell); measured on key retrieval it rescues
             such runs but stalls others (docs/memory.md), so it is not the default.
+        attention_qk_activation (`bool`, *optional*):
+            Whether the window attention (tokens and cell alike) scores keys by the product of swish-activated query
+            and key projections, as the official layer does. `False`: by the product of the projections themselves,
+            as transformers do (values stay activated). Defaults to `False` for causal models, where it makes the
+            cell's write attention learn to pick a token among its window's (docs/memory.md), and `True`
+            (official) for the encoder.
+        memory_value_activation (`bool`, *optional*):
+            Whether the memory path is swish-activated where the official layer activates it: the output projection
+            that writes a cell, and memory review's values and output projection. `False` keeps that path linear,
+            so that swish's flat negative side cannot merge what cells carry (two key digits that differ there
+            become one). Defaults to `False` for causal models and `True` (official) for the encoder.
         scan_implementation (`str`, *optional*, defaults to `"reference"`):
             Which cell scan the layers run, by its name in `ran_hf.cell_scan.ALL_SCAN_FUNCTIONS`. `"reference"` is
             the plain step-by-step loop; `"fused"` computes the same (within 1e-5, dropout included) as one autograd
@@ -200,6 +213,8 @@ class RANConfig(PreTrainedConfig):
     cell_input_residual: bool | None = None
     review_qk_norm: bool | None = None
     review_initial_cell: bool | None = None
+    attention_qk_activation: bool | None = None
+    memory_value_activation: bool | None = None
     scan_implementation: str = "reference"
     hidden_act: str = "silu"
     hidden_dropout_prob: float = 0.1
@@ -328,6 +343,14 @@ class RANConfig(PreTrainedConfig):
     @property
     def uses_review_qk_norm(self) -> bool:
         return self._learnable_memory("review_qk_norm", True)
+
+    @property
+    def uses_attention_qk_activation(self) -> bool:
+        return self._learnable_memory("attention_qk_activation", False)
+
+    @property
+    def uses_memory_value_activation(self) -> bool:
+        return self._learnable_memory("memory_value_activation", False)
 
     @property
     def uses_review_initial_cell(self) -> bool:

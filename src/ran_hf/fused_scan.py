@@ -46,6 +46,8 @@ class ScanPlan:
     eps: float
     cell_input_residual: bool  # the raw cell is finish_attention(...) (else SN(act(o_proj(...))))
     use_cell_residual: bool
+    qk_activation: bool  # whether queries and keys are activated (values always are)
+    output_activation: bool  # whether the output projection that writes the cell is activated
     first_step_residual: torch.Tensor | bool  # (B, 1) rows whose first step has a residual, or all / none of them
     keep_for_backward: bool  # whether the forward keeps what the backward reads (not under no_grad)
 
@@ -54,6 +56,23 @@ class ScanPlan:
         if not self.use_cell_residual:
             return False
         return True if step > 0 else self.first_step_residual
+
+
+def activate_projections(qkv_pre: torch.Tensor, plan: ScanPlan) -> torch.Tensor:
+    """(B, 3 H d) projections -> queries, keys and values, activated as the layer's `project` does."""
+    if plan.qk_activation:
+        return F.silu(qkv_pre)
+    query_key, value = qkv_pre.split([2 * qkv_pre.shape[-1] // 3, qkv_pre.shape[-1] // 3], dim=-1)
+    return torch.cat([query_key, F.silu(value)], dim=-1)
+
+
+def activate_projections_backward(grad: torch.Tensor, qkv_pre: torch.Tensor, plan: ScanPlan) -> torch.Tensor:
+    if plan.qk_activation:
+        return torch.ops.aten.silu_backward(grad, qkv_pre)
+    values = slice(2 * qkv_pre.shape[-1] // 3, None)
+    grad = grad.clone()
+    grad[:, values] = torch.ops.aten.silu_backward(grad[:, values], qkv_pre[:, values])
+    return grad
 
 
 def standardize(states: torch.Tensor, eps: float):
@@ -151,7 +170,7 @@ def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
         normed_cell, input_norm = standardize(cell, eps)
         normed = drop(torch.addcmul(in_b, normed_cell, in_w), masks.input)  # (B, D)
         qkv_pre = torch.addmm(qkv_b, normed, qkv_wt)  # (B, 3 H d)
-        qkv = F.silu(qkv_pre).view(batch_size, 3, num_heads, head_dim).transpose(1, 2)  # (B, H, 3, d)
+        qkv = activate_projections(qkv_pre, plan).view(batch_size, 3, num_heads, head_dim).transpose(1, 2)
         query, key, value = qkv.reshape(heads, 3, head_dim).split(1, dim=1)  # (B H, 1, d) each
         key_slots[step].copy_(key)
         value_slots[step].copy_(value)
@@ -160,7 +179,7 @@ def scan_forward(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
         dropped = drop(probs, heads_first(masks.probs))
         attended = torch.bmm(dropped, values_all[step]).view(batch_size, -1)  # (B, H d)
         output_pre = torch.addmm(o_b, attended, o_wt)  # (B, D)
-        output = drop(F.silu(output_pre), masks.output)
+        output = drop(F.silu(output_pre) if plan.output_activation else output_pre, masks.output)
         glu_pre = normed_gated = gated_norm = None
         if plan.cell_input_residual:
             glu_pre = torch.addmm(ag_b, normed, ag_wt)  # (B, 2 D)
@@ -245,7 +264,9 @@ def scan_backward(plan: ScanPlan, state, weights, grads):
             grad_written.append(grad_raw)
             grad_raw = standardize_backward(grad_raw * an_w, saved_step.gated_norm)  # (B, D)
             grad_glu = torch.ops.aten.glu_backward(grad_raw, saved_step.glu_pre, -1)  # (B, 2 D)
-        grad_pre = torch.ops.aten.silu_backward(drop(grad_raw, masks.output), saved_step.output_pre)  # (B, D)
+        grad_pre = drop(grad_raw, masks.output)  # (B, D)
+        if plan.output_activation:
+            grad_pre = torch.ops.aten.silu_backward(grad_pre, saved_step.output_pre)
         grad_att = torch.mm(grad_pre, o_w).view(heads, 1, head_dim)
 
         # Attention of the cell over [its own key; the window's slots].
@@ -258,7 +279,7 @@ def scan_backward(plan: ScanPlan, state, weights, grads):
         grad_value = torch.addcmul(grad_read_values[step], probs[..., :1], grad_att)
         per_head = (batch_size, num_heads, head_dim)
         grad_qkv = torch.stack([grad_query.view(per_head), grad_key.view(per_head), grad_value.view(per_head)], 1)
-        grad_qkv = torch.ops.aten.silu_backward(grad_qkv.view(batch_size, qkv_size), saved_step.qkv_pre)
+        grad_qkv = activate_projections_backward(grad_qkv.view(batch_size, qkv_size), saved_step.qkv_pre, plan)
         if plan.cell_input_residual:
             grad_input = torch.addmm(torch.mm(grad_glu, ag_w), grad_qkv, qkv_w)  # (B, D)
             grad_glu_pre.append(grad_glu)
@@ -347,6 +368,8 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
         eps=config.layer_norm_eps,
         cell_input_residual=layer.cell_input_residual,
         use_cell_residual=config.use_cell_residual,
+        qk_activation=config.uses_attention_qk_activation,
+        output_activation=config.uses_memory_value_activation,
         first_step_residual=first_step_residual,
         keep_for_backward=torch.is_grad_enabled(),
     )

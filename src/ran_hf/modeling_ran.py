@@ -384,7 +384,8 @@ class RANMemoryReview(nn.Module):
 
     Official layer: LayerNorm(review + GLU(query)). With `config.residual_stream`, the norm comes first and the
     token states pass through: states + review + GLU(query), queries read from LayerNorm(states). With
-    `config.review_qk_norm`, a cell's score is the scaled cosine of the un-activated query and key projections.
+    `config.review_qk_norm`, a cell's score is the scaled cosine of the un-activated query and key projections;
+    without `config.memory_value_activation`, values and output projection are not activated.
 
     Tokens are reviewed in chunks: their scores over the cells form a (tokens x windows) matrix, which for a whole
     long document would grow with the square of its length.
@@ -411,6 +412,7 @@ class RANMemoryReview(nn.Module):
         self.attention_dropout = config.attention_probs_dropout_prob
         self.residual_stream = config.uses_residual_stream
         self.qk_norm = config.uses_review_qk_norm
+        self.value_act = self.act if config.uses_memory_value_activation else nn.Identity()
         # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
         self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
 
@@ -422,7 +424,7 @@ class RANMemoryReview(nn.Module):
         """(..., D) cells -> (..., 2 D) their keys and values; a cache keeps these, not the cells."""
         key, value = self.kv_proj(cells).chunk(2, dim=-1)
         key = unit_vectors(key) if self.qk_norm else self.act(key)
-        return torch.cat([key, self.act(value)], dim=-1)
+        return torch.cat([key, self.value_act(value)], dim=-1)
 
     def forward(
         self,
@@ -481,7 +483,7 @@ class RANMemoryReview(nn.Module):
         hidden = torch.arange(key.shape[1], device=key.device) >= limit  # (B, l, C): cells the token may not read
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, l, D)
-        review = self.dropout(self.act(self.o_proj(review)))
+        review = self.dropout(self.value_act(self.o_proj(review)))
         return review + self.glu(query), probs
 
 
@@ -530,6 +532,8 @@ class RANLayer(GradientCheckpointingLayer):
             self.output_norm = RANLayerNorm(hidden_size, eps)
 
         self.act = ACT2FN[config.hidden_act]
+        self.qk_activation = config.uses_attention_qk_activation
+        self.written_act = self.act if config.uses_memory_value_activation else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
         self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
@@ -541,9 +545,13 @@ class RANLayer(GradientCheckpointingLayer):
         return self.dropout(self.input_norm(states))
 
     def project(self, normed: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> (..., 3, H, d) activated queries, keys and values."""
-        qkv = self.act(self.qkv_proj(normed))
-        return qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
+        """(..., D) -> (..., 3, H, d) queries, keys and values; the values activated, and the queries and keys with
+        `config.attention_qk_activation`."""
+        qkv = self.qkv_proj(normed).unflatten(-1, (3, self.num_heads, self.head_dim))
+        if self.qk_activation:
+            return self.act(qkv)
+        query_key, value = qkv.split([2, 1], dim=-3)
+        return torch.cat([query_key, self.act(value)], dim=-3)
 
     def attention_output(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """Output projection plus the gated residual of the attention's normalised input: (..., H * d) -> (..., D)."""
@@ -560,9 +568,9 @@ class RANLayer(GradientCheckpointingLayer):
 
         Without `cell_input_residual` the cell is what its attention read from the window: the gated residual of
         the cell's own input would add a term that is the same for every text in the first window and drowns it.
-        With it, this is `finish_attention` for the cell.
+        With it (and the official activation of what the cell writes), this is `finish_attention` for the cell.
         """
-        written = drop(self.act(self.o_proj(attended)), output_mask)
+        written = drop(self.written_act(self.o_proj(attended)), output_mask)
         if self.cell_input_residual:
             written = self.attention_norm(written + self.attention_glu(normed_cell))
         return drop(standard_normalize(written, self.config.layer_norm_eps), written_mask)

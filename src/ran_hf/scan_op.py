@@ -21,7 +21,8 @@ from .scan_dropout import ScanDropout
 NO_ROW, EVERY_ROW, SOME_ROWS = 0, 1, 2
 
 
-def scan_plan(step_keys: Tensor, first_step_rows: Tensor, eps, cell_input_residual, use_cell_residual, mode, keep):
+def scan_plan(step_keys: Tensor, first_step_rows: Tensor, keep: bool, eps, *flags_and_mode):
+    cell_input_residual, use_cell_residual, qk_activation, output_activation, mode = flags_and_mode
     num_steps, _, num_heads, _, head_dim = step_keys.shape
     return ScanPlan(
         num_steps=num_steps,
@@ -30,6 +31,8 @@ def scan_plan(step_keys: Tensor, first_step_rows: Tensor, eps, cell_input_residu
         eps=eps,
         cell_input_residual=cell_input_residual,
         use_cell_residual=use_cell_residual,
+        qk_activation=qk_activation,
+        output_activation=output_activation,
         first_step_residual={NO_ROW: False, EVERY_ROW: True}.get(mode, first_step_rows),
         keep_for_backward=keep,
     )
@@ -48,10 +51,13 @@ def _cell_scan(
     eps: float,
     cell_input_residual: bool,
     use_cell_residual: bool,
+    qk_activation: bool,
+    output_activation: bool,
     first_step_mode: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`FusedCellScan`'s forward: read keys, read values (N, B, H, d), raw cells and cells (N, B, D)."""
-    plan = scan_plan(step_keys, first_step_rows, eps, cell_input_residual, use_cell_residual, first_step_mode, False)
+    flags = (cell_input_residual, use_cell_residual, qk_activation, output_activation, first_step_mode)
+    plan = scan_plan(step_keys, first_step_rows, False, eps, *flags)
     masks = ScanDropout(*dropout)
     outputs, _ = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, masks, tuple(weights))
     return outputs
@@ -79,10 +85,13 @@ def _cell_scan_backward(
     eps: float,
     cell_input_residual: bool,
     use_cell_residual: bool,
+    qk_activation: bool,
+    output_activation: bool,
     first_step_mode: int,
 ) -> list[Tensor]:
     """Gradients of cell, previous_raw, step_keys, step_values and of every weight that is not None, in order."""
-    plan = scan_plan(step_keys, first_step_rows, eps, cell_input_residual, use_cell_residual, first_step_mode, True)
+    flags = (cell_input_residual, use_cell_residual, qk_activation, output_activation, first_step_mode)
+    plan = scan_plan(step_keys, first_step_rows, True, eps, *flags)
     masks = ScanDropout(*dropout)
     _, state = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, masks, tuple(weights))
     inputs = (cell, previous_raw, step_keys, step_values, *weights)
@@ -133,7 +142,7 @@ def _backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells)
     no_grad_masks = [None] * len(ctx.has_mask) if any(ctx.has_mask) else None
     return (
         grad_cell, grad_previous_raw, grad_keys, grad_values, None, None, no_grad_masks, grad_weights,
-        None, None, None, None,
+        *(None for _ in ctx.plan),
     )  # fmt: skip
 
 
@@ -159,5 +168,7 @@ def cell_scan_op(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
         plan.eps,
         plan.cell_input_residual,
         plan.use_cell_residual,
+        plan.qk_activation,
+        plan.output_activation,
         mode,
     )
