@@ -3,8 +3,9 @@
 
     python scripts/benchmarks/benchmark_scan.py                      # CPU, one thread, about two minutes
     python scripts/benchmarks/benchmark_scan.py --scans reference fused --repeats 21 --threads 1
+    python scripts/benchmarks/benchmark_scan.py --dropout 0.1      # training with dropout: scan_<device>_dropout.*
 
-One RAN layer with random weights (dropout off) and random window keys and values; each measurement times the scan
+One RAN layer with random weights (dropout off unless `--dropout` sets both rates) and random window keys and values; each measurement times the scan
 function that `config.scan_implementation` names (`ALL_SCAN_FUNCTIONS`), nothing else of the layer:
   train   forward and backward (a fixed random probe of all four outputs), per scan step
   infer   forward under `torch.no_grad()`, per scan step
@@ -38,7 +39,7 @@ CASES = [
 ]
 
 
-def scan_inputs(hidden_size: int, num_heads: int, window: int, lengths: list, device: torch.device):
+def scan_inputs(hidden_size: int, num_heads: int, window: int, lengths: list, device: torch.device, dropout=0.0):
     """A layer and what its scan reads: the starting cell, the previous raw cell, window keys and values, layout."""
     torch.manual_seed(0)
     config = RANConfig(
@@ -49,10 +50,10 @@ def scan_inputs(hidden_size: int, num_heads: int, window: int, lengths: list, de
         head_dim=hidden_size // num_heads,
         window_size=window,
         min_window_size=min(16, window // 4),
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
-    layer = RANLayer(config, layer_idx=0).to(device)
+    layer = RANLayer(config, layer_idx=0).to(device).train()
     with torch.no_grad():
         for parameter in layer.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
@@ -100,7 +101,7 @@ def count_ops(function) -> int:
 
 def measure(case, scan_name: str, args, device: torch.device) -> dict:
     name, hidden_size, num_heads, window, lengths = case
-    layer, inputs = scan_inputs(hidden_size, num_heads, window, lengths, device)
+    layer, inputs = scan_inputs(hidden_size, num_heads, window, lengths, device, args.dropout)
     layer.config.scan_implementation = scan_name
     scan = ALL_SCAN_FUNCTIONS[scan_name]
     layout = inputs[-1]
@@ -116,8 +117,10 @@ def measure(case, scan_name: str, args, device: torch.device) -> dict:
             tensor.grad = None
 
     def infer():
+        layer.eval()  # inference drops nothing
         with torch.no_grad():
             scan(layer, *inputs)
+        layer.train()
 
     steps = layout.num_steps
     return {
@@ -162,8 +165,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per figure (the median is kept)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout rate (training)")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
     args = parser.parse_args()
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -183,7 +189,7 @@ def main():
             )
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    name = f"scan_{device.type}"
+    name = f"scan_{device.type}" + ("_dropout" if args.dropout else "")
     command = "python scripts/benchmarks/benchmark_scan.py " + " ".join(sys.argv[1:])
     settings = {**vars(args), "output_dir": str(args.output_dir)}
     report = {"machine_info": info, "command": command.strip(), "settings": settings, "results": results}
