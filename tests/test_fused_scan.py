@@ -257,3 +257,18 @@ def test_dropout_does_not_send_the_fused_scan_back_to_the_reference(train, caplo
     with caplog.at_level(logging.WARNING, logger="ran_hf.cell_scan"):
         model(*pad_batch([random_ids(9, 61, seed=0)]))
     assert "fused cell scan" not in caplog.text
+
+
+def test_a_wrapped_projection_sends_the_fused_scan_back_to_the_reference(caplog):
+    """The fused scan reads weights: a projection changed by a forward hook (as LoRA adapters or quantisation change
+    theirs) would be silently bypassed. It falls back, says why, and gives the wrapped layer's results."""
+    transformers_logging.warning_once.cache_clear()
+    layer, inputs, layout = layer_and_inputs({}, [23, 7], None)
+    layer.qkv_proj.register_forward_hook(lambda module, args, output: output + 0.5)
+    assert "qkv_proj" in fused_scan_unsupported(layer, inputs[0])
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ran_hf.cell_scan"):
+        fused = fused_cell_scan(layer, *inputs, layout)
+        expected = reference_cell_scan(layer, *inputs, layout)
+    for got, want in zip(fused, expected):
+        torch.testing.assert_close(got, want)
+    assert "qkv_proj" in caplog.text

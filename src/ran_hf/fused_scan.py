@@ -23,16 +23,34 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch import nn
 
 from .scan_dropout import draw_scan_dropout, drop
 
 FUSED_ACTIVATIONS = ("silu", "swish")
 
 
+def scan_modules(layer) -> dict:
+    """The modules whose weights the fused scan reads directly, by name."""
+    names = ["input_norm", "qkv_proj", "o_proj"]
+    if layer.cell_input_residual:
+        names += ["attention_glu.proj", "attention_norm"]
+    if layer.config.use_cell_residual:
+        names += ["cell_glu.proj", "cell_norm"]
+    return {name: layer.get_submodule(name) for name in names}
+
+
 def fused_scan_unsupported(layer, cell: torch.Tensor) -> str | None:
     """Why the fused scan cannot run this layer on this input, or None if it can."""
     if layer.config.hidden_act not in FUSED_ACTIVATIONS:
         return f"it computes SiLU activations only (`hidden_act` is {layer.config.hidden_act!r})"
+    from .modeling_ran import RANLayerNorm
+
+    # It reads weights, not modules: a wrapped projection (LoRA adapters, quantisation, hooks) would be bypassed.
+    for name, module in scan_modules(layer).items():
+        if type(module) not in (nn.Linear, RANLayerNorm) or module._forward_hooks or module._forward_pre_hooks:
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            return f"it reads plain weights, and `{name}` is wrapped ({kind}, or forward hooks): adapters would be skipped"
     return None
 
 
