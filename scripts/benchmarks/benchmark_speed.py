@@ -6,9 +6,8 @@
     python scripts/benchmarks/benchmark_speed.py --models ran ceiling longformer --lengths 8192 --repeats 3
 
 Models, all at the same width, depth and heads, random weights, dropout off:
-  ran            ran_hf RAN, window `--window_size` (default 256), with its default (fused) cell scan
-  ran-reference  the same RAN with the step-by-step reference scan (`scan_implementation="reference"`); not in the
-                 default list
+  ran            ran_hf RAN, window `--window_size` (default 256)
+  ran-fused      the same RAN with the fused cell scan (`scan_implementation="fused"`); not in the default list
   ran-small      ran_hf RAN, window `--small_window_size` (default 64)
   ran-compiled   `torch.compile(RAN)`, compiled during the (untimed) warm-up at the measured shape; not in the
                  default list, as compiling takes minutes on a small CPU
@@ -41,7 +40,7 @@ from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subpr
 from ran_hf.cell_scan import RANScanInterface
 
 MODELS = ["ran", "ran-small", "ceiling", "longformer", "bigbird", "modernbert", "bert", "rannet"]
-OPTIONAL_MODELS = ["ran-reference", "ran-compiled"]
+OPTIONAL_MODELS = ["ran-fused", "ran-compiled"]
 VOCAB_SIZE = 1000
 
 
@@ -102,13 +101,13 @@ def build_model(name: str, args, max_length: int) -> torch.nn.Module:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    if name in ("ran", "ran-reference", "ran-small", "ceiling", "ran-compiled"):
+    if name in ("ran", "ran-fused", "ran-small", "ceiling", "ran-compiled"):
         from ran_hf import RANModel
 
         window = args.small_window_size if name == "ran-small" else args.window_size
         scan = {"scan_implementation": WITHOUT_RECURRENCE} if name == "ceiling" else {}
-        if name == "ran-reference":
-            scan = {"scan_implementation": "reference"}
+        if name == "ran-fused":
+            scan = {"scan_implementation": "fused"}
         return RANModel(ran_config(args, window, **scan))
     if name == "longformer":
         config = transformers.LongformerConfig(
