@@ -183,3 +183,19 @@ def test_auto_classes_load_the_folder_as_remote_code_without_ran_hf(saved_classi
     assert report["masked_lm_decoder_tied"]
     for name, difference in report["differences"].items():
         assert difference <= 1e-6, f"{name} differs by {difference}"
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["encoder", "causal"])
+def test_a_saved_config_names_the_memory_design_it_resolves_to(is_causal, tmp_path):
+    """Fields left to their defaults are saved resolved: a checkpoint keeps its layer if the causal defaults change."""
+    config = ran_hf.RANConfig(is_causal=is_causal, hidden_size=16, num_attention_heads=2, head_dim=8)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["residual_stream"] is config.uses_residual_stream is is_causal
+    assert saved["attention_qk_activation"] is config.uses_attention_qk_activation is (not is_causal)
+    assert saved["memory_value_activation"] is config.uses_memory_value_activation is (not is_causal)
+    # A config saved with the official choices keeps them, whatever the causal defaults say.
+    saved.update(attention_qk_activation=True, memory_value_activation=True)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = ran_hf.RANConfig.from_pretrained(tmp_path)
+    assert loaded.uses_attention_qk_activation and loaded.uses_memory_value_activation

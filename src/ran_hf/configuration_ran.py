@@ -239,6 +239,23 @@ class RANConfig(PreTrainedConfig):
         self.auto_map = dict(REMOTE_CODE_AUTO_MAP)
         super().__post_init__(**kwargs)
 
+    def to_dict(self) -> dict:
+        """Also names the memory design a config resolves to, so that a saved checkpoint keeps computing what it was
+        trained to compute if the causal defaults change."""
+        output = super().to_dict()
+        resolved = {
+            "residual_stream": self.uses_residual_stream,
+            "cell_input_residual": self.uses_cell_input_residual,
+            "review_qk_norm": self.uses_review_qk_norm,
+            "review_initial_cell": self.review_initial_cell is not False,
+            "attention_qk_activation": self.uses_attention_qk_activation,
+            "memory_value_activation": self.uses_memory_value_activation,
+        }
+        for name, value in resolved.items():
+            if output.get(name) is None:
+                output[name] = value
+        return output
+
     def _warn_about_unknown_keywords(self, kwargs: dict) -> None:
         """A keyword that is no field (`windowsize=8`) would be stored and read by nothing: say so."""
         unknown = sorted(set(kwargs) - _GENERIC_CONFIG_KEYWORDS - _generation_keywords())
@@ -328,7 +345,8 @@ class RANConfig(PreTrainedConfig):
             raise ValueError(f"`rope_theta` must be > 0, got {self.rope_theta}.")
 
     # The fields that make the memory learnable default to the official layer for the encoder (checkpoints) and to
-    # the learnable design for causal models; resolved when read, so that switching `is_causal` follows.
+    # the learnable design for causal models; resolved when read, so that switching `is_causal` follows. A saved
+    # config holds the resolved values (`to_dict`).
     def _learnable_memory(self, name: str, learnable_value: bool) -> bool:
         value = getattr(self, name)
         if value is not None:
