@@ -32,6 +32,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from benchmark_utils import machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
 from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
+from ran_hf.modeling_ran import apply_interleaved_rotary, rotary_rotations
 
 VOCAB_SIZE = 64
 KEY, QUESTION, FIRST_DIGIT, FIRST_FILLER = 1, 2, 3, 13  # 0 is padding; digits are 3..12; filler 13..63
@@ -74,6 +75,7 @@ class RunResult:
     history: list
     seconds: float
     digit_accuracy: list  # final accuracy per key digit: a stalled run has usually merged some digits
+    probe: dict | None = None  # per layer and key digit: where the key window's cell write and the question look
 
 
 def make_batch(generator: torch.Generator, batch_size: int, length: int, key_range: tuple[int, int]):
@@ -125,6 +127,51 @@ def accuracy_per_digit(model, length: int, key_range, examples: int = 1024) -> l
     return [round(hits[digits == digit].float().mean().item(), 3) for digit in range(10)]
 
 
+@torch.no_grad()
+def probe_memory(model, length: int, key_range, examples: int = 1024) -> dict:
+    """Per layer and key digit, on held-out examples: how much of the first window's cell write lands on the key
+    digit (the largest share over heads), and how much of the question's memory review reads the cell of the key's
+    window and the layer's starting cell. A RAN only; the key must lie in the first window.
+
+    The first window's cell is written by the layer's starting cell, so its write attention is recomputed here from
+    the layer's inputs exactly as the scan computes its first step (no dropout in eval mode).
+    """
+    model.eval()
+    ids, answers = make_batch(torch.Generator().manual_seed(10_000), examples, length, key_range)
+    digits = answers - FIRST_DIGIT
+    digit_position = (ids == KEY).long().argmax(1) + 1
+    outputs = model(ids, output_attentions=True, output_hidden_states=True)
+    rows = torch.arange(examples)
+    result = {}
+    for index, layer in enumerate(model.model.layers):
+        tokens = layer.input_norm(outputs.hidden_states[index][:, :WINDOW])  # (E, W, D): the first window
+        cell = layer.input_norm(layer.initial_cell)[None]
+        query = layer.project(cell)[:, 0]  # (1, H, d): the cell's query, at position 0 (no rotation)
+        cell_key = layer.project(cell)[:, 1]
+        token_keys = layer.project(tokens)[:, :, 1]  # (E, W, H, d), slot s at position s + 1
+        rotations = rotary_rotations(WINDOW + 1, layer.head_dim, model.config.rope_theta, ids.device)[1:]
+        if model.config.use_rotary:
+            token_keys = apply_interleaved_rotary(token_keys.transpose(1, 2), rotations).transpose(1, 2)
+        token_scores = torch.einsum("bhd,eshd->esh", query, token_keys)  # (E, W, H)
+        scores = torch.cat([(query * cell_key).sum(-1)[:, None].expand(examples, 1, -1), token_scores], 1)
+        write = (scores / layer.head_dim**0.5).softmax(1)  # (E, 1 + W, H)
+        write_on_digit = write[rows, 1 + digit_position].amax(-1)  # (E,)
+        review = outputs.memory_attentions[index][:, -1]  # (E, cells): the question's review
+        has_initial = model.config.uses_review_initial_cell
+        on_key_cell = review[:, int(has_initial)]
+        on_initial = review[:, 0] if has_initial else torch.zeros_like(on_key_cell)
+        result[f"layer {index}"] = {
+            name: [round(values[digits == digit].mean().item(), 3) for digit in range(10)]
+            for name, values in (
+                ("write_on_digit", write_on_digit),
+                ("review_on_key_cell", on_key_cell),
+                ("review_on_initial_cell", on_initial),
+            )
+        }
+    model.train()
+    return result
+
+
 def train_once(task: str, model_name: str, seed: int, args) -> RunResult:
     torch.set_num_threads(args.threads)
     length, key_range = TASKS[task]
@@ -153,7 +200,10 @@ def train_once(task: str, model_name: str, seed: int, args) -> RunResult:
                 break
     seconds = time.perf_counter() - start
     digits = accuracy_per_digit(model, length, key_range)
-    return RunResult(task, model_name, seed, step, history[-1][2], steps_to_99, history, seconds, digits)
+    probe = None
+    if args.probe and MODELS[model_name] is not None and key_range[1] <= WINDOW:
+        probe = probe_memory(model, length, key_range)
+    return RunResult(task, model_name, seed, step, history[-1][2], steps_to_99, history, seconds, digits, probe)
 
 
 def summarize(results: list[RunResult]) -> list[dict]:
@@ -211,6 +261,27 @@ def markdown(rows: list[dict], info: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def probe_markdown(results: list[RunResult]) -> str:
+    """One table per probed run: per key digit, its accuracy, and per layer the write's share on the digit and the
+    question's review weight on the key's cell and on the starting cell."""
+    lines = []
+    for r in (r for r in results if r.probe):
+        layers = list(r.probe)
+        title = f"Probe of {r.task} {r.model} seed {r.seed} after {r.steps} steps (1,024 held-out examples):"
+        lines += ["", title, ""]
+        columns = ("write on digit", "review on key cell", "review on start")
+        header = ["digit", "accuracy"] + [f"{layer}: {column}" for layer in layers for column in columns]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+        for digit in range(10):
+            cells = [str(digit), f"{r.digit_accuracy[digit]:.2f}"]
+            for layer in layers:
+                probe = r.probe[layer]
+                names = ("write_on_digit", "review_on_key_cell", "review_on_initial_cell")
+                cells += [f"{probe[name][digit]:.2f}" for name in names]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 def plot(results: list[RunResult], path: Path) -> None:
     import matplotlib
 
@@ -252,6 +323,9 @@ def parse_args(argv=None):
     parser.add_argument("--in_window_steps", type=int, default=500)
     parser.add_argument("--across_steps", type=int, default=2000)
     parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument(
+        "--probe", action="store_true", help="after training, where each RAN's key-window write and review look"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs trained at the same time, one process each")
     parser.add_argument("--threads", type=int, default=1, help="threads per run")
     parser.add_argument("--output", default="benchmarks/memory_diagnosis", help="path prefix of .json/.md/.png")
@@ -291,7 +365,7 @@ def main(argv=None) -> list[dict]:
     output.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine_info": info, "arguments": vars(args), "results": rows, "runs": [r.__dict__ for r in results]}
     output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    table = markdown(rows, info, args)
+    table = markdown(rows, info, args) + probe_markdown(results)
     output.with_suffix(".md").write_text(table)
     plot(results, output.with_suffix(".png"))
     print(table)
