@@ -10,13 +10,15 @@ import argparse
 import pytest
 import torch
 
-from diagnose_memory import MODELS, TASKS, build_model, make_batch, train_once
+import diagnose_memory
+from diagnose_memory import MODELS, TASKS, build_model, make_batch, probe_memory, train_once
+from ran_hf import cell_scan
 
 
 def run_arguments(**overrides) -> argparse.Namespace:
     arguments = {
         "learning_rate": 2e-3, "batch_size": 16, "in_window_steps": 300, "across_steps": 1000, "eval_every": 50,
-        "threads": 1, "jobs": 1,
+        "threads": 1, "jobs": 1, "probe": False,
     }  # fmt: skip
     arguments.update(overrides)
     return argparse.Namespace(**arguments)
@@ -49,3 +51,30 @@ def test_every_design_builds_from_its_fields():
 def test_causal_ran_learns_to_retrieve_a_key(task, seed):
     result = train_once(task, "ran", seed=seed, args=run_arguments())
     assert result.accuracy >= 0.95, result.history
+
+
+def test_probe_recomputes_the_first_cell_write_of_the_scan(monkeypatch):
+    """The probe's write shares are the scan's own first-step attention, read back through its dropout hook."""
+    torch.manual_seed(0)
+    model = build_model("ran", 128)
+    with torch.no_grad():
+        for parameter in model.parameters():  # away from the near-uniform attention of initialisation
+            parameter.add_(0.2 * torch.randn_like(parameter))
+    write_probabilities = []
+
+    def record(states, mask):
+        if states.dim() == 3:  # (B, H, 1 + S): the cell's attention at one scan step
+            write_probabilities.append(states.detach())
+        return states if mask is None else states * mask
+
+    monkeypatch.setattr(cell_scan, "drop", record)
+    length, key_range = TASKS["across-1"]
+    probe = probe_memory(model, length, key_range, examples=64)
+    ids, answers = make_batch(torch.Generator().manual_seed(10_000), 64, length, key_range)
+    digit_slot = 1 + (ids == diagnose_memory.KEY).long().argmax(1) + 1  # the cell is slot 0
+    steps = len(write_probabilities) // model.config.num_hidden_layers
+    for index in range(model.config.num_hidden_layers):
+        on_digit = write_probabilities[index * steps][torch.arange(64), :, digit_slot].amax(-1)
+        expected = [round(on_digit[answers - 3 == digit].mean().item(), 3) for digit in range(10)]
+        assert probe[f"layer {index}"]["write_on_digit"] == pytest.approx(expected, abs=2e-3)
+        assert all(0 <= weight <= 1 for weight in probe[f"layer {index}"]["review_on_initial_cell"])
