@@ -104,7 +104,18 @@ def is_run_file(name: str) -> bool:
 
 @dataclass
 class RANTrainingArguments(TrainingArguments):
-    """`TrainingArguments` with `--overwrite_output_dir`, as Transformers' example scripts had it."""
+    """`TrainingArguments` with `--overwrite_output_dir`, as Transformers' example scripts had it, and a learning-rate
+    warmup by default."""
+
+    warmup_steps: float = field(
+        default=0.1,
+        metadata={
+            "help": "Linear warmup from 0 to --learning_rate: a number of steps, or a fraction in [0, 1) of all steps "
+            "(default 0.1; Transformers' default is 0). Trained at the full rate from the first step, a RAN's cell "
+            "write and memory review can lock onto what they happen to pick first, and its memory then never "
+            "learns (docs/memory.md, cause 7)."
+        },
+    )
 
     overwrite_output_dir: bool = field(
         default=False,

@@ -164,7 +164,8 @@ def train(model, make_batch, answers_of, steps: int, args, description: str) -> 
 
     `answers_of(model, ids, count)` gives the logits that predict the batch's `count` answer tokens."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
+    warmup = max(1, args.warmup_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     losses, diverged_at = [], None
     model.train()
     for step in tqdm(range(1, steps + 1), desc=description, leave=False, disable=args.jobs > 1):
@@ -368,6 +369,7 @@ def parse_args(argv=None):
     parser.add_argument("--mqar_pairs", nargs="+", type=int, default=[4, 8, 16])
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--warmup_steps", type=int, default=100, help="linear learning-rate warmup of each task")
     parser.add_argument("--eval_examples", type=int, default=16)
     parser.add_argument("--eval_batch_size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -382,6 +384,8 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be >= 1")
     if args.learning_rate <= 0:
         parser.error("--learning_rate must be positive")
+    if args.warmup_steps < 0:
+        parser.error("--warmup_steps must be >= 0")
     if args.hidden_size % args.num_heads:
         parser.error("--hidden_size must be a multiple of --num_heads")
     if any(not 0 <= depth <= 1 for depth in args.depths):
@@ -405,6 +409,7 @@ def earlier_results(path: Path, args) -> dict:
     if not path.exists():
         return {}
     earlier = json.loads(path.read_text())
+    earlier["arguments"].setdefault("warmup_steps", 100)  # results saved before it was an argument
     same = {k: v for k, v in earlier["arguments"].items() if k not in PER_RUN_ARGUMENTS}
     if same != {k: v for k, v in vars(args).items() if k not in PER_RUN_ARGUMENTS}:
         return {}

@@ -3,8 +3,9 @@
 Each example is random filler tokens with one `KEY` token followed by a key digit (10 classes); the last token asks
 for the digit. Where the key lies decides the task: in the question's own window (`in-window`), in the window before
 it (`across-1`), or eight windows before it (`across-8`). Tiny models (hidden 64, 2 layers, 4 heads, window 64) are
-trained from scratch with AdamW, batch 16, gradient clipping 1.0 and evaluated on 256 held-out examples every
-`--eval_every` steps; a run stops early once it is at 99% twice in a row.
+trained from scratch with AdamW (learning rate 2e-3 after a linear warmup of 300 steps), batch 16, gradient clipping
+1.0 and evaluated on 256 held-out examples every `--eval_every` steps; a run stops early once it is at 99% twice in a
+row.
 
 Models: a GPT-2 of the same size, the causal RAN as it is now, and the designs that led to it from the official
 layer, one config field at a time (`residual_stream`, `cell_input_residual`, `review_qk_norm`, then
@@ -179,6 +180,10 @@ def train_once(task: str, model_name: str, seed: int, args) -> RunResult:
     torch.manual_seed(seed)
     model = build_model(model_name, length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
+    # Linear warmup, then constant: at the full rate from step 1, a RAN's write and review attention saturate on
+    # whatever they pick first (docs/memory.md, cause 7).
+    warmup = max(1, args.warmup_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / warmup))
     generator = torch.Generator().manual_seed(seed + 1)
     history, steps_to_99, above, start = [], None, 0, time.perf_counter()
     progress = tqdm(range(1, max_steps + 1), desc=f"{task} {model_name} s{seed}", leave=False, disable=args.jobs > 1)
@@ -189,6 +194,7 @@ def train_once(task: str, model_name: str, seed: int, args) -> RunResult:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         if step % args.eval_every == 0 or step == max_steps:
             score = accuracy(model, length, key_range)
             history.append([step, round(loss.item(), 4), score])
@@ -239,7 +245,8 @@ def markdown(rows: list[dict], info: dict, args) -> str:
     lines = [
         f"Machine: {machine_line(info)}",
         "",
-        f"Key retrieval, batch {args.batch_size}, lr {args.learning_rate}; at most {args.in_window_steps} steps "
+        f"Key retrieval, batch {args.batch_size}, lr {args.learning_rate} (linear warmup over {args.warmup_steps} "
+        f"steps); at most {args.in_window_steps} steps "
         f"in-window and {args.across_steps} across windows; final accuracy per seed, and the step at which each "
         "seed first reached 99%; digits missed: per seed that falls short, the key digits it answers right less "
         "than half the time (1,024 held-out examples).",
@@ -319,6 +326,9 @@ def parse_args(argv=None):
     parser.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all (fewer on across-8)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument(
+        "--warmup_steps", type=int, default=300, help="linear learning-rate warmup (0: the full rate from step 1)"
+    )
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--in_window_steps", type=int, default=500)
     parser.add_argument("--across_steps", type=int, default=2000)
@@ -334,6 +344,8 @@ def parse_args(argv=None):
         parser.error("--learning_rate, --batch_size and --eval_every must be positive")
     if args.jobs < 1 or args.threads < 1:
         parser.error("--jobs and --threads must be >= 1")
+    if args.warmup_steps < 0:
+        parser.error("--warmup_steps must be >= 0")
     if args.in_window_steps < 1 or args.across_steps < 1:
         parser.error("--in_window_steps and --across_steps must be >= 1")
     return args
