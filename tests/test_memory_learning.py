@@ -1,4 +1,4 @@
-"""The causal RAN's memory learns: a key digit read in one window is recalled in the next
+"""The causal RAN's memory learns: a key digit read in one window is recalled in the next, and eight windows later
 (scripts/benchmarks/diagnose_memory.py).
 
 Trained from scratch on CPU, deterministic given the seed. The same budget leaves the official post-norm layer at
@@ -17,8 +17,9 @@ from ran_hf import cell_scan
 
 def run_arguments(**overrides) -> argparse.Namespace:
     arguments = {
-        "learning_rate": 2e-3, "batch_size": 16, "in_window_steps": 300, "across_steps": 1000, "eval_every": 50,
+        "learning_rate": 2e-3, "batch_size": 16, "in_window_steps": 500, "across_steps": 1000, "eval_every": 50,
         "threads": 1, "jobs": 1, "probe": False,
+        "warmup_steps": 300,
     }  # fmt: skip
     arguments.update(overrides)
     return argparse.Namespace(**arguments)
@@ -44,10 +45,10 @@ def test_every_design_builds_from_its_fields():
                 assert getattr(model.config, field) == value
 
 
-# Across one window, 3 of 4 seeds reach 99% (at steps 200-400); seed 0 merges two digits and stays at 80% after 2,000
-# steps (docs/memory.md, cause 6). The test is a regression check that the memory path can learn, not a claim that
-# every seed does: it trains seed 1, which reaches 99% at step 200.
-@pytest.mark.parametrize("task,seed", [("in-window", 0), ("across-1", 1)])
+# With a 300-step warmup, every seed measured reaches 99% in, across one and across eight windows, by step 200-400
+# (docs/memory.md, cause 7); at the full rate from step 1, across eight windows was a lottery. One seed per task keeps
+# CI short; across eight windows is the one that fails without the warmup (seed 0: 51% after 2,000 steps).
+@pytest.mark.parametrize("task,seed", [("in-window", 0), ("across-1", 1), ("across-8", 0)])
 def test_causal_ran_learns_to_retrieve_a_key(task, seed):
     result = train_once(task, "ran", seed=seed, args=run_arguments())
     assert result.accuracy >= 0.95, result.history
