@@ -147,8 +147,7 @@ def probe_memory(model, length: int, key_range, examples: int = 1024) -> dict:
     for index, layer in enumerate(model.model.layers):
         tokens = layer.input_norm(outputs.hidden_states[index][:, :WINDOW])  # (E, W, D): the first window
         cell = layer.input_norm(layer.initial_cell)[None]
-        query = layer.project(cell)[:, 0]  # (1, H, d): the cell's query, at position 0 (no rotation)
-        cell_key = layer.project(cell)[:, 1]
+        query, cell_key = layer.project(cell)[:, :2].unbind(1)  # (1, H, d) each; the cell sits at position 0
         token_keys = layer.project(tokens)[:, :, 1]  # (E, W, H, d), slot s at position s + 1
         rotations = rotary_rotations(WINDOW + 1, layer.head_dim, model.config.rope_theta, ids.device)[1:]
         if model.config.use_rotary:

@@ -243,17 +243,14 @@ class RANConfig(PreTrainedConfig):
         """Also names the memory design a config resolves to, so that a saved checkpoint keeps computing what it was
         trained to compute if the causal defaults change."""
         output = super().to_dict()
-        resolved = {
-            "residual_stream": self.uses_residual_stream,
-            "cell_input_residual": self.uses_cell_input_residual,
-            "review_qk_norm": self.uses_review_qk_norm,
-            "review_initial_cell": self.review_initial_cell is not False,
-            "attention_qk_activation": self.uses_attention_qk_activation,
-            "memory_value_activation": self.uses_memory_value_activation,
-        }
-        for name, value in resolved.items():
+        for name in _LEARNABLE_MEMORY_FIELDS:
             if output.get(name) is None:
-                output[name] = value
+                # `review_initial_cell` alone is no causal-vs-encoder default: True unless set (the encoder never
+                # reads it).
+                if name == "review_initial_cell":
+                    output[name] = self.review_initial_cell is not False
+                else:
+                    output[name] = getattr(self, f"uses_{name}")
         return output
 
     def _warn_about_unknown_keywords(self, kwargs: dict) -> None:
