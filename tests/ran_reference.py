@@ -70,7 +70,11 @@ def window_attention(layer, cell, tokens, config, causal):
         allowed = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool).tril()
         allowed[0] = True  # the cell is written after its window: it reads all of it
         scores = scores.masked_fill(~allowed, float("-inf"))
-    out = linear(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], heads * d), layer.o_proj)
+    attended = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # (1 + w, H, d)
+    if config.uses_cell_max_pool:  # the cell also reads a soft maximum of its tokens' values, feature by feature
+        temperature = 0.03
+        attended[0] = attended[0] + temperature * torch.logsumexp(v[1:] / temperature, dim=0)
+    out = linear(attended.reshape(x.shape[0], heads * d), layer.o_proj)
     written = act(out[0]) if config.uses_memory_value_activation else out[0]  # what the cell writes
     out = act(out)
     gated = out + glu(x, layer.attention_glu)

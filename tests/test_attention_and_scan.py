@@ -134,3 +134,24 @@ def test_an_unknown_scan_is_named(make_config):
     model = RANModel(make_config(scan_implementation="fused-someday")).eval()
     with pytest.raises(ValueError, match=r"'fused-someday'.*registered: \[.*'reference'"):
         model(*batch())
+
+
+def test_window_maxima_are_a_soft_maximum_of_the_readable_slots_only():
+    from ran_hf.fused_scan import MAX_POOL_TEMPERATURE, window_maxima
+
+    values = torch.randn(3, 2, 4, 6, 5, dtype=torch.float64, requires_grad=True)  # (N, B, H, S, d)
+    mask = torch.ones(3, 2, 6, dtype=torch.bool)
+    mask[0, 1, 3:] = False  # a short window
+    mask[2, 1] = False  # a sequence without a third window
+    maxima = window_maxima(values, mask)
+    hard = values.detach().masked_fill(~mask[:, :, None, :, None], float("-inf")).amax(-2)
+    readable = mask.sum(-1)[..., None, None]  # (N, B, 1, 1)
+    close = (maxima - hard).detach()
+    assert ((close >= 0) & (close <= MAX_POOL_TEMPERATURE * readable.clamp(min=1).log() + 1e-12))[mask.any(-1)].all()
+    assert (maxima[2, 1] == 0).all()
+    maxima.sum().backward()
+    assert torch.isfinite(values.grad).all()
+    assert (values.grad[0, 1, :, 3:] == 0).all() and (values.grad[2, 1] == 0).all()  # nothing reaches hidden slots
+    # Every readable feature's gradient is a distribution over the window's slots.
+    sums = values.grad.sum(-2)
+    assert torch.allclose(sums[mask.any(-1)], torch.ones_like(sums[mask.any(-1)]))

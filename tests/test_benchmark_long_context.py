@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import benchmark_long_context as bench
-from benchmark_long_context import KEY, KEY_DIGITS, QUESTION, Vocabulary, answer_logits, mqar_batch, passkey_batch
+from benchmark_long_context import KEY, QUESTION, Vocabulary, answer_logits, mqar_batch, passkey_batch
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not (DATA / "wikitext-2").is_dir(), reason="needs ../shared/data")
@@ -28,20 +28,21 @@ def test_vocabulary_keeps_digits_for_keys_only(streams):
     assert stream.max() < vocabulary.first_key_symbol
 
 
+@pytest.mark.parametrize("key_digits", [5, 1])
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0, None])
-def test_passkey_plants_the_key_at_its_depth_and_asks_at_the_end(streams, depth):
+def test_passkey_plants_the_key_at_its_depth_and_asks_at_the_end(streams, depth, key_digits):
     stream, _ = streams
     length = 300
-    ids, digits = passkey_batch(stream, torch.Generator().manual_seed(0), 8, length, depth)
-    assert ids.shape == (8, length) and digits.shape == (8, KEY_DIGITS)
+    ids, digits = passkey_batch(stream, torch.Generator().manual_seed(0), 8, length, depth, key_digits)
+    assert ids.shape == (8, length) and digits.shape == (8, key_digits)
     for row, key in zip(ids, digits):
         starts = (row == KEY).nonzero().flatten()
-        assert len(starts) == 1 and (row == QUESTION).nonzero().flatten().tolist() == [length - KEY_DIGITS - 1]
+        assert len(starts) == 1 and (row == QUESTION).nonzero().flatten().tolist() == [length - key_digits - 1]
         start = int(starts[0])
-        assert torch.equal(row[start + 1 : start + 1 + KEY_DIGITS], key)
-        assert torch.equal(row[-KEY_DIGITS:], key)
+        assert torch.equal(row[start + 1 : start + 1 + key_digits], key)
+        assert torch.equal(row[-key_digits:], key)
         if depth is not None:
-            assert start == round(depth * (length - 2 * (KEY_DIGITS + 1) - 1))
+            assert start == round(depth * (length - 2 * (key_digits + 1) - 1))
 
 
 def test_mqar_asks_every_key_once_for_its_value(streams):

@@ -194,8 +194,22 @@ def test_a_saved_config_names_the_memory_design_it_resolves_to(is_causal, tmp_pa
     assert saved["residual_stream"] is config.uses_residual_stream is is_causal
     assert saved["attention_qk_activation"] is config.uses_attention_qk_activation is (not is_causal)
     assert saved["memory_value_activation"] is config.uses_memory_value_activation is (not is_causal)
+    assert saved["cell_max_pool"] is config.uses_cell_max_pool is is_causal
     # A config saved with the official choices keeps them, whatever the causal defaults say.
     saved.update(attention_qk_activation=True, memory_value_activation=True)
     (tmp_path / "config.json").write_text(json.dumps(saved))
     loaded = ran_hf.RANConfig.from_pretrained(tmp_path)
     assert loaded.uses_attention_qk_activation and loaded.uses_memory_value_activation
+
+
+def test_a_causal_config_saved_before_cell_max_pool_loads_without_it(tmp_path):
+    """A config that names its memory design but not `cell_max_pool` was trained without it, whatever the default."""
+    config = ran_hf.RANConfig(is_causal=True, hidden_size=16, num_attention_heads=2, head_dim=8)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["cell_max_pool"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert not ran_hf.RANConfig.from_pretrained(tmp_path).uses_cell_max_pool
+    assert ran_hf.RANConfig.from_pretrained(tmp_path, cell_max_pool=True).uses_cell_max_pool
+    # A config written by hand, naming no memory field, takes today's causal defaults.
+    assert ran_hf.RANConfig.from_dict({"is_causal": True}).uses_cell_max_pool

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Passkey retrieval far beyond the training length, and multi-query associative recall (MQAR).
 
-**Passkey.** A random 5-digit key follows a `KEY` marker somewhere in real text (WikiText-2 sentences: the
-validation split for training, the test split for evaluation); the text ends with a `QUESTION` marker, after which
-the model must produce the five digits. Models train on about 1K-token examples only and are evaluated at 1K, 4K,
-16K and 64K tokens with the key at several depths. A result is an exact match of all five digits under greedy
-decoding (read from one teacher-forced forward: greedy decoding emits the key exactly when every forced step's
-argmax is right).
+**Passkey.** A random 5-digit key (`--key_digits`) follows a `KEY` marker somewhere in real text (WikiText-2
+sentences: the validation split for training, the test split for evaluation); the text ends with a `QUESTION`
+marker, after which the model must produce the digits. Models train on about 1K-token examples only and are
+evaluated at 1K, 4K, 16K and 64K tokens with the key at several depths. A result is an exact match of all digits
+under greedy decoding (read from one teacher-forced forward: greedy decoding emits the key exactly when every
+forced step's argmax is right).
 
 **MQAR** (Zoology's multi-query associative recall): key-value pairs open the sequence, real text follows, and
 the sequence ends by querying every key once in a random order; the model must produce each key's value. Models
@@ -47,7 +47,6 @@ from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
 PAD, KEY, QUESTION, FIRST_DIGIT = 0, 1, 2, 3  # digits are 3..12
 NUM_WORDS = 2000  # the most frequent words of the training text; the rest becomes <unk>, numbers become <num>
 NUM_SYMBOLS = 64  # MQAR keys and values each come from their own 64 symbols
-KEY_DIGITS = 5
 
 # name -> RAN fields that differ from the causal defaults (the official causal scan: the cell reads only itself);
 # None: GPT-2
@@ -96,20 +95,22 @@ def filler(stream: torch.Tensor, generator: torch.Generator, batch_size: int, le
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-def passkey_batch(stream, generator, batch_size: int, length: int, depth: float | None = None):
-    """Ids (B, length) and the five answer digits (B, 5). The key lies at `depth` (0..1) of the text before the
-    question, or anywhere when `depth` is None; the last six tokens are the question and the answer."""
+def passkey_batch(
+    stream, generator, batch_size: int, length: int, depth: float | None = None, key_digits: int = 5
+):
+    """Ids (B, length) and the answer digits (B, key_digits). The key lies at `depth` (0..1) of the text before the
+    question, or anywhere when `depth` is None; the last `key_digits + 1` tokens are the question and the answer."""
     ids = filler(stream, generator, batch_size, length)
-    digits = torch.randint(0, 10, (batch_size, KEY_DIGITS), generator=generator) + FIRST_DIGIT
-    room = length - 2 * (KEY_DIGITS + 1)  # text positions where the key (marker + digits) can start
+    digits = torch.randint(0, 10, (batch_size, key_digits), generator=generator) + FIRST_DIGIT
+    room = length - 2 * (key_digits + 1)  # text positions where the key (marker + digits) can start
     if depth is None:
         starts = torch.randint(0, room, (batch_size,), generator=generator)
     else:
         starts = torch.full((batch_size,), round(depth * (room - 1)))
-    offsets = torch.arange(KEY_DIGITS + 1)
+    offsets = torch.arange(key_digits + 1)
     rows = torch.arange(batch_size)[:, None]
     ids[rows, starts[:, None] + offsets] = torch.cat([torch.full((batch_size, 1), KEY), digits], 1)
-    ids[:, -(KEY_DIGITS + 1) :] = torch.cat([torch.full((batch_size, 1), QUESTION), digits], 1)
+    ids[:, -(key_digits + 1) :] = torch.cat([torch.full((batch_size, 1), QUESTION), digits], 1)
     return ids, digits
 
 
@@ -217,7 +218,7 @@ def run_model(name: str, args) -> dict:
     start = time.perf_counter()
     result["passkey_training"] = train(
         model,
-        lambda: passkey_batch(train_stream, generator, args.batch_size, args.train_length),
+        lambda: passkey_batch(train_stream, generator, args.batch_size, args.train_length, None, args.key_digits),
         lambda m, ids, answers: answer_logits(m, ids, answers, context),
         args.passkey_steps,
         args,
@@ -233,13 +234,13 @@ def run_model(name: str, args) -> dict:
             correct = 0
             for offset in range(0, args.eval_examples, args.eval_batch_size):
                 batch = min(args.eval_batch_size, args.eval_examples - offset)
-                ids, digits = passkey_batch(eval_stream, evaluation, batch, length, depth)
-                predicted = answer_logits(model, ids, KEY_DIGITS, context).argmax(-1)
+                ids, digits = passkey_batch(eval_stream, evaluation, batch, length, depth, args.key_digits)
+                predicted = answer_logits(model, ids, args.key_digits, context).argmax(-1)
                 correct += int((predicted == digits).all(-1).sum())
             result["passkey"].append({"length": length, "depth": depth, "accuracy": correct / args.eval_examples})
         if not is_gpt2:  # GPT-2's cache never holds more than its 1K context
-            ids, _ = passkey_batch(eval_stream, evaluation, 1, length, 0.5)
-            result["passkey"][-1] |= decode_cost(model, ids[:, :-KEY_DIGITS], args.window_size * 4)
+            ids, _ = passkey_batch(eval_stream, evaluation, 1, length, 0.5, args.key_digits)
+            result["passkey"][-1] |= decode_cost(model, ids[:, : -args.key_digits], args.window_size * 4)
             result["passkey"][-1]["decode_at"] = length
 
     # MQAR: a fresh model of the same design, trained at --mqar_train_length.
@@ -283,7 +284,8 @@ def markdown(results: list[dict], info: dict, args) -> str:
         f"Machine: {machine_line(info)}",
         "",
         f"Passkey: trained {args.passkey_steps} steps at {args.train_length} tokens (batch {args.batch_size}); "
-        f"exact match of 5 digits over {args.eval_examples} examples per depth {args.depths}, mean over depths.",
+        f"exact match of {args.key_digits} digits over {args.eval_examples} examples per depth {args.depths}, "
+        "mean over depths.",
         "",
         "| model | parameters | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
         "|---|---:|" + "---:|" * len(lengths),
@@ -360,6 +362,7 @@ def parse_args(argv=None):
     parser.add_argument("--window_size", type=int, default=64)
     parser.add_argument("--train_length", type=int, default=1024)
     parser.add_argument("--passkey_steps", type=int, default=1000)
+    parser.add_argument("--key_digits", type=int, default=5, help="digits of the passkey")
     parser.add_argument("--eval_lengths", nargs="+", type=int, default=[1024, 4096, 16384, 65536])
     parser.add_argument("--max_ran_length", type=int, default=65536, help="longest passkey length for the RANs")
     parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
@@ -379,7 +382,7 @@ def parse_args(argv=None):
     parser.add_argument("--output", default="benchmarks/long_context", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)
     positive = ("hidden_size", "num_layers", "num_heads", "window_size", "batch_size", "eval_examples", "jobs")
-    for name in positive + ("eval_batch_size", "threads", "passkey_steps", "mqar_steps"):
+    for name in positive + ("eval_batch_size", "threads", "passkey_steps", "mqar_steps", "key_digits"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
     if args.learning_rate <= 0:
@@ -390,8 +393,8 @@ def parse_args(argv=None):
         parser.error("--hidden_size must be a multiple of --num_heads")
     if any(not 0 <= depth <= 1 for depth in args.depths):
         parser.error("--depths are fractions between 0 and 1")
-    if min(args.eval_lengths + [args.train_length]) < 4 * (KEY_DIGITS + 1):
-        parser.error(f"passkey lengths must be at least {4 * (KEY_DIGITS + 1)} tokens")
+    if min(args.eval_lengths + [args.train_length]) < 4 * (args.key_digits + 1):
+        parser.error(f"passkey lengths must be at least {4 * (args.key_digits + 1)} tokens")
     if min(args.mqar_lengths + [args.mqar_train_length]) < 4 * max(args.mqar_pairs) or max(args.mqar_pairs) > NUM_SYMBOLS:
         parser.error(f"MQAR needs lengths >= 4 x pairs and at most {NUM_SYMBOLS} pairs")
     for split in ("valid.txt", "test.txt"):
@@ -409,7 +412,8 @@ def earlier_results(path: Path, args) -> dict:
     if not path.exists():
         return {}
     earlier = json.loads(path.read_text())
-    earlier["arguments"].setdefault("warmup_steps", 100)  # results saved before it was an argument
+    earlier["arguments"].setdefault("warmup_steps", 100)  # results saved before these were arguments
+    earlier["arguments"].setdefault("key_digits", 5)
     same = {k: v for k, v in earlier["arguments"].items() if k not in PER_RUN_ARGUMENTS}
     if same != {k: v for k, v in vars(args).items() if k not in PER_RUN_ARGUMENTS}:
         return {}

@@ -2,15 +2,15 @@
 
 Each example is random filler tokens with one `KEY` token followed by a key digit (10 classes); the last token asks
 for the digit. Where the key lies decides the task: in the question's own window (`in-window`), in the window before
-it (`across-1`), or eight windows before it (`across-8`). Tiny models (hidden 64, 2 layers, 4 heads, window 64) are
-trained from scratch with AdamW (learning rate 2e-3 after a linear warmup of 300 steps), batch 16, gradient clipping
-1.0 and evaluated on 256 held-out examples every `--eval_every` steps; a run stops early once it is at 99% twice in a
-row.
+it (`across-1`), eight windows before it (`across-8`), or anywhere in those eight (`across-any`). Tiny models (hidden
+64, 2 layers, 4 heads, window 64) are trained from scratch with AdamW (learning rate 2e-3 after a linear warmup of
+300 steps), batch 16, gradient clipping 1.0 and evaluated on 256 held-out examples every `--eval_every` steps; a run
+stops early once it is at 99% twice in a row.
 
 Models: a GPT-2 of the same size, the causal RAN as it is now, and the designs that led to it from the official
 layer, one config field at a time (`residual_stream`, `cell_input_residual`, `review_qk_norm`, then
-`attention_qk_activation` and `memory_value_activation` together), and the RAN without one of its changes
-(`review_initial_cell`, memory review, an untied decoder), so the table says what each change is worth:
+`attention_qk_activation` and `memory_value_activation` together, then `cell_max_pool`), and the RAN without one of
+its changes (`review_initial_cell`, memory review, an untied decoder), so the table says what each change is worth:
 
     python scripts/benchmarks/diagnose_memory.py --across_steps 1000  # 33 minutes on 2 CPU cores (2,000 steps: longer)
     python scripts/benchmarks/diagnose_memory.py --tasks in-window --models ran gpt2 --seeds 0
@@ -49,7 +49,8 @@ MODELS = {
     "+residual-stream": OFFICIAL_LAYER_FIELDS | {"residual_stream": True},
     "+cell-written-by-attention": ACTIVATED | {"review_qk_norm": False},
     "+review-qk-norm": ACTIVATED,  # + cosine scores in memory review
-    "ran": {},  # + plain attention scores and a linear memory path
+    "+plain-projections": {"cell_max_pool": False},  # + plain attention scores and a linear memory path
+    "ran": {},  # + the window's soft maximum written into its cell
     "ran-without-initial-cell": {"review_initial_cell": False},
     "no-initial-cell-dot-review": {"review_initial_cell": False, "review_qk_norm": False},
     "ran-no-memory-review": {"memory_review": False},
@@ -62,6 +63,7 @@ TASKS = {
     "in-window": (128, (WINDOW + 6, 2 * WINDOW - 8)),
     "across-1": (128, (10, WINDOW - 14)),
     "across-8": (9 * WINDOW, (10, WINDOW - 14)),
+    "across-any": (9 * WINDOW, (10, 8 * WINDOW - 2)),  # anywhere in the eight windows before the question's
 }
 
 
@@ -313,16 +315,16 @@ def plot(results: list[RunResult], path: Path) -> None:
 
 
 def default_models(task: str) -> list[str]:
-    # Eight windows cost 4.5 times the tokens: there only the causal RAN, the design before it, and GPT-2.
-    if task == "across-8":
-        return ["ran", "+review-qk-norm", "gpt2"]
+    # Eight windows cost 4.5 times the tokens: there only the causal RAN, the designs before it, and GPT-2.
+    if TASKS[task][0] > 128:
+        return ["ran", "+plain-projections", "+review-qk-norm", "gpt2"]
     return list(MODELS)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all (fewer on across-8)")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all (fewer on the long tasks)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--learning_rate", type=float, default=2e-3)
     parser.add_argument(

@@ -17,7 +17,7 @@ import torch
 from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
-from .fused_scan import fused_scan, fused_scan_unsupported
+from .fused_scan import fused_scan, fused_scan_unsupported, window_maxima
 from .scan_dropout import draw_scan_dropout, drop
 
 if TYPE_CHECKING:
@@ -80,7 +80,9 @@ def reference_cell_scan(
     scale = 1.0 / math.sqrt(layer.head_dim)
     # Step-major views of every sequence's windows. `unbind` (not indexing inside the loop) keeps the backward pass
     # linear in the number of steps.
-    step_keys, step_values, step_mask = (states.unbind(0) for states in step_major(keys, values, layout))
+    step_keys, step_values, step_mask = step_major(keys, values, layout)
+    maxima = window_maxima(step_values, step_mask).unbind(0) if layer.config.uses_cell_max_pool else None
+    step_keys, step_values, step_mask = step_keys.unbind(0), step_values.unbind(0), step_mask.unbind(0)
     # Every window after a sequence's first has a cell residual; at step 0 only sequences continued from a cache.
     use_residual = layer.config.use_cell_residual
     first_step_continues = layout.first_window[:, None] > 0  # (B, 1)
@@ -97,6 +99,8 @@ def reference_cell_scan(
         probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
         probs = drop(probs, masks.probs)
         attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], step_values[step])
+        if maxima is not None:
+            attended = attended + maxima[step]
         raw = layer.write_cell(attended.flatten(-2), normed, masks.output, masks.written)  # (B, D)
         if not use_residual or (step == 0 and layout.continued_rows == 0):
             cell = raw

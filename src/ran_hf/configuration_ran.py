@@ -19,6 +19,7 @@ OFFICIAL_LAYER_FIELDS = {
     "review_initial_cell": True,
     "attention_qk_activation": True,
     "memory_value_activation": True,
+    "cell_max_pool": False,
 }
 _LEARNABLE_MEMORY_FIELDS = tuple(OFFICIAL_LAYER_FIELDS)
 _CELL_POOLINGS = ("last", "mean", "max")
@@ -153,6 +154,15 @@ class RANConfig(PreTrainedConfig):
             that writes a cell, and memory review's values and output projection. `False` keeps that path linear,
             so that swish's flat negative side cannot merge what cells carry (two key digits that differ there
             become one). Defaults to `False` for causal models and `True` (official) for the encoder.
+        cell_max_pool (`bool`, *optional*):
+            Whether a window's raw cell also writes the feature-wise maximum of its window's token values (a soft
+            maximum, log-sum-exp at temperature 0.03, whose gradient survives bfloat16 rounding), besides what its
+            attention reads. The attention writes an average, and averages of windows look alike: memory
+            review could then find the cell that holds a key only when that cell stood out otherwise (the first
+            window's, written by the constant starting cell), and a key anywhere else was never learned. A maximum
+            keeps a rare token's features at full strength whatever else the window holds. Defaults to `True` for
+            causal models and `False` (official) for the encoder; a causal config saved before this field existed
+            loads with `False`, as it was trained.
         scan_implementation (`str`, *optional*, defaults to `"reference"`):
             Which cell scan the layers run, by its name in `ran_hf.cell_scan.ALL_SCAN_FUNCTIONS`. `"reference"` is
             the plain step-by-step loop that autograd records op by op. `"fused"` runs a layer's whole scan as one
@@ -218,6 +228,7 @@ class RANConfig(PreTrainedConfig):
     review_initial_cell: bool | None = None
     attention_qk_activation: bool | None = None
     memory_value_activation: bool | None = None
+    cell_max_pool: bool | None = None
     scan_implementation: str = "reference"
     hidden_act: str = "silu"
     hidden_dropout_prob: float = 0.1
@@ -238,6 +249,14 @@ class RANConfig(PreTrainedConfig):
         # Every saved folder names the code of every head, so that any Auto class loads it as remote code.
         self.auto_map = dict(REMOTE_CODE_AUTO_MAP)
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        # A saved config names every memory field it resolved (`to_dict`); one that names them but not
+        # `cell_max_pool` was saved before that field existed, and its model was trained without it.
+        if "residual_stream" in config_dict and "cell_max_pool" not in config_dict:
+            config_dict = {**config_dict, "cell_max_pool": False}
+        return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:
         """Also names the memory design a config resolves to, so that a saved checkpoint keeps computing what it was
@@ -369,6 +388,10 @@ class RANConfig(PreTrainedConfig):
     @property
     def uses_memory_value_activation(self) -> bool:
         return self._learnable_memory("memory_value_activation", False)
+
+    @property
+    def uses_cell_max_pool(self) -> bool:
+        return self._learnable_memory("cell_max_pool", True)
 
     @property
     def uses_review_initial_cell(self) -> bool:

@@ -44,6 +44,7 @@ def _cell_scan(
     previous_raw: Tensor,
     step_keys: Tensor,
     step_values: Tensor,
+    output_shift: Tensor | None,
     score_bias: Tensor,
     first_step_rows: Tensor,
     dropout: list[Tensor | None],
@@ -59,12 +60,13 @@ def _cell_scan(
     flags = (cell_input_residual, use_cell_residual, qk_activation, output_activation, first_step_mode)
     plan = scan_plan(step_keys, first_step_rows, False, eps, *flags)
     masks = ScanDropout(*dropout)
-    outputs, _ = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, masks, tuple(weights))
+    inputs = (cell, previous_raw, step_keys, step_values, output_shift, score_bias, masks)
+    outputs, _ = scan_forward(plan, *inputs, tuple(weights))
     return outputs
 
 
 @_cell_scan.register_fake
-def _(cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, dropout, weights, *plan):
+def _(cell, previous_raw, step_keys, step_values, output_shift, score_bias, first_step_rows, dropout, weights, *plan):
     num_steps, batch_size, num_heads, _, head_dim = step_keys.shape
     read = step_keys.new_empty(num_steps, batch_size, num_heads, head_dim)
     cells = cell.new_empty(num_steps, batch_size, cell.shape[-1])
@@ -78,6 +80,7 @@ def _cell_scan_backward(
     previous_raw: Tensor,
     step_keys: Tensor,
     step_values: Tensor,
+    output_shift: Tensor | None,
     score_bias: Tensor,
     first_step_rows: Tensor,
     dropout: list[Tensor | None],
@@ -89,12 +92,14 @@ def _cell_scan_backward(
     output_activation: bool,
     first_step_mode: int,
 ) -> list[Tensor]:
-    """Gradients of cell, previous_raw, step_keys, step_values and of every weight that is not None, in order."""
+    """Gradients of cell, previous_raw, step_keys, step_values, and of the output shift and every weight that are
+    not None, in order."""
     flags = (cell_input_residual, use_cell_residual, qk_activation, output_activation, first_step_mode)
     plan = scan_plan(step_keys, first_step_rows, True, eps, *flags)
     masks = ScanDropout(*dropout)
-    _, state = scan_forward(plan, cell, previous_raw, step_keys, step_values, score_bias, masks, tuple(weights))
-    inputs = (cell, previous_raw, step_keys, step_values, *weights)
+    forward_inputs = (cell, previous_raw, step_keys, step_values, output_shift, score_bias, masks)
+    _, state = scan_forward(plan, *forward_inputs, tuple(weights))
+    inputs = (cell, previous_raw, step_keys, step_values, output_shift, *weights)
     gradients = scan_backward(plan, state, tuple(weights), tuple(grads))
     # A weight the scan never reached (the cell GLU of a scan without residual steps) gets zeros, not None.
     return [
@@ -105,18 +110,23 @@ def _cell_scan_backward(
 
 
 @_cell_scan_backward.register_fake
-def _(grads, cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, dropout, weights, *plan):
-    inputs = (cell, previous_raw, step_keys, step_values, *weights)
+def _(grads, cell, previous_raw, step_keys, step_values, output_shift, score_bias, first_step_rows, dropout, weights,
+      *plan):  # fmt: skip
+    inputs = (cell, previous_raw, step_keys, step_values, output_shift, *weights)
     return [tensor.new_empty(tensor.shape) for tensor in inputs if tensor is not None]  # contiguous
 
 
 def _setup_context(ctx, inputs, output):
-    cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, dropout, weights, *plan = inputs
+    cell, previous_raw, step_keys, step_values, output_shift, score_bias, first_step_rows, dropout, weights, *plan = (
+        inputs
+    )
     ctx.plan = plan
+    ctx.has_shift = output_shift is not None
     ctx.has_mask = [mask is not None for mask in dropout]
     ctx.has_weight = [weight is not None for weight in weights]
     ctx.save_for_backward(
         cell, previous_raw, step_keys, step_values, score_bias, first_step_rows,
+        *([output_shift] if output_shift is not None else []),
         *(mask for mask in dropout if mask is not None), *(weight for weight in weights if weight is not None),
     )  # fmt: skip
 
@@ -132,16 +142,18 @@ def _backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells)
         )
     ]
     present = iter(present)
+    output_shift = next(present) if ctx.has_shift else None
     dropout = [next(present) if has else None for has in ctx.has_mask]
     weights = [next(present) if has else None for has in ctx.has_weight]
-    inputs = (cell, previous_raw, step_keys, step_values, score_bias, first_step_rows, dropout, weights)
+    inputs = (cell, previous_raw, step_keys, step_values, output_shift, score_bias, first_step_rows, dropout, weights)
     gradients = iter(_cell_scan_backward(grads, *inputs, *ctx.plan))
     grad_cell, grad_previous_raw, grad_keys, grad_values = (next(gradients) for _ in range(4))
+    grad_shift = next(gradients) if ctx.has_shift else None
     grad_weights = [next(gradients) if has else None for has in ctx.has_weight]
     # The masks are constants. Their gradient takes the list's structure, but a list of Nones only is one leaf.
     no_grad_masks = [None] * len(ctx.has_mask) if any(ctx.has_mask) else None
     return (
-        grad_cell, grad_previous_raw, grad_keys, grad_values, None, None, no_grad_masks, grad_weights,
+        grad_cell, grad_previous_raw, grad_keys, grad_values, grad_shift, None, None, no_grad_masks, grad_weights,
         *(None for _ in ctx.plan),
     )  # fmt: skip
 
@@ -149,7 +161,9 @@ def _backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells)
 _cell_scan.register_autograd(_backward, setup_context=_setup_context)
 
 
-def cell_scan_op(plan: ScanPlan, cell, previous_raw, step_keys, step_values, score_bias, dropout, weights):
+def cell_scan_op(
+    plan: ScanPlan, cell, previous_raw, step_keys, step_values, output_shift, score_bias, dropout, weights
+):
     """`FusedCellScan.apply(plan, ...)` as the custom op: the same inputs and outputs."""
     residual = plan.first_step_residual
     if isinstance(residual, torch.Tensor):
@@ -161,6 +175,7 @@ def cell_scan_op(plan: ScanPlan, cell, previous_raw, step_keys, step_values, sco
         previous_raw,
         step_keys,
         step_values,
+        output_shift,
         score_bias,
         rows,
         list(dropout),
