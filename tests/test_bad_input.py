@@ -345,6 +345,13 @@ CONFIG_ERRORS = [
     pytest.param(
         {"window_overlap": 7}, r"`window_overlap` \(7\) must be smaller than `window_size`", id="overlap-larger"
     ),
+    pytest.param(
+        {"is_causal": True, "memory_review_cells": 0}, "`memory_review_cells` must be >= 1", id="bound-zero"
+    ),
+    pytest.param(
+        {"is_causal": True, "memory_review_cells": True}, "`memory_review_cells` must be an int", id="bound-bool"
+    ),
+    pytest.param({"memory_review_cells": 4}, "bidirectional encoder reviews every cell", id="bound-encoder"),
 ]
 
 

@@ -78,7 +78,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
             "--data_dir", str(DATA), "--output", str(output), "--jobs", "1", "--passkey_steps", "2",
             "--mqar_steps", "2", "--train_length", "128", "--eval_lengths", "128", "256", "--eval_examples", "2",
             "--mqar_train_length", "64", "--mqar_lengths", "64", "128", "--mqar_pairs", "2", "4", "--hidden_size", "16",
-            "--num_heads", "2", "--window_size", "16", "--depths", "0.5",
+            "--num_heads", "2", "--window_size", "16", "--depths", "0.5", "--memory_review_cells", "4",
         ]
     )  # fmt: skip
     assert [r["model"] for r in results] == list(bench.MODELS)
@@ -88,7 +88,12 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
         assert len(result["mqar"]) == 4 and all(0 <= row["accuracy"] <= 1 for row in result["mqar"])
         decoded = [row for row in result["passkey"] if "ms_per_token" in row]
         assert len(decoded) == (0 if result["model"] == "gpt2" else 2)
-    assert "| ran |" in output.with_suffix(".md").read_text() and output.with_suffix(".png").stat().st_size > 0
+        if result["model"] != "gpt2":  # also evaluated with memory review bounded to 4 cells: at 256 tokens, 16 windows
+            bounded = [row for row in result["passkey_bounded"] if "cache_bytes" in row]
+            assert [row["length"] for row in bounded] == [128, 256]
+            assert bounded[0]["cache_bytes"] == bounded[1]["cache_bytes"] < decoded[1]["cache_bytes"]
+    table = output.with_suffix(".md").read_text()
+    assert "| ran |" in table and "| ran, last 4 cells |" in table and output.with_suffix(".png").stat().st_size > 0
 
 
 def test_bad_arguments_are_refused():
@@ -96,6 +101,8 @@ def test_bad_arguments_are_refused():
         bench.parse_args(["--depths", "1.5"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--mqar_pairs", "100"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--memory_review_cells", "0"])
 
 
 def test_training_that_turns_nan_stops_and_says_when():

@@ -100,6 +100,8 @@ def decode_in_chunks(model, ids, chunk_sizes, attention_mask=None):
         pytest.param({"window_overlap": 2}, id="overlap"),
         pytest.param({"num_hidden_layers": 3, "window_size": 3, "min_window_size": 1}, id="three-layers-window-3"),
         pytest.param({"memory_review": False, "window_overlap": 1}, id="no-memory-review"),
+        pytest.param({"memory_review_cells": 2, "window_overlap": 1}, id="bounded-memory"),
+        pytest.param({"memory_review_cells": 1, "review_initial_cell": False}, id="bounded-memory-no-initial-cell"),
     ],
 )
 def test_token_by_token_and_chunked_decoding_equal_the_full_forward(overrides):
@@ -113,8 +115,9 @@ def test_token_by_token_and_chunked_decoding_equal_the_full_forward(overrides):
     assert (chunked - full).abs().max() <= TOLERANCE
 
 
-def test_cached_decoding_of_a_left_padded_batch_equals_each_sequence_alone():
-    model = causal_model(3, window_overlap=1)
+@pytest.mark.parametrize("overrides", [{}, {"memory_review_cells": 2}], ids=["all-cells", "bounded-memory"])
+def test_cached_decoding_of_a_left_padded_batch_equals_each_sequence_alone(overrides):
+    model = causal_model(3, window_overlap=1, **overrides)
     lengths, total = [17, 9, 13], 17
     ids = torch.zeros(3, total, dtype=torch.long)
     mask = torch.zeros(3, total, dtype=torch.long)
@@ -174,6 +177,28 @@ def test_cache_memory_grows_only_by_one_cell_per_window():
     assert long.nbytes() - short.nbytes() == extra_windows * cell_bytes
     for layer in long.layers:
         assert layer.tail_keys.shape[1] <= config.window_size - 1 + config.window_overlap
+
+
+def test_a_bounded_memory_keeps_the_cache_flat_and_reads_only_recent_cells():
+    """With `memory_review_cells`, a cache after 16K tokens is as large as after 512, and a token reviews exactly
+    the starting cell and the cells of the last M windows before its own."""
+    model = causal_model(6, window_size=64, min_window_size=8, window_overlap=4, hidden_size=16, memory_review_cells=4)
+    ids = torch.randint(1, model.config.vocab_size, (1, 16384), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        _, short = decode_in_chunks(model, ids[:, :512], [500, 12])
+        _, long = decode_in_chunks(model, ids, [16000, 384])
+        weights = model(ids[:, :640], output_attentions=True).memory_attentions
+    assert long.nbytes() == short.nbytes()
+    for layer_weights in weights:  # (B, L, 1 + C): the starting cell, then window 0's cell, ...
+        for position, window in [(10, 0), (70, 1), (300, 4), (639, 9)]:
+            read = (layer_weights[0, position] > 0).nonzero().flatten().tolist()
+            assert read == [0] + [1 + cell for cell in range(max(0, window - 4), window)], (position, read)
+    # A bound that reaches every earlier window of the text changes nothing.
+    with torch.no_grad():
+        model.config.memory_review_cells = 10  # 640 tokens: windows 0-9
+        bounded = model(ids[:, :640]).logits
+        model.config.memory_review_cells = None
+        assert torch.equal(model(ids[:, :640]).logits, bounded)
 
 
 def test_training_and_no_cache_paths_build_no_cache():

@@ -203,6 +203,29 @@ def decode_cost(model, ids: torch.Tensor, chunk: int, steps: int = 16) -> dict:
     return {"ms_per_token": round(1000 * statistics.median(times), 3), "cache_bytes": outputs.past_key_values.nbytes()}
 
 
+@torch.no_grad()
+def evaluate_passkey(model, eval_stream, evaluation: torch.Generator, context: int | None, args) -> list[dict]:
+    """Exact match per length and depth and, for a RAN, decoding cost per length; examples drawn by `evaluation`."""
+    model.eval()
+    rows = []
+    for length in args.eval_lengths:
+        if context is None and length > args.max_ran_length:
+            continue
+        for depth in args.depths:
+            correct = 0
+            for offset in range(0, args.eval_examples, args.eval_batch_size):
+                batch = min(args.eval_batch_size, args.eval_examples - offset)
+                ids, digits = passkey_batch(eval_stream, evaluation, batch, length, depth, args.key_digits)
+                predicted = answer_logits(model, ids, args.key_digits, context).argmax(-1)
+                correct += int((predicted == digits).all(-1).sum())
+            rows.append({"length": length, "depth": depth, "accuracy": correct / args.eval_examples})
+        if context is None:  # GPT-2's cache never holds more than its 1K context
+            ids, _ = passkey_batch(eval_stream, evaluation, 1, length, 0.5, args.key_digits)
+            rows[-1] |= decode_cost(model, ids[:, : -args.key_digits], args.window_size * 4)
+            rows[-1]["decode_at"] = length
+    return rows
+
+
 def run_model(name: str, args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -226,22 +249,14 @@ def run_model(name: str, args) -> dict:
     )
     result["passkey_train_seconds"] = round(time.perf_counter() - start, 1)
     evaluation = torch.Generator().manual_seed(12_345)
-    result["passkey"] = []
-    for length in args.eval_lengths:
-        if not is_gpt2 and length > args.max_ran_length:
-            continue
-        for depth in args.depths:
-            correct = 0
-            for offset in range(0, args.eval_examples, args.eval_batch_size):
-                batch = min(args.eval_batch_size, args.eval_examples - offset)
-                ids, digits = passkey_batch(eval_stream, evaluation, batch, length, depth, args.key_digits)
-                predicted = answer_logits(model, ids, args.key_digits, context).argmax(-1)
-                correct += int((predicted == digits).all(-1).sum())
-            result["passkey"].append({"length": length, "depth": depth, "accuracy": correct / args.eval_examples})
-        if not is_gpt2:  # GPT-2's cache never holds more than its 1K context
-            ids, _ = passkey_batch(eval_stream, evaluation, 1, length, 0.5, args.key_digits)
-            result["passkey"][-1] |= decode_cost(model, ids[:, : -args.key_digits], args.window_size * 4)
-            result["passkey"][-1]["decode_at"] = length
+    result["passkey"] = evaluate_passkey(model, eval_stream, evaluation, context, args)
+    if not is_gpt2 and args.memory_review_cells:
+        # The same trained model on the same examples, its memory review (and cache) bounded to the last M cells.
+        model.config.memory_review_cells = args.memory_review_cells
+        same_examples = torch.Generator().manual_seed(12_345)
+        result["passkey_bounded"] = evaluate_passkey(model, eval_stream, same_examples, context, args)
+        result["memory_review_cells"] = args.memory_review_cells
+        model.config.memory_review_cells = None
 
     # MQAR: a fresh model of the same design, trained at --mqar_train_length.
     torch.manual_seed(args.seed)
@@ -291,21 +306,25 @@ def markdown(results: list[dict], info: dict, args) -> str:
         "|---|---:|" + "---:|" * len(lengths),
     ]
     for r in results:
-        cells = []
-        for length in lengths:
-            rows = [row["accuracy"] for row in r["passkey"] if row["length"] == length]
-            cells.append(f"{100 * statistics.mean(rows):.0f}%" if rows else "-")
-        lines.append(f"| {r['model']}{diverged(r, 'passkey')} | {r['parameters']:,} | " + " | ".join(cells) + " |")
+        for label, passkey in passkey_runs(r):
+            cells = []
+            for length in lengths:
+                rows = [row["accuracy"] for row in passkey if row["length"] == length]
+                cells.append(f"{100 * statistics.mean(rows):.0f}%" if rows else "-")
+            lines.append(f"| {label}{diverged(r, 'passkey')} | {r['parameters']:,} | " + " | ".join(cells) + " |")
     lines += ["", "Decoding after reading the passkey text (median ms per token, cache size):", ""]
     lines += ["| model | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
     for r in results:
-        decoded = {row["length"]: row for row in r["passkey"] if "ms_per_token" in row}
-        if decoded:
-            cells = [
-                f"{decoded[n]['ms_per_token']:.1f} ms, {decoded[n]['cache_bytes'] / 2**10:.0f} KiB" if n in decoded else "-"
-                for n in lengths
-            ]
-            lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+        for label, passkey in passkey_runs(r):
+            decoded = {row["length"]: row for row in passkey if "ms_per_token" in row}
+            if decoded:
+                cells = [
+                    f"{decoded[n]['ms_per_token']:.1f} ms, {decoded[n]['cache_bytes'] / 2**10:.0f} KiB"
+                    if n in decoded
+                    else "-"
+                    for n in lengths
+                ]
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
         f"MQAR: trained {args.mqar_steps} steps at {args.mqar_train_length} tokens with {args.mqar_pairs} pairs; "
@@ -323,6 +342,15 @@ def markdown(results: list[dict], info: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def passkey_runs(result: dict) -> list[tuple[str, list[dict]]]:
+    """(label, passkey rows) of a model: as trained, and with its memory review bounded if that was evaluated."""
+    runs = [(result["model"], result["passkey"])]
+    if result.get("passkey_bounded"):
+        bound = result.get("memory_review_cells", "M")
+        runs.append((f"{result['model']}, last {bound} cells", result["passkey_bounded"]))
+    return runs
+
+
 def diverged(result: dict, task: str) -> str:
     step = result[f"{task}_training"]["diverged_at"]
     return f" (diverged at step {step}*)" if step else ""
@@ -336,9 +364,10 @@ def plot(results: list[dict], args, path: Path) -> None:
 
     figure, (passkey, mqar) = plt.subplots(1, 2, figsize=(11, 4))
     for i, r in enumerate(results):
-        lengths = sorted({row["length"] for row in r["passkey"]})
-        accuracy = [statistics.mean(x["accuracy"] for x in r["passkey"] if x["length"] == n) for n in lengths]
-        passkey.semilogx(lengths, accuracy, "o-", color=f"C{i}", label=r["model"], base=2)
+        for (label, rows), style in zip(passkey_runs(r), ("o-", "s--")):
+            lengths = sorted({row["length"] for row in rows})
+            accuracy = [statistics.mean(x["accuracy"] for x in rows if x["length"] == n) for n in lengths]
+            passkey.semilogx(lengths, accuracy, style, color=f"C{i}", label=label, base=2)
         pairs = max(args.mqar_pairs)
         rows = [row for row in r["mqar"] if row["pairs"] == pairs]
         mqar.semilogx([x["length"] for x in rows], [x["accuracy"] for x in rows], "o-", color=f"C{i}", base=2)
@@ -363,6 +392,12 @@ def parse_args(argv=None):
     parser.add_argument("--train_length", type=int, default=1024)
     parser.add_argument("--passkey_steps", type=int, default=1000)
     parser.add_argument("--key_digits", type=int, default=5, help="digits of the passkey")
+    parser.add_argument(
+        "--memory_review_cells",
+        type=int,
+        default=None,
+        help="also evaluate each trained RAN with memory review (and its cache) bounded to the last M windows' cells",
+    )
     parser.add_argument("--eval_lengths", nargs="+", type=int, default=[1024, 4096, 16384, 65536])
     parser.add_argument("--max_ran_length", type=int, default=65536, help="longest passkey length for the RANs")
     parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
@@ -385,6 +420,8 @@ def parse_args(argv=None):
     for name in positive + ("eval_batch_size", "threads", "passkey_steps", "mqar_steps", "key_digits"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.memory_review_cells is not None and args.memory_review_cells < 1:
+        parser.error("--memory_review_cells must be >= 1")
     if args.learning_rate <= 0:
         parser.error("--learning_rate must be positive")
     if args.warmup_steps < 0:
@@ -414,6 +451,7 @@ def earlier_results(path: Path, args) -> dict:
     earlier = json.loads(path.read_text())
     earlier["arguments"].setdefault("warmup_steps", 100)  # results saved before these were arguments
     earlier["arguments"].setdefault("key_digits", 5)
+    earlier["arguments"].setdefault("memory_review_cells", None)
     same = {k: v for k, v in earlier["arguments"].items() if k not in PER_RUN_ARGUMENTS}
     if same != {k: v for k, v in vars(args).items() if k not in PER_RUN_ARGUMENTS}:
         return {}

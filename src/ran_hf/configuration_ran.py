@@ -107,6 +107,12 @@ class RANConfig(PreTrainedConfig):
             `"mean"` (the paper's first ablation).
         memory_review (`bool`, *optional*, defaults to `True`):
             Whether token states attend to the cells of all windows at the end of each layer.
+        memory_review_cells (`int`, *optional*):
+            Causal models only: a token reviews the cells of the last `memory_review_cells` windows before its own
+            (and the starting cell) instead of all of them, and the cache keeps only those, so that decoding memory
+            stays the same at any context length. What lies further back reaches a token only through the cell
+            carried from window to window. `None` (default): every earlier window's cell. Can be set on a trained
+            model; a model trained on texts of at most that many windows computes the same as without it there.
         use_cell_residual (`bool`, *optional*, defaults to `True`):
             Whether a window's cell adds the gated raw cell of the window before it (paper eq. 7). `False` is the
             paper's "w/o residual connection" ablation: the cell is the window's raw output alone.
@@ -218,6 +224,7 @@ class RANConfig(PreTrainedConfig):
     cell_pooling: str = "last"
     token_pooling: str = "max"
     memory_review: bool = True
+    memory_review_cells: int | None = None
     use_cell_residual: bool = True
     use_rotary: bool = True
     window_overlap: int = 0
@@ -328,6 +335,16 @@ class RANConfig(PreTrainedConfig):
             raise ValueError(
                 f"`window_overlap` ({self.window_overlap}) must be smaller than `window_size` ({self.window_size})."
             )
+        if self.memory_review_cells is not None:
+            if isinstance(self.memory_review_cells, bool) or not isinstance(self.memory_review_cells, int):
+                raise ValueError(f"`memory_review_cells` must be an int or None, got {self.memory_review_cells!r}.")
+            if self.memory_review_cells < 1:
+                raise ValueError(f"`memory_review_cells` must be >= 1, got {self.memory_review_cells}.")
+            if not self.is_causal:
+                raise ValueError(
+                    "`memory_review_cells` bounds what a causal model's tokens review (and its cache keeps); the "
+                    "bidirectional encoder reviews every cell of its text. Set `is_causal=True` or leave it None."
+                )
         if self.cell_pooling not in _CELL_POOLINGS:
             raise ValueError(f"`cell_pooling` must be one of {_CELL_POOLINGS}, got {self.cell_pooling!r}.")
         if self.token_pooling not in _TOKEN_POOLINGS:

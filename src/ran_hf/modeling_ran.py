@@ -413,6 +413,7 @@ class RANMemoryReview(nn.Module):
         self.residual_stream = config.uses_residual_stream
         self.qk_norm = config.uses_review_qk_norm
         self.value_act = self.act if config.uses_memory_value_activation else nn.Identity()
+        self.reads_initial_cell = config.uses_review_initial_cell  # cell 0 is the starting cell, always in reach
         # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
         self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
 
@@ -432,15 +433,17 @@ class RANMemoryReview(nn.Module):
         cell_states: torch.Tensor,
         readable_cells: torch.Tensor,
         output_attentions: bool = False,
+        first_readable: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; readable_cells (B, L): each token
-        # reads cells [0, readable_cells). Returns the reviewed states (B, L, D) and, with `output_attentions`, the
+        # reads cells [0, readable_cells), or [first_readable, readable_cells) with a bounded memory
+        # (`memory_review_cells`; the starting cell stays in reach). Returns the reviewed states (B, L, D) and, with `output_attentions`, the
         # review weights (B, L, C), which then exist whole.
         batch_size, length = token_states.shape[:2]
         # Compiled: one chunk, so that a new length or number of cells needs no new graph (memory O(tokens x cells)).
         chunk_size = length if torch.compiler.is_compiling() else self.chunk_length(batch_size, cell_states.shape[1])
         if length <= chunk_size:
-            reviewed, weights = self.review_chunk(token_states, cell_states, readable_cells)
+            reviewed, weights = self.review_chunk(token_states, cell_states, readable_cells, first_readable)
             return reviewed, weights if output_attentions else None
         # With several chunks, each one's backward recomputes it (same dropout mask: checkpoint restores the RNG
         # state) so that training keeps (chunk x windows) probabilities for one chunk at a time, not for them all.
@@ -448,7 +451,8 @@ class RANMemoryReview(nn.Module):
         reviewed, weights = [], []
         for start in range(0, length, chunk_size):
             chunk = slice(start, start + chunk_size)
-            inputs = (token_states[:, chunk], cell_states, readable_cells[:, chunk])
+            first = None if first_readable is None else first_readable[:, chunk]
+            inputs = (token_states[:, chunk], cell_states, readable_cells[:, chunk], first)
             if recompute:
                 states, probs = checkpoint(self.review_chunk, *inputs, use_reentrant=False)
             else:
@@ -459,16 +463,14 @@ class RANMemoryReview(nn.Module):
         weights = torch.cat(weights, dim=1) if output_attentions else None
         return torch.cat(reviewed, dim=1) if len(reviewed) > 1 else reviewed[0], weights
 
-    def review_chunk(
-        self, token_states: torch.Tensor, cell_states: torch.Tensor, readable_cells: torch.Tensor
-    ) -> torch.Tensor:
+    def review_chunk(self, token_states, cell_states, readable_cells, first_readable=None) -> torch.Tensor:
         if self.residual_stream:
-            review, probs = self.review(self.norm(token_states), cell_states, readable_cells)
+            review, probs = self.review(self.norm(token_states), cell_states, readable_cells, first_readable)
             return token_states + review, probs
-        review, probs = self.review(token_states, cell_states, readable_cells)
+        review, probs = self.review(token_states, cell_states, readable_cells, first_readable)
         return self.norm(review), probs
 
-    def review(self, token_states: torch.Tensor, cell_states: torch.Tensor, readable_cells: torch.Tensor):
+    def review(self, token_states, cell_states, readable_cells, first_readable=None):
         projected = self.q_proj(token_states)  # (B, l, D)
         query = self.act(projected)
         key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
@@ -480,7 +482,10 @@ class RANMemoryReview(nn.Module):
         # unmasked only to keep the softmax finite, then zeroed.
         readable = readable_cells[..., None] > 0  # (B, l, 1)
         limit = torch.where(readable, readable_cells[..., None], key.shape[1])  # (B, l, 1)
-        hidden = torch.arange(key.shape[1], device=key.device) >= limit  # (B, l, C): cells the token may not read
+        cell_index = torch.arange(key.shape[1], device=key.device)
+        hidden = cell_index >= limit  # (B, l, C): cells the token may not read
+        if first_readable is not None:  # a bounded memory: older cells are out of reach
+            hidden = hidden | ((cell_index < first_readable[..., None]) & (cell_index >= int(self.reads_initial_cell)))
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, l, D)
         review = self.dropout(self.value_act(self.o_proj(review)))
@@ -634,46 +639,68 @@ class RANLayer(GradientCheckpointingLayer):
             attended = torch.matmul(dropped, value).transpose(1, 2)
         return layout.from_windows(attended.flatten(-2)), weights  # (T, H * d)
 
-    def cell_states(self, raw_cells, layout: RANWindowLayout, cache: RANCacheLayer | None) -> torch.Tensor:
-        """(B, C, 2 D) memory-review keys and values of every sequence's cells by window number, cached ones first.
+    def cell_states(self, raw_cells, layout: RANWindowLayout, cache: RANCacheLayer | None):
+        """(B, C, 2 D) memory-review keys and values of every sequence's cells, cached ones first, and (B,) the window
+        number of each row's cell 0: cell c of row b is that of window `first_cell[b] + c`.
 
         Only this pass's cells are projected: with a cache, a decoding step costs the same at any context length.
+        A cache holds every finished window's cell, or with `memory_review_cells=M` the last M at most
+        (right-aligned: the last cached cell of every row is that of its last finished window).
         """
         cells = self.memory_review.project_cells(raw_cells.transpose(0, 1))  # (B, N, 2 D)
+        first_cell = torch.zeros_like(layout.first_window)
         if cache is None or cache.cell_states is None:
-            return cells
+            return cells, first_cell
         cached = cache.cell_states
-        room = cells.new_zeros(layout.batch_size, max(0, layout.cell_capacity - cached.shape[1]), cells.shape[-1])
+        bounded = self.config.memory_review_cells is not None
+        if bounded:
+            first_cell = layout.first_window - cached.shape[1]
+            room = layout.num_steps
+        else:
+            room = max(0, layout.cell_capacity - cached.shape[1])
         # The packed windows are exactly this pass's cells: window k is cell `window_number[k]` of its sequence.
         sequence, number = layout.window_sequence, layout.window_number
-        slots = (sequence, layout.first_window[sequence] + number)
+        slots = (sequence, layout.first_window[sequence] - first_cell[sequence] + number)
         # Out of place: inductor (torch 2.13, CPU) miscompiled the in-place writes into a zeros buffer when decoding
         # with two or more layers, giving a layer the cells of the next one.
-        return torch.cat([cached, room], dim=1).index_put(slots, cells[sequence, number])
+        room = cells.new_zeros(layout.batch_size, room, cells.shape[-1])
+        return torch.cat([cached, room], dim=1).index_put(slots, cells[sequence, number]), first_cell
 
-    def review_memory(self, token_states, cells, initial_cell, layout: RANWindowLayout, output_attentions=False):
-        """Every token reads the cells of its sequence (causal: the cells of earlier windows). Returns the reviewed
-        token states (T, D) and, with `output_attentions`, the review weights (B, L, C), zeros at padding.
+    def review_memory(
+        self, token_states, cells, first_cell, initial_cell, layout: RANWindowLayout, output_attentions=False
+    ):
+        """Every token reads the cells of its sequence (causal: the cells of earlier windows, or of the last
+        `memory_review_cells` of them). Returns the reviewed token states (T, D) and, with `output_attentions`, the
+        review weights (B, L, C), zeros at padding.
 
-        `cells` (B, C, 2 D) are the projected cells of `cell_states`. Which cells a token reads is a count per token,
-        (B, L), not a (B, L, C) mask: the memory review builds the mask one chunk of tokens at a time.
+        `cells` (B, C, 2 D) and `first_cell` (B,) come from `cell_states`. Which cells a token reads is a range per
+        token, (B, L), not a (B, L, C) mask: the memory review builds the mask one chunk of tokens at a time.
         """
         padded_states = layout.to_padded(token_states)  # (B, L, D)
+        first_readable = None
         if self.config.is_causal:
-            readable_cells = layout.token_window  # (B, L): a token in window w reads cells 0 .. w - 1
+            # (B, L): a token in window w reads the cells of windows 0 .. w - 1 (w - M .. w - 1 with a bound M)
+            readable_cells = layout.token_window - first_cell[:, None]
+            if self.config.memory_review_cells is not None:
+                oldest = (layout.token_window - self.config.memory_review_cells).clamp(min=0)
+                first_readable = oldest - first_cell[:, None]
             if self.config.uses_review_initial_cell:
                 initial = self.memory_review.project_cells(initial_cell[:, None])  # (B, 1, 2 D)
                 cells = torch.cat([initial, cells], dim=1)  # (B, 1 + C, 2 D)
                 readable_cells = readable_cells + 1  # ... and the initial cell before them
+                first_readable = None if first_readable is None else first_readable + 1
         else:
             readable_cells = layout.num_windows[:, None].expand_as(layout.token_window)  # (B, L): all of them
-        reviewed, weights = self.memory_review(padded_states, cells, readable_cells, output_attentions)
+        reviewed, weights = self.memory_review(padded_states, cells, readable_cells, output_attentions, first_readable)
         if weights is not None:
             weights = weights * layout.to_padded(weights.new_ones(layout.token_index.numel(), 1))  # none at padding
         return layout.from_padded(reviewed), weights
 
-    def update_cache(self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, cell_states, kv):
-        """Keep what the next pass needs: the cell after the last finished window, and the unfinished tail."""
+    def update_cache(
+        self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, cell_states, first_cell, kv
+    ):
+        """Keep what the next pass needs: the cell after the last finished window, the cells memory review may read
+        again, and the unfinished tail."""
         finished_here = layout.finished_windows - layout.first_window  # (B,) windows finished in this pass
         last = (finished_here - 1).clamp(min=0)
         rows = torch.arange(layout.batch_size, device=last.device)
@@ -682,7 +709,12 @@ class RANLayer(GradientCheckpointingLayer):
         cache.previous_raw_cell = (
             torch.where(has_finished, raw_cells[last, rows], start[1]) if raw_cells.numel() else start[1]
         )
-        if self.config.memory_review:
+        if self.config.memory_review_cells is not None:  # the last M finished cells, right-aligned
+            bound = min(self.config.memory_review_cells, layout.most_finished_windows)
+            window = layout.finished_windows[:, None] - bound + torch.arange(bound, device=last.device)  # (B, M)
+            index = (window - first_cell[:, None]).clamp(min=0)[..., None].expand(-1, -1, cell_states.shape[-1])
+            cache.cell_states = cell_states.gather(1, index) * (window >= 0)[..., None]
+        elif self.config.memory_review:
             kept = layout.most_finished_windows
             finished = torch.arange(kept, device=last.device)[None, :] < layout.finished_windows[:, None]
             cache.cell_states = cell_states[:, :kept] * finished[..., None]
@@ -736,16 +768,18 @@ class RANLayer(GradientCheckpointingLayer):
         else:
             token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
 
-        cell_states, review_weights = None, None
+        cell_states, first_cell, review_weights = None, None, None
         if self.config.memory_review:
-            cell_states = self.cell_states(raw_cells, layout, cache)
+            cell_states, first_cell = self.cell_states(raw_cells, layout, cache)
             token_states, review_weights = self.review_memory(
-                token_states, cell_states, initial_cell, layout, output_attentions
+                token_states, cell_states, first_cell, initial_cell, layout, output_attentions
             )
         elif not self.residual_stream:
             token_states = self.output_norm(token_states)
         if cache is not None:
-            self.update_cache(cache, layout, (start_cell, start_previous), raw_cells, cells, cell_states, new_kv)
+            self.update_cache(
+                cache, layout, (start_cell, start_previous), raw_cells, cells, cell_states, first_cell, new_kv
+            )
         # A sequence's last cell starts the next layer; a row of padding only keeps the cell it came with.
         last_step = (layout.num_windows - 1).clamp(min=0)
         rows = torch.arange(layout.batch_size, device=last_step.device)
