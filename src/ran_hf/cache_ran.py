@@ -1,4 +1,5 @@
-"""The recurrent cache of a causal RAN: constant-size state per layer, plus a key and value per finished window."""
+"""The recurrent cache of a causal RAN: constant-size state per layer, plus a key and value per finished window (or
+per each of the last `memory_review_cells` windows)."""
 
 import torch
 from transformers.cache_utils import Cache
@@ -11,7 +12,8 @@ class RANCacheLayer:
         cell (B, D): the cell the current window reads (the last finished window's, or the learned initial cell);
         previous_raw_cell (B, D): the raw output of the last finished window, joined to the next one by the residual;
         cell_states (B, C, 2 D): memory review's keys and values of the raw cells of all finished windows (C grows by
-            one per window; projected once, so a decoding step does not redo work for the whole past);
+            one per window; projected once, so a decoding step does not redo work for the whole past), or with
+            `config.memory_review_cells = M` of the last M at most (right-aligned per row, C <= M);
         tail_keys, tail_values (B, P, H, d): un-rotated keys and values of the tokens a later window still reads:
             the current window's tokens and, before them, the enrichment tokens of `window_overlap`
             (P <= window_size - 1 + window_overlap, whatever the context length).
@@ -61,8 +63,9 @@ class RANCacheLayer:
 class RANCache(Cache):
     """Recurrent state of a causal RAN, in Transformers' `Cache` API: `generate()` creates and reorders it as needed.
 
-    Memory stays flat as the context grows: per layer one cell, one raw cell and the keys/values of at most one
-    window, plus the memory-review key and value of each finished window's cell (2 D numbers per window).
+    Per layer one cell, one raw cell and the keys/values of at most one window, plus the memory-review key and value
+    of each finished window's cell (2 D numbers per window): a window's worth of a transformer's cache per window.
+    With `config.memory_review_cells = M` only the last M windows' cells are kept, and memory is flat.
 
     Streaming an unbounded text chunk by chunk gives exactly the logits of one forward pass over all of it:
 
