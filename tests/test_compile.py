@@ -88,21 +88,18 @@ def test_generate_on_an_inductor_compiled_model_matches_eager():
     assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), expected)
 
 
-@pytest.mark.parametrize("exporter", ["torch.export", "onnx-dynamo", "onnx-torchscript"])
-def test_export_is_refused_with_the_reason(exporter, tmp_path):
-    """Export cannot work yet (data-dependent layout sizes, a scan over a data-dependent number of windows): it says
-    so at once, instead of failing deep inside the layout with a symbolic-shape error."""
-    model = RANModel(tiny_config()).eval()
-    ids = random_ids(23, 61, seed=0)[None]
-    with pytest.raises(Exception) as caught:
-        if exporter == "torch.export":
-            torch.export.export(model, (ids,))
-        else:
-            if exporter == "onnx-dynamo":
-                pytest.importorskip("onnxscript")  # the TorchScript exporter fails in tracing, before it needs onnx
-            torch.onnx.export(model, (ids,), tmp_path / "ran.onnx", dynamo=exporter == "onnx-dynamo")
-    messages, error = [], caught.value
-    while error is not None:
-        messages.append(str(error))
-        error = error.__cause__ or error.__context__
-    assert any("RAN cannot be exported" in message for message in messages)
+def test_torch_export_gives_one_program_for_any_batch_size_and_length():
+    """The exported layout is sized from the input's shape and the scan is one `scan` operator, so the program
+    traced on one batch runs others (padding on either side, lengths that are not a multiple of the window)."""
+    model = randomize_(RANModel(tiny_config()), seed=2).eval()
+    ids, mask = pad_batch([random_ids(13, 61, seed=0), random_ids(9, 61, seed=1)], side="left")
+    batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence", min=2)
+    with torch.no_grad():
+        program = torch.export.export(
+            model, (ids,), {"attention_mask": mask}, dynamic_shapes=({0: batch, 1: sequence}, {0: batch, 1: sequence})
+        ).module()
+        for lengths, side in (([18, 28, 43], "right"), ([4], "right"), ([7, 30], "left")):
+            ids, mask = pad_batch([random_ids(n, 61, seed=n) for n in lengths], side=side)
+            expected, exported = model(ids, attention_mask=mask), program(ids, attention_mask=mask)
+            for name in ("last_hidden_state", "pooler_output", "last_cell"):
+                torch.testing.assert_close(exported[name], expected[name], atol=TOLERANCE, rtol=0)

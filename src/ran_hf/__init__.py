@@ -15,6 +15,7 @@ from transformers import (
 
 from .cache_ran import RANCache
 from .configuration_ran import RANConfig
+from .export import export_onnx
 from .lora import RAN_LORA_TARGET_MODULES, RAN_NEW_HEAD_MODULES, frozen_new_weights, ran_lora_config
 from .modeling_ran import (
     RANForCausalLM,
@@ -63,6 +64,7 @@ __all__ = [
     "RANModel",
     "RANPreTrainedModel",
     "convert_rannet_checkpoint",
+    "export_onnx",
     "frozen_new_weights",
     "ran_lora_config",
 ]

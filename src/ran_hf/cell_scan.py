@@ -18,7 +18,7 @@ from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
 from .fused_scan import fused_scan, fused_scan_unsupported, window_maxima
-from .scan_dropout import draw_scan_dropout, drop
+from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 
 if TYPE_CHECKING:
     from .modeling_ran import RANLayer, RANWindowLayout
@@ -59,6 +59,8 @@ def reference_cell_scan(
     returns. Under `torch.compile`, where the fused scan applies, its single op runs instead (the same results to
     float rounding): traced, this loop would be unrolled, one copy per window and a new graph per window count.
     """
+    if torch.compiler.is_exporting():
+        return exportable_cell_scan(layer, cell, previous_raw, keys, values, layout)
     if torch.compiler.is_compiling():
         reason = fused_scan_unsupported(layer, cell)
         if reason is None:
@@ -77,7 +79,6 @@ def reference_cell_scan(
                 layer, cell.to(dtype), previous_raw.to(dtype), keys.to(dtype), values.to(dtype), layout
             )
         return read_keys.to(keys.dtype), read_values.to(values.dtype), raw_cells, cells
-    scale = 1.0 / math.sqrt(layer.head_dim)
     # Step-major views of every sequence's windows. `unbind` (not indexing inside the loop) keeps the backward pass
     # linear in the number of steps.
     step_keys, step_values, step_mask = step_major(keys, values, layout)
@@ -90,30 +91,73 @@ def reference_cell_scan(
 
     read_keys, read_values, raw_cells, cells = [], [], [], []
     for step in range(layout.num_steps):
-        masks = dropout.step(step)
-        normed = drop(layer.input_norm(cell), masks.input)  # (B, D)
-        query, key, value = layer.project(normed).unbind(-3)  # (B, H, d) each
-        token_scores = torch.einsum("bhd,bhsd->bhs", query, step_keys[step])  # (B, H, S)
-        token_scores = token_scores.masked_fill(~step_mask[step][:, None, :], float("-inf"))
-        cell_score = (query * key).sum(-1, keepdim=True)  # (B, H, 1)
-        probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
-        probs = drop(probs, masks.probs)
-        attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], step_values[step])
-        if maxima is not None:
-            attended = attended + maxima[step]
-        raw = layer.write_cell(attended.flatten(-2), normed, masks.output, masks.written)  # (B, D)
         if not use_residual or (step == 0 and layout.continued_rows == 0):
-            cell = raw
+            continues = None
+        elif step == 0 and layout.continued_rows < layout.batch_size:
+            continues = first_step_continues
         else:
-            updated = drop(layer.cell_norm(raw + layer.cell_glu(previous_raw)), masks.cell)
-            partial = step == 0 and layout.continued_rows < layout.batch_size
-            cell = torch.where(first_step_continues, updated, raw) if partial else updated
+            continues = True
+        key, value, raw, cell = cell_step(
+            layer, cell, previous_raw, step_keys[step], step_values[step], step_mask[step],
+            None if maxima is None else maxima[step], dropout.step(step), continues,
+        )  # fmt: skip
         previous_raw = raw
         read_keys.append(key)
         read_values.append(value)
         raw_cells.append(raw)
         cells.append(cell)
     return torch.stack(read_keys), torch.stack(read_values), torch.stack(raw_cells), torch.stack(cells)
+
+
+def cell_step(layer, cell, previous_raw, keys, values, mask, maxima, masks: ScanDropout, continues):
+    """One window of the scan: the cell reads itself and the window's slots, then writes its raw cell.
+
+    `keys`/`values` (B, H, S, d) and `mask` (B, S) are the window's slots, `maxima` (B, H, d) or None their soft
+    maxima, `masks` the step's dropout. `continues` says which rows add the cell residual of the window before:
+    None (no row: the cell is the raw cell), True (every row) or a (B, 1) boolean. Returns the key and value of the
+    cell read (B, H, d), the raw cell and the cell (B, D).
+    """
+    normed = drop(layer.input_norm(cell), masks.input)  # (B, D)
+    query, key, value = layer.project(normed).unbind(-3)  # (B, H, d) each
+    token_scores = torch.einsum("bhd,bhsd->bhs", query, keys)  # (B, H, S)
+    token_scores = token_scores.masked_fill(~mask[:, None, :], float("-inf"))
+    cell_score = (query * key).sum(-1, keepdim=True)  # (B, H, 1)
+    scale = 1.0 / math.sqrt(layer.head_dim)
+    probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
+    probs = drop(probs, masks.probs)
+    attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], values)
+    if maxima is not None:
+        attended = attended + maxima
+    raw = layer.write_cell(attended.flatten(-2), normed, masks.output, masks.written)  # (B, D)
+    if continues is None:
+        return key, value, raw, raw
+    updated = drop(layer.cell_norm(raw + layer.cell_glu(previous_raw)), masks.cell)
+    return key, value, raw, updated if continues is True else torch.where(continues, updated, raw)
+
+
+def exportable_cell_scan(layer, cell, previous_raw, keys, values, layout):
+    """`reference_cell_scan` as one `scan` operator over the steps (ONNX `Scan`), for `torch.export` and ONNX, where
+    a Python loop would be unrolled for the example's number of windows. Inference only, without a cache."""
+    from torch._higher_order_ops.scan import scan
+
+    step_keys, step_values, step_mask = step_major(keys, values, layout)
+    # (N, B, 1): a row adds the cell residual of the window before from its second window on.
+    continues = torch.arange(step_mask.shape[0], device=cell.device)[:, None, None] > 0
+    per_step = [step_keys, step_values, step_mask, continues.expand(-1, cell.shape[0], 1)]
+    if layer.config.uses_cell_max_pool:
+        per_step.append(window_maxima(step_values, step_mask))
+
+    def step(carry, inputs):
+        window_keys, window_values, mask, window_continues, *maxima = inputs
+        key, value, raw, cell = cell_step(
+            layer, *carry, window_keys, window_values, mask, maxima[0] if maxima else None, NO_DROPOUT,
+            window_continues if layer.config.use_cell_residual else None,
+        )  # fmt: skip
+        # The scan's outputs may alias neither each other (views of one projection) nor the carried state.
+        return (cell, raw), tuple(output.clone() for output in (key, value, raw, cell))
+
+    _, (read_keys, read_values, raw_cells, cells) = scan(step, (cell, previous_raw), per_step)
+    return read_keys, read_values, raw_cells, cells
 
 
 def fused_cell_scan(

@@ -93,20 +93,22 @@ class RANGatedLinearUnit(nn.Module):
 
 
 def rotary_rotations(num_positions: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """Unit complex numbers (num_positions, head_dim / 2): the rotation of each pair at positions 0, 1, ..."""
+    """(num_positions, head_dim / 2, 2): cosine and sine of each pair's rotation at positions 0, 1, ..."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.arange(num_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x_2i, x_2i+1) of the last axis, read as complex numbers x_2i + i x_2i+1.
+    """Rotate interleaved pairs (x_2i, x_2i+1) of the last axis by the angles whose cosines and sines are
+    `rotations` (..., d / 2, 2), which broadcasts against (..., d / 2, 2) pairs.
 
-    RAN rotates neighbouring pairs, not the two halves of the head as Llama does. `rotations` broadcasts against
-    (..., d / 2); one complex product replaces the cos/sin arithmetic.
+    RAN rotates neighbouring pairs, not the two halves of the head as Llama does. Real arithmetic, not a complex
+    product: ONNX has no complex numbers.
     """
-    pairs = torch.view_as_complex(states.float().unflatten(-1, (-1, 2)).contiguous())
-    return torch.view_as_real(pairs * rotations).flatten(-2).to(states.dtype)
+    x, y = states.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = rotations.unbind(-1)
+    return torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).flatten(-2).to(states.dtype)
 
 
 def count_windows(lengths: torch.Tensor, window: int, min_window: int) -> torch.Tensor:
@@ -122,11 +124,12 @@ def group_starts(counts: torch.Tensor) -> torch.Tensor:
 
 
 def true_positions(flags: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the `count` True entries of the 1-D `flags`, in order: `flags.nonzero()` without the host
-    synchronisation that finding `count` costs."""
-    slots = torch.where(flags, torch.cumsum(flags, 0) - 1, count)  # every False entry lands in one spare slot
-    positions = torch.empty(count + 1, dtype=torch.long, device=flags.device)
-    positions.scatter_(0, slots, torch.arange(flags.numel(), device=flags.device))
+    """The first `count` of the indices of the 1-D `flags`' True entries, in order, followed by those of its False
+    entries: `flags.nonzero()` without the host synchronisation that finding the number of True entries costs."""
+    true_rank = torch.cumsum(flags, 0) - 1
+    false_rank = torch.cumsum(~flags, 0) - 1 + flags.sum()
+    positions = torch.empty(flags.numel(), dtype=torch.long, device=flags.device)
+    positions.scatter_(0, torch.where(flags, true_rank, false_rank), torch.arange(flags.numel(), device=flags.device))
     return positions[:count]
 
 
@@ -175,6 +178,7 @@ class RANWindowLayout:
     step_windows: torch.Tensor  # (N, B) window index k read at scan step j by sequence b; K when it has none
     token_window: torch.Tensor  # (B, L) number of each new token's window in the whole sequence (0 for padding)
     finished_windows: torch.Tensor  # (B,) windows of the whole sequence complete after this pass (causal)
+    real_tokens: torch.Tensor | None  # (T, 1) 0 for the padding entries of an exported layout; None: all are real
     cached_tail: torch.Tensor | None  # (P,) entries of the (B * P_max) cached tail read again; None without a cache
     next_tail: torch.Tensor | None  # (B, P_max') index in [new; cached tail; empty] of the tail to cache next
     continued_rows: int  # sequences whose first window here continues a cached one (its cell has a residual)
@@ -219,11 +223,22 @@ class RANWindowLayout:
         tail_lengths = torch.minimum(past, past % window + overlap)  # (B,) cached tokens read again
         next_tail_lengths = torch.minimum(total, total % window + overlap)  # (B,) tokens to cache for the next pass
         finished_windows = total // window
-        sizes = [lengths.sum(), tail_lengths.sum(), num_windows.sum(), num_windows.max(), lengths.max()]
-        sizes += [tail_lengths.max(), next_tail_lengths.max(), (first_window > 0).sum()]
-        sizes += [(first_window + num_windows).max(), finished_windows.max()]
-        (num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail, continued_rows,
-         cell_capacity, most_finished_windows) = torch.stack(sizes).tolist()  # fmt: skip
+        bounded = torch.compiler.is_exporting()
+        if bounded:
+            # Sizes from the input's shape alone, so that they stay symbolic: every position is a token (padding
+            # ones after the real ones, and zeroed on the way out) and every sequence has room for the most windows,
+            # plus one that stays empty: a symbolic number of steps that may be 1 would be specialised on. (No
+            # negative floor division: ONNX's integer division truncates.)
+            num_steps = (padded_length - 1) // window + 2
+            num_tokens, num_tail, num_packed, longest = batch_size * padded_length, 0, batch_size * num_steps, None
+            longest_tail = longest_next_tail = continued_rows = 0
+            cell_capacity = most_finished_windows = num_steps
+        else:
+            sizes = [lengths.sum(), tail_lengths.sum(), num_windows.sum(), num_windows.max(), lengths.max()]
+            sizes += [tail_lengths.max(), next_tail_lengths.max(), (first_window > 0).sum()]
+            sizes += [(first_window + num_windows).max(), finished_windows.max()]
+            (num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail, continued_rows,
+             cell_capacity, most_finished_windows) = torch.stack(sizes).tolist()  # fmt: skip
         token_index = true_positions(real.flatten(), num_tokens)  # (T,)
         empty = num_tokens + num_tail
         new_start, tail_start = group_starts(lengths), num_tokens + group_starts(tail_lengths)  # (B,) each
@@ -235,13 +250,23 @@ class RANWindowLayout:
             return torch.where(position >= past[rows], from_new, from_tail)
 
         # 2. Pack the windows of all sequences, in batch order; the scan reads them step-major.
-        window_sequence = torch.repeat_interleave(
-            torch.arange(batch_size, device=device), num_windows, output_size=num_packed
-        )  # (K,)
         packed = torch.arange(num_packed, device=device)
-        window_number = packed - group_starts(num_windows)[window_sequence]  # (K,)
-        step_windows = torch.full((num_steps, batch_size), num_packed, dtype=torch.long, device=device)
-        step_windows[window_number, window_sequence] = packed
+        if bounded:  # room for `num_steps` windows per sequence; the ones it does not have stay empty
+            grid = torch.zeros(batch_size, num_steps, dtype=torch.long, device=device)
+            window_sequence = (grid + torch.arange(batch_size, device=device)[:, None]).flatten()  # (K,)
+            window_number = (grid + torch.arange(num_steps, device=device)).flatten()  # (K,)
+            has_window = window_number < num_windows[window_sequence]
+            steps = torch.arange(num_steps, device=device)[:, None]  # (N, 1)
+            step_windows = torch.where(  # built step-major, not transposed: its strides would depend on N
+                steps < num_windows, torch.arange(batch_size, device=device) * num_steps + steps, num_packed
+            )  # (N, B)
+        else:
+            window_sequence = torch.repeat_interleave(
+                torch.arange(batch_size, device=device), num_windows, output_size=num_packed
+            )  # (K,)
+            window_number = packed - group_starts(num_windows)[window_sequence]  # (K,)
+            step_windows = torch.full((num_steps, batch_size), num_packed, dtype=torch.long, device=device)
+            step_windows[window_number, window_sequence] = packed
 
         # 3. Place every window's tokens in its slots: enrichment first, then its own tokens.
         absolute_window = first_window[window_sequence] + window_number  # (K,)
@@ -251,13 +276,16 @@ class RANWindowLayout:
         first_slot = start - torch.where(absolute_window > 0, overlap, 0)  # (K,) sequence position of slot 0
         position = first_slot[:, None] + torch.arange(overlap + own_slots, device=device)  # (K, S)
         slot_mask = position < end[:, None]
+        if bounded:
+            end = torch.where(has_window, end, start)  # an empty window has no queries ...
+            slot_mask = slot_mask & has_window[:, None]  # ... and no slots
         rows = window_sequence[:, None].expand_as(position)
         window_slots = torch.where(slot_mask, source_index(rows, position), empty)
 
         # 4. Pick the queries: only new own tokens need an output (a decoding step asks one per window, not S).
         # New tokens come in the same order as the windows' queries, so query q of window k is simply the next one.
         first_query = torch.maximum(start, past[window_sequence])  # (K,) sequence position of the first query
-        offset = torch.arange(min(longest, own_slots), device=device)  # (Q,)
+        offset = torch.arange(own_slots if bounded else min(longest, own_slots), device=device)  # (Q,)
         is_query = offset < (end - first_query)[:, None]  # (K, Q)
         query_slots = torch.where(is_query, (first_query - first_slot)[:, None] + offset, 0)
         query_index = torch.where(is_query, torch.cumsum(is_query.flatten(), 0).view_as(is_query) - 1, num_tokens)
@@ -290,6 +318,7 @@ class RANWindowLayout:
             step_windows=step_windows,
             token_window=token_window,
             finished_windows=finished_windows,
+            real_tokens=(torch.arange(num_tokens, device=device) < lengths.sum())[:, None] if bounded else None,
             cached_tail=cached_tail,
             next_tail=next_tail,
             continued_rows=continued_rows,
@@ -310,7 +339,7 @@ class RANWindowLayout:
         return torch.cat(parts)
 
     def rotary(self, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-        """Rotations (S, d / 2) of window slots (slot s is position s + 1; the cell sits at 0), built once a pass."""
+        """Rotations (S, d / 2, 2) of window slots (slot s is position s + 1; the cell sits at 0), built once a pass."""
         if self._rotary is None:
             self._rotary = rotary_rotations(self.num_slots + 1, head_dim, theta, device)[1:]
         return self._rotary
@@ -321,6 +350,8 @@ class RANWindowLayout:
 
     def to_padded(self, token_states: torch.Tensor) -> torch.Tensor:
         """(T, F) flat token features -> (B, L, F), zeros at padding."""
+        if self.real_tokens is not None:
+            token_states = token_states * self.real_tokens
         padded = token_states.new_zeros(self.batch_size * self.padded_length, token_states.shape[-1])
         padded[self.token_index] = token_states
         return padded.view(self.batch_size, self.padded_length, -1)
@@ -597,7 +628,7 @@ class RANLayer(GradientCheckpointingLayer):
         key, value = layout.sources(new_kv, tail)[layout.window_slots].permute(2, 0, 3, 1, 4)  # (K, H, S, d)
         query = layout.sources(qkv[:, 0])[layout.query_index].transpose(1, 2)  # (K, H, Q, d)
         if self.config.use_rotary:
-            rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2)
+            rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2, 2)
             query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
             key = apply_interleaved_rotary(key, rotations)
         # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
@@ -992,14 +1023,28 @@ def input_batch_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tenso
     return shape
 
 
-def refuse_export() -> None:
-    """`torch.export` and ONNX export would otherwise fail deep inside the window layout with a symbolic-shape error."""
-    if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+def check_exportable(past_key_values, use_cache) -> None:
+    """Refuse, naming the fix, the exports that cannot give a correct graph, before any tracing fails deep inside.
+
+    `torch.export` and ONNX's dynamo exporter trace a window layout whose sizes follow from the input's shape and
+    a cell scan that is one `scan` operator (ONNX `Scan`), so the graph takes any batch size and length.
+    """
+    if torch.onnx.is_in_onnx_export() and not torch.compiler.is_exporting():
         raise NotImplementedError(
-            "RAN cannot be exported (torch.export, ONNX) yet. Its window layout's sizes depend on the values of the "
-            "attention mask (read on the host in `RANWindowLayout.from_attention_mask`), and the cell scan loops over "
-            "a data-dependent number of windows, which ONNX would need as a `Loop`/`Scan`; the TorchScript exporter "
-            "also has no translation of `torch.polar` (the rotary embedding). `torch.compile` works."
+            "The TorchScript-based ONNX exporter would record one fixed number of windows. Export a RAN with "
+            "`torch.onnx.export(..., dynamo=True)`, or `ran_hf.export_onnx(model, path)`."
+        )
+    if not torch.compiler.is_exporting():
+        return
+    if past_key_values is not None or use_cache:
+        raise NotImplementedError(
+            "An exported RAN reads whole texts: export a causal model with `use_cache=False` (a graph that carries the "
+            "recurrent cache from call to call is not supported)."
+        )
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "Export a RAN under `torch.no_grad()` (`ran_hf.export_onnx` does): with gradients enabled, ONNX's exporter "
+            "runs the cell scan's `scan` operator in its autograd form, which it cannot convert."
         )
 
 
@@ -1127,7 +1172,7 @@ class RANModel(RANPreTrainedModel):
         output_hidden_states (`bool`, *optional*):
             Also return the embedding output and every layer's token states.
         """
-        refuse_export()
+        check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
         if self.gradient_checkpointing and self.training and use_cache and past_key_values is None:
