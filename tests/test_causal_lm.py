@@ -102,8 +102,6 @@ def decode_in_chunks(model, ids, chunk_sizes, attention_mask=None):
         pytest.param({"memory_review": False, "window_overlap": 1}, id="no-memory-review"),
         pytest.param({"memory_review_cells": 2, "window_overlap": 1}, id="bounded-memory"),
         pytest.param({"memory_review_cells": 1, "review_initial_cell": False}, id="bounded-memory-no-initial-cell"),
-        pytest.param({"review_length_scaling": True, "window_overlap": 1}, id="length-scaling"),
-        pytest.param({"review_length_scaling": True, "memory_review_cells": 2}, id="length-scaling-bounded-memory"),
     ],
 )
 def test_token_by_token_and_chunked_decoding_equal_the_full_forward(overrides):
@@ -117,11 +115,7 @@ def test_token_by_token_and_chunked_decoding_equal_the_full_forward(overrides):
     assert (chunked - full).abs().max() <= TOLERANCE
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [{}, {"memory_review_cells": 2}, {"review_length_scaling": True}],
-    ids=["all-cells", "bounded-memory", "length-scaling"],
-)
+@pytest.mark.parametrize("overrides", [{}, {"memory_review_cells": 2}], ids=["all-cells", "bounded-memory"])
 def test_cached_decoding_of_a_left_padded_batch_equals_each_sequence_alone(overrides):
     model = causal_model(3, window_overlap=1, **overrides)
     lengths, total = [17, 9, 13], 17
@@ -318,25 +312,3 @@ def test_assisted_generation_is_refused_before_it_starts():
     ids = torch.randint(1, 61, (1, 6), generator=torch.Generator().manual_seed(5))
     with pytest.raises(ValueError, match="stateful"):
         model.generate(ids, assistant_model=causal_model(seed=1).eval(), max_new_tokens=3, do_sample=False)
-
-
-def test_review_length_scaling_starts_as_the_plain_review_and_then_sharpens_with_the_cells_in_reach():
-    plain = RANForCausalLM(tiny_config(is_causal=True)).eval()
-    scaled = RANForCausalLM(tiny_config(is_causal=True, review_length_scaling=True)).eval()
-    missing, unexpected = scaled.load_state_dict(plain.state_dict(), strict=False)
-    assert not unexpected and all(name.endswith("memory_review.length_scale") for name in missing) and missing
-    assert all(layer.memory_review.length_scale.item() == 0.0 for layer in scaled.model.layers)  # `post_init`
-    ids = torch.randint(1, plain.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(scaled(ids).logits, plain(ids).logits)
-    scaled.train()
-    scaled(ids, labels=ids).loss.backward()
-    assert all(layer.memory_review.length_scale.grad.abs() > 0 for layer in scaled.model.layers)
-    with torch.no_grad():
-        for layer in scaled.model.layers:
-            layer.memory_review.length_scale.fill_(0.5)
-        # Tokens of the first two windows read one and two cells (the starting cell, then one more): log 1 = 0
-        # leaves the first window unchanged, later windows change.
-        changed = (scaled.eval()(ids).logits - plain(ids).logits).abs().amax(-1)
-    window = plain.config.window_size
-    assert changed[:, :window].max() <= 1e-6 and changed[:, window:].min() > 0

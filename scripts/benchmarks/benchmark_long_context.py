@@ -55,9 +55,7 @@ MODELS = {
     "ran-before": OFFICIAL_LAYER_FIELDS,
     "ran-official-causal": OFFICIAL_LAYER_FIELDS | {"scan_implementation": OFFICIAL_CAUSAL_SCAN},
     "gpt2": None,
-    "ran-length-scaled": {"review_length_scaling": True},  # not in the default run
 }
-DEFAULT_MODELS = ["ran", "ran-before", "ran-official-causal", "gpt2"]
 
 
 # ---- data -----------------------------------------------------------------------------------------------------------
@@ -385,7 +383,7 @@ def plot(results: list[dict], args, path: Path) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--data_dir", default="../shared/data", help="folder holding wikitext-2/{valid,test}.txt")
     parser.add_argument("--hidden_size", type=int, default=64)
     parser.add_argument("--num_layers", type=int, default=2)

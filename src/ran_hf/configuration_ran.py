@@ -169,11 +169,6 @@ class RANConfig(PreTrainedConfig):
             keeps a rare token's features at full strength whatever else the window holds. Defaults to `True` for
             causal models and `False` (official) for the encoder; a causal config saved before this field existed
             loads with `False`, as it was trained.
-        review_length_scaling (`bool`, *optional*, defaults to `False`):
-            Whether memory review multiplies a token's scores by `1 + s * log(n)`, where `n` is the number of cells
-            the token may read and `s` a learned scalar that starts at 0 (scalable softmax): the more cells there
-            are to choose from, the sharper the choice, so that a cell picked among the few of a training text is
-            still picked among the thousand of a text 64 times as long. Adds one parameter per layer.
         scan_implementation (`str`, *optional*, defaults to `"reference"`):
             Which cell scan the layers run, by its name in `ran_hf.cell_scan.ALL_SCAN_FUNCTIONS`. `"reference"` is
             the plain step-by-step loop that autograd records op by op. `"fused"` runs a layer's whole scan as one
@@ -241,7 +236,6 @@ class RANConfig(PreTrainedConfig):
     attention_qk_activation: bool | None = None
     memory_value_activation: bool | None = None
     cell_max_pool: bool | None = None
-    review_length_scaling: bool = False
     scan_implementation: str = "reference"
     hidden_act: str = "silu"
     hidden_dropout_prob: float = 0.1
@@ -358,10 +352,7 @@ class RANConfig(PreTrainedConfig):
         if not isinstance(self.scan_implementation, str) or not self.scan_implementation:
             # Whether the name is registered is checked when a layer runs: scans may register after the config.
             raise ValueError(f"`scan_implementation` must be a cell-scan name, got {self.scan_implementation!r}.")
-        for name in (
-            "memory_review", "use_cell_residual", "use_rotary", "is_causal", "tie_word_embeddings",
-            "review_length_scaling",
-        ):  # fmt: skip
+        for name in ("memory_review", "use_cell_residual", "use_rotary", "is_causal", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         for name in _LEARNABLE_MEMORY_FIELDS:

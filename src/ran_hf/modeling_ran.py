@@ -447,8 +447,6 @@ class RANMemoryReview(nn.Module):
         self.reads_initial_cell = config.uses_review_initial_cell  # cell 0 is the starting cell, always in reach
         # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
         self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
-        # `review_length_scaling`: scores times 1 + s log(cells in reach); s starts at 0, the unscaled review.
-        self.length_scale = nn.Parameter(torch.zeros(())) if config.review_length_scaling else None
 
     def chunk_length(self, batch_size: int, num_cells: int) -> int:
         """Tokens per chunk, so that a chunk holds at most `max_chunk_scores` scores."""
@@ -519,9 +517,6 @@ class RANMemoryReview(nn.Module):
         hidden = cell_index >= limit  # (B, l, C): cells the token may not read
         if first_readable is not None:  # a bounded memory: older cells are out of reach
             hidden = hidden | ((cell_index < first_readable[..., None]) & (cell_index >= int(self.reads_initial_cell)))
-        if self.length_scale is not None:
-            in_reach = (~hidden).sum(-1, keepdim=True).clamp(min=1)  # (B, l, 1)
-            scores = scores * (1 + self.length_scale * in_reach.to(scores.dtype).log())
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, l, D)
         review = self.dropout(self.value_act(self.o_proj(review)))
@@ -897,8 +892,6 @@ class RANPreTrainedModel(PreTrainedModel):
             # zero, far more). At initialisation that gradient was 100-1e8 times all the others together, so
             # clipping by the global norm left every other weight almost no update. Converted checkpoints load theirs.
             init.normal_(module.initial_cell, mean=0.0, std=self.config.initializer_range)
-        elif isinstance(module, RANMemoryReview) and module.length_scale is not None:
-            init.zeros_(module.length_scale)  # the unscaled review
         elif isinstance(module, RANLanguageModelBase) and module.decoder.bias is not None:
             init.zeros_(module.decoder.bias)
 
