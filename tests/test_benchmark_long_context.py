@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 import benchmark_long_context as bench
 from benchmark_long_context import KEY, QUESTION, Vocabulary, answer_logits, mqar_batch, passkey_batch
@@ -79,6 +80,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
             "--mqar_steps", "2", "--train_length", "128", "--eval_lengths", "128", "256", "--eval_examples", "2",
             "--mqar_train_length", "64", "--mqar_lengths", "64", "128", "--mqar_pairs", "2", "4", "--hidden_size", "16",
             "--num_heads", "2", "--window_size", "16", "--depths", "0.5", "--memory_review_cells", "4",
+            "--save_models", str(tmp_path / "models"),
         ]
     )  # fmt: skip
     assert [r["model"] for r in results] == list(bench.MODELS)
@@ -92,6 +94,10 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
             bounded = [row for row in result["passkey_bounded"] if "cache_bytes" in row]
             assert [row["length"] for row in bounded] == [128, 256]
             assert bounded[0]["cache_bytes"] == bounded[1]["cache_bytes"] < decoded[1]["cache_bytes"]
+    # Each trained passkey model is saved, and saved as trained: not with the bound it was evaluated with last.
+    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == sorted(f"{m}-passkey" for m in bench.MODELS)
+    reloaded = AutoConfig.from_pretrained(tmp_path / "models" / "ran-passkey")
+    assert reloaded.model_type == "ran" and reloaded.memory_review_cells is None
     table = output.with_suffix(".md").read_text()
     assert "| ran |" in table and "| ran, last 4 cells |" in table and output.with_suffix(".png").stat().st_size > 0
 

@@ -248,6 +248,8 @@ def run_model(name: str, args) -> dict:
         f"{name} passkey",
     )
     result["passkey_train_seconds"] = round(time.perf_counter() - start, 1)
+    if args.save_models:  # to study the trained model afterwards (diagnose_memory.py, other lengths)
+        model.save_pretrained(Path(args.save_models) / f"{name}-passkey")
     evaluation = torch.Generator().manual_seed(12_345)
     result["passkey"] = evaluate_passkey(model, eval_stream, evaluation, context, args)
     if not is_gpt2 and args.memory_review_cells:
@@ -414,6 +416,7 @@ def parse_args(argv=None):
     # One at a time by default: a RAN's 64K-token evaluation peaked at 13 GB, and two at once ran out of 24 GB.
     parser.add_argument("--jobs", type=int, default=1, help="models trained at the same time, one process each")
     parser.add_argument("--threads", type=int, default=1, help="threads per model")
+    parser.add_argument("--save_models", default=None, help="folder to save each trained passkey model in")
     parser.add_argument("--output", default="benchmarks/long_context", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)
     positive = ("hidden_size", "num_layers", "num_heads", "window_size", "batch_size", "eval_examples", "jobs")
@@ -441,7 +444,7 @@ def parse_args(argv=None):
 
 
 # Arguments that do not change what a model's result means: results of other models with the same rest are kept.
-PER_RUN_ARGUMENTS = ("models", "jobs", "threads", "output")
+PER_RUN_ARGUMENTS = ("models", "jobs", "threads", "output", "save_models")
 
 
 def earlier_results(path: Path, args) -> dict:
