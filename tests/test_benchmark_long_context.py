@@ -102,7 +102,23 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
     assert "| ran |" in table and "| ran, last 4 cells |" in table and output.with_suffix(".png").stat().st_size > 0
 
 
+def test_mqar_steps_0_runs_the_passkey_only(tmp_path):
+    output = tmp_path / "passkey_only"
+    results = bench.main(
+        [
+            "--data_dir", str(DATA), "--output", str(output), "--models", "ran", "--passkey_steps", "2",
+            "--mqar_steps", "0", "--train_length", "128", "--eval_lengths", "128", "--eval_examples", "2",
+            "--hidden_size", "16", "--num_heads", "2", "--window_size", "16", "--depths", "0.5",
+        ]
+    )  # fmt: skip
+    assert results[0]["mqar"] == [] and len(results[0]["passkey"]) == 1
+    table = output.with_suffix(".md").read_text()
+    assert "MQAR: not run" in table and "| pairs |" not in table and output.with_suffix(".png").stat().st_size > 0
+
+
 def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--mqar_steps", "-1"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--depths", "1.5"])
     with pytest.raises(SystemExit):

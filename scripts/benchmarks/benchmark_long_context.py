@@ -260,6 +260,8 @@ def run_model(name: str, args) -> dict:
         result["memory_review_cells"] = args.memory_review_cells
         model.config.memory_review_cells = None
 
+    if args.mqar_steps == 0:  # skipped
+        return result | {"mqar_training": {"losses": [], "diverged_at": None}, "mqar_train_seconds": 0.0, "mqar": []}
     # MQAR: a fresh model of the same design, trained at --mqar_train_length.
     torch.manual_seed(args.seed)
     context = max(args.mqar_lengths) if is_gpt2 else None
@@ -327,7 +329,14 @@ def markdown(results: list[dict], info: dict, args) -> str:
                     for n in lengths
                 ]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += [
+    lines += mqar_table(results, args) if args.mqar_steps else ["", "MQAR: not run (`--mqar_steps 0`)."]
+    if any(r[f"{task}_training"]["diverged_at"] for r in results for task in ("passkey", "mqar")):
+        lines += ["", "\\* training stopped at that step: its loss or gradient was not finite (the model as it was)."]
+    return "\n".join(lines) + "\n"
+
+
+def mqar_table(results: list[dict], args) -> list[str]:
+    lines = [
         "",
         f"MQAR: trained {args.mqar_steps} steps at {args.mqar_train_length} tokens with {args.mqar_pairs} pairs; "
         f"accuracy over all queries of {args.eval_examples} examples.",
@@ -339,9 +348,7 @@ def markdown(results: list[dict], info: dict, args) -> str:
         for pairs in args.mqar_pairs:
             cells = [f"{100 * row['accuracy']:.0f}%" for row in r["mqar"] if row["pairs"] == pairs]
             lines.append(f"| {r['model']}{diverged(r, 'mqar')} | {pairs} | " + " | ".join(cells) + " |")
-    if any(r[f"{task}_training"]["diverged_at"] for r in results for task in ("passkey", "mqar")):
-        lines += ["", "\\* training stopped at that step: its loss or gradient was not finite (the model as it was)."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def passkey_runs(result: dict) -> list[tuple[str, list[dict]]]:
@@ -364,21 +371,23 @@ def plot(results: list[dict], args, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (passkey, mqar) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, axes = plt.subplots(1, 2 if args.mqar_steps else 1, figsize=(11, 4) if args.mqar_steps else (6, 4))
+    passkey, mqar = (axes[0], axes[1]) if args.mqar_steps else (axes, None)
     for i, r in enumerate(results):
         for (label, rows), style in zip(passkey_runs(r), ("o-", "s--")):
             lengths = sorted({row["length"] for row in rows})
             accuracy = [statistics.mean(x["accuracy"] for x in rows if x["length"] == n) for n in lengths]
             passkey.semilogx(lengths, accuracy, style, color=f"C{i}", label=label, base=2)
-        pairs = max(args.mqar_pairs)
-        rows = [row for row in r["mqar"] if row["pairs"] == pairs]
-        mqar.semilogx([x["length"] for x in rows], [x["accuracy"] for x in rows], "o-", color=f"C{i}", base=2)
+        if mqar is not None:
+            rows = [row for row in r["mqar"] if row["pairs"] == max(args.mqar_pairs)]
+            mqar.semilogx([x["length"] for x in rows], [x["accuracy"] for x in rows], "o-", color=f"C{i}", base=2)
     passkey.axvline(args.train_length, color="grey", linestyle=":", label="training length")
     passkey.set(xlabel="tokens", ylabel="exact match", title="passkey", ylim=(-0.02, 1.02))
-    mqar.set(xlabel="tokens", ylabel="accuracy", title=f"MQAR, {max(args.mqar_pairs)} pairs", ylim=(-0.02, 1.02))
     passkey.legend(fontsize=8)
-    for axis in (passkey, mqar):
-        axis.grid(alpha=0.3)
+    passkey.grid(alpha=0.3)
+    if mqar is not None:
+        mqar.set(xlabel="tokens", ylabel="accuracy", title=f"MQAR, {max(args.mqar_pairs)} pairs", ylim=(-0.02, 1.02))
+        mqar.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -404,7 +413,7 @@ def parse_args(argv=None):
     parser.add_argument("--max_ran_length", type=int, default=65536, help="longest passkey length for the RANs")
     parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
     parser.add_argument("--mqar_train_length", type=int, default=256)
-    parser.add_argument("--mqar_steps", type=int, default=1000)
+    parser.add_argument("--mqar_steps", type=int, default=1000, help="0: passkey only")
     parser.add_argument("--mqar_lengths", nargs="+", type=int, default=[256, 512, 1024, 2048])
     parser.add_argument("--mqar_pairs", nargs="+", type=int, default=[4, 8, 16])
     parser.add_argument("--batch_size", type=int, default=8)
@@ -420,9 +429,11 @@ def parse_args(argv=None):
     parser.add_argument("--output", default="benchmarks/long_context", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)
     positive = ("hidden_size", "num_layers", "num_heads", "window_size", "batch_size", "eval_examples", "jobs")
-    for name in positive + ("eval_batch_size", "threads", "passkey_steps", "mqar_steps", "key_digits"):
+    for name in positive + ("eval_batch_size", "threads", "passkey_steps", "key_digits"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.mqar_steps < 0:
+        parser.error("--mqar_steps must be >= 0 (0: no MQAR)")
     if args.memory_review_cells is not None and args.memory_review_cells < 1:
         parser.error("--memory_review_cells must be >= 1")
     if args.learning_rate <= 0:
