@@ -102,18 +102,26 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
     assert "| ran |" in table and "| ran, last 4 cells |" in table and output.with_suffix(".png").stat().st_size > 0
 
 
-def test_mqar_steps_0_runs_the_passkey_only(tmp_path):
+def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(tmp_path, capsys):
     output = tmp_path / "passkey_only"
-    results = bench.main(
-        [
-            "--data_dir", str(DATA), "--output", str(output), "--models", "ran", "--passkey_steps", "2",
-            "--mqar_steps", "0", "--train_length", "128", "--eval_lengths", "128", "--eval_examples", "2",
-            "--hidden_size", "16", "--num_heads", "2", "--window_size", "16", "--depths", "0.5",
-        ]
-    )  # fmt: skip
+
+    def run(models, passkey_steps="2"):
+        return bench.main(
+            [
+                "--data_dir", str(DATA), "--output", str(output), "--models", *models, "--passkey_steps",
+                passkey_steps, "--mqar_steps", "0", "--train_length", "128", "--eval_lengths", "128",
+                "--eval_examples", "2", "--hidden_size", "16", "--num_heads", "2", "--window_size", "16",
+                "--depths", "0.5",
+            ]
+        )  # fmt: skip
+
+    results = run(["ran"])
     assert results[0]["mqar"] == [] and len(results[0]["passkey"]) == 1
     table = output.with_suffix(".md").read_text()
     assert "MQAR: not run" in table and "| pairs |" not in table and output.with_suffix(".png").stat().st_size > 0
+    assert [r["model"] for r in run(["gpt2"])] == ["ran", "gpt2"]  # same arguments: merged
+    assert [r["model"] for r in run(["gpt2"], passkey_steps="3")] == ["gpt2"]  # other arguments: replaced...
+    assert "run with other passkey_steps" in capsys.readouterr().out  # ... and the user is told
 
 
 def test_bad_arguments_are_refused():

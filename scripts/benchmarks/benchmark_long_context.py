@@ -466,8 +466,10 @@ def earlier_results(path: Path, args) -> dict:
     earlier["arguments"].setdefault("warmup_steps", 100)  # results saved before these were arguments
     earlier["arguments"].setdefault("key_digits", 5)
     earlier["arguments"].setdefault("memory_review_cells", None)
-    same = {k: v for k, v in earlier["arguments"].items() if k not in PER_RUN_ARGUMENTS}
-    if same != {k: v for k, v in vars(args).items() if k not in PER_RUN_ARGUMENTS}:
+    compared = (vars(args).keys() | earlier["arguments"].keys()) - set(PER_RUN_ARGUMENTS)
+    differing = sorted(k for k in compared if earlier["arguments"].get(k) != vars(args).get(k))
+    if differing:
+        print(f"{path} was run with other {', '.join(differing)}: its results are replaced, not merged")
         return {}
     return {r["model"]: r for r in earlier["results"] if r["model"] not in args.models}
 
