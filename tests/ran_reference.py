@@ -105,6 +105,9 @@ def memory_review(layer, outputs, cells, token_windows, initial_cell, config, ca
         scores = F.normalize(q_linear, dim=-1) @ F.normalize(k_linear, dim=-1).T * math.sqrt(q.shape[-1])
     else:
         scores = q @ act(k_linear).T / math.sqrt(q.shape[-1])  # (n, m)
+    if config.uses_review_salience:  # every token's score of a cell includes its learned prior, salience . key
+        keys = F.normalize(k_linear, dim=-1) if config.uses_review_qk_norm else act(k_linear)
+        scores = scores + keys @ review.salience
     probs = scores.softmax(-1)
     if causal:  # a token of window i reads the cells of windows < i (and the initial cell, if it may)
         windows = torch.tensor(token_windows)[:, None]

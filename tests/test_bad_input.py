@@ -352,6 +352,17 @@ CONFIG_ERRORS = [
         {"is_causal": True, "memory_review_cells": True}, "`memory_review_cells` must be an int", id="bound-bool"
     ),
     pytest.param({"memory_review_cells": 4}, "bidirectional encoder reviews every cell", id="bound-encoder"),
+    pytest.param(
+        {"is_causal": True, "memory_salient_cells": 2}, "`memory_review_cells` is None", id="salient-without-bound"
+    ),
+    pytest.param(
+        {"is_causal": True, "memory_review_cells": 4, "memory_salient_cells": 0}, "must be an int >= 1",
+        id="salient-zero",
+    ),
+    pytest.param(
+        {"is_causal": True, "memory_review_cells": 4, "memory_salient_cells": 2, "review_salience": False},
+        "turns off", id="salient-without-salience",
+    ),
 ]
 
 

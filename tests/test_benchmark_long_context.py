@@ -80,7 +80,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
             "--mqar_steps", "2", "--train_length", "128", "--eval_lengths", "128", "256", "--eval_examples", "2",
             "--mqar_train_length", "64", "--mqar_lengths", "64", "128", "--mqar_pairs", "2", "4", "--hidden_size", "16",
             "--num_heads", "2", "--window_size", "16", "--depths", "0.5", "--memory_review_cells", "4",
-            "--save_models", str(tmp_path / "models"),
+            "--memory_salient_cells", "2", "--save_models", str(tmp_path / "models"),
         ]
     )  # fmt: skip
     assert [r["model"] for r in results] == list(bench.MODELS)
@@ -94,12 +94,18 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
             bounded = [row for row in result["passkey_bounded"] if "cache_bytes" in row]
             assert [row["length"] for row in bounded] == [128, 256]
             assert bounded[0]["cache_bytes"] == bounded[1]["cache_bytes"] < decoded[1]["cache_bytes"]
+        if result["model"] == "ran":  # ... and keeping its 2 most salient older cells (the others have no salience)
+            salient = [row for row in result["passkey_salient"] if "cache_bytes" in row]
+            assert salient[0]["cache_bytes"] == salient[1]["cache_bytes"] > bounded[1]["cache_bytes"]
+        else:
+            assert "passkey_salient" not in result
     # Each trained passkey model is saved, and saved as trained: not with the bound it was evaluated with last.
     assert sorted(path.name for path in (tmp_path / "models").iterdir()) == sorted(f"{m}-passkey" for m in bench.MODELS)
     reloaded = AutoConfig.from_pretrained(tmp_path / "models" / "ran-passkey")
-    assert reloaded.model_type == "ran" and reloaded.memory_review_cells is None
+    assert reloaded.model_type == "ran" and reloaded.memory_review_cells is reloaded.memory_salient_cells is None
     table = output.with_suffix(".md").read_text()
-    assert "| ran |" in table and "| ran, last 4 cells |" in table and output.with_suffix(".png").stat().st_size > 0
+    assert "| ran |" in table and "| ran, last 4 cells |" in table and "| ran, last 4 + 2 salient cells |" in table
+    assert output.with_suffix(".png").stat().st_size > 0
 
 
 def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(tmp_path, capsys):
@@ -133,6 +139,8 @@ def test_bad_arguments_are_refused():
         bench.parse_args(["--mqar_pairs", "100"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--memory_review_cells", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--memory_salient_cells", "2"])  # salient cells beyond a bound that is not set
 
 
 def test_training_that_turns_nan_stops_and_says_when():

@@ -102,6 +102,11 @@ def decode_in_chunks(model, ids, chunk_sizes, attention_mask=None):
         pytest.param({"memory_review": False, "window_overlap": 1}, id="no-memory-review"),
         pytest.param({"memory_review_cells": 2, "window_overlap": 1}, id="bounded-memory"),
         pytest.param({"memory_review_cells": 1, "review_initial_cell": False}, id="bounded-memory-no-initial-cell"),
+        pytest.param({"memory_review_cells": 1, "memory_salient_cells": 2, "window_overlap": 1}, id="salient-cells"),
+        pytest.param(
+            {"memory_review_cells": 2, "memory_salient_cells": 1, "review_initial_cell": False},
+            id="salient-cells-no-initial-cell",
+        ),
     ],
 )
 def test_token_by_token_and_chunked_decoding_equal_the_full_forward(overrides):
@@ -115,7 +120,11 @@ def test_token_by_token_and_chunked_decoding_equal_the_full_forward(overrides):
     assert (chunked - full).abs().max() <= TOLERANCE
 
 
-@pytest.mark.parametrize("overrides", [{}, {"memory_review_cells": 2}], ids=["all-cells", "bounded-memory"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"memory_review_cells": 2}, {"memory_review_cells": 1, "memory_salient_cells": 2}],
+    ids=["all-cells", "bounded-memory", "salient-cells"],
+)
 def test_cached_decoding_of_a_left_padded_batch_equals_each_sequence_alone(overrides):
     model = causal_model(3, window_overlap=1, **overrides)
     lengths, total = [17, 9, 13], 17
@@ -199,6 +208,65 @@ def test_a_bounded_memory_keeps_the_cache_flat_and_reads_only_recent_cells():
         bounded = model(ids[:, :640]).logits
         model.config.memory_review_cells = None
         assert torch.equal(model(ids[:, :640]).logits, bounded)
+
+
+def review_cell_states(model, ids):
+    """Per layer, the (B, 1 + C, 2 D) cells its memory review reads in one forward pass over `ids`."""
+    captured = []
+    hooks = [
+        layer.memory_review.register_forward_hook(lambda module, args, output: captured.append(args[1]))
+        for layer in model.model.layers
+    ]
+    try:
+        outputs = model(ids, output_attentions=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return outputs, captured
+
+
+def test_salient_cells_keep_the_cache_flat_and_a_token_reads_the_most_salient_older_cells():
+    """With `memory_salient_cells=S`, a cache after 16K tokens is as large as after 512, and a token in window w
+    reviews exactly the starting cell, the last M windows' cells and the S most salient cells of windows before
+    w - M, by the learned prior each memory review gives a cell."""
+    model = causal_model(6, window_size=64, min_window_size=8, hidden_size=16, memory_review_cells=3)
+    model.config.memory_salient_cells = 2  # settable on a trained model
+    ids = torch.randint(1, model.config.vocab_size, (1, 16384), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        _, short = decode_in_chunks(model, ids[:, :512], [500, 12])
+        _, long = decode_in_chunks(model, ids, [16000, 384])
+        outputs, cells = review_cell_states(model, ids[:, :640])
+    assert long.nbytes() == short.nbytes()
+    assert all(layer.salient_windows.tolist() != [[-1, -1]] for layer in long.layers)
+    for layer, layer_cells, layer_weights in zip(model.model.layers, cells, outputs.memory_attentions):
+        salience = layer.memory_review.cell_salience(layer_cells[0, 1:]).tolist()  # window c's cell is 1 + c
+        assert len(set(salience)) == len(salience)  # no ties: the expected set below is unambiguous
+        for position, window in [(10, 0), (200, 3), (300, 4), (639, 9)]:
+            older = sorted(range(max(0, window - 3)), key=lambda cell: -salience[cell])[:2]
+            expected = [0] + sorted(1 + cell for cell in older + list(range(max(0, window - 3), window)))
+            read = (layer_weights[0, position] > 0).nonzero().flatten().tolist()
+            assert read == expected, (position, read, expected)
+
+
+def test_salient_cells_are_chosen_alike_from_any_order_of_candidates():
+    """The choice is a total order (salience, then the older window), so a cache that holds only the past's salient
+    cells, in whatever order, chooses what the full forward does; empty slots (window -1) are never chosen."""
+    from ran_hf.modeling_ran import salient_cells
+
+    generator = torch.Generator().manual_seed(0)
+    salience = torch.randint(0, 4, (2, 12), generator=generator).float()  # many ties
+    windows = torch.arange(12).expand(2, -1).clone()
+    windows[1, 3] = -1
+    reading = torch.tensor([[5, 9, 13], [6, 10, 14]])
+    chosen = salient_cells(salience, windows, reading, recent=2, kept=3)
+    for row in range(2):
+        for r, window in enumerate(reading[row].tolist()):
+            eligible = [c for c in range(12) if 0 <= windows[row, c] < window - 2]
+            expected = sorted(eligible, key=lambda c: (-salience[row, c].item(), windows[row, c].item()))[:3]
+            assert chosen[row, r].nonzero().flatten().tolist() == sorted(expected)
+    shuffle = torch.randperm(12, generator=generator)
+    shuffled = salient_cells(salience[:, shuffle], windows[:, shuffle], reading, recent=2, kept=3)
+    assert torch.equal(shuffled, chosen[..., shuffle])
 
 
 def test_training_and_no_cache_paths_build_no_cache():

@@ -15,6 +15,7 @@ from transformers import (
 
 import ran_hf
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
+from ran_testing import tiny_config
 from remote_code import run_without_ran_hf
 
 HEADS = [
@@ -202,14 +203,31 @@ def test_a_saved_config_names_the_memory_design_it_resolves_to(is_causal, tmp_pa
     assert loaded.uses_attention_qk_activation and loaded.uses_memory_value_activation
 
 
-def test_a_causal_config_saved_before_cell_max_pool_loads_without_it(tmp_path):
-    """A config that names its memory design but not `cell_max_pool` was trained without it, whatever the default."""
+@pytest.mark.parametrize("field", ["cell_max_pool", "review_salience"])
+def test_a_causal_config_saved_before_a_memory_field_existed_loads_without_it(tmp_path, field):
+    """A config that names its memory design but not a field added later was trained without it, whatever the
+    default."""
     config = ran_hf.RANConfig(is_causal=True, hidden_size=16, num_attention_heads=2, head_dim=8)
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    del saved["cell_max_pool"]
+    assert saved[field] is getattr(config, f"uses_{field}") is True
+    del saved[field]
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    assert not ran_hf.RANConfig.from_pretrained(tmp_path).uses_cell_max_pool
-    assert ran_hf.RANConfig.from_pretrained(tmp_path, cell_max_pool=True).uses_cell_max_pool
+    assert not getattr(ran_hf.RANConfig.from_pretrained(tmp_path), f"uses_{field}")
+    assert getattr(ran_hf.RANConfig.from_pretrained(tmp_path, **{field: True}), f"uses_{field}")
     # A config written by hand, naming no memory field, takes today's causal defaults.
-    assert ran_hf.RANConfig.from_dict({"is_causal": True}).uses_cell_max_pool
+    assert getattr(ran_hf.RANConfig.from_dict({"is_causal": True}), f"uses_{field}")
+
+
+def test_a_causal_checkpoint_saved_before_review_salience_loads_exactly(tmp_path):
+    """Its weights hold no salience vector, and none is made up: the model loads every weight and computes as
+    saved."""
+    model = ran_hf.RANForCausalLM(tiny_config(is_causal=True, review_salience=False)).eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["review_salience"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded, info = ran_hf.RANForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
+    ids = torch.randint(1, model.config.vocab_size, (2, 19))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)

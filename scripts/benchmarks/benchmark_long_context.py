@@ -258,6 +258,13 @@ def run_model(name: str, args) -> dict:
         same_examples = torch.Generator().manual_seed(12_345)
         result["passkey_bounded"] = evaluate_passkey(model, eval_stream, same_examples, context, args)
         result["memory_review_cells"] = args.memory_review_cells
+        if args.memory_salient_cells and model.config.uses_review_salience:
+            # ... and besides those, the most salient older cells.
+            model.config.memory_salient_cells = args.memory_salient_cells
+            same_examples = torch.Generator().manual_seed(12_345)
+            result["passkey_salient"] = evaluate_passkey(model, eval_stream, same_examples, context, args)
+            result["memory_salient_cells"] = args.memory_salient_cells
+            model.config.memory_salient_cells = None
         model.config.memory_review_cells = None
 
     if args.mqar_steps == 0:  # skipped
@@ -352,11 +359,15 @@ def mqar_table(results: list[dict], args) -> list[str]:
 
 
 def passkey_runs(result: dict) -> list[tuple[str, list[dict]]]:
-    """(label, passkey rows) of a model: as trained, and with its memory review bounded if that was evaluated."""
+    """(label, passkey rows) of a model: as trained, and with its memory review bounded (and keeping its salient
+    cells) where that was evaluated."""
     runs = [(result["model"], result["passkey"])]
+    bound = result.get("memory_review_cells", "M")
     if result.get("passkey_bounded"):
-        bound = result.get("memory_review_cells", "M")
         runs.append((f"{result['model']}, last {bound} cells", result["passkey_bounded"]))
+    if result.get("passkey_salient"):
+        label = f"{result['model']}, last {bound} + {result['memory_salient_cells']} salient cells"
+        runs.append((label, result["passkey_salient"]))
     return runs
 
 
@@ -374,7 +385,7 @@ def plot(results: list[dict], args, path: Path) -> None:
     figure, axes = plt.subplots(1, 2 if args.mqar_steps else 1, figsize=(11, 4) if args.mqar_steps else (6, 4))
     passkey, mqar = (axes[0], axes[1]) if args.mqar_steps else (axes, None)
     for i, r in enumerate(results):
-        for (label, rows), style in zip(passkey_runs(r), ("o-", "s--")):
+        for (label, rows), style in zip(passkey_runs(r), ("o-", "s--", "^:")):
             lengths = sorted({row["length"] for row in rows})
             accuracy = [statistics.mean(x["accuracy"] for x in rows if x["length"] == n) for n in lengths]
             passkey.semilogx(lengths, accuracy, style, color=f"C{i}", label=label, base=2)
@@ -409,6 +420,13 @@ def parse_args(argv=None):
         default=None,
         help="also evaluate each trained RAN with memory review (and its cache) bounded to the last M windows' cells",
     )
+    parser.add_argument(
+        "--memory_salient_cells",
+        type=int,
+        default=None,
+        help="with --memory_review_cells: evaluate each RAN with a salience prior once more, also keeping the S most "
+        "salient older cells",
+    )
     parser.add_argument("--eval_lengths", nargs="+", type=int, default=[1024, 4096, 16384, 65536])
     parser.add_argument("--max_ran_length", type=int, default=65536, help="longest passkey length for the RANs")
     parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
@@ -436,6 +454,8 @@ def parse_args(argv=None):
         parser.error("--mqar_steps must be >= 0 (0: no MQAR)")
     if args.memory_review_cells is not None and args.memory_review_cells < 1:
         parser.error("--memory_review_cells must be >= 1")
+    if args.memory_salient_cells is not None and (args.memory_salient_cells < 1 or args.memory_review_cells is None):
+        parser.error("--memory_salient_cells must be >= 1 and needs --memory_review_cells")
     if args.learning_rate <= 0:
         parser.error("--learning_rate must be positive")
     if args.warmup_steps < 0:
@@ -466,6 +486,7 @@ def earlier_results(path: Path, args) -> dict:
     earlier["arguments"].setdefault("warmup_steps", 100)  # results saved before these were arguments
     earlier["arguments"].setdefault("key_digits", 5)
     earlier["arguments"].setdefault("memory_review_cells", None)
+    earlier["arguments"].setdefault("memory_salient_cells", None)
     compared = (vars(args).keys() | earlier["arguments"].keys()) - set(PER_RUN_ARGUMENTS)
     differing = sorted(k for k in compared if earlier["arguments"].get(k) != vars(args).get(k))
     if differing:

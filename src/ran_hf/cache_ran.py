@@ -14,6 +14,8 @@ class RANCacheLayer:
         cell_states (B, C, 2 D): memory review's keys and values of the raw cells of all finished windows (C grows by
             one per window; projected once, so a decoding step does not redo work for the whole past), or with
             `config.memory_review_cells = M` of the last M at most (right-aligned per row, C <= M);
+        salient_cell_states (B, S, 2 D), salient_windows (B, S): with `config.memory_salient_cells = S`, the S most
+            salient cells older than those, and the window each was written by (-1: a slot not filled yet);
         tail_keys, tail_values (B, P, H, d): un-rotated keys and values of the tokens a later window still reads:
             the current window's tokens and, before them, the enrichment tokens of `window_overlap`
             (P <= window_size - 1 + window_overlap, whatever the context length).
@@ -26,6 +28,8 @@ class RANCacheLayer:
         self.cell = None
         self.previous_raw_cell = None
         self.cell_states = None
+        self.salient_cell_states = None
+        self.salient_windows = None
         self.tail_keys = None
         self.tail_values = None
 
@@ -34,7 +38,10 @@ class RANCacheLayer:
         return self.cell is not None
 
     def tensors(self) -> dict:
-        names = ("cell", "previous_raw_cell", "cell_states", "tail_keys", "tail_values")
+        names = (
+            "cell", "previous_raw_cell", "cell_states", "salient_cell_states", "salient_windows", "tail_keys",
+            "tail_values",
+        )  # fmt: skip
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, function) -> None:
@@ -65,7 +72,8 @@ class RANCache(Cache):
 
     Per layer one cell, one raw cell and the keys/values of at most one window, plus the memory-review key and value
     of each finished window's cell (2 D numbers per window): a window's worth of a transformer's cache per window.
-    With `config.memory_review_cells = M` only the last M windows' cells are kept, and memory is flat.
+    With `config.memory_review_cells = M` only the last M windows' cells are kept (and with
+    `config.memory_salient_cells = S` the S most salient older ones), and memory is flat.
 
     Streaming an unbounded text chunk by chunk gives exactly the logits of one forward pass over all of it:
 

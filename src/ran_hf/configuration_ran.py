@@ -20,7 +20,11 @@ OFFICIAL_LAYER_FIELDS = {
     "attention_qk_activation": True,
     "memory_value_activation": True,
     "cell_max_pool": False,
+    "review_salience": False,
 }
+# Memory fields added after others were saved: a saved config that names the older fields but not one of these
+# was trained without it.
+_LATER_MEMORY_FIELDS = ("cell_max_pool", "review_salience")
 _LEARNABLE_MEMORY_FIELDS = tuple(OFFICIAL_LAYER_FIELDS)
 _CELL_POOLINGS = ("last", "mean", "max")
 _TOKEN_POOLINGS = ("max", "mean")
@@ -113,6 +117,13 @@ class RANConfig(PreTrainedConfig):
             stays the same at any context length. What lies further back reaches a token only through the cell
             carried from window to window. `None` (default): every earlier window's cell. Can be set on a trained
             model; a model trained on texts of at most that many windows computes the same as without it there.
+        memory_salient_cells (`int`, *optional*):
+            With `memory_review_cells`: besides the cells of the last `memory_review_cells` windows, a token also
+            reviews the `memory_salient_cells` older cells of highest salience (the learned prior of
+            `review_salience`), and the cache keeps those too. Decoding memory stays flat (at most
+            `memory_review_cells + memory_salient_cells` cells per layer), and a cell that stood out, such as the
+            one holding a key, stays readable however far back it lies. Can be set on a trained model. `None`
+            (default): older cells are dropped.
         use_cell_residual (`bool`, *optional*, defaults to `True`):
             Whether a window's cell adds the gated raw cell of the window before it (paper eq. 7). `False` is the
             paper's "w/o residual connection" ablation: the cell is the window's raw output alone.
@@ -169,6 +180,12 @@ class RANConfig(PreTrainedConfig):
             keeps a rare token's features at full strength whatever else the window holds. Defaults to `True` for
             causal models and `False` (official) for the encoder; a causal config saved before this field existed
             loads with `False`, as it was trained.
+        review_salience (`bool`, *optional*):
+            Whether memory review adds a learned prior to every cell's score, the dot product of its key with one
+            learned vector (zero at initialisation): how worth reading a cell is, whoever asks. Training raises it
+            for the cells that tokens need, and `memory_salient_cells` keeps the cells it ranks highest. Defaults
+            to `True` for causal models and `False` (official) for the encoder; a causal config saved before this
+            field existed loads with `False`.
         scan_implementation (`str`, *optional*, defaults to `"reference"`):
             Which cell scan the layers run, by its name in `ran_hf.cell_scan.ALL_SCAN_FUNCTIONS`. `"reference"` is
             the plain step-by-step loop that autograd records op by op. `"fused"` runs a layer's whole scan as one
@@ -225,6 +242,7 @@ class RANConfig(PreTrainedConfig):
     token_pooling: str = "max"
     memory_review: bool = True
     memory_review_cells: int | None = None
+    memory_salient_cells: int | None = None
     use_cell_residual: bool = True
     use_rotary: bool = True
     window_overlap: int = 0
@@ -236,6 +254,7 @@ class RANConfig(PreTrainedConfig):
     attention_qk_activation: bool | None = None
     memory_value_activation: bool | None = None
     cell_max_pool: bool | None = None
+    review_salience: bool | None = None
     scan_implementation: str = "reference"
     hidden_act: str = "silu"
     hidden_dropout_prob: float = 0.1
@@ -259,10 +278,11 @@ class RANConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        # A saved config names every memory field it resolved (`to_dict`); one that names them but not
-        # `cell_max_pool` was saved before that field existed, and its model was trained without it.
-        if "residual_stream" in config_dict and "cell_max_pool" not in config_dict:
-            config_dict = {**config_dict, "cell_max_pool": False}
+        # A saved config names every memory field it resolved (`to_dict`); one that names them but not a later
+        # field was saved before that field existed, and its model was trained without it.
+        if "residual_stream" in config_dict:
+            missing = {name: False for name in _LATER_MEMORY_FIELDS if name not in config_dict}
+            config_dict = {**config_dict, **missing}
         return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:
@@ -345,6 +365,7 @@ class RANConfig(PreTrainedConfig):
                     "`memory_review_cells` bounds what a causal model's tokens review (and its cache keeps); the "
                     "bidirectional encoder reviews every cell of its text. Set `is_causal=True` or leave it None."
                 )
+        self._validate_salient_cells()
         if self.cell_pooling not in _CELL_POOLINGS:
             raise ValueError(f"`cell_pooling` must be one of {_CELL_POOLINGS}, got {self.cell_pooling!r}.")
         if self.token_pooling not in _TOKEN_POOLINGS:
@@ -376,6 +397,24 @@ class RANConfig(PreTrainedConfig):
             raise ValueError(f"`head_dim` must be even (rotary embedding rotates pairs), got {self.head_dim}.")
         if self.rope_theta <= 0:
             raise ValueError(f"`rope_theta` must be > 0, got {self.rope_theta}.")
+
+    def _validate_salient_cells(self) -> None:
+        """`memory_salient_cells` needs a bounded review (what it adds to) and a salience (what it ranks by)."""
+        value = self.memory_salient_cells
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`memory_salient_cells` must be an int >= 1 or None, got {value!r}.")
+        if self.memory_review_cells is None:
+            raise ValueError(
+                "`memory_salient_cells` keeps salient cells beyond the last `memory_review_cells` windows, but "
+                "`memory_review_cells` is None (every cell is reviewed already). Set both, or neither."
+            )
+        if not self.uses_review_salience:
+            raise ValueError(
+                "`memory_salient_cells` ranks cells by the learned prior of `review_salience`, which this config "
+                "turns off; a model trained without it has no ranking to keep cells by."
+            )
 
     # The fields that make the memory learnable default to the official layer for the encoder (checkpoints) and to
     # the learnable design for causal models; resolved when read, so that switching `is_causal` follows. A saved
@@ -409,6 +448,10 @@ class RANConfig(PreTrainedConfig):
     @property
     def uses_cell_max_pool(self) -> bool:
         return self._learnable_memory("cell_max_pool", True)
+
+    @property
+    def uses_review_salience(self) -> bool:
+        return self._learnable_memory("review_salience", True)
 
     @property
     def uses_review_initial_cell(self) -> bool:

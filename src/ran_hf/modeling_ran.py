@@ -410,6 +410,22 @@ def eager_window_attention(
     return attended.transpose(1, 2).contiguous(), weights
 
 
+def salient_cells(salience, windows, reading_windows, recent: int, kept: int) -> torch.Tensor:
+    """Which cells each reading window keeps beyond its recent ones (`memory_salient_cells`): (B, R, C) booleans.
+
+    salience (B, C) the cells' learned prior; windows (B, C) the window each cell was written by (-1: an empty slot);
+    reading_windows (B, R). Window w keeps, among the cells of windows before `w - recent`, the `kept` most salient.
+    Ties go to the older window: a total order, so that a cache holding only the past's salient cells keeps exactly
+    what one forward pass over the whole text does.
+    """
+    by_window = windows.argsort(dim=-1, stable=True)
+    order = by_window.gather(-1, salience.gather(-1, by_window).argsort(dim=-1, descending=True, stable=True))
+    ordered_windows = windows.gather(-1, order)[:, None, :]  # (B, 1, C), most salient first
+    older = (ordered_windows >= 0) & (ordered_windows < reading_windows[..., None] - recent)  # (B, R, C)
+    keep = older & (older.cumsum(-1) <= kept)
+    return torch.zeros_like(keep).scatter(-1, order[:, None, :].expand_as(keep), keep)
+
+
 class RANMemoryReview(nn.Module):
     """Single-head attention of every token over the cells of its sequence's windows, with a gated residual.
 
@@ -445,6 +461,8 @@ class RANMemoryReview(nn.Module):
         self.qk_norm = config.uses_review_qk_norm
         self.value_act = self.act if config.uses_memory_value_activation else nn.Identity()
         self.reads_initial_cell = config.uses_review_initial_cell  # cell 0 is the starting cell, always in reach
+        if config.uses_review_salience:  # a learned prior of every cell, `salience . key`; zero at initialisation
+            self.salience = nn.Parameter(torch.zeros(hidden_size))
         # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
         self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
 
@@ -458,6 +476,11 @@ class RANMemoryReview(nn.Module):
         key = unit_vectors(key) if self.qk_norm else self.act(key)
         return torch.cat([key, self.value_act(value)], dim=-1)
 
+    def cell_salience(self, cell_states: torch.Tensor) -> torch.Tensor:
+        """(..., 2 D) cell keys and values from `project_cells` -> (...) their learned prior, what every token's score
+        of the cell includes (`config.review_salience`)."""
+        return cell_states[..., : cell_states.shape[-1] // 2] @ self.salience
+
     def forward(
         self,
         token_states: torch.Tensor,
@@ -465,16 +488,22 @@ class RANMemoryReview(nn.Module):
         readable_cells: torch.Tensor,
         output_attentions: bool = False,
         first_readable: torch.Tensor | None = None,
+        salient: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; readable_cells (B, L): each token
         # reads cells [0, readable_cells), or [first_readable, readable_cells) with a bounded memory
-        # (`memory_review_cells`; the starting cell stays in reach). Returns the reviewed states (B, L, D) and, with `output_attentions`, the
-        # review weights (B, L, C), which then exist whole.
+        # (`memory_review_cells`; the starting cell stays in reach). `salient`, with `memory_salient_cells`: a
+        # (B, R, C) table of the further cells each of R reading windows may read, and (B, L) each token's row of
+        # it. Returns the reviewed states (B, L, D) and, with `output_attentions`, the review weights (B, L, C),
+        # which then exist whole.
         batch_size, length = token_states.shape[:2]
         # Compiled: one chunk, so that a new length or number of cells needs no new graph (memory O(tokens x cells)).
         chunk_size = length if torch.compiler.is_compiling() else self.chunk_length(batch_size, cell_states.shape[1])
+        salient_table, salient_rows = (None, None) if salient is None else salient
         if length <= chunk_size:
-            reviewed, weights = self.review_chunk(token_states, cell_states, readable_cells, first_readable)
+            reviewed, weights = self.review_chunk(
+                token_states, cell_states, readable_cells, first_readable, salient_table, salient_rows
+            )
             return reviewed, weights if output_attentions else None
         # With several chunks, each one's backward recomputes it (same dropout mask: checkpoint restores the RNG
         # state) so that training keeps (chunk x windows) probabilities for one chunk at a time, not for them all.
@@ -483,7 +512,8 @@ class RANMemoryReview(nn.Module):
         for start in range(0, length, chunk_size):
             chunk = slice(start, start + chunk_size)
             first = None if first_readable is None else first_readable[:, chunk]
-            inputs = (token_states[:, chunk], cell_states, readable_cells[:, chunk], first)
+            rows = None if salient_rows is None else salient_rows[:, chunk]
+            inputs = (token_states[:, chunk], cell_states, readable_cells[:, chunk], first, salient_table, rows)
             if recompute:
                 states, probs = checkpoint(self.review_chunk, *inputs, use_reentrant=False)
             else:
@@ -494,14 +524,16 @@ class RANMemoryReview(nn.Module):
         weights = torch.cat(weights, dim=1) if output_attentions else None
         return torch.cat(reviewed, dim=1) if len(reviewed) > 1 else reviewed[0], weights
 
-    def review_chunk(self, token_states, cell_states, readable_cells, first_readable=None) -> torch.Tensor:
+    def review_chunk(self, token_states, cell_states, *readable) -> torch.Tensor:
         if self.residual_stream:
-            review, probs = self.review(self.norm(token_states), cell_states, readable_cells, first_readable)
+            review, probs = self.review(self.norm(token_states), cell_states, *readable)
             return token_states + review, probs
-        review, probs = self.review(token_states, cell_states, readable_cells, first_readable)
+        review, probs = self.review(token_states, cell_states, *readable)
         return self.norm(review), probs
 
-    def review(self, token_states, cell_states, readable_cells, first_readable=None):
+    def review(
+        self, token_states, cell_states, readable_cells, first_readable=None, salient_table=None, salient_rows=None
+    ):
         projected = self.q_proj(token_states)  # (B, l, D)
         query = self.act(projected)
         key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
@@ -509,6 +541,8 @@ class RANMemoryReview(nn.Module):
         # CPU backward is tuned for long key sequences.
         scoring_query = unit_vectors(projected) if self.qk_norm else query
         scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
+        if hasattr(self, "salience"):
+            scores = scores + self.cell_salience(cell_states)[:, None, :]
         # A token that may read no cell (a causal first window, an all-padding row) gets no review; its row is
         # unmasked only to keep the softmax finite, then zeroed.
         readable = readable_cells[..., None] > 0  # (B, l, 1)
@@ -517,6 +551,9 @@ class RANMemoryReview(nn.Module):
         hidden = cell_index >= limit  # (B, l, C): cells the token may not read
         if first_readable is not None:  # a bounded memory: older cells are out of reach
             hidden = hidden | ((cell_index < first_readable[..., None]) & (cell_index >= int(self.reads_initial_cell)))
+        if salient_table is not None:  # ... but the salient ones among them are kept
+            index = salient_rows[..., None].expand(-1, -1, salient_table.shape[-1])
+            hidden = hidden & ~salient_table.gather(1, index)
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, l, D)
         review = self.dropout(self.value_act(self.o_proj(review)))
@@ -697,39 +734,87 @@ class RANLayer(GradientCheckpointingLayer):
         room = cells.new_zeros(layout.batch_size, room, cells.shape[-1])
         return torch.cat([cached, room], dim=1).index_put(slots, cells[sequence, number]), first_cell
 
-    def review_memory(
-        self, token_states, cells, first_cell, initial_cell, layout: RANWindowLayout, output_attentions=False
-    ):
-        """Every token reads the cells of its sequence (causal: the cells of earlier windows, or of the last
-        `memory_review_cells` of them). Returns the reviewed token states (T, D) and, with `output_attentions`, the
-        review weights (B, L, C), zeros at padding.
+    def salient_pool(self, cells, first_cell, cache: RANCacheLayer | None):
+        """With `memory_salient_cells`: the cells a salient one is chosen from, as (B, S, 2 D) cached salient cells
+        (none without a cache) to append to `cells`, and (B, C + S) the window of each of `cells` and of them."""
+        windows = first_cell[:, None] + torch.arange(cells.shape[1], device=cells.device)  # (B, C)
+        if cache is None or cache.salient_cell_states is None:
+            return cells[:, :0], windows
+        return cache.salient_cell_states, torch.cat([windows, cache.salient_windows], dim=1)
 
-        `cells` (B, C, 2 D) and `first_cell` (B,) come from `cell_states`. Which cells a token reads is a range per
-        token, (B, L), not a (B, L, C) mask: the memory review builds the mask one chunk of tokens at a time.
+    def review_memory(
+        self, token_states, cells, first_cell, initial_cell, layout: RANWindowLayout, output_attentions=False,
+        salient_pool=None,
+    ):  # fmt: skip
+        """Every token reads the cells of its sequence (causal: the cells of earlier windows, or of the last
+        `memory_review_cells` of them, and then the `memory_salient_cells` most salient older ones). Returns the
+        reviewed token states (T, D) and, with `output_attentions`, the review weights (B, L, C), zeros at padding.
+
+        `cells` (B, C, 2 D) and `first_cell` (B,) come from `cell_states`, `salient_pool` from `salient_pool`. Which
+        cells a token reads is a range per token, (B, L), not a (B, L, C) mask (salient cells: a mask per window):
+        the memory review builds the mask one chunk of tokens at a time.
         """
         padded_states = layout.to_padded(token_states)  # (B, L, D)
-        first_readable = None
+        first_readable, salient = None, None
         if self.config.is_causal:
             # (B, L): a token in window w reads the cells of windows 0 .. w - 1 (w - M .. w - 1 with a bound M)
             readable_cells = layout.token_window - first_cell[:, None]
             if self.config.memory_review_cells is not None:
                 oldest = (layout.token_window - self.config.memory_review_cells).clamp(min=0)
                 first_readable = oldest - first_cell[:, None]
+            if salient_pool is not None:  # cached salient cells go last, out of every token's range
+                salient = self.salient_readable(cells, salient_pool, layout)
+                cells = torch.cat([cells, salient_pool[0]], dim=1)
             if self.config.uses_review_initial_cell:
                 initial = self.memory_review.project_cells(initial_cell[:, None])  # (B, 1, 2 D)
                 cells = torch.cat([initial, cells], dim=1)  # (B, 1 + C, 2 D)
                 readable_cells = readable_cells + 1  # ... and the initial cell before them
                 first_readable = None if first_readable is None else first_readable + 1
+                salient = None if salient is None else (F.pad(salient[0], (1, 0)), salient[1])
         else:
             readable_cells = layout.num_windows[:, None].expand_as(layout.token_window)  # (B, L): all of them
-        reviewed, weights = self.memory_review(padded_states, cells, readable_cells, output_attentions, first_readable)
+        reviewed, weights = self.memory_review(
+            padded_states, cells, readable_cells, output_attentions, first_readable, salient
+        )
         if weights is not None:
             weights = weights * layout.to_padded(weights.new_ones(layout.token_index.numel(), 1))  # none at padding
         return layout.from_padded(reviewed), weights
 
+    def salient_readable(self, cells, salient_pool, layout: RANWindowLayout):
+        """(B, R, C + S) the salient cells each of this pass's R windows may read beyond its range, and (B, L) each
+        token's row of that table."""
+        all_cells = torch.cat([cells, salient_pool[0]], dim=1)
+        reading = layout.first_window[:, None] + torch.arange(layout.num_steps, device=cells.device)  # (B, R)
+        table = self.chosen_salient(all_cells, salient_pool[1], reading)
+        rows = (layout.token_window - layout.first_window[:, None]).clamp(0, layout.num_steps - 1)
+        return table, rows
+
+    def chosen_salient(self, all_cells, windows, reading_windows):
+        config = self.config
+        salience = self.memory_review.cell_salience(all_cells)
+        return salient_cells(
+            salience, windows, reading_windows, config.memory_review_cells, config.memory_salient_cells
+        )
+
+    def keep_salient(self, cache: RANCacheLayer, layout: RANWindowLayout, cell_states, salient_pool):
+        """Cache the `memory_salient_cells` cells that the next window reads beyond its range, oldest first; slots
+        not yet filled hold zeros and window -1."""
+        all_cells, windows = torch.cat([cell_states, salient_pool[0]], dim=1), salient_pool[1]
+        kept = self.config.memory_salient_cells
+        if all_cells.shape[1] < kept:
+            all_cells = F.pad(all_cells, (0, 0, 0, kept - all_cells.shape[1]))
+            windows = F.pad(windows, (0, kept - windows.shape[1]), value=-1)
+        keep = self.chosen_salient(all_cells, windows, layout.finished_windows[:, None])[:, 0]  # (B, C + S)
+        order = torch.where(keep, windows, torch.iinfo(windows.dtype).max).argsort(dim=-1, stable=True)[:, :kept]
+        valid = keep.gather(1, order)
+        chosen = all_cells.gather(1, order[..., None].expand(-1, -1, all_cells.shape[-1]))
+        cache.salient_cell_states = chosen * valid[..., None]
+        cache.salient_windows = torch.where(valid, windows.gather(1, order), -1)
+
     def update_cache(
-        self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, cell_states, first_cell, kv
-    ):
+        self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, cell_states, first_cell, kv,
+        salient_pool=None,
+    ):  # fmt: skip
         """Keep what the next pass needs: the cell after the last finished window, the cells memory review may read
         again, and the unfinished tail."""
         finished_here = layout.finished_windows - layout.first_window  # (B,) windows finished in this pass
@@ -745,6 +830,8 @@ class RANLayer(GradientCheckpointingLayer):
             window = layout.finished_windows[:, None] - bound + torch.arange(bound, device=last.device)  # (B, M)
             index = (window - first_cell[:, None]).clamp(min=0)[..., None].expand(-1, -1, cell_states.shape[-1])
             cache.cell_states = cell_states.gather(1, index) * (window >= 0)[..., None]
+            if salient_pool is not None:
+                self.keep_salient(cache, layout, cell_states, salient_pool)
         elif self.config.memory_review:
             kept = layout.most_finished_windows
             finished = torch.arange(kept, device=last.device)[None, :] < layout.finished_windows[:, None]
@@ -799,18 +886,21 @@ class RANLayer(GradientCheckpointingLayer):
         else:
             token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
 
-        cell_states, first_cell, review_weights = None, None, None
+        cell_states, first_cell, review_weights, salient_pool = None, None, None, None
         if self.config.memory_review:
             cell_states, first_cell = self.cell_states(raw_cells, layout, cache)
+            if self.config.memory_salient_cells is not None:
+                salient_pool = self.salient_pool(cell_states, first_cell, cache)
             token_states, review_weights = self.review_memory(
-                token_states, cell_states, first_cell, initial_cell, layout, output_attentions
+                token_states, cell_states, first_cell, initial_cell, layout, output_attentions, salient_pool
             )
         elif not self.residual_stream:
             token_states = self.output_norm(token_states)
         if cache is not None:
             self.update_cache(
-                cache, layout, (start_cell, start_previous), raw_cells, cells, cell_states, first_cell, new_kv
-            )
+                cache, layout, (start_cell, start_previous), raw_cells, cells, cell_states, first_cell, new_kv,
+                salient_pool,
+            )  # fmt: skip
         # A sequence's last cell starts the next layer; a row of padding only keeps the cell it came with.
         last_step = (layout.num_windows - 1).clamp(min=0)
         rows = torch.arange(layout.batch_size, device=last_step.device)
@@ -892,6 +982,8 @@ class RANPreTrainedModel(PreTrainedModel):
             # zero, far more). At initialisation that gradient was 100-1e8 times all the others together, so
             # clipping by the global norm left every other weight almost no update. Converted checkpoints load theirs.
             init.normal_(module.initial_cell, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, RANMemoryReview) and hasattr(module, "salience"):
+            init.zeros_(module.salience)  # no cell is preferred before training says which are worth reading
         elif isinstance(module, RANLanguageModelBase) and module.decoder.bias is not None:
             init.zeros_(module.decoder.bias)
 
