@@ -409,6 +409,16 @@ def test_config_rejects_wrong_types_and_non_finite_values(make_config, overrides
         make_config(**overrides)
 
 
+def test_salient_cells_set_on_a_trained_model_without_a_bound_are_named_before_the_forward(make_config, input_ids):
+    """`memory_salient_cells` may be set after the config was checked; the forward pass then checks it."""
+    model = RANForCausalLM(make_config(is_causal=True))
+    model.config.memory_salient_cells = 2
+    with pytest.raises(ValueError, match="`memory_review_cells` is None"):
+        model(input_ids)
+    model.config.memory_review_cells = 1
+    assert torch.isfinite(model(input_ids).logits).all()
+
+
 def test_config_accepts_valid_special_token_ids(make_config):
     config = make_config(pad_token_id=None, bos_token_id=1, eos_token_id=[2, 63], initializer_range=0.0)
     assert config.eos_token_id == [2, 63] and config.pad_token_id is None

@@ -1150,6 +1150,7 @@ def validate_ran_inputs(
     sequence_length).
     """
     shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
+    config._validate_salient_cells()  # a field that may be set on a trained model, after its config was checked
     if attention_mask is not None and tuple(attention_mask.shape) not in (
         shape,
         (shape[0], past_positions + shape[1]),
