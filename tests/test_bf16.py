@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers.utils import logging as transformers_logging
 
-from ran_hf import RANModel
+from ran_hf import RANForCausalLM, RANModel
 from ran_hf.modeling_ran import RANLayerNorm
-from ran_testing import pad_batch, random_ids, tiny_config
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmarks"))
 import benchmark_bf16_gradients as bench  # noqa: E402
@@ -69,3 +69,13 @@ def test_bf16_gradient_error_within_twice_the_transformer_encoder(head):
     model, loss = bench.ran_model(ARGS, head)
     error = bench.gradient_errors(model.train(), loss, inputs, torch.device("cpu"))["max"]
     assert error <= 2 * baseline_error, f"RAN {error:.2%} against the encoder's {baseline_error:.2%}"
+
+
+def test_a_bfloat16_causal_model_with_salient_cells_runs_without_autocast():
+    """The salience prior is added in float32 (its gradient cancels in bfloat16); a model cast to bfloat16 whole
+    still computes in bfloat16 and stays finite."""
+    model = RANForCausalLM(tiny_config(is_causal=True, memory_review_cells=1, memory_salient_cells=2))
+    model = randomize_(model).to(torch.bfloat16)
+    ids = torch.randint(1, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    logits = model(ids).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()

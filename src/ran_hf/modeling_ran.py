@@ -478,8 +478,11 @@ class RANMemoryReview(nn.Module):
 
     def cell_salience(self, cell_states: torch.Tensor) -> torch.Tensor:
         """(..., 2 D) cell keys and values from `project_cells` -> (...) their learned prior, what every token's score
-        of the cell includes (`config.review_salience`)."""
-        return cell_states[..., : cell_states.shape[-1] // 2] @ self.salience
+        of the cell includes (`config.review_salience`). In float32 even under autocast: its gradient sums over every
+        token and cell, and cancels; in bfloat16 it was 1.9% off (the rest of the model: at most 1.2%)."""
+        key = cell_states[..., : cell_states.shape[-1] // 2]
+        with torch.autocast(key.device.type, enabled=False):
+            return key.float() @ self.salience.float()
 
     def forward(
         self,
@@ -542,7 +545,7 @@ class RANMemoryReview(nn.Module):
         scoring_query = unit_vectors(projected) if self.qk_norm else query
         scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
         if hasattr(self, "salience"):
-            scores = scores + self.cell_salience(cell_states)[:, None, :]
+            scores = scores + self.cell_salience(cell_states)[:, None, :]  # float32 from here on
         # A token that may read no cell (a causal first window, an all-padding row) gets no review; its row is
         # unmasked only to keep the softmax finite, then zeroed.
         readable = readable_cells[..., None] > 0  # (B, l, 1)
@@ -555,7 +558,7 @@ class RANMemoryReview(nn.Module):
             index = salient_rows[..., None].expand(-1, -1, salient_table.shape[-1])
             hidden = hidden & ~salient_table.gather(1, index)
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
-        review = F.dropout(probs, self.attention_dropout, self.training) @ value  # (B, l, D)
+        review = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype) @ value  # (B, l, D)
         review = self.dropout(self.value_act(self.o_proj(review)))
         return review + self.glu(query), probs
 
