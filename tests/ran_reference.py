@@ -129,6 +129,9 @@ def reference_forward(model, input_ids):
     causal = config.is_causal
     embeddings = model.embeddings.word_embeddings.weight[input_ids]
     hidden = layer_norm(embeddings, model.embeddings.norm, eps)
+    if config.uses_token_shift:  # each token also reads its predecessor's embedding (zeros before the first)
+        previous = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+        hidden = hidden + linear(previous, model.embeddings.token_shift)
     # A causal model cannot know where the text ends, so its last window never merges into the one before.
     min_window = 1 if causal else config.min_window_size
     bounds = window_bounds(len(input_ids), window, min_window)

@@ -203,7 +203,7 @@ def test_a_saved_config_names_the_memory_design_it_resolves_to(is_causal, tmp_pa
     assert loaded.uses_attention_qk_activation and loaded.uses_memory_value_activation
 
 
-@pytest.mark.parametrize("field", ["cell_max_pool", "review_salience"])
+@pytest.mark.parametrize("field", ["cell_max_pool", "review_salience", "token_shift"])
 def test_a_causal_config_saved_before_a_memory_field_existed_loads_without_it(tmp_path, field):
     """A config that names its memory design but not a field added later was trained without it, whatever the
     default."""
@@ -219,13 +219,14 @@ def test_a_causal_config_saved_before_a_memory_field_existed_loads_without_it(tm
     assert getattr(ran_hf.RANConfig.from_dict({"is_causal": True}), f"uses_{field}")
 
 
-def test_a_causal_checkpoint_saved_before_review_salience_loads_exactly(tmp_path):
-    """Its weights hold no salience vector, and none is made up: the model loads every weight and computes as
-    saved."""
-    model = ran_hf.RANForCausalLM(tiny_config(is_causal=True, review_salience=False)).eval()
+@pytest.mark.parametrize("field", ["review_salience", "token_shift"])
+def test_a_causal_checkpoint_saved_before_a_memory_field_existed_loads_exactly(tmp_path, field):
+    """Its weights hold none of the field's parameters, and none are made up: the model loads every weight and
+    computes as saved."""
+    model = ran_hf.RANForCausalLM(tiny_config(is_causal=True, **{field: False})).eval()
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    del saved["review_salience"]
+    del saved[field]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     loaded, info = ran_hf.RANForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not any(info.values()), info

@@ -16,6 +16,8 @@ class RANCacheLayer:
             `config.memory_review_cells = M` of the last M at most (right-aligned per row, C <= M);
         salient_cell_states (B, S, 2 D), salient_windows (B, S): with `config.memory_salient_cells = S`, the S most
             salient cells older than those, and the window each was written by (-1: a slot not filled yet);
+        last_token (B, D): first layer only, with `config.token_shift`: the embedding of the last token read, which
+            the next one reads as its predecessor;
         tail_keys, tail_values (B, P, H, d): un-rotated keys and values of the tokens a later window still reads:
             the current window's tokens and, before them, the enrichment tokens of `window_overlap`
             (P <= window_size - 1 + window_overlap, whatever the context length).
@@ -30,6 +32,7 @@ class RANCacheLayer:
         self.cell_states = None
         self.salient_cell_states = None
         self.salient_windows = None
+        self.last_token = None
         self.tail_keys = None
         self.tail_values = None
 
@@ -39,8 +42,8 @@ class RANCacheLayer:
 
     def tensors(self) -> dict:
         names = (
-            "cell", "previous_raw_cell", "cell_states", "salient_cell_states", "salient_windows", "tail_keys",
-            "tail_values",
+            "cell", "previous_raw_cell", "cell_states", "salient_cell_states", "salient_windows", "last_token",
+            "tail_keys", "tail_values",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 

@@ -21,10 +21,11 @@ OFFICIAL_LAYER_FIELDS = {
     "memory_value_activation": True,
     "cell_max_pool": False,
     "review_salience": False,
+    "token_shift": False,
 }
 # Memory fields added after others were saved: a saved config that names the older fields but not one of these
 # was trained without it.
-_LATER_MEMORY_FIELDS = ("cell_max_pool", "review_salience")
+_LATER_MEMORY_FIELDS = ("cell_max_pool", "review_salience", "token_shift")
 _LEARNABLE_MEMORY_FIELDS = tuple(OFFICIAL_LAYER_FIELDS)
 _CELL_POOLINGS = ("last", "mean", "max")
 _TOKEN_POOLINGS = ("max", "mean")
@@ -186,6 +187,13 @@ class RANConfig(PreTrainedConfig):
             for the cells that tokens need, and `memory_salient_cells` keeps the cells it ranks highest. Defaults
             to `True` for causal models and `False` (official) for the encoder; a causal config saved before this
             field existed loads with `False`.
+        token_shift (`bool`, *optional*):
+            Whether every token also reads its predecessor before the first layer: a learned projection of the
+            previous token's embedding (zero at initialisation) is added to its own. A cell then writes what a token
+            is *and* what came before it, so a window's cell keeps the order of what it holds: without it, a cell
+            holds a 2-digit key as a set of two digits, and which came first is not learned. Defaults to `True` for
+            causal models and `False` (official) for the encoder; a causal config saved before this field existed
+            loads with `False`.
         scan_implementation (`str`, *optional*, defaults to `"reference"`):
             Which cell scan the layers run, by its name in `ran_hf.cell_scan.ALL_SCAN_FUNCTIONS`. `"reference"` is
             the plain step-by-step loop that autograd records op by op. `"fused"` runs a layer's whole scan as one
@@ -255,6 +263,7 @@ class RANConfig(PreTrainedConfig):
     memory_value_activation: bool | None = None
     cell_max_pool: bool | None = None
     review_salience: bool | None = None
+    token_shift: bool | None = None
     scan_implementation: str = "reference"
     hidden_act: str = "silu"
     hidden_dropout_prob: float = 0.1
@@ -452,6 +461,10 @@ class RANConfig(PreTrainedConfig):
     @property
     def uses_review_salience(self) -> bool:
         return self._learnable_memory("review_salience", True)
+
+    @property
+    def uses_token_shift(self) -> bool:
+        return self._learnable_memory("token_shift", True)
 
     @property
     def uses_review_initial_cell(self) -> bool:

@@ -916,6 +916,11 @@ class RANLayer(GradientCheckpointingLayer):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class RANTokenShift(nn.Linear):
+    """The projection of a token's predecessor that `config.token_shift` adds to it; zero at initialisation, so that
+    a model starts as one without it."""
+
+
 class RANEmbeddings(nn.Module):
     """Token embedding, LayerNorm and dropout. RAN has no position embedding: positions enter as rotary, per window."""
 
@@ -924,11 +929,33 @@ class RANEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        if config.uses_token_shift:
+            self.token_shift = RANTokenShift(config.hidden_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None):
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
         return self.dropout(self.norm(inputs_embeds))
+
+    def shift_tokens(self, token_states: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None):
+        """(T, D) new tokens' embeddings -> each plus the projection of its predecessor's (`config.token_shift`).
+
+        A row's first new token reads the last token of the cached text, or nothing (zeros) at the start; the cache
+        then keeps each row's last token for the next pass.
+        """
+        rows = layout.token_index // layout.padded_length  # (T,) each token's sequence
+        first = torch.ones_like(rows, dtype=torch.bool)
+        first[1:] = rows[1:] != rows[:-1]
+        previous = F.pad(token_states[:-1], (0, 0, 1, 0))  # (T, D): the token before, in the flat order
+        carried = None if cache is None else cache.last_token
+        start = token_states.new_zeros(layout.batch_size, token_states.shape[-1]) if carried is None else carried
+        previous = torch.where(first[:, None], start[rows], previous)
+        if cache is not None:
+            last = torch.ones_like(first)
+            last[:-1] = first[1:]
+            kept = start.index_put((rows[last],), token_states[last])  # rows without new tokens keep theirs
+            cache.last_token = kept
+        return token_states + self.token_shift(previous)
 
 
 class RANPooler(nn.Module):
@@ -987,6 +1014,9 @@ class RANPreTrainedModel(PreTrainedModel):
             init.normal_(module.initial_cell, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, RANMemoryReview) and hasattr(module, "salience"):
             init.zeros_(module.salience)  # no cell is preferred before training says which are worth reading
+        elif isinstance(module, RANTokenShift):
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
         elif isinstance(module, RANLanguageModelBase) and module.decoder.bias is not None:
             init.zeros_(module.decoder.bias)
 
@@ -1298,6 +1328,9 @@ class RANModel(RANPreTrainedModel):
         layout = RANWindowLayout.from_attention_mask(attention_mask, self.config, past_lengths)
 
         token_states = layout.from_padded(embeddings)  # (T, D)
+        if self.config.uses_token_shift:
+            first_cache = past_key_values.layers[0] if past_key_values is not None else None
+            token_states = self.embeddings.shift_tokens(token_states, layout, first_cache)
         cell = None  # the first layer starts from its own learned cell
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
