@@ -30,11 +30,21 @@ def test_task_places_key_where_it_says():
         ids, answers = make_batch(torch.Generator().manual_seed(0), 32, length, (low, high))
         key_positions = (ids == 1).nonzero()[:, 1]
         assert ((key_positions >= low) & (key_positions < high)).all(), task
-        assert torch.equal(ids[torch.arange(32), key_positions + 1], answers)
+        assert torch.equal(ids[torch.arange(32), key_positions + 1], answers[:, 0])
         assert (ids[:, -1] == 2).all()
         # The question's window holds the key only in the in-window task.
         same_window = key_positions // 64 == (length - 1) // 64
         assert same_window.all() if task == "in-window" else not same_window.any()
+
+
+def test_a_key_of_several_digits_is_asked_for_in_order():
+    length, key_range = TASKS["across-any"]
+    ids, answers = make_batch(torch.Generator().manual_seed(0), 32, length, key_range, key_digits=3)
+    key_positions = (ids == 1).nonzero()[:, 1]
+    rows = torch.arange(32)[:, None]
+    assert torch.equal(ids[rows, key_positions[:, None] + 1 + torch.arange(3)], answers)
+    assert (ids[:, -3] == 2).all() and torch.equal(ids[:, -2:], answers[:, :2])  # QUESTION d1 d2, then d3 is asked
+    assert (key_positions + 3 < key_range[1]).all(), "the key's last digit left the windows before the question's"
 
 
 def test_every_design_builds_from_its_fields():
@@ -77,6 +87,6 @@ def test_probe_recomputes_the_first_cell_write_of_the_scan(monkeypatch):
     steps = len(write_probabilities) // model.config.num_hidden_layers
     for index in range(model.config.num_hidden_layers):
         on_digit = write_probabilities[index * steps][torch.arange(64), :, digit_slot].amax(-1)
-        expected = [round(on_digit[answers - 3 == digit].mean().item(), 3) for digit in range(10)]
+        expected = [round(on_digit[answers[:, 0] - 3 == digit].mean().item(), 3) for digit in range(10)]
         assert probe[f"layer {index}"]["write_on_digit"] == pytest.approx(expected, abs=2e-3)
         assert all(0 <= weight <= 1 for weight in probe[f"layer {index}"]["review_on_initial_cell"])

@@ -9,11 +9,14 @@ stops early once it is at 99% twice in a row.
 
 Models: a GPT-2 of the same size, the causal RAN as it is now, and the designs that led to it from the official
 layer, one config field at a time (`residual_stream`, `cell_input_residual`, `review_qk_norm`, then
-`attention_qk_activation` and `memory_value_activation` together, then `cell_max_pool`), and the RAN without one of
-its changes (`review_initial_cell`, memory review, an untied decoder), so the table says what each change is worth:
+`attention_qk_activation` and `memory_value_activation` together, then `cell_max_pool`, `review_salience` and
+`token_shift`), and the RAN without one of its changes (`review_initial_cell`, memory review, an untied decoder), so
+the table says what each change is worth. With `--key_digits K` the key has K digits, asked for in order (the text
+ends with `QUESTION` and the first K - 1 digits, teacher-forced), and a run is right when all K are:
 
     python scripts/benchmarks/diagnose_memory.py --across_steps 1000  # 33 minutes on 2 CPU cores (2,000 steps: longer)
     python scripts/benchmarks/diagnose_memory.py --tasks in-window --models ran gpt2 --seeds 0
+    python scripts/benchmarks/diagnose_memory.py --tasks across-any --key_digits 2 --models ran +review-salience
 
 Writes benchmarks/memory_diagnosis.{json,md,png}.
 """
@@ -42,6 +45,9 @@ WINDOW = 64
 # The official swish activations of the window attention's queries and keys and of the memory path.
 ACTIVATED = {"attention_qk_activation": True, "memory_value_activation": True}
 
+# The fields that came after `cell_max_pool`, off in the designs before them.
+LATER = {"review_salience": False, "token_shift": False}
+
 # name -> the RAN fields that differ from the causal defaults (None: GPT-2). From the official layer, one change at a
 # time, to the causal RAN as it is; then the RAN without one of its changes.
 MODELS = {
@@ -49,8 +55,10 @@ MODELS = {
     "+residual-stream": OFFICIAL_LAYER_FIELDS | {"residual_stream": True},
     "+cell-written-by-attention": ACTIVATED | {"review_qk_norm": False},
     "+review-qk-norm": ACTIVATED,  # + cosine scores in memory review
-    "+plain-projections": {"cell_max_pool": False},  # + plain attention scores and a linear memory path
-    "ran": {},  # + the window's soft maximum written into its cell
+    "+plain-projections": {"cell_max_pool": False, **LATER},  # + plain attention scores and a linear memory path
+    "+cell-max-pool": LATER,  # + the window's soft maximum written into its cell
+    "+review-salience": {"token_shift": False},  # + a learned prior of every cell in memory review
+    "ran": {},  # + each token reads its predecessor before the first layer
     "ran-without-initial-cell": {"review_initial_cell": False},
     "no-initial-cell-dot-review": {"review_initial_cell": False, "review_qk_norm": False},
     "ran-no-memory-review": {"memory_review": False},
@@ -81,15 +89,19 @@ class RunResult:
     probe: dict | None = None  # per layer and key digit: where the key window's cell write and the question look
 
 
-def make_batch(generator: torch.Generator, batch_size: int, length: int, key_range: tuple[int, int]):
+def make_batch(
+    generator: torch.Generator, batch_size: int, length: int, key_range: tuple[int, int], key_digits: int = 1
+):
+    """Ids (B, length) and the answer digits (B, key_digits): `KEY d1 .. dK` at a position in `key_range` (the last
+    digit too), and the text ends `QUESTION d1 .. dK-1`, so that the last K positions predict the K digits."""
     ids = torch.randint(FIRST_FILLER, VOCAB_SIZE, (batch_size, length), generator=generator)
-    digits = torch.randint(0, 10, (batch_size,), generator=generator)
-    positions = torch.randint(key_range[0], key_range[1], (batch_size,), generator=generator)
-    rows = torch.arange(batch_size)
+    digits = FIRST_DIGIT + torch.randint(0, 10, (batch_size, key_digits), generator=generator)
+    positions = torch.randint(key_range[0], key_range[1] - (key_digits - 1), (batch_size, 1), generator=generator)
+    rows = torch.arange(batch_size)[:, None]
     ids[rows, positions] = KEY
-    ids[rows, positions + 1] = FIRST_DIGIT + digits
-    ids[:, -1] = QUESTION
-    return ids, FIRST_DIGIT + digits
+    ids[rows, positions + 1 + torch.arange(key_digits)] = digits
+    ids[:, -key_digits:] = torch.cat([torch.full((batch_size, 1), QUESTION), digits[:, :-1]], 1)
+    return ids, digits
 
 
 def build_model(name: str, max_length: int) -> torch.nn.Module:
@@ -109,24 +121,27 @@ def build_model(name: str, max_length: int) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def held_out_hits(model, length: int, key_range, examples: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whether each held-out example is answered right, and its key digit (0-9)."""
+def held_out_hits(model, length: int, key_range, examples: int = 256, key_digits: int = 1):
+    """Whether each held-out example is answered right (every digit), and its (first) key digit (0-9)."""
     model.eval()
-    ids, answers = make_batch(torch.Generator().manual_seed(10_000), examples, length, key_range)
+    ids, answers = make_batch(torch.Generator().manual_seed(10_000), examples, length, key_range, key_digits)
     hits = torch.cat(
-        [model(ids[i : i + 64]).logits[:, -1].argmax(-1) == answers[i : i + 64] for i in range(0, examples, 64)]
+        [
+            (model(ids[i : i + 64]).logits[:, -key_digits:].argmax(-1) == answers[i : i + 64]).all(-1)
+            for i in range(0, examples, 64)
+        ]
     )
     model.train()
-    return hits, answers - FIRST_DIGIT
+    return hits, answers[:, 0] - FIRST_DIGIT
 
 
-def accuracy(model, length: int, key_range, examples: int = 256) -> float:
-    hits, _ = held_out_hits(model, length, key_range, examples)
+def accuracy(model, length: int, key_range, examples: int = 256, key_digits: int = 1) -> float:
+    hits, _ = held_out_hits(model, length, key_range, examples, key_digits)
     return hits.float().mean().item()
 
 
-def accuracy_per_digit(model, length: int, key_range, examples: int = 1024) -> list[float]:
-    hits, digits = held_out_hits(model, length, key_range, examples)
+def accuracy_per_digit(model, length: int, key_range, examples: int = 1024, key_digits: int = 1) -> list[float]:
+    hits, digits = held_out_hits(model, length, key_range, examples, key_digits)
     return [round(hits[digits == digit].float().mean().item(), 3) for digit in range(10)]
 
 
@@ -141,7 +156,7 @@ def probe_memory(model, length: int, key_range, examples: int = 1024) -> dict:
     """
     model.eval()
     ids, answers = make_batch(torch.Generator().manual_seed(10_000), examples, length, key_range)
-    digits = answers - FIRST_DIGIT
+    digits = answers[:, 0] - FIRST_DIGIT
     digit_position = (ids == KEY).long().argmax(1) + 1
     outputs = model(ids, output_attentions=True, output_hidden_states=True)
     rows = torch.arange(examples)
@@ -178,6 +193,7 @@ def train_once(task: str, model_name: str, seed: int, args) -> RunResult:
     torch.set_num_threads(args.threads)
     length, key_range = TASKS[task]
     max_steps = args.in_window_steps if task == "in-window" else args.across_steps
+    key_digits = getattr(args, "key_digits", 1)
     torch.manual_seed(seed)
     model = build_model(model_name, length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
@@ -189,15 +205,15 @@ def train_once(task: str, model_name: str, seed: int, args) -> RunResult:
     history, steps_to_99, above, start = [], None, 0, time.perf_counter()
     progress = tqdm(range(1, max_steps + 1), desc=f"{task} {model_name} s{seed}", leave=False, disable=args.jobs > 1)
     for step in progress:
-        ids, answers = make_batch(generator, args.batch_size, length, key_range)
-        loss = F.cross_entropy(model(ids).logits[:, -1], answers)
+        ids, answers = make_batch(generator, args.batch_size, length, key_range, key_digits)
+        loss = F.cross_entropy(model(ids).logits[:, -key_digits:].flatten(0, 1), answers.flatten())
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         if step % args.eval_every == 0 or step == max_steps:
-            score = accuracy(model, length, key_range)
+            score = accuracy(model, length, key_range, key_digits=key_digits)
             history.append([step, round(loss.item(), 4), score])
             progress.set_postfix(loss=f"{loss.item():.3f}", acc=f"{score:.3f}")
             above = above + 1 if score >= 0.99 else 0
@@ -206,9 +222,9 @@ def train_once(task: str, model_name: str, seed: int, args) -> RunResult:
             if above == 2:
                 break
     seconds = time.perf_counter() - start
-    digits = accuracy_per_digit(model, length, key_range)
+    digits = accuracy_per_digit(model, length, key_range, key_digits=key_digits)
     probe = None
-    if args.probe and MODELS[model_name] is not None and key_range[1] <= WINDOW:
+    if args.probe and MODELS[model_name] is not None and key_range[1] <= WINDOW and key_digits == 1:
         probe = probe_memory(model, length, key_range)
     return RunResult(task, model_name, seed, step, history[-1][2], steps_to_99, history, seconds, digits, probe)
 
@@ -246,10 +262,11 @@ def markdown(rows: list[dict], info: dict, args) -> str:
     lines = [
         f"Machine: {machine_line(info)}",
         "",
-        f"Key retrieval, batch {args.batch_size}, lr {args.learning_rate} (linear warmup over {args.warmup_steps} "
+        f"Key retrieval ({getattr(args, 'key_digits', 1)}-digit key, exact match), batch {args.batch_size}, "
+        f"lr {args.learning_rate} (linear warmup over {args.warmup_steps} "
         f"steps); at most {args.in_window_steps} steps "
         f"in-window and {args.across_steps} across windows; final accuracy per seed, and the step at which each "
-        "seed first reached 99%; digits missed: per seed that falls short, the key digits it answers right less "
+        "seed first reached 99%; digits missed: per seed that falls short, the (first) key digits it answers right less "
         "than half the time (1,024 held-out examples).",
         "",
         "| task | model | final accuracy per seed | seeds at 99% | steps to 99% | digits missed |",
@@ -331,6 +348,9 @@ def parse_args(argv=None):
         "--warmup_steps", type=int, default=300, help="linear learning-rate warmup (0: the full rate from step 1)"
     )
     parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument(
+        "--key_digits", type=int, default=1, help="digits of the key, asked for in order after the question"
+    )
     parser.add_argument("--in_window_steps", type=int, default=500)
     parser.add_argument("--across_steps", type=int, default=2000)
     parser.add_argument("--eval_every", type=int, default=50)
@@ -347,6 +367,8 @@ def parse_args(argv=None):
         parser.error("--jobs and --threads must be >= 1")
     if args.warmup_steps < 0:
         parser.error("--warmup_steps must be >= 0")
+    if not 1 <= args.key_digits <= 8:
+        parser.error("--key_digits must be between 1 and 8")
     if args.in_window_steps < 1 or args.across_steps < 1:
         parser.error("--in_window_steps and --across_steps must be >= 1")
     return args
