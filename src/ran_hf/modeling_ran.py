@@ -766,8 +766,8 @@ class RANLayer(GradientCheckpointingLayer):
                 oldest = (layout.token_window - self.config.memory_review_cells).clamp(min=0)
                 first_readable = oldest - first_cell[:, None]
             if salient_pool is not None:  # cached salient cells go last, out of every token's range
-                salient = self.salient_readable(cells, salient_pool, layout)
                 cells = torch.cat([cells, salient_pool[0]], dim=1)
+                salient = self.salient_readable(cells, salient_pool[1], layout)
             if self.config.uses_review_initial_cell:
                 initial = self.memory_review.project_cells(initial_cell[:, None])  # (B, 1, 2 D)
                 cells = torch.cat([initial, cells], dim=1)  # (B, 1 + C, 2 D)
@@ -783,12 +783,11 @@ class RANLayer(GradientCheckpointingLayer):
             weights = weights * layout.to_padded(weights.new_ones(layout.token_index.numel(), 1))  # none at padding
         return layout.from_padded(reviewed), weights
 
-    def salient_readable(self, cells, salient_pool, layout: RANWindowLayout):
+    def salient_readable(self, all_cells, windows, layout: RANWindowLayout):
         """(B, R, C + S) the salient cells each of this pass's R windows may read beyond its range, and (B, L) each
-        token's row of that table."""
-        all_cells = torch.cat([cells, salient_pool[0]], dim=1)
-        reading = layout.first_window[:, None] + torch.arange(layout.num_steps, device=cells.device)  # (B, R)
-        table = self.chosen_salient(all_cells, salient_pool[1], reading)
+        token's row of that table; `all_cells` are the cells with the cached salient ones appended, `windows` theirs."""
+        reading = layout.first_window[:, None] + torch.arange(layout.num_steps, device=all_cells.device)  # (B, R)
+        table = self.chosen_salient(all_cells, windows, reading)
         rows = (layout.token_window - layout.first_window[:, None]).clamp(0, layout.num_steps - 1)
         return table, rows
 
