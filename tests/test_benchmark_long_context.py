@@ -46,6 +46,22 @@ def test_passkey_plants_the_key_at_its_depth_and_asks_at_the_end(streams, depth,
             assert start == round(depth * (length - 2 * (key_digits + 1) - 1))
 
 
+@needs_data
+def test_key_curriculum_grows_one_digit_every_n_steps():
+    args = bench.parse_args(["--data_dir", str(DATA), "--key_digits", "3", "--key_curriculum_steps", "100"])
+    assert [bench.training_key_digits(step, args) for step in (1, 100, 101, 200, 201, 1000)] == [1, 1, 2, 2, 3, 3]
+    args = bench.parse_args(["--data_dir", str(DATA), "--key_digits", "3"])
+    assert {bench.training_key_digits(step, args) for step in (1, 500)} == {3}
+
+
+@needs_data
+@pytest.mark.parametrize("steps", ["-1", "500"])
+def test_key_curriculum_must_leave_room_for_the_whole_key(steps, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--data_dir", str(DATA), "--key_curriculum_steps", steps, "--passkey_steps", "2000"])
+    assert "--key_curriculum_steps" in capsys.readouterr().err
+
+
 def test_mqar_asks_every_key_once_for_its_value(streams):
     stream, vocabulary = streams
     ids, answers = mqar_batch(stream, torch.Generator().manual_seed(0), vocabulary, 4, 128, 8)
@@ -80,7 +96,8 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
             "--mqar_steps", "2", "--train_length", "128", "--eval_lengths", "128", "256", "--eval_examples", "2",
             "--mqar_train_length", "64", "--mqar_lengths", "64", "128", "--mqar_pairs", "2", "4", "--hidden_size", "16",
             "--num_heads", "2", "--window_size", "16", "--depths", "0.5", "--memory_review_cells", "4",
-            "--memory_salient_cells", "2", "--save_models", str(tmp_path / "models"),
+            "--memory_salient_cells", "2", "--save_models", str(tmp_path / "models"), "--key_digits", "2",
+            "--key_curriculum_steps", "1",
         ]
     )  # fmt: skip
     assert [r["model"] for r in results] == list(bench.MODELS)
@@ -155,7 +172,7 @@ def test_training_that_turns_nan_stops_and_says_when():
     args = bench.parse_args(["--jobs", "1", "--data_dir", str(DATA)]) if DATA.is_dir() else None
     if args is None:
         pytest.skip("needs ../shared/data for the argument check")
-    batch = lambda: (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long))  # noqa: E731
+    batch = lambda step: (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long))  # noqa: E731
     model = Diverging()
     result = bench.train(model, batch, lambda m, ids, count: m(ids), 5, args, "nan")
     assert result == {"losses": [], "diverged_at": 1} and model.scale.item() == 1.0  # no step taken with NaN

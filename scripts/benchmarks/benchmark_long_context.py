@@ -114,6 +114,15 @@ def passkey_batch(
     return ids, digits
 
 
+def training_key_digits(step: int, args) -> int:
+    """The key length of training step `step` (from 1): with `--key_curriculum_steps N`, keys start at one digit and
+    gain one every N steps up to `--key_digits`. Asked for several digits from the first step, a model in real text
+    learns none of them; once one digit is read back, more follow (docs/memory.md, cause 10)."""
+    if not args.key_curriculum_steps:
+        return args.key_digits
+    return min(args.key_digits, 1 + (step - 1) // args.key_curriculum_steps)
+
+
 def mqar_batch(stream, generator, vocabulary: Vocabulary, batch_size: int, length: int, num_pairs: int):
     """Ids (B, length) and the values (B, P) the final queries ask for, in query order."""
     ids = filler(stream, generator, batch_size, length)
@@ -163,14 +172,15 @@ def answer_logits(model, ids: torch.Tensor, num_answers: int, context: int | Non
 def train(model, make_batch, answers_of, steps: int, args, description: str) -> dict:
     """Train; stop at the first step whose loss or gradient is not finite and say so (`diverged_at`).
 
-    `answers_of(model, ids, count)` gives the logits that predict the batch's `count` answer tokens."""
+    `make_batch(step)` gives the step's ids and answers; `answers_of(model, ids, count)` the logits that predict the
+    batch's `count` answer tokens."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
     warmup = max(1, args.warmup_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     losses, diverged_at = [], None
     model.train()
     for step in tqdm(range(1, steps + 1), desc=description, leave=False, disable=args.jobs > 1):
-        ids, answers = make_batch()
+        ids, answers = make_batch(step)
         logits = answers_of(model, ids, answers.shape[1])
         loss = F.cross_entropy(logits.flatten(0, 1), answers.flatten())
         optimizer.zero_grad()
@@ -241,7 +251,9 @@ def run_model(name: str, args) -> dict:
     start = time.perf_counter()
     result["passkey_training"] = train(
         model,
-        lambda: passkey_batch(train_stream, generator, args.batch_size, args.train_length, None, args.key_digits),
+        lambda step: passkey_batch(
+            train_stream, generator, args.batch_size, args.train_length, None, training_key_digits(step, args)
+        ),
         lambda m, ids, answers: answer_logits(m, ids, answers, context),
         args.passkey_steps,
         args,
@@ -274,7 +286,7 @@ def run_model(name: str, args) -> dict:
     context = max(args.mqar_lengths) if is_gpt2 else None
     model = build_model(name, vocabulary.size, context or args.mqar_train_length, args)
 
-    def mqar_training_batch():
+    def mqar_training_batch(step):
         pairs = args.mqar_pairs[int(torch.randint(len(args.mqar_pairs), (1,), generator=generator))]
         return mqar_batch(train_stream, generator, vocabulary, args.batch_size, args.mqar_train_length, pairs)
 
@@ -309,9 +321,9 @@ def markdown(results: list[dict], info: dict, args) -> str:
     lines = [
         f"Machine: {machine_line(info)}",
         "",
-        f"Passkey: trained {args.passkey_steps} steps at {args.train_length} tokens (batch {args.batch_size}); "
-        f"exact match of {args.key_digits} digits over {args.eval_examples} examples per depth {args.depths}, "
-        "mean over depths.",
+        f"Passkey: trained {args.passkey_steps} steps at {args.train_length} tokens (batch {args.batch_size})"
+        f"{curriculum_words(args)}; exact match of {args.key_digits} digits over {args.eval_examples} examples per "
+        f"depth {args.depths}, mean over depths.",
         "",
         "| model | parameters | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
         "|---|---:|" + "---:|" * len(lengths),
@@ -340,6 +352,12 @@ def markdown(results: list[dict], info: dict, args) -> str:
     if any(r[f"{task}_training"]["diverged_at"] for r in results for task in ("passkey", "mqar")):
         lines += ["", "\\* training stopped at that step: its loss or gradient was not finite (the model as it was)."]
     return "\n".join(lines) + "\n"
+
+
+def curriculum_words(args) -> str:
+    if not args.key_curriculum_steps or args.key_digits == 1:
+        return ""
+    return f", keys growing from 1 digit by one every {args.key_curriculum_steps} steps"
 
 
 def mqar_table(results: list[dict], args) -> list[str]:
@@ -415,6 +433,13 @@ def parse_args(argv=None):
     parser.add_argument("--passkey_steps", type=int, default=1000)
     parser.add_argument("--key_digits", type=int, default=5, help="digits of the passkey")
     parser.add_argument(
+        "--key_curriculum_steps",
+        type=int,
+        default=0,
+        help="train on keys of one digit first, one more digit every N steps up to --key_digits (0: --key_digits "
+        "from the first step)",
+    )
+    parser.add_argument(
         "--memory_review_cells",
         type=int,
         default=None,
@@ -450,6 +475,10 @@ def parse_args(argv=None):
     for name in positive + ("eval_batch_size", "threads", "passkey_steps", "key_digits"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.key_curriculum_steps < 0:
+        parser.error("--key_curriculum_steps must be >= 0 (0: no curriculum)")
+    if args.key_curriculum_steps and args.key_curriculum_steps * (args.key_digits - 1) >= args.passkey_steps:
+        parser.error("--key_curriculum_steps leaves no step for keys of --key_digits digits: lower it")
     if args.mqar_steps < 0:
         parser.error("--mqar_steps must be >= 0 (0: no MQAR)")
     if args.memory_review_cells is not None and args.memory_review_cells < 1:
@@ -487,6 +516,7 @@ def earlier_results(path: Path, args) -> dict:
     earlier["arguments"].setdefault("key_digits", 5)
     earlier["arguments"].setdefault("memory_review_cells", None)
     earlier["arguments"].setdefault("memory_salient_cells", None)
+    earlier["arguments"].setdefault("key_curriculum_steps", 0)
     compared = (vars(args).keys() | earlier["arguments"].keys()) - set(PER_RUN_ARGUMENTS)
     differing = sorted(k for k in compared if earlier["arguments"].get(k) != vars(args).get(k))
     if differing:
