@@ -62,11 +62,14 @@ def test_key_curriculum_must_leave_room_for_the_whole_key(steps, capsys):
     assert "--key_curriculum_steps" in capsys.readouterr().err
 
 
-def test_mqar_asks_every_key_once_for_its_value(streams):
+@pytest.mark.parametrize("spacing", [2, 16])
+def test_mqar_asks_every_key_once_for_its_value(streams, spacing):
     stream, vocabulary = streams
-    ids, answers = mqar_batch(stream, torch.Generator().manual_seed(0), vocabulary, 4, 128, 8)
+    ids, answers = mqar_batch(stream, torch.Generator().manual_seed(0), vocabulary, 4, 160, 8, spacing)
+    is_key = (ids >= vocabulary.first_key_symbol) & (ids < vocabulary.first_value_symbol)
+    assert is_key[:, : 8 * spacing].nonzero()[:, 1].view(4, 8).eq(torch.arange(8) * spacing).all()  # where pairs open
     for row, expected in zip(ids, answers):
-        pairs = dict(zip(row[0:16:2].tolist(), row[1:16:2].tolist()))
+        pairs = dict(zip(row[0 : 8 * spacing : spacing].tolist(), row[1 : 8 * spacing : spacing].tolist()))
         asked = row[-16::2].tolist()
         assert sorted(asked) == sorted(pairs) and len(set(asked)) == 8
         assert row[-15::2].tolist() == [pairs[key] for key in asked] == expected.tolist()

@@ -123,13 +123,17 @@ def training_key_digits(step: int, args) -> int:
     return min(args.key_digits, 1 + (step - 1) // args.key_curriculum_steps)
 
 
-def mqar_batch(stream, generator, vocabulary: Vocabulary, batch_size: int, length: int, num_pairs: int):
-    """Ids (B, length) and the values (B, P) the final queries ask for, in query order."""
+def mqar_batch(
+    stream, generator, vocabulary: Vocabulary, batch_size: int, length: int, num_pairs: int, spacing: int = 2
+):
+    """Ids (B, length) and the values (B, P) the final queries ask for, in query order. Pair i opens at token
+    `i * spacing`: side by side with the default 2 (Zoology's layout), one pair per window with the window size."""
     ids = filler(stream, generator, batch_size, length)
     keys = torch.stack([torch.randperm(NUM_SYMBOLS, generator=generator)[:num_pairs] for _ in range(batch_size)])
     values = torch.randint(0, NUM_SYMBOLS, (batch_size, num_pairs), generator=generator)
     keys, values = keys + vocabulary.first_key_symbol, values + vocabulary.first_value_symbol
-    ids[:, 0 : 2 * num_pairs : 2], ids[:, 1 : 2 * num_pairs : 2] = keys, values
+    starts = torch.arange(num_pairs) * spacing
+    ids[:, starts], ids[:, starts + 1] = keys, values
     order = torch.stack([torch.randperm(num_pairs, generator=generator) for _ in range(batch_size)])
     asked, answers = keys.gather(1, order), values.gather(1, order)
     ids[:, -2 * num_pairs :: 2], ids[:, -2 * num_pairs + 1 :: 2] = asked, answers
@@ -288,7 +292,9 @@ def run_model(name: str, args) -> dict:
 
     def mqar_training_batch(step):
         pairs = args.mqar_pairs[int(torch.randint(len(args.mqar_pairs), (1,), generator=generator))]
-        return mqar_batch(train_stream, generator, vocabulary, args.batch_size, args.mqar_train_length, pairs)
+        return mqar_batch(
+            train_stream, generator, vocabulary, args.batch_size, args.mqar_train_length, pairs, args.mqar_spacing
+        )
 
     def mqar_logits(m, ids, pairs):
         return answer_logits(m, ids, pairs, context, stride=2)
@@ -299,7 +305,9 @@ def run_model(name: str, args) -> dict:
     result["mqar"] = []
     for length in args.mqar_lengths:
         for pairs in args.mqar_pairs:
-            ids, values = mqar_batch(eval_stream, evaluation, vocabulary, args.eval_examples, length, pairs)
+            ids, values = mqar_batch(
+                eval_stream, evaluation, vocabulary, args.eval_examples, length, pairs, args.mqar_spacing
+            )
             predicted = answer_logits(model, ids, pairs, context, stride=2).argmax(-1)
             accuracy = (predicted == values).float().mean().item()
             result["mqar"].append({"length": length, "pairs": pairs, "accuracy": round(accuracy, 4)})
@@ -363,7 +371,8 @@ def curriculum_words(args) -> str:
 def mqar_table(results: list[dict], args) -> list[str]:
     lines = [
         "",
-        f"MQAR: trained {args.mqar_steps} steps at {args.mqar_train_length} tokens with {args.mqar_pairs} pairs; "
+        f"MQAR: trained {args.mqar_steps} steps at {args.mqar_train_length} tokens with {args.mqar_pairs} pairs"
+        f"{'' if args.mqar_spacing == 2 else f' opening every {args.mqar_spacing} tokens'}; "
         f"accuracy over all queries of {args.eval_examples} examples.",
         "",
         "| model | pairs | " + " | ".join(str(n) for n in args.mqar_lengths) + " |",
@@ -459,6 +468,13 @@ def parse_args(argv=None):
     parser.add_argument("--mqar_steps", type=int, default=1000, help="0: passkey only")
     parser.add_argument("--mqar_lengths", nargs="+", type=int, default=[256, 512, 1024, 2048])
     parser.add_argument("--mqar_pairs", nargs="+", type=int, default=[4, 8, 16])
+    parser.add_argument(
+        "--mqar_spacing",
+        type=int,
+        default=2,
+        help="tokens from one pair's key to the next's: 2 puts the pairs side by side (Zoology), the window size puts "
+        "one pair in each window",
+    )
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--learning_rate", type=float, default=2e-3)
     parser.add_argument("--warmup_steps", type=int, default=100, help="linear learning-rate warmup of each task")
@@ -495,8 +511,13 @@ def parse_args(argv=None):
         parser.error("--depths are fractions between 0 and 1")
     if min(args.eval_lengths + [args.train_length]) < 4 * (args.key_digits + 1):
         parser.error(f"passkey lengths must be at least {4 * (args.key_digits + 1)} tokens")
-    if min(args.mqar_lengths + [args.mqar_train_length]) < 4 * max(args.mqar_pairs) or max(args.mqar_pairs) > NUM_SYMBOLS:
-        parser.error(f"MQAR needs lengths >= 4 x pairs and at most {NUM_SYMBOLS} pairs")
+    if args.mqar_spacing < 2:
+        parser.error("--mqar_spacing must be >= 2 (a pair is two tokens)")
+    mqar_room = (args.mqar_spacing + 2) * max(args.mqar_pairs)  # the pairs, then the queries
+    if min(args.mqar_lengths + [args.mqar_train_length]) < mqar_room or max(args.mqar_pairs) > NUM_SYMBOLS:
+        parser.error(
+            f"MQAR needs lengths >= (--mqar_spacing + 2) x pairs ({mqar_room} tokens) and at most {NUM_SYMBOLS} pairs"
+        )
     for split in ("valid.txt", "test.txt"):
         if not (Path(args.data_dir) / "wikitext-2" / split).is_file():
             parser.error(f"{Path(args.data_dir) / 'wikitext-2' / split} not found (--data_dir)")
@@ -517,6 +538,7 @@ def earlier_results(path: Path, args) -> dict:
     earlier["arguments"].setdefault("memory_review_cells", None)
     earlier["arguments"].setdefault("memory_salient_cells", None)
     earlier["arguments"].setdefault("key_curriculum_steps", 0)
+    earlier["arguments"].setdefault("mqar_spacing", 2)
     compared = (vars(args).keys() | earlier["arguments"].keys()) - set(PER_RUN_ARGUMENTS)
     differing = sorted(k for k in compared if earlier["arguments"].get(k) != vars(args).get(k))
     if differing:
