@@ -150,6 +150,23 @@ def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(
     assert "run with other passkey_steps" in capsys.readouterr().out  # ... and the user is told
 
 
+@needs_data
+def test_passkey_steps_0_runs_mqar_only_with_pairs_one_per_window(tmp_path):
+    output = tmp_path / "mqar_only"
+    results = bench.main(
+        [
+            "--data_dir", str(DATA), "--output", str(output), "--models", "ran", "gpt2", "--passkey_steps", "0",
+            "--mqar_steps", "2", "--mqar_train_length", "64", "--mqar_lengths", "64", "128", "--mqar_pairs", "2",
+            "--mqar_spacing", "16", "--eval_examples", "2", "--hidden_size", "16", "--num_heads", "2",
+            "--window_size", "16",
+        ]
+    )  # fmt: skip
+    assert [(r["passkey"], len(r["mqar"])) for r in results] == [([], 2), ([], 2)]
+    table = output.with_suffix(".md").read_text()
+    assert "Passkey: not run" in table and "opening every 16 tokens" in table and "| ran | 2 |" in table
+    assert output.with_suffix(".png").stat().st_size > 0
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         bench.parse_args(["--mqar_steps", "-1"])
@@ -161,6 +178,10 @@ def test_bad_arguments_are_refused():
         bench.parse_args(["--memory_review_cells", "0"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--memory_salient_cells", "2"])  # salient cells beyond a bound that is not set
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--passkey_steps", "0", "--mqar_steps", "0"])  # nothing to run
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--mqar_spacing", "1"])
 
 
 def test_training_that_turns_nan_stops_and_says_when():

@@ -243,15 +243,29 @@ def evaluate_passkey(model, eval_stream, evaluation: torch.Generator, context: i
 def run_model(name: str, args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    train_stream, eval_stream, vocabulary = load_streams(args)
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    is_gpt2 = MODELS[name] is None
+    streams = load_streams(args)
+    generator = torch.Generator().manual_seed(args.seed + 1)  # training batches, passkey then MQAR
+    evaluation = torch.Generator().manual_seed(12_345)  # evaluation examples, passkey then MQAR
     result = {"model": name}
+    if args.passkey_steps:
+        result |= run_passkey(name, args, streams, generator, evaluation)
+    else:
+        result |= {"passkey_training": {"losses": [], "diverged_at": None}, "passkey_train_seconds": 0.0, "passkey": []}
+    if args.mqar_steps:
+        torch.manual_seed(args.seed)
+        result |= run_mqar(name, args, streams, generator, evaluation)
+    else:
+        result |= {"mqar_training": {"losses": [], "diverged_at": None}, "mqar_train_seconds": 0.0, "mqar": []}
+    return result
 
-    # Passkey: train at --train_length, evaluate at every length and depth.
+
+def run_passkey(name: str, args, streams, generator, evaluation) -> dict:
+    """Train at --train_length, evaluate at every length and depth (and with a bounded memory review)."""
+    train_stream, eval_stream, vocabulary = streams
+    is_gpt2 = MODELS[name] is None
     context = args.train_length if is_gpt2 else None
     model = build_model(name, vocabulary.size, args.train_length, args)
-    result["parameters"] = sum(p.numel() for p in model.parameters())
+    result = {"parameters": sum(p.numel() for p in model.parameters())}
     start = time.perf_counter()
     result["passkey_training"] = train(
         model,
@@ -266,7 +280,6 @@ def run_model(name: str, args) -> dict:
     result["passkey_train_seconds"] = round(time.perf_counter() - start, 1)
     if args.save_models:  # to study the trained model afterwards (diagnose_memory.py, other lengths)
         model.save_pretrained(Path(args.save_models) / f"{name}-passkey")
-    evaluation = torch.Generator().manual_seed(12_345)
     result["passkey"] = evaluate_passkey(model, eval_stream, evaluation, context, args)
     if not is_gpt2 and args.memory_review_cells:
         # The same trained model on the same examples, its memory review (and cache) bounded to the last M cells.
@@ -282,13 +295,15 @@ def run_model(name: str, args) -> dict:
             result["memory_salient_cells"] = args.memory_salient_cells
             model.config.memory_salient_cells = None
         model.config.memory_review_cells = None
+    return result
 
-    if args.mqar_steps == 0:  # skipped
-        return result | {"mqar_training": {"losses": [], "diverged_at": None}, "mqar_train_seconds": 0.0, "mqar": []}
-    # MQAR: a fresh model of the same design, trained at --mqar_train_length.
-    torch.manual_seed(args.seed)
-    context = max(args.mqar_lengths) if is_gpt2 else None
+
+def run_mqar(name: str, args, streams, generator, evaluation) -> dict:
+    """A fresh model of the same design, trained at --mqar_train_length and evaluated at every length and count."""
+    train_stream, eval_stream, vocabulary = streams
+    context = max(args.mqar_lengths) if MODELS[name] is None else None
     model = build_model(name, vocabulary.size, context or args.mqar_train_length, args)
+    result = {"mqar_parameters": sum(p.numel() for p in model.parameters())}
 
     def mqar_training_batch(step):
         pairs = args.mqar_pairs[int(torch.randint(len(args.mqar_pairs), (1,), generator=generator))]
@@ -325,10 +340,17 @@ def load_streams(args):
 
 
 def markdown(results: list[dict], info: dict, args) -> str:
+    lines = [f"Machine: {machine_line(info)}", ""]
+    lines += passkey_tables(results, args) if args.passkey_steps else ["Passkey: not run (`--passkey_steps 0`)."]
+    lines += mqar_table(results, args) if args.mqar_steps else ["", "MQAR: not run (`--mqar_steps 0`)."]
+    if any(r[f"{task}_training"]["diverged_at"] for r in results for task in ("passkey", "mqar")):
+        lines += ["", "\\* training stopped at that step: its loss or gradient was not finite (the model as it was)."]
+    return "\n".join(lines) + "\n"
+
+
+def passkey_tables(results: list[dict], args) -> list[str]:
     lengths = sorted({row["length"] for r in results for row in r["passkey"]})
     lines = [
-        f"Machine: {machine_line(info)}",
-        "",
         f"Passkey: trained {args.passkey_steps} steps at {args.train_length} tokens (batch {args.batch_size})"
         f"{curriculum_words(args)}; exact match of {args.key_digits} digits over {args.eval_examples} examples per "
         f"depth {args.depths}, mean over depths.",
@@ -356,10 +378,7 @@ def markdown(results: list[dict], info: dict, args) -> str:
                     for n in lengths
                 ]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += mqar_table(results, args) if args.mqar_steps else ["", "MQAR: not run (`--mqar_steps 0`)."]
-    if any(r[f"{task}_training"]["diverged_at"] for r in results for task in ("passkey", "mqar")):
-        lines += ["", "\\* training stopped at that step: its loss or gradient was not finite (the model as it was)."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def curriculum_words(args) -> str:
@@ -409,23 +428,30 @@ def plot(results: list[dict], args, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2 if args.mqar_steps else 1, figsize=(11, 4) if args.mqar_steps else (6, 4))
-    passkey, mqar = (axes[0], axes[1]) if args.mqar_steps else (axes, None)
+    tasks = [task for task, steps in (("passkey", args.passkey_steps), ("mqar", args.mqar_steps)) if steps]
+    figure, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    axis = dict(zip(tasks, axes[0]))
+    passkey, mqar = axis.get("passkey"), axis.get("mqar")
     for i, r in enumerate(results):
-        for (label, rows), style in zip(passkey_runs(r), ("o-", "s--", "^:")):
-            lengths = sorted({row["length"] for row in rows})
-            accuracy = [statistics.mean(x["accuracy"] for x in rows if x["length"] == n) for n in lengths]
-            passkey.semilogx(lengths, accuracy, style, color=f"C{i}", label=label, base=2)
+        if passkey is not None:
+            for (label, rows), style in zip(passkey_runs(r), ("o-", "s--", "^:")):
+                lengths = sorted({row["length"] for row in rows})
+                accuracy = [statistics.mean(x["accuracy"] for x in rows if x["length"] == n) for n in lengths]
+                passkey.semilogx(lengths, accuracy, style, color=f"C{i}", label=label, base=2)
         if mqar is not None:
             rows = [row for row in r["mqar"] if row["pairs"] == max(args.mqar_pairs)]
-            mqar.semilogx([x["length"] for x in rows], [x["accuracy"] for x in rows], "o-", color=f"C{i}", base=2)
-    passkey.axvline(args.train_length, color="grey", linestyle=":", label="training length")
-    passkey.set(xlabel="tokens", ylabel="exact match", title="passkey", ylim=(-0.02, 1.02))
-    passkey.legend(fontsize=8)
-    passkey.grid(alpha=0.3)
+            lengths, accuracy = [x["length"] for x in rows], [x["accuracy"] for x in rows]
+            mqar.semilogx(lengths, accuracy, "o-", color=f"C{i}", label=r["model"], base=2)
+    if passkey is not None:
+        passkey.axvline(args.train_length, color="grey", linestyle=":", label="training length")
+        passkey.set(xlabel="tokens", ylabel="exact match", title="passkey", ylim=(-0.02, 1.02))
+        passkey.legend(fontsize=8)
+        passkey.grid(alpha=0.3)
     if mqar is not None:
         mqar.set(xlabel="tokens", ylabel="accuracy", title=f"MQAR, {max(args.mqar_pairs)} pairs", ylim=(-0.02, 1.02))
         mqar.grid(alpha=0.3)
+        if passkey is None:
+            mqar.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -439,7 +465,7 @@ def parse_args(argv=None):
     parser.add_argument("--num_heads", type=int, default=4)
     parser.add_argument("--window_size", type=int, default=64)
     parser.add_argument("--train_length", type=int, default=1024)
-    parser.add_argument("--passkey_steps", type=int, default=1000)
+    parser.add_argument("--passkey_steps", type=int, default=1000, help="0: MQAR only")
     parser.add_argument("--key_digits", type=int, default=5, help="digits of the passkey")
     parser.add_argument(
         "--key_curriculum_steps",
@@ -488,12 +514,17 @@ def parse_args(argv=None):
     parser.add_argument("--output", default="benchmarks/long_context", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)
     positive = ("hidden_size", "num_layers", "num_heads", "window_size", "batch_size", "eval_examples", "jobs")
-    for name in positive + ("eval_batch_size", "threads", "passkey_steps", "key_digits"):
+    for name in positive + ("eval_batch_size", "threads", "key_digits"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.passkey_steps < 0:
+        parser.error("--passkey_steps must be >= 0 (0: no passkey)")
+    if args.passkey_steps == 0 and args.mqar_steps == 0:
+        parser.error("--passkey_steps 0 and --mqar_steps 0 leave nothing to run")
     if args.key_curriculum_steps < 0:
         parser.error("--key_curriculum_steps must be >= 0 (0: no curriculum)")
-    if args.key_curriculum_steps and args.key_curriculum_steps * (args.key_digits - 1) >= args.passkey_steps:
+    curriculum_steps = args.key_curriculum_steps * (args.key_digits - 1)
+    if args.passkey_steps and args.key_curriculum_steps and curriculum_steps >= args.passkey_steps:
         parser.error("--key_curriculum_steps leaves no step for keys of --key_digits digits: lower it")
     if args.mqar_steps < 0:
         parser.error("--mqar_steps must be >= 0 (0: no MQAR)")
