@@ -50,7 +50,7 @@ def test_passkey_plants_the_key_at_its_depth_and_asks_at_the_end(streams, depth,
 def test_key_curriculum_grows_one_digit_every_n_steps():
     args = bench.parse_args(["--data_dir", str(DATA), "--key_digits", "3", "--key_curriculum_steps", "100"])
     assert [bench.training_key_digits(step, args) for step in (1, 100, 101, 200, 201, 1000)] == [1, 1, 2, 2, 3, 3]
-    args = bench.parse_args(["--data_dir", str(DATA), "--key_digits", "3"])
+    args = bench.parse_args(["--data_dir", str(DATA), "--key_digits", "3", "--key_curriculum_steps", "0"])
     assert {bench.training_key_digits(step, args) for step in (1, 500)} == {3}
 
 
@@ -136,8 +136,8 @@ def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(
             [
                 "--data_dir", str(DATA), "--output", str(output), "--models", *models, "--passkey_steps",
                 passkey_steps, "--mqar_steps", "0", "--train_length", "128", "--eval_lengths", "128",
-                "--eval_examples", "2", "--hidden_size", "16", "--num_heads", "2", "--window_size", "16",
-                "--depths", "0.5",
+                "--key_digits", "1", "--eval_examples", "2", "--hidden_size", "16", "--num_heads", "2",
+                "--window_size", "16", "--depths", "0.5",
             ]
         )  # fmt: skip
 

@@ -249,15 +249,12 @@ def run_model(name: str, args) -> dict:
     generator = torch.Generator().manual_seed(args.seed + 1)  # training batches, passkey then MQAR
     evaluation = torch.Generator().manual_seed(12_345)  # evaluation examples, passkey then MQAR
     result = {"model": name}
-    if args.passkey_steps:
-        result |= run_passkey(name, args, streams, generator, evaluation)
-    else:
-        result |= {"passkey_training": {"losses": [], "diverged_at": None}, "passkey_train_seconds": 0.0, "passkey": []}
-    if args.mqar_steps:
-        torch.manual_seed(args.seed)
-        result |= run_mqar(name, args, streams, generator, evaluation)
-    else:
-        result |= {"mqar_training": {"losses": [], "diverged_at": None}, "mqar_train_seconds": 0.0, "mqar": []}
+    for task, steps, run in (("passkey", args.passkey_steps, run_passkey), ("mqar", args.mqar_steps, run_mqar)):
+        if steps:
+            torch.manual_seed(args.seed)  # each task's model starts from the same seed
+            result |= run(name, args, streams, generator, evaluation)
+        else:  # skipped
+            result |= {f"{task}_training": {"losses": [], "diverged_at": None}, f"{task}_train_seconds": 0.0, task: []}
     return result
 
 
@@ -472,9 +469,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--key_curriculum_steps",
         type=int,
-        default=0,
+        default=150,
         help="train on keys of one digit first, one more digit every N steps up to --key_digits (0: --key_digits "
-        "from the first step)",
+        "from the first step, which the causal RAN does not learn in real text)",
     )
     parser.add_argument(
         "--memory_review_cells",
