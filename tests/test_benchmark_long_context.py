@@ -123,8 +123,11 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
     assert sorted(path.name for path in (tmp_path / "models").iterdir()) == sorted(f"{m}-passkey" for m in bench.MODELS)
     reloaded = AutoConfig.from_pretrained(tmp_path / "models" / "ran-passkey")
     assert reloaded.model_type == "ran" and reloaded.memory_review_cells is reloaded.memory_salient_cells is None
+    for row in saved["results"][0]["passkey"]:  # exact match is every digit right: never above the worst digit
+        assert len(row["digit_accuracy"]) == 2 and row["accuracy"] <= min(row["digit_accuracy"])
     table = output.with_suffix(".md").read_text()
     assert "| ran |" in table and "| ran, last 4 cells |" in table and "| ran, last 4 + 2 salient cells |" in table
+    assert "Accuracy of each digit" in table
     assert output.with_suffix(".png").stat().st_size > 0
 
 

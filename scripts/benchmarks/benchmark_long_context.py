@@ -221,20 +221,28 @@ def decode_cost(model, ids: torch.Tensor, chunk: int, steps: int = 16) -> dict:
 
 @torch.no_grad()
 def evaluate_passkey(model, eval_stream, evaluation: torch.Generator, context: int | None, args) -> list[dict]:
-    """Exact match per length and depth and, for a RAN, decoding cost per length; examples drawn by `evaluation`."""
+    """Exact match and each digit's accuracy per length and depth and, for a RAN, decoding cost per length; examples
+    drawn by `evaluation`."""
     model.eval()
     rows = []
     for length in args.eval_lengths:
         if context is None and length > args.max_ran_length:
             continue
         for depth in args.depths:
-            correct = 0
+            hits = []  # (examples, digits): each digit right or not
             for offset in range(0, args.eval_examples, args.eval_batch_size):
                 batch = min(args.eval_batch_size, args.eval_examples - offset)
                 ids, digits = passkey_batch(eval_stream, evaluation, batch, length, depth, args.key_digits)
-                predicted = answer_logits(model, ids, args.key_digits, context).argmax(-1)
-                correct += int((predicted == digits).all(-1).sum())
-            rows.append({"length": length, "depth": depth, "accuracy": correct / args.eval_examples})
+                hits.append(answer_logits(model, ids, args.key_digits, context).argmax(-1) == digits)
+            hits = torch.cat(hits).float()
+            rows.append(
+                {
+                    "length": length,
+                    "depth": depth,
+                    "accuracy": hits.prod(-1).mean().item(),
+                    "digit_accuracy": [round(x, 4) for x in hits.mean(0).tolist()],
+                }
+            )
         if context is None:  # GPT-2's cache never holds more than its 1K context
             ids, _ = passkey_batch(eval_stream, evaluation, 1, length, 0.5, args.key_digits)
             rows[-1] |= decode_cost(model, ids[:, : -args.key_digits], args.window_size * 4)
@@ -364,6 +372,8 @@ def passkey_tables(results: list[dict], args) -> list[str]:
                 rows = [row["accuracy"] for row in passkey if row["length"] == length]
                 cells.append(f"{100 * statistics.mean(rows):.0f}%" if rows else "-")
             lines.append(f"| {label}{diverged(r, 'passkey')} | {r['parameters']:,} | " + " | ".join(cells) + " |")
+    if args.key_digits > 1:
+        lines += digit_table(results, lengths)
     lines += ["", "Decoding after reading the passkey text (median ms per token, cache size):", ""]
     lines += ["| model | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
     for r in results:
@@ -377,6 +387,23 @@ def passkey_tables(results: list[dict], args) -> list[str]:
                     for n in lengths
                 ]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def digit_table(results: list[dict], lengths: list[int]) -> list[str]:
+    """Each digit's accuracy per model and length, mean over depths: which digits a model reads where it does not
+    read them all."""
+    lines = ["", "Accuracy of each digit (first to last), mean over depths:", ""]
+    lines += ["| model | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for r in results:
+        for label, passkey in passkey_runs(r):
+            cells = []
+            for length in lengths:
+                # Results saved before this table have no "digit_accuracy": a dash.
+                rows = [row.get("digit_accuracy", []) for row in passkey if row["length"] == length]
+                digits = [statistics.mean(column) for column in zip(*rows)]
+                cells.append(" / ".join(f"{100 * x:.0f}" for x in digits) + "%" if digits else "-")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
