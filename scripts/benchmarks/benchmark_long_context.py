@@ -6,8 +6,9 @@ sentences: the validation split for training, the test split for evaluation); th
 marker, after which the model must produce the digits. Models train on about 1K-token examples only and are
 evaluated at 1K, 4K, 16K and 64K tokens with the key at several depths. A result is an exact match of all digits
 under greedy decoding (read from one teacher-forced forward: greedy decoding emits the key exactly when every
-forced step's argmax is right). With `--key_curriculum_steps N`, training keys start at one digit and gain one
-every N steps: asked for five digits from the first step, the causal RAN learns none of them in real text.
+forced step's argmax is right); each digit's accuracy is reported too. With `--key_curriculum_steps N`, training
+keys start at one digit and gain one every N steps: asked for five digits from the first step, the causal RAN
+learns none of them in real text.
 
 **MQAR** (Zoology's multi-query associative recall): key-value pairs open the sequence, real text follows, and
 the sequence ends by querying every key once in a random order; the model must produce each key's value. Models
