@@ -20,7 +20,7 @@ docs/memory.md (`ran-before`: official layer), the official causal design (its c
 GPT-2 whose context is 1K for the passkey (longer inputs keep their last 1K tokens, as a user of such a model
 would) and 2K for MQAR. Also measured: decoding time per token and cache size after reading each passkey length.
 
-    python scripts/benchmarks/benchmark_long_context.py            # CPU default, about 40 minutes on 2 cores
+    python scripts/benchmarks/benchmark_long_context.py            # CPU default: 15 minutes per RAN, one at a time
     python scripts/benchmarks/benchmark_long_context.py --device cuda \
         --eval_lengths 1024 4096 16384 65536 262144 --jobs 1
 
