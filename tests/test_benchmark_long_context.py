@@ -62,6 +62,27 @@ def test_key_curriculum_must_leave_room_for_the_whole_key(steps, capsys):
     assert "--key_curriculum_steps" in capsys.readouterr().err
 
 
+
+@needs_data
+def test_mqar_curriculum_adds_one_pair_every_n_steps():
+    arguments = ["--data_dir", str(DATA), "--mqar_pairs", "2", "4", "--mqar_steps", "1000"]
+    generator = torch.Generator().manual_seed(0)
+    args = bench.parse_args(arguments + ["--mqar_curriculum_steps", "100"])
+    steps = (1, 100, 101, 201, 301, 1000)
+    assert [bench.training_mqar_pairs(step, args, generator) for step in steps] == [1, 1, 2, 3, 4, 4]
+    args = bench.parse_args(arguments)  # no curriculum: every batch draws one of --mqar_pairs
+    assert {bench.training_mqar_pairs(step, args, generator) for step in range(1, 50)} == {2, 4}
+
+
+@needs_data
+@pytest.mark.parametrize("steps", ["-1", "400"])
+def test_mqar_curriculum_must_leave_room_for_the_most_pairs(steps, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(
+            ["--data_dir", str(DATA), "--mqar_pairs", "4", "8", "--mqar_steps", "2800", "--mqar_curriculum_steps", steps]
+        )
+    assert "--mqar_curriculum_steps" in capsys.readouterr().err
+
 @pytest.mark.parametrize("spacing", [2, 16])
 def test_mqar_asks_every_key_once_for_its_value(streams, spacing):
     stream, vocabulary = streams

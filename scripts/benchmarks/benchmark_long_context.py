@@ -126,6 +126,14 @@ def training_key_digits(step: int, args) -> int:
     return min(args.key_digits, 1 + (step - 1) // args.key_curriculum_steps)
 
 
+def training_mqar_pairs(step: int, args, generator: torch.Generator) -> int:
+    """The number of pairs of MQAR training step `step` (from 1): one of `--mqar_pairs` at random, or with
+    `--mqar_curriculum_steps N` one pair first and one more every N steps up to the most of `--mqar_pairs`."""
+    if args.mqar_curriculum_steps:
+        return min(max(args.mqar_pairs), 1 + (step - 1) // args.mqar_curriculum_steps)
+    return args.mqar_pairs[int(torch.randint(len(args.mqar_pairs), (1,), generator=generator))]
+
+
 def mqar_batch(
     stream, generator, vocabulary: Vocabulary, batch_size: int, length: int, num_pairs: int, spacing: int = 2
 ):
@@ -314,7 +322,7 @@ def run_mqar(name: str, args, streams, generator, evaluation) -> dict:
     result = {"mqar_parameters": sum(p.numel() for p in model.parameters())}
 
     def mqar_training_batch(step):
-        pairs = args.mqar_pairs[int(torch.randint(len(args.mqar_pairs), (1,), generator=generator))]
+        pairs = training_mqar_pairs(step, args, generator)
         return mqar_batch(
             train_stream, generator, vocabulary, args.batch_size, args.mqar_train_length, pairs, args.mqar_spacing
         )
@@ -414,11 +422,18 @@ def curriculum_words(args) -> str:
     return f", keys growing from 1 digit by one every {args.key_curriculum_steps} steps"
 
 
+def pair_curriculum_words(args) -> str:
+    if not args.mqar_curriculum_steps:
+        return ""
+    return f" (one pair first, one more every {args.mqar_curriculum_steps} steps)"
+
+
 def mqar_table(results: list[dict], args) -> list[str]:
     lines = [
         "",
         f"MQAR: trained {args.mqar_steps} steps at {args.mqar_train_length} tokens with {args.mqar_pairs} pairs"
-        f"{'' if args.mqar_spacing == 2 else f' opening every {args.mqar_spacing} tokens'}; "
+        f"{'' if args.mqar_spacing == 2 else f' opening every {args.mqar_spacing} tokens'}"
+        f"{pair_curriculum_words(args)}; "
         f"accuracy over all queries of {args.eval_examples} examples.",
         "",
         "| model | pairs | " + " | ".join(str(n) for n in args.mqar_lengths) + " |",
@@ -522,6 +537,13 @@ def parse_args(argv=None):
     parser.add_argument("--mqar_lengths", nargs="+", type=int, default=[256, 512, 1024, 2048])
     parser.add_argument("--mqar_pairs", nargs="+", type=int, default=[4, 8, 16])
     parser.add_argument(
+        "--mqar_curriculum_steps",
+        type=int,
+        default=0,
+        help="train on one pair first, one more every N steps up to the most of --mqar_pairs (0: each batch draws one "
+        "of --mqar_pairs)",
+    )
+    parser.add_argument(
         "--mqar_spacing",
         type=int,
         default=2,
@@ -555,6 +577,10 @@ def parse_args(argv=None):
         parser.error("--key_curriculum_steps leaves no step for keys of --key_digits digits: lower it")
     if args.mqar_steps < 0:
         parser.error("--mqar_steps must be >= 0 (0: no MQAR)")
+    if args.mqar_curriculum_steps < 0:
+        parser.error("--mqar_curriculum_steps must be >= 0 (0: no curriculum)")
+    if args.mqar_steps and args.mqar_curriculum_steps * (max(args.mqar_pairs) - 1) >= args.mqar_steps:
+        parser.error("--mqar_curriculum_steps leaves no step for the most of --mqar_pairs: lower it")
     if args.memory_review_cells is not None and args.memory_review_cells < 1:
         parser.error("--memory_review_cells must be >= 1")
     if args.memory_salient_cells is not None and (args.memory_salient_cells < 1 or args.memory_review_cells is None):
@@ -597,6 +623,7 @@ def earlier_results(path: Path, args) -> dict:
     earlier["arguments"].setdefault("memory_salient_cells", None)
     earlier["arguments"].setdefault("key_curriculum_steps", 0)
     earlier["arguments"].setdefault("mqar_spacing", 2)
+    earlier["arguments"].setdefault("mqar_curriculum_steps", 0)
     compared = (vars(args).keys() | earlier["arguments"].keys()) - set(PER_RUN_ARGUMENTS)
     differing = sorted(k for k in compared if earlier["arguments"].get(k) != vars(args).get(k))
     if differing:
