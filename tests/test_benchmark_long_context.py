@@ -64,6 +64,23 @@ def test_key_curriculum_must_leave_room_for_the_whole_key(steps, capsys):
 
 
 @needs_data
+def test_short_training_examples_come_first():
+    arguments = ["--data_dir", str(DATA), "--train_length", "1024", "--short_train_length", "256"]
+    args = bench.parse_args(arguments + ["--short_train_steps", "300"])
+    assert [bench.training_length(step, args) for step in (1, 300, 301, 1000)] == [256, 256, 1024, 1024]
+    args = bench.parse_args(arguments)
+    assert bench.training_length(1, args) == 1024
+
+
+@needs_data
+@pytest.mark.parametrize("steps", ["-1", "1000"])
+def test_short_training_must_leave_steps_at_the_training_length(steps, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--data_dir", str(DATA), "--passkey_steps", "1000", "--short_train_steps", steps])
+    assert "--short_train_steps" in capsys.readouterr().err
+
+
+@needs_data
 def test_mqar_curriculum_adds_one_pair_every_n_steps():
     arguments = ["--data_dir", str(DATA), "--mqar_pairs", "2", "4", "--mqar_steps", "1000"]
     generator = torch.Generator().manual_seed(0)
@@ -82,6 +99,7 @@ def test_mqar_curriculum_must_leave_room_for_the_most_pairs(steps, capsys):
             ["--data_dir", str(DATA), "--mqar_pairs", "4", "8", "--mqar_steps", "2800", "--mqar_curriculum_steps", steps]
         )
     assert "--mqar_curriculum_steps" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("spacing", [2, 16])
 def test_mqar_asks_every_key_once_for_its_value(streams, spacing):
@@ -121,7 +139,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
             "--mqar_train_length", "64", "--mqar_lengths", "64", "128", "--mqar_pairs", "2", "4", "--hidden_size", "16",
             "--num_heads", "2", "--window_size", "16", "--depths", "0.5", "--memory_review_cells", "4",
             "--memory_salient_cells", "2", "--save_models", str(tmp_path / "models"), "--key_digits", "2",
-            "--key_curriculum_steps", "1",
+            "--key_curriculum_steps", "1", "--short_train_length", "64", "--short_train_steps", "1",
         ]
     )  # fmt: skip
     assert [r["model"] for r in results] == list(bench.MODELS)
@@ -148,7 +166,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
         assert len(row["digit_accuracy"]) == 2 and row["accuracy"] <= min(row["digit_accuracy"])
     table = output.with_suffix(".md").read_text()
     assert "| ran |" in table and "| ran, last 4 cells |" in table and "| ran, last 4 + 2 salient cells |" in table
-    assert "Accuracy of each digit" in table
+    assert "Accuracy of each digit" in table and "2 steps at 128 tokens, the first 1 at 64" in table
     assert output.with_suffix(".png").stat().st_size > 0
 
 

@@ -126,6 +126,13 @@ def training_key_digits(step: int, args) -> int:
     return min(args.key_digits, 1 + (step - 1) // args.key_curriculum_steps)
 
 
+def training_length(step: int, args) -> int:
+    """The passkey length of training step `step` (from 1): `--short_train_length` for the first
+    `--short_train_steps` steps, then `--train_length`. Over 8 windows the causal RAN learns all five digits of a key;
+    over 16 from the start it learned three (docs/memory.md)."""
+    return args.short_train_length if step <= args.short_train_steps else args.train_length
+
+
 def training_mqar_pairs(step: int, args, generator: torch.Generator) -> int:
     """The number of pairs of MQAR training step `step` (from 1): one of `--mqar_pairs` at random, or with
     `--mqar_curriculum_steps N` one pair first and one more every N steps up to the most of `--mqar_pairs`."""
@@ -283,11 +290,14 @@ def run_passkey(name: str, args, streams, generator, evaluation) -> dict:
     model = build_model(name, vocabulary.size, args.train_length, args)
     result = {"parameters": sum(p.numel() for p in model.parameters())}
     start = time.perf_counter()
+
+    def passkey_training_batch(step):
+        length, digits = training_length(step, args), training_key_digits(step, args)
+        return passkey_batch(train_stream, generator, args.batch_size, length, None, digits)
+
     result["passkey_training"] = train(
         model,
-        lambda step: passkey_batch(
-            train_stream, generator, args.batch_size, args.train_length, None, training_key_digits(step, args)
-        ),
+        passkey_training_batch,
         lambda m, ids, answers: answer_logits(m, ids, answers, context),
         args.passkey_steps,
         args,
@@ -367,7 +377,8 @@ def markdown(results: list[dict], info: dict, args) -> str:
 def passkey_tables(results: list[dict], args) -> list[str]:
     lengths = sorted({row["length"] for r in results for row in r["passkey"]})
     lines = [
-        f"Passkey: trained {args.passkey_steps} steps at {args.train_length} tokens (batch {args.batch_size})"
+        f"Passkey: trained {args.passkey_steps} steps at {args.train_length} tokens{short_words(args)} "
+        f"(batch {args.batch_size})"
         f"{curriculum_words(args)}; exact match of {args.key_digits} digits over {args.eval_examples} examples per "
         f"depth {args.depths}, mean over depths.",
         "",
@@ -414,6 +425,12 @@ def digit_table(results: list[dict], lengths: list[int]) -> list[str]:
                 cells.append(" / ".join(f"{100 * x:.0f}" for x in digits) + "%" if digits else "-")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
+
+
+def short_words(args) -> str:
+    if not args.short_train_steps:
+        return ""
+    return f", the first {args.short_train_steps} at {args.short_train_length}"
 
 
 def curriculum_words(args) -> str:
@@ -508,6 +525,10 @@ def parse_args(argv=None):
     parser.add_argument("--window_size", type=int, default=64)
     parser.add_argument("--train_length", type=int, default=1024)
     parser.add_argument("--passkey_steps", type=int, default=1000, help="0: MQAR only")
+    parser.add_argument("--short_train_length", type=int, default=512, help="passkey length of the first steps")
+    parser.add_argument(
+        "--short_train_steps", type=int, default=0, help="passkey steps at --short_train_length before --train_length"
+    )
     parser.add_argument("--key_digits", type=int, default=5, help="digits of the passkey")
     parser.add_argument(
         "--key_curriculum_steps",
@@ -572,6 +593,8 @@ def parse_args(argv=None):
         parser.error("--passkey_steps 0 and --mqar_steps 0 leave nothing to run")
     if args.key_curriculum_steps < 0:
         parser.error("--key_curriculum_steps must be >= 0 (0: no curriculum)")
+    if not 0 <= args.short_train_steps < max(1, args.passkey_steps):
+        parser.error("--short_train_steps must be >= 0 and leave steps at --train_length")
     curriculum_steps = args.key_curriculum_steps * (args.key_digits - 1)
     if args.passkey_steps and args.key_curriculum_steps and curriculum_steps >= args.passkey_steps:
         parser.error("--key_curriculum_steps leaves no step for keys of --key_digits digits: lower it")
@@ -593,7 +616,7 @@ def parse_args(argv=None):
         parser.error("--hidden_size must be a multiple of --num_heads")
     if any(not 0 <= depth <= 1 for depth in args.depths):
         parser.error("--depths are fractions between 0 and 1")
-    if min(args.eval_lengths + [args.train_length]) < 4 * (args.key_digits + 1):
+    if min(args.eval_lengths + [args.train_length, args.short_train_length]) < 4 * (args.key_digits + 1):
         parser.error(f"passkey lengths must be at least {4 * (args.key_digits + 1)} tokens")
     if args.mqar_spacing < 2:
         parser.error("--mqar_spacing must be >= 2 (a pair is two tokens)")
@@ -624,6 +647,8 @@ def earlier_results(path: Path, args) -> dict:
     earlier["arguments"].setdefault("key_curriculum_steps", 0)
     earlier["arguments"].setdefault("mqar_spacing", 2)
     earlier["arguments"].setdefault("mqar_curriculum_steps", 0)
+    earlier["arguments"].setdefault("short_train_length", 512)
+    earlier["arguments"].setdefault("short_train_steps", 0)
     compared = (vars(args).keys() | earlier["arguments"].keys()) - set(PER_RUN_ARGUMENTS)
     differing = sorted(k for k in compared if earlier["arguments"].get(k) != vars(args).get(k))
     if differing:
