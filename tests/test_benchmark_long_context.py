@@ -101,6 +101,20 @@ def test_mqar_curriculum_must_leave_room_for_the_most_pairs(steps, capsys):
     assert "--mqar_curriculum_steps" in capsys.readouterr().err
 
 
+@needs_data
+def test_mqar_lengths_must_hold_the_pairs_and_the_queries(streams, capsys):
+    arguments = ["--data_dir", str(DATA), "--mqar_spacing", "64", "--mqar_pairs", "2", "4", "--mqar_lengths"]
+    bench.parse_args(arguments + ["202"])  # pair 4 opens at 192 and ends at 194; 8 query tokens follow
+    with pytest.raises(SystemExit):
+        bench.parse_args(arguments + ["201"])
+    assert "202 tokens" in capsys.readouterr().err
+    stream, vocabulary = streams
+    ids, answers = mqar_batch(stream, torch.Generator().manual_seed(0), vocabulary, 4, 202, 4, 64)
+    for row, expected in zip(ids, answers):  # at the shortest length, no query overwrote a pair
+        pairs = dict(zip(row[0:193:64].tolist(), row[1:194:64].tolist()))
+        assert [pairs[key] for key in row[-8::2].tolist()] == expected.tolist()
+
+
 @pytest.mark.parametrize("spacing", [2, 16])
 def test_mqar_asks_every_key_once_for_its_value(streams, spacing):
     stream, vocabulary = streams
