@@ -180,6 +180,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
         assert len(row["digit_accuracy"]) == 2 and row["accuracy"] <= min(row["digit_accuracy"])
     table = output.with_suffix(".md").read_text()
     assert "| ran |" in table and "| ran, last 4 cells |" in table and "| ran, last 4 + 2 salient cells |" in table
+    assert "| ran, last 4 cells | 50% |" in table  # exact match per depth, beside the mean over depths
     assert "Accuracy of each digit" in table and "2 steps at 128 tokens, the first 1 at 64" in table
     assert output.with_suffix(".png").stat().st_size > 0
 

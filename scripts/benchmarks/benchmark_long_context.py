@@ -391,6 +391,7 @@ def passkey_tables(results: list[dict], args) -> list[str]:
                 rows = [row["accuracy"] for row in passkey if row["length"] == length]
                 cells.append(f"{100 * statistics.mean(rows):.0f}%" if rows else "-")
             lines.append(f"| {label}{diverged(r, 'passkey')} | {r['parameters']:,} | " + " | ".join(cells) + " |")
+    lines += depth_table(results, lengths, args)
     if args.key_digits > 1:
         lines += digit_table(results, lengths)
     lines += ["", "Decoding after reading the passkey text (median ms per token, cache size):", ""]
@@ -406,6 +407,20 @@ def passkey_tables(results: list[dict], args) -> list[str]:
                     for n in lengths
                 ]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def depth_table(results: list[dict], lengths: list[int], args) -> list[str]:
+    """Exact match per model, length and depth: where in the text a key is found, and where it is lost."""
+    lines = ["", "Exact match by where the key lies (its depth in the text):", ""]
+    lines += ["| model | depth | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |"]
+    lines += ["|---|---:|" + "---:|" * len(lengths)]
+    for r in results:
+        for label, passkey in passkey_runs(r):
+            for depth in args.depths:
+                found = {row["length"]: row["accuracy"] for row in passkey if row["depth"] == depth}
+                cells = [f"{100 * found[n]:.0f}%" if n in found else "-" for n in lengths]
+                lines.append(f"| {label} | {100 * depth:.0f}% | " + " | ".join(cells) + " |")
     return lines
 
 
