@@ -96,7 +96,8 @@ def test_mqar_curriculum_adds_one_pair_every_n_steps():
 def test_mqar_curriculum_must_leave_room_for_the_most_pairs(steps, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(
-            ["--data_dir", str(DATA), "--mqar_pairs", "4", "8", "--mqar_steps", "2800", "--mqar_curriculum_steps", steps]
+            ["--data_dir", str(DATA), "--mqar_pairs", "4", "8", "--mqar_steps", "2800"]
+            + ["--mqar_curriculum_steps", steps]
         )
     assert "--mqar_curriculum_steps" in capsys.readouterr().err
 
