@@ -64,6 +64,16 @@ def test_key_curriculum_must_leave_room_for_the_whole_key(steps, capsys):
 
 
 @needs_data
+@pytest.mark.parametrize("device", ["gpu", "cuda"])
+def test_device_must_exist_here(device, capsys):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--data_dir", str(DATA), "--device", device])
+    assert f"--device {device}" in capsys.readouterr().err.replace("'", "")
+
+
+@needs_data
 def test_short_training_examples_come_first():
     arguments = ["--data_dir", str(DATA), "--train_length", "1024", "--short_train_length", "256"]
     args = bench.parse_args(arguments + ["--short_train_steps", "300"])
@@ -195,7 +205,7 @@ def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(
                 "--data_dir", str(DATA), "--output", str(output), "--models", *models, "--passkey_steps",
                 passkey_steps, "--mqar_steps", "0", "--train_length", "128", "--eval_lengths", "128",
                 "--key_digits", "1", "--eval_examples", "2", "--hidden_size", "16", "--num_heads", "2",
-                "--window_size", "16", "--depths", "0.5",
+                "--window_size", "16", "--depths", "0.5", "--jobs", "1",
             ]
         )  # fmt: skip
 
@@ -216,13 +226,31 @@ def test_passkey_steps_0_runs_mqar_only_with_pairs_one_per_window(tmp_path):
             "--data_dir", str(DATA), "--output", str(output), "--models", "ran", "gpt2", "--passkey_steps", "0",
             "--mqar_steps", "2", "--mqar_train_length", "64", "--mqar_lengths", "64", "128", "--mqar_pairs", "2",
             "--mqar_spacing", "16", "--eval_examples", "2", "--hidden_size", "16", "--num_heads", "2",
-            "--window_size", "16",
+            "--window_size", "16", "--jobs", "1",
         ]
     )  # fmt: skip
     assert [(r["passkey"], len(r["mqar"])) for r in results] == [([], 2), ([], 2)]
     table = output.with_suffix(".md").read_text()
     assert "Passkey: not run" in table and "opening every 16 tokens" in table and "| ran | 2 |" in table
     assert output.with_suffix(".png").stat().st_size > 0
+
+
+@needs_data
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_tiny_run_on_cuda(tmp_path):
+    results = bench.main(
+        [
+            "--data_dir", str(DATA), "--output", str(tmp_path / "cuda"), "--models", "ran", "gpt2", "--device",
+            "cuda", "--passkey_steps", "2", "--mqar_steps", "2", "--train_length", "128", "--eval_lengths", "128",
+            "256", "--key_digits", "2", "--eval_examples", "2", "--mqar_train_length", "64", "--mqar_lengths", "64",
+            "--mqar_pairs", "2", "--hidden_size", "16", "--num_heads", "2", "--window_size", "16", "--depths", "0.5",
+            "--jobs", "1",
+        ]
+    )  # fmt: skip
+    for result in results:
+        assert len(result["passkey"]) == 2 and len(result["mqar"]) == 1
+        assert all(0 <= row["accuracy"] <= 1 for row in result["passkey"] + result["mqar"])
+    assert [row["cache_bytes"] > 0 for row in results[0]["passkey"]] == [True, True]  # the RAN decoded on CUDA
 
 
 def test_bad_arguments_are_refused():

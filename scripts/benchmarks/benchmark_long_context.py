@@ -21,8 +21,8 @@ GPT-2 whose context is 1K for the passkey (longer inputs keep their last 1K toke
 would) and 2K for MQAR. Also measured: decoding time per token and cache size after reading each passkey length.
 
     python scripts/benchmarks/benchmark_long_context.py            # CPU default: 15 minutes per RAN, one at a time
-    python scripts/benchmarks/benchmark_long_context.py --device cuda \
-        --eval_lengths 1024 4096 16384 65536 262144 --jobs 1
+    python scripts/benchmarks/benchmark_long_context.py --device cuda --jobs 1 \
+        --eval_lengths 1024 4096 16384 65536 262144 --max_ran_length 262144
 
 Writes benchmarks/long_context.{json,md,png}. Running some `--models` again with otherwise equal arguments replaces
 their results and keeps the others'.
@@ -169,13 +169,13 @@ def build_model(name: str, vocab_size: int, context: int, args) -> torch.nn.Modu
             n_head=args.num_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
             eos_token_id=None,
         )  # fmt: skip
-        return GPT2LMHeadModel(config)
+        return GPT2LMHeadModel(config).to(args.device)
     config = RANConfig(
         vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
         num_attention_heads=args.num_heads, head_dim=args.hidden_size // args.num_heads, window_size=args.window_size,
         min_window_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_causal=True, **fields,
     )  # fmt: skip
-    return RANForCausalLM(config)
+    return RANForCausalLM(config).to(args.device)
 
 
 def answer_logits(model, ids: torch.Tensor, num_answers: int, context: int | None, stride: int = 1):
@@ -202,7 +202,7 @@ def train(model, make_batch, answers_of, steps: int, args, description: str) -> 
     losses, diverged_at = [], None
     model.train()
     for step in tqdm(range(1, steps + 1), desc=description, leave=False, disable=args.jobs > 1):
-        ids, answers = make_batch(step)
+        ids, answers = (tensor.to(args.device) for tensor in make_batch(step))
         logits = answers_of(model, ids, answers.shape[1])
         loss = F.cross_entropy(logits.flatten(0, 1), answers.flatten())
         optimizer.zero_grad()
@@ -222,14 +222,17 @@ def train(model, make_batch, answers_of, steps: int, args, description: str) -> 
 @torch.no_grad()
 def decode_cost(model, ids: torch.Tensor, chunk: int, steps: int = 16) -> dict:
     """Read `ids` through the cache in chunks, then time `steps` greedy tokens; the cache's size at the end."""
+    finish = torch.cuda.synchronize if ids.is_cuda else lambda: None  # a CUDA call returns before its work is done
     cache = None
     for offset in range(0, ids.shape[1], chunk):
         outputs = model(ids[:, offset : offset + chunk], past_key_values=cache, use_cache=True)
         cache = outputs.past_key_values
     token, times = outputs.logits[:, -1:].argmax(-1), []
     for _ in range(steps):
+        finish()
         start = time.perf_counter()
         outputs = model(token, past_key_values=outputs.past_key_values, use_cache=True)
+        finish()
         times.append(time.perf_counter() - start)
         token = outputs.logits[:, -1:].argmax(-1)
     return {"ms_per_token": round(1000 * statistics.median(times), 3), "cache_bytes": outputs.past_key_values.nbytes()}
@@ -249,6 +252,7 @@ def evaluate_passkey(model, eval_stream, evaluation: torch.Generator, context: i
             for offset in range(0, args.eval_examples, args.eval_batch_size):
                 batch = min(args.eval_batch_size, args.eval_examples - offset)
                 ids, digits = passkey_batch(eval_stream, evaluation, batch, length, depth, args.key_digits)
+                ids, digits = ids.to(args.device), digits.to(args.device)
                 hits.append(answer_logits(model, ids, args.key_digits, context).argmax(-1) == digits)
             hits = torch.cat(hits).float()
             rows.append(
@@ -261,7 +265,7 @@ def evaluate_passkey(model, eval_stream, evaluation: torch.Generator, context: i
             )
         if context is None:  # GPT-2's cache never holds more than its 1K context
             ids, _ = passkey_batch(eval_stream, evaluation, 1, length, 0.5, args.key_digits)
-            rows[-1] |= decode_cost(model, ids[:, : -args.key_digits], args.window_size * 4)
+            rows[-1] |= decode_cost(model, ids[:, : -args.key_digits].to(args.device), args.window_size * 4)
             rows[-1]["decode_at"] = length
     return rows
 
@@ -348,8 +352,8 @@ def run_mqar(name: str, args, streams, generator, evaluation) -> dict:
             ids, values = mqar_batch(
                 eval_stream, evaluation, vocabulary, args.eval_examples, length, pairs, args.mqar_spacing
             )
-            predicted = answer_logits(model, ids, pairs, context, stride=2).argmax(-1)
-            accuracy = (predicted == values).float().mean().item()
+            predicted = answer_logits(model, ids.to(args.device), pairs, context, stride=2).argmax(-1)
+            accuracy = (predicted.cpu() == values).float().mean().item()
             result["mqar"].append({"length": length, "pairs": pairs, "accuracy": round(accuracy, 4)})
     return result
 
@@ -591,6 +595,7 @@ def parse_args(argv=None):
     parser.add_argument("--eval_examples", type=int, default=16)
     parser.add_argument("--eval_batch_size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where models train and run: cpu, cuda, cuda:1, ...")
     # Two at once by default, one per core of a 2-core machine: a RAN's 64K-token evaluation in batches of 4 peaked
     # at 13 GB, and two of those ran out of 24 GB; in batches of 2 two fit.
     parser.add_argument("--jobs", type=int, default=2, help="models trained at the same time, one process each")
@@ -623,6 +628,12 @@ def parse_args(argv=None):
         parser.error("--memory_review_cells must be >= 1")
     if args.memory_salient_cells is not None and (args.memory_salient_cells < 1 or args.memory_review_cells is None):
         parser.error("--memory_salient_cells must be >= 1 and needs --memory_review_cells")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device!r}: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
     if args.learning_rate <= 0:
         parser.error("--learning_rate must be positive")
     if args.warmup_steps < 0:
@@ -664,6 +675,7 @@ def earlier_results(path: Path, args) -> dict:
     earlier["arguments"].setdefault("key_curriculum_steps", 0)
     earlier["arguments"].setdefault("mqar_spacing", 2)
     earlier["arguments"].setdefault("mqar_curriculum_steps", 0)
+    earlier["arguments"].setdefault("device", "cpu")
     earlier["arguments"].setdefault("short_train_length", 512)
     earlier["arguments"].setdefault("short_train_steps", 0)
     compared = (vars(args).keys() | earlier["arguments"].keys()) - set(PER_RUN_ARGUMENTS)
