@@ -35,6 +35,7 @@ their results and keeps the others'.
 import argparse
 import json
 import math
+import multiprocessing
 import statistics
 import time
 from collections import Counter
@@ -696,7 +697,9 @@ def main(argv=None) -> list[dict]:
     print(machine_line(info))
     output = Path(args.output)
     results = earlier_results(output.with_suffix(".json"), args)
-    with ProcessPoolExecutor(args.jobs) as pool:
+    # A forked child cannot use CUDA once its parent has; spawned ones start clean.
+    start = multiprocessing.get_context("spawn") if torch.device(args.device).type == "cuda" else None
+    with ProcessPoolExecutor(args.jobs, mp_context=start) as pool:
         futures = {pool.submit(run_model, name, args): name for name in args.models}
         for future in tqdm(futures, desc="models"):
             result = future.result()
