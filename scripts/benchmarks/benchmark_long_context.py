@@ -21,7 +21,7 @@ docs/memory.md (`ran-before`: official layer), the official causal design (its c
 GPT-2 whose context is 1K for the passkey (longer inputs keep their last 1K tokens, as a user of such a model
 would) and 2K for MQAR. Also measured: decoding time per token and cache size after reading each passkey length.
 
-    python scripts/benchmarks/benchmark_long_context.py            # CPU default: two models at a time
+    python scripts/benchmarks/benchmark_long_context.py            # CPU default: 28 minutes on 2 cores
     # the recipe that reads a 5-digit key to 64K (docs/memory.md, cause 11), on a GPU and to 256K (not yet run)
     python scripts/benchmarks/benchmark_long_context.py --device cuda --jobs 1 --models ran gpt2 --batch_size 16 \
         --warmup_steps 300 --passkey_steps 4000 --short_train_steps 3000 --key_curriculum_steps 200 \
@@ -601,8 +601,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval_batch_size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where models train and run: cpu, cuda, cuda:1, ...")
-    # Two at once by default, one per core of a 2-core machine: a RAN's 64K-token evaluation in batches of 4 peaked
-    # at 13 GB, and two of those ran out of 24 GB; in batches of 2 two fit.
+    # Two at once by default, one per core of a 2-core machine: the default run then took 28 minutes, and the machine
+    # used at most 2.4 GB in all (evaluation in batches of 2).
     parser.add_argument("--jobs", type=int, default=2, help="models trained at the same time, one process each")
     parser.add_argument("--threads", type=int, default=1, help="threads per model")
     parser.add_argument("--save_models", default=None, help="folder to save each trained passkey model in")
