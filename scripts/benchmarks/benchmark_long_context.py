@@ -666,6 +666,19 @@ def parse_args(argv=None):
 
 # Arguments that do not change what a model's result means: results of other models with the same rest are kept.
 PER_RUN_ARGUMENTS = ("models", "jobs", "threads", "output", "save_models")
+# Arguments added after results were saved, with the value those results were run with.
+ARGUMENTS_ADDED_LATER = {
+    "warmup_steps": 100,
+    "key_digits": 5,
+    "memory_review_cells": None,
+    "memory_salient_cells": None,
+    "key_curriculum_steps": 0,
+    "mqar_spacing": 2,
+    "mqar_curriculum_steps": 0,
+    "device": "cpu",
+    "short_train_length": 512,
+    "short_train_steps": 0,
+}
 
 
 def earlier_results(path: Path, args) -> dict:
@@ -673,16 +686,7 @@ def earlier_results(path: Path, args) -> dict:
     if not path.exists():
         return {}
     earlier = json.loads(path.read_text())
-    earlier["arguments"].setdefault("warmup_steps", 100)  # results saved before these were arguments
-    earlier["arguments"].setdefault("key_digits", 5)
-    earlier["arguments"].setdefault("memory_review_cells", None)
-    earlier["arguments"].setdefault("memory_salient_cells", None)
-    earlier["arguments"].setdefault("key_curriculum_steps", 0)
-    earlier["arguments"].setdefault("mqar_spacing", 2)
-    earlier["arguments"].setdefault("mqar_curriculum_steps", 0)
-    earlier["arguments"].setdefault("device", "cpu")
-    earlier["arguments"].setdefault("short_train_length", 512)
-    earlier["arguments"].setdefault("short_train_steps", 0)
+    earlier["arguments"] = ARGUMENTS_ADDED_LATER | earlier["arguments"]
     compared = (vars(args).keys() | earlier["arguments"].keys()) - set(PER_RUN_ARGUMENTS)
     differing = sorted(k for k in compared if earlier["arguments"].get(k) != vars(args).get(k))
     if differing:
