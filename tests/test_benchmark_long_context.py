@@ -157,16 +157,15 @@ def test_answer_logits_predict_the_answer_tokens():
 @needs_data
 def test_tiny_run_writes_table_and_plot(tmp_path):
     output = tmp_path / "long_context"
-    results = bench.main(
-        [
-            "--data_dir", str(DATA), "--output", str(output), "--jobs", "1", "--passkey_steps", "2",
-            "--mqar_steps", "2", "--train_length", "128", "--eval_lengths", "128", "256", "--eval_examples", "2",
-            "--mqar_train_length", "64", "--mqar_lengths", "64", "128", "--mqar_pairs", "2", "4", "--hidden_size", "16",
-            "--num_heads", "2", "--window_size", "16", "--depths", "0.5", "--memory_review_cells", "4",
-            "--memory_salient_cells", "2", "--save_models", str(tmp_path / "models"), "--key_digits", "2",
-            "--key_curriculum_steps", "1", "--short_train_length", "64", "--short_train_steps", "1",
-        ]
-    )  # fmt: skip
+    arguments = [
+        "--data_dir", str(DATA), "--jobs", "1", "--passkey_steps", "2", "--train_length", "128", "--eval_lengths",
+        "128", "256", "--eval_examples", "2", "--mqar_train_length", "64", "--mqar_lengths", "64", "128",
+        "--mqar_pairs", "2", "4", "--hidden_size", "16", "--num_heads", "2", "--window_size", "16", "--depths", "0.5",
+        "--memory_review_cells", "4", "--memory_salient_cells", "2", "--key_digits", "2", "--key_curriculum_steps",
+        "1", "--short_train_length", "64", "--short_train_steps", "1",
+    ]  # fmt: skip
+    models = tmp_path / "models"
+    results = bench.main(arguments + ["--output", str(output), "--mqar_steps", "2", "--save_models", str(models)])
     assert [r["model"] for r in results] == list(bench.MODELS)
     saved = json.loads(output.with_suffix(".json").read_text())
     for result in saved["results"]:
@@ -194,6 +193,21 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
     assert "| ran, last 4 cells | 50% |" in table  # exact match per depth, beside the mean over depths
     assert "Accuracy of each digit" in table and "2 steps at 128 tokens, the first 1 at 64" in table
     assert output.with_suffix(".png").stat().st_size > 0
+
+    # Read back instead of trained, the saved models answer the same examples the same way.
+    reread = bench.main(
+        arguments + ["--output", str(tmp_path / "reread"), "--mqar_steps", "0", "--load_models", str(models)]
+    )
+    assert [r["model"] for r in reread] == list(bench.MODELS)
+
+    def answers(result):
+        runs = ("passkey", "passkey_bounded", "passkey_salient")
+        keep = ("length", "depth", "accuracy", "digit_accuracy", "cache_bytes")
+        return {run: [{k: row.get(k) for k in keep} for row in result[run]] for run in runs if run in result}
+
+    for trained, loaded in zip(results, reread):
+        assert answers(loaded) == answers(trained) and loaded["passkey_train_seconds"] == 0.0
+    assert "(the models saved in" in (tmp_path / "reread.md").read_text()
 
 
 def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(tmp_path, capsys):
@@ -268,6 +282,8 @@ def test_bad_arguments_are_refused():
         bench.parse_args(["--passkey_steps", "0", "--mqar_steps", "0"])  # nothing to run
     with pytest.raises(SystemExit):
         bench.parse_args(["--mqar_spacing", "1"])
+    with pytest.raises(SystemExit):  # no saved model there
+        bench.parse_args(["--load_models", str(Path(__file__).parent), "--mqar_steps", "0"])
 
 
 def test_training_that_turns_nan_stops_and_says_when():

@@ -29,7 +29,9 @@ would) and 2K for MQAR. Also measured: decoding time per token and cache size af
         --max_ran_length 262144 --output benchmarks/long_context_cuda
 
 Writes benchmarks/long_context.{json,md,png}. Running some `--models` again with otherwise equal arguments replaces
-their results and keeps the others'.
+their results and keeps the others'. `--save_models DIR` keeps the trained passkey models; given the same training
+arguments, `--load_models DIR --mqar_steps 0` evaluates them again without training, for example on more or other
+examples (`--eval_examples`, `--eval_seed`).
 """
 
 import argparse
@@ -279,7 +281,7 @@ def run_model(name: str, args) -> dict:
     torch.set_num_threads(args.threads)
     streams = load_streams(args)
     generator = torch.Generator().manual_seed(args.seed + 1)  # training batches, passkey then MQAR
-    evaluation = torch.Generator().manual_seed(12_345)  # evaluation examples, passkey then MQAR
+    evaluation = torch.Generator().manual_seed(args.eval_seed)  # evaluation examples, passkey then MQAR
     result = {"model": name}
     for task, steps, run in (("passkey", args.passkey_steps, run_passkey), ("mqar", args.mqar_steps, run_mqar)):
         if steps:
@@ -291,10 +293,16 @@ def run_model(name: str, args) -> dict:
 
 
 def run_passkey(name: str, args, streams, generator, evaluation) -> dict:
-    """Train at --train_length, evaluate at every length and depth (and with a bounded memory review)."""
+    """Train at --train_length (or read the model trained so from --load_models), evaluate at every length and depth
+    (and with a bounded memory review)."""
     train_stream, eval_stream, vocabulary = streams
-    is_gpt2 = MODELS[name] is None
-    context = args.train_length if is_gpt2 else None
+    context = args.train_length if MODELS[name] is None else None
+    if args.load_models:
+        model = load_model(name, args)
+        result = {"parameters": sum(p.numel() for p in model.parameters())}
+        result |= {"passkey_training": {"losses": [], "diverged_at": None}, "passkey_train_seconds": 0.0}
+        result["passkey"] = evaluate_passkey(model, eval_stream, evaluation, context, args)
+        return result | evaluate_bounded_memory(model, eval_stream, context, args)
     model = build_model(name, vocabulary.size, args.train_length, args)
     result = {"parameters": sum(p.numel() for p in model.parameters())}
     start = time.perf_counter()
@@ -312,19 +320,37 @@ def run_passkey(name: str, args, streams, generator, evaluation) -> dict:
         f"{name} passkey",
     )
     result["passkey_train_seconds"] = round(time.perf_counter() - start, 1)
-    if args.save_models:  # to study the trained model afterwards (diagnose_memory.py, other lengths)
+    if args.save_models:  # to study the trained model afterwards (--load_models, diagnose_memory.py, other lengths)
         model.save_pretrained(Path(args.save_models) / f"{name}-passkey")
     result["passkey"] = evaluate_passkey(model, eval_stream, evaluation, context, args)
-    if not is_gpt2 and args.memory_review_cells:
-        # The same trained model on the same examples, its memory review (and cache) bounded to the last M cells.
+    return result | evaluate_bounded_memory(model, eval_stream, context, args)
+
+
+def load_model(name: str, args) -> torch.nn.Module:
+    """A passkey model written by --save_models; its size must be the one the arguments describe."""
+    model_class = GPT2LMHeadModel if MODELS[name] is None else RANForCausalLM
+    model = model_class.from_pretrained(Path(args.load_models) / f"{name}-passkey").to(args.device)
+    size = (model.config.hidden_size, model.config.num_hidden_layers, model.config.num_attention_heads)
+    if size != (args.hidden_size, args.num_layers, args.num_heads):
+        raise ValueError(
+            f"{args.load_models}/{name}-passkey has hidden size, layers and heads {size}, not the "
+            f"{(args.hidden_size, args.num_layers, args.num_heads)} of --hidden_size, --num_layers, --num_heads"
+        )
+    return model
+
+
+def evaluate_bounded_memory(model, eval_stream, context: int | None, args) -> dict:
+    """The same trained RAN on the same examples, its memory review (and cache) bounded to the last
+    --memory_review_cells cells, and with --memory_salient_cells, also the most salient older ones."""
+    result = {}
+    if context is None and args.memory_review_cells:
         model.config.memory_review_cells = args.memory_review_cells
-        same_examples = torch.Generator().manual_seed(12_345)
+        same_examples = torch.Generator().manual_seed(args.eval_seed)
         result["passkey_bounded"] = evaluate_passkey(model, eval_stream, same_examples, context, args)
         result["memory_review_cells"] = args.memory_review_cells
         if args.memory_salient_cells and model.config.uses_review_salience:
-            # ... and besides those, the most salient older cells.
             model.config.memory_salient_cells = args.memory_salient_cells
-            same_examples = torch.Generator().manual_seed(12_345)
+            same_examples = torch.Generator().manual_seed(args.eval_seed)
             result["passkey_salient"] = evaluate_passkey(model, eval_stream, same_examples, context, args)
             result["memory_salient_cells"] = args.memory_salient_cells
             model.config.memory_salient_cells = None
@@ -387,7 +413,7 @@ def passkey_tables(results: list[dict], args) -> list[str]:
     lines = [
         f"Passkey: trained {args.passkey_steps} steps at {args.train_length} tokens{short_words(args)} "
         f"(batch {args.batch_size})"
-        f"{curriculum_words(args)}; exact match of {args.key_digits} digits over {args.eval_examples} examples per "
+        f"{curriculum_words(args)}{loaded_words(args)}; exact match of {args.key_digits} digits over {args.eval_examples} examples per "
         f"depth {args.depths}, mean over depths.",
         "",
         "| model | parameters | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
@@ -454,6 +480,10 @@ def short_words(args) -> str:
     if not args.short_train_steps:
         return ""
     return f", the first {args.short_train_steps} at {args.short_train_length}"
+
+
+def loaded_words(args) -> str:
+    return f" (the models saved in {args.load_models}, not trained again)" if args.load_models else ""
 
 
 def curriculum_words(args) -> str:
@@ -600,12 +630,19 @@ def parse_args(argv=None):
     parser.add_argument("--eval_examples", type=int, default=16)
     parser.add_argument("--eval_batch_size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval_seed", type=int, default=12_345, help="seed of the evaluation examples")
     parser.add_argument("--device", default="cpu", help="where models train and run: cpu, cuda, cuda:1, ...")
     # Two at once by default, one per core of a 2-core machine: the default run then took 28 minutes, and the machine
     # used at most 2.4 GB in all (evaluation in batches of 2).
     parser.add_argument("--jobs", type=int, default=2, help="models trained at the same time, one process each")
     parser.add_argument("--threads", type=int, default=1, help="threads per model")
     parser.add_argument("--save_models", default=None, help="folder to save each trained passkey model in")
+    parser.add_argument(
+        "--load_models",
+        default=None,
+        help="evaluate the passkey models that --save_models wrote to this folder, trained with the other arguments "
+        "given here, instead of training them (needs --mqar_steps 0)",
+    )
     parser.add_argument("--output", default="benchmarks/long_context", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)
     positive = ("hidden_size", "num_layers", "num_heads", "window_size", "batch_size", "eval_examples", "jobs")
@@ -625,6 +662,14 @@ def parse_args(argv=None):
         parser.error("--key_curriculum_steps leaves no step for keys of --key_digits digits: lower it")
     if args.mqar_steps < 0:
         parser.error("--mqar_steps must be >= 0 (0: no MQAR)")
+    if args.load_models:
+        missing = [m for m in args.models if not (Path(args.load_models) / f"{m}-passkey" / "config.json").is_file()]
+        if missing or args.mqar_steps or not args.passkey_steps:
+            parser.error(
+                "--load_models needs a saved passkey model per model (missing: "
+                f"{', '.join(f'{args.load_models}/{m}-passkey' for m in missing) or 'none'}), --mqar_steps 0 and "
+                "the --passkey_steps they were trained with"
+            )
     if args.mqar_curriculum_steps < 0:
         parser.error("--mqar_curriculum_steps must be >= 0 (0: no curriculum)")
     if args.mqar_steps and args.mqar_curriculum_steps * (max(args.mqar_pairs) - 1) >= args.mqar_steps:
@@ -665,7 +710,7 @@ def parse_args(argv=None):
 
 
 # Arguments that do not change what a model's result means: results of other models with the same rest are kept.
-PER_RUN_ARGUMENTS = ("models", "jobs", "threads", "output", "save_models")
+PER_RUN_ARGUMENTS = ("models", "jobs", "threads", "output", "save_models", "load_models")
 # Arguments added after results were saved, with the value those results were run with.
 ARGUMENTS_ADDED_LATER = {
     "warmup_steps": 100,
@@ -678,6 +723,7 @@ ARGUMENTS_ADDED_LATER = {
     "device": "cpu",
     "short_train_length": 512,
     "short_train_steps": 0,
+    "eval_seed": 12_345,
 }
 
 
