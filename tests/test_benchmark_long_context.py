@@ -91,6 +91,16 @@ def test_short_training_must_leave_steps_at_the_training_length(steps, capsys):
 
 
 @needs_data
+def test_learning_rate_warms_up_holds_then_decays_to_zero():
+    args = bench.parse_args(["--warmup_steps", "4", "--decay_steps", "10", "--key_curriculum_steps", "0"])
+    factors = [bench.learning_rate_factor(done, 100, args) for done in range(100)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0] and set(factors[4:90]) == {1.0}
+    assert factors[90:] == pytest.approx([k / 10 for k in range(10, 0, -1)])  # the last step's is 0.1, not 0
+    assert set(bench.learning_rate_factor(d, 100, bench.parse_args([])) for d in range(100, 200)) == {1.0}  # no decay
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--decay_steps", "200", "--passkey_steps", "300", "--mqar_steps", "100"])
+
+
 def test_mqar_curriculum_adds_one_pair_every_n_steps():
     arguments = ["--data_dir", str(DATA), "--mqar_pairs", "2", "4", "--mqar_steps", "1000"]
     generator = torch.Generator().manual_seed(0)
@@ -162,7 +172,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
         "128", "256", "--eval_examples", "2", "--mqar_train_length", "64", "--mqar_lengths", "64", "128",
         "--mqar_pairs", "2", "4", "--hidden_size", "16", "--num_heads", "2", "--window_size", "16", "--depths", "0.5",
         "--memory_review_cells", "4", "--memory_salient_cells", "2", "--key_digits", "2", "--key_curriculum_steps",
-        "1", "--short_train_length", "64", "--short_train_steps", "1",
+        "1", "--short_train_length", "64", "--short_train_steps", "1", "--decay_steps", "1",
     ]  # fmt: skip
     models = tmp_path / "models"
     results = bench.main(arguments + ["--output", str(output), "--mqar_steps", "2", "--save_models", str(models)])
