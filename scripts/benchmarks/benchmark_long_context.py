@@ -22,11 +22,12 @@ GPT-2 whose context is 1K for the passkey (longer inputs keep their last 1K toke
 would) and 2K for MQAR. Also measured: decoding time per token and cache size after reading each passkey length.
 
     python scripts/benchmarks/benchmark_long_context.py            # CPU default: 28 minutes on 2 cores
-    # the recipe that reads a 5-digit key to 64K (docs/memory.md, cause 11), on a GPU and to 256K (not yet run)
+    # the recipe that reads a 5-digit key to 64K on CPU (docs/memory.md, cause 12: 58 minutes), on a GPU and to
+    # 256K (not yet run)
     python scripts/benchmarks/benchmark_long_context.py --device cuda --jobs 1 --models ran gpt2 --batch_size 16 \
-        --warmup_steps 300 --passkey_steps 4000 --short_train_steps 3000 --key_curriculum_steps 200 \
-        --memory_review_cells 16 --memory_salient_cells 4 --eval_lengths 1024 4096 16384 65536 262144 \
-        --max_ran_length 262144 --output benchmarks/long_context_cuda
+        --warmup_steps 300 --passkey_steps 6000 --short_train_steps 4500 --decay_steps 1000 \
+        --key_curriculum_steps 200 --memory_review_cells 16 --memory_salient_cells 4 --mqar_steps 0 \
+        --eval_lengths 1024 4096 16384 65536 262144 --max_ran_length 262144 --output benchmarks/long_context_cuda
 
 Writes benchmarks/long_context.{json,md,png}. Running some `--models` again with otherwise equal arguments replaces
 their results and keeps the others'. `--save_models DIR` keeps the trained passkey models; given the same training
