@@ -423,7 +423,8 @@ def passkey_tables(results: list[dict], args) -> list[str]:
     lines = [
         f"Passkey: trained {args.passkey_steps} steps at {args.train_length} tokens{short_words(args)} "
         f"(batch {args.batch_size}{decay_words(args)})"
-        f"{curriculum_words(args)}{loaded_words(args)}; exact match of {args.key_digits} digits over {args.eval_examples} examples per "
+        f"{curriculum_words(args)}{loaded_words(args)}; exact match of {args.key_digits} digits over "
+        f"{args.eval_examples} examples per "
         f"depth {args.depths}, mean over depths.",
         "",
         "| model | parameters | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
