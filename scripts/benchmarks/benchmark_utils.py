@@ -1,6 +1,7 @@
 """What the benchmark scripts share: the machine line, peak-memory readings, one measurement per process."""
 
 import json
+import datetime
 import platform
 import resource
 import subprocess
@@ -22,6 +23,7 @@ def machine_info(device: str = "cpu") -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": device,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
