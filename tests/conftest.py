@@ -1,10 +1,15 @@
 """Shared fixtures: tiny RAN configurations, the benchmark data folder and a WordPiece tokenizer trained on it."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (set before any kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import PreTrainedTokenizerFast
 
 from ran_hf import RANConfig

@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from ran_hf import RANForCausalLM, RANModel
+from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_reference import reference_forward
 from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
 
+# The Triton scan runs on CUDA (compiled) and, on a CPU, in Triton's interpreter where Triton is installed.
+SCANS = [
+    "reference",
+    "fused",
+    pytest.param("triton", marks=pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")),
+]
 DEVICES = [
     pytest.param("cpu"),
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
@@ -45,7 +52,7 @@ def assert_close(actual, expected, device, what):
     assert diff <= TOLERANCE[device.type] * scale, f"{what} on {device}: max abs diff {diff:.2e}"
 
 
-@pytest.mark.parametrize("scan", ["reference", "fused"])
+@pytest.mark.parametrize("scan", SCANS)
 @pytest.mark.parametrize("overrides,lengths", CASES)
 def test_fast_path_on_the_device_equals_the_reference(overrides, lengths, scan, device):
     model = randomize_(RANModel(tiny_config(scan_implementation=scan, **overrides)), seed=len(lengths)).eval()
@@ -63,7 +70,7 @@ def test_fast_path_on_the_device_equals_the_reference(overrides, lengths, scan, 
             assert_close(outputs.pooler_output[row], expected["pooler_output"], device, "pooler output")
 
 
-@pytest.mark.parametrize("scan", ["reference", "fused"])
+@pytest.mark.parametrize("scan", SCANS)
 @pytest.mark.parametrize("overrides,lengths", CASES)
 def test_gradients_on_the_device_equal_the_cpu_reference_scan(overrides, lengths, scan, device):
     """Every parameter's gradient, left padding, against the reference scan on the CPU."""
@@ -119,7 +126,7 @@ def test_cached_decoding_and_generation_on_the_device(device):
     assert torch.equal(with_cache.cpu(), expected), "the device generates other tokens than the CPU"
 
 
-@pytest.mark.parametrize("scan", ["reference", "fused"])
+@pytest.mark.parametrize("scan", SCANS)
 def test_bf16_autocast_on_the_device_keeps_the_scan_in_float32(scan, device):
     if device.type == "cpu" or torch.cuda.is_bf16_supported():
         model = randomize_(RANModel(tiny_config(scan_implementation=scan)), seed=2).train().to(device)

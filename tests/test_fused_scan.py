@@ -36,14 +36,15 @@ BATCHES = [
 ]
 
 
-def layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float32, seed=0, **config_fields):
-    """A layer with random weights and what its scan reads (random window keys and values, a random start)."""
+def layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float32, seed=0, device="cpu", **config_fields):
+    """A layer with random weights and what its scan reads (random window keys and values, a random start), on
+    `device`."""
     config = tiny_config(**{**overrides, **config_fields})
     if past_lengths is not None:
         config.is_causal = True  # only a causal model continues a cache
-    layer = randomize_(RANLayer(config, layer_idx=0), seed=seed).to(dtype)
-    mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
-    past = None if past_lengths is None else torch.tensor(past_lengths)
+    layer = randomize_(RANLayer(config, layer_idx=0), seed=seed).to(device, dtype)
+    mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long().to(device)
+    past = None if past_lengths is None else torch.tensor(past_lengths, device=device)
     layout = RANWindowLayout.from_attention_mask(mask, config, past_lengths=past)
     generator = torch.Generator().manual_seed(seed + 1)
     num_windows, num_slots = layout.window_slots.shape
@@ -51,7 +52,7 @@ def layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float32, seed
     keys, values = (torch.randn(slots, generator=generator, dtype=dtype) for _ in range(2))
     starts = (len(lengths), config.hidden_size)
     cell, previous_raw = (torch.randn(starts, generator=generator, dtype=dtype) for _ in range(2))
-    inputs = [tensor.requires_grad_() for tensor in (cell, previous_raw, keys, values)]
+    inputs = [tensor.to(device).requires_grad_() for tensor in (cell, previous_raw, keys, values)]
     return layer, inputs, layout
 
 
@@ -64,15 +65,16 @@ def outputs_and_gradients(scan, layer, inputs, layout):
     outputs = scan(layer, *inputs, layout)
     generator = torch.Generator().manual_seed(9)
     probes = [torch.randn(output.shape, generator=generator, dtype=output.dtype) for output in outputs]
+    probes = [probe.to(output.device) for probe, output in zip(probes, outputs)]
     sum((output * probe).sum() for output, probe in zip(outputs, probes)).backward()
     named = dict(zip(["cell", "previous_raw", "keys", "values"], inputs), **dict(layer.named_parameters()))
     gradients = {name: tensor.grad for name, tensor in named.items()}
     return [output.detach() for output in outputs], gradients
 
 
-def assert_scans_agree(layer, inputs, layout, tolerance):
+def assert_scans_agree(layer, inputs, layout, tolerance, scan=fused_cell_scan):
     expected, expected_grads = outputs_and_gradients(reference_cell_scan, layer, inputs, layout)
-    actual, actual_grads = outputs_and_gradients(fused_cell_scan, layer, inputs, layout)
+    actual, actual_grads = outputs_and_gradients(scan, layer, inputs, layout)
     for name, got, want in zip(["read keys", "read values", "raw cells", "cells"], actual, expected):
         assert got.shape == want.shape, name
         diff = (got - want).abs().max().item()

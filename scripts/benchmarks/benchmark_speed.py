@@ -8,6 +8,7 @@
 Models, all at the same width, depth and heads, random weights, dropout off:
   ran            ran_hf RAN, window `--window_size` (default 256)
   ran-fused      the same RAN with the fused cell scan (`scan_implementation="fused"`); not in the default list
+  ran-triton     the same RAN with the Triton cell scan (`scan_implementation="triton"`; CUDA); not in the default list
   ran-small      ran_hf RAN, window `--small_window_size` (default 64)
   ran-compiled   `torch.compile(RAN)`, compiled during the (untimed) warm-up at the measured shape; not in the
                  default list, as compiling takes minutes on a small CPU
@@ -40,7 +41,7 @@ from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subpr
 from ran_hf.cell_scan import RANScanInterface
 
 MODELS = ["ran", "ran-small", "ceiling", "longformer", "bigbird", "modernbert", "bert", "rannet"]
-OPTIONAL_MODELS = ["ran-fused", "ran-compiled"]
+OPTIONAL_MODELS = ["ran-fused", "ran-triton", "ran-compiled"]
 VOCAB_SIZE = 1000
 
 
@@ -101,13 +102,13 @@ def build_model(name: str, args, max_length: int) -> torch.nn.Module:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    if name in ("ran", "ran-fused", "ran-small", "ceiling", "ran-compiled"):
+    if name in ("ran", "ran-fused", "ran-triton", "ran-small", "ceiling", "ran-compiled"):
         from ran_hf import RANModel
 
         window = args.small_window_size if name == "ran-small" else args.window_size
         scan = {"scan_implementation": WITHOUT_RECURRENCE} if name == "ceiling" else {}
-        if name == "ran-fused":
-            scan = {"scan_implementation": "fused"}
+        if name in ("ran-fused", "ran-triton"):
+            scan = {"scan_implementation": name.removeprefix("ran-")}
         return RANModel(ran_config(args, window, **scan))
     if name == "longformer":
         config = transformers.LongformerConfig(

@@ -18,6 +18,7 @@ from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
 from .fused_scan import fused_scan, fused_scan_unsupported, window_maxima
+from .triton_scan import TritonCellScan, triton_scan_unsupported
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ def fused_cell_scan(
     keys: torch.Tensor,
     values: torch.Tensor,
     layout: "RANWindowLayout",
+    scan_class=None,
 ):
     """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py).
 
@@ -177,13 +179,35 @@ def fused_cell_scan(
     if reason is not None:
         logger.warning_once(f"The fused cell scan runs the reference scan instead: {reason}.")
         return reference_cell_scan(layer, cell, previous_raw, keys, values, layout)
-    return fused_scan(layer, cell, previous_raw, *step_major(keys, values, layout), layout)
+    return fused_scan(layer, cell, previous_raw, *step_major(keys, values, layout), layout, scan_class)
+
+
+def triton_cell_scan(
+    layer: "RANLayer",
+    cell: torch.Tensor,
+    previous_raw: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: "RANWindowLayout",
+):
+    """`reference_cell_scan`'s results from Triton kernels, three launches per window each way (triton_scan.py).
+
+    Where they cannot run (no Triton, no CUDA device, float64, an activation other than SiLU, wrapped projections)
+    it runs the fused scan, or the reference where that cannot run either, saying why once. Under `torch.compile`
+    it runs the fused scan's single custom op, whose graph does not grow with the number of windows.
+    """
+    reason = triton_scan_unsupported(cell)
+    if reason is None and not torch.compiler.is_compiling():
+        return fused_cell_scan(layer, cell, previous_raw, keys, values, layout, scan_class=TritonCellScan)
+    if reason is not None:
+        logger.warning_once(f"The Triton cell scan runs the fused scan instead: {reason}.")
+    return fused_cell_scan(layer, cell, previous_raw, keys, values, layout)
 
 
 class RANScanInterface(GeneralInterface):
     """The cell scans a RAN layer can run, by name (`config.scan_implementation`)."""
 
-    _global_mapping = {"reference": reference_cell_scan, "fused": fused_cell_scan}
+    _global_mapping = {"reference": reference_cell_scan, "fused": fused_cell_scan, "triton": triton_cell_scan}
 
 
 ALL_SCAN_FUNCTIONS = RANScanInterface()

@@ -390,9 +390,10 @@ def scan_backward(plan: ScanPlan, state, weights, grads):
     )  # fmt: skip
 
 
-def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, layout):
-    """Run `FusedCellScan` for `layer`: the step-major slots (N, B, H, S, d) and their mask (N, B, S) as in the
-    reference scan. Returns what `reference_cell_scan` returns."""
+def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, layout, scan_class=None):
+    """Run `FusedCellScan` (or `scan_class`, an autograd function with its inputs and outputs, such as the Triton
+    scan's) for `layer`: the step-major slots (N, B, H, S, d) and their mask (N, B, S) as in the reference scan.
+    Returns what `reference_cell_scan` returns."""
     config = layer.config
     num_heads = layer.num_heads
     num_steps, batch_size = step_mask.shape[:2]
@@ -448,7 +449,7 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
                 plan, *(tensor.to(compute_dtype) for tensor in inputs), output_shift, score_bias, dropout, weights
             )
         else:
-            outputs = FusedCellScan.apply(
+            outputs = (scan_class or FusedCellScan).apply(
                 plan, *(tensor.to(compute_dtype) for tensor in inputs), output_shift, score_bias, dropout, *weights
             )
     # The cells keep the dtype of the cell read (float32 under autocast); the keys and values that of the tokens'.
