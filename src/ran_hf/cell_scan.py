@@ -71,7 +71,7 @@ def reference_cell_scan(
             f"its single-op form cannot run here, as {reason}."
         )
     device = cell.device.type
-    if torch.is_autocast_enabled(device):
+    if device != "meta" and torch.is_autocast_enabled(device):  # meta: no autocast state to ask
         # The cell is a running state rewritten every window, through standardisations that divide by a mean of
         # squares: in bfloat16 its gradients were up to 28% off their float32 values.
         dtype = layer.qkv_proj.weight.dtype

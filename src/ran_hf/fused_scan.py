@@ -17,6 +17,7 @@ custom op (scan_op.py).
 Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots.
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -439,7 +440,9 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
         maxima = window_maxima(step_values, step_mask).flatten(-2).to(compute_dtype)  # (N, B, H d)
         output_shift = torch.mm(maxima.flatten(0, 1), weights[4].t()).view(num_steps, batch_size, -1)
     inputs = (cell, previous_raw, step_keys, step_values)
-    with torch.autocast(cell.device.type, enabled=False):
+    # (the meta device, which checks shapes and counts kernels, has no autocast to switch off)
+    no_autocast = nullcontext() if cell.device.type == "meta" else torch.autocast(cell.device.type, enabled=False)
+    with no_autocast:
         if torch.compiler.is_compiling():
             # One opaque op for dynamo: the steps are not unrolled into the graph, whose shapes then follow the
             # number of windows instead of being rebuilt for each one.

@@ -58,7 +58,9 @@ def standard_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
     mean = hidden_states.mean(-1, keepdim=True)
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
     normalized = (hidden_states - mean) * torch.rsqrt(mean_square + eps)
-    return normalized if torch.is_autocast_enabled(normalized.device.type) else normalized.to(input_dtype)
+    # (the meta device, which checks shapes and counts kernels, has no autocast state to ask)
+    autocast = normalized.device.type != "meta" and torch.is_autocast_enabled(normalized.device.type)
+    return normalized if autocast else normalized.to(input_dtype)
 
 
 def unit_vectors(states: torch.Tensor) -> torch.Tensor:

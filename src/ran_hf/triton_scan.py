@@ -29,6 +29,7 @@ import os
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .fused_scan import drop, standardize
 
@@ -41,18 +42,23 @@ try:  # optional: the reference and fused scans need no Triton
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     TRITON_AVAILABLE = False
 
-# Rows of the batch per program: tl.dot needs at least 16 on each side, so small batches are padded (masked) to 16.
+# Rows of the batch per program, and the least block of any side: tl.dot needs at least 16 on each side, so small
+# batches are padded (masked) to 16.
 MIN_BLOCK = 16
-BLOCK_K = 32  # the reduction block of every matrix-vector product
-BLOCK_N = 64  # output columns per program of the column-parallel products
-BLOCK_S = 32  # window slots per iteration of the attention loops
+# Chosen on an H200 at BERT-base width (benchmarks/cuda/tune_triton_scan.json): the matrix-vector kernels are
+# bound by the latency of their reduction loops, so long reduction blocks and more, narrower column programs win.
+BLOCK_K = 256  # the reduction block of every matrix-vector product
+BLOCK_N = 32  # output columns per program of the column-parallel products
+BLOCK_S = 64  # window slots per iteration of the attention loops
+NUM_WARPS = 8  # of the matrix-vector kernels
 
 
 def triton_scan_unsupported(cell: torch.Tensor) -> str | None:
     """Why the Triton scan cannot run on this input, or None if it can."""
     if not TRITON_AVAILABLE:
         return "Triton is not installed"
-    if cell.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    # The meta device runs no kernel at all: it checks shapes and counts launches (benchmark_kernels.py).
+    if cell.device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
         return f"its kernels run on CUDA devices (the input is on {cell.device.type})"
     if cell.dtype == torch.float64:
         return "it computes in float32, and the input is float64"
@@ -166,20 +172,19 @@ if TRITON_AVAILABLE:
             if HAS_GLU:
                 glu_blocks = tl.cdiv(2 * D, BLOCK_N)
             cols = tl.arange(0, BLOCK_N)
+            # (names assigned in both branches of `pid < H` must keep one shape: nothing here reuses `out_ok`)
             if block < glu_blocks:
                 cols += block * BLOCK_N
                 col_ok = cols < 2 * D
                 acc = _rows_times(normed, D, ag_w, 1, D, rows, row_ok, cols, col_ok, D, BLOCK_B, BLOCK_K, BLOCK_N)
                 acc += tl.load(ag_b + cols, mask=col_ok, other=0.0)[None, :]
-                out_ok = row_ok[:, None] & col_ok[None, :]
-                tl.store(glu_pre + rows[:, None] * (2 * D) + cols[None, :], acc, mask=out_ok)
+                tl.store(glu_pre + rows[:, None] * (2 * D) + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
             elif HAS_GATE:
                 cols += (block - glu_blocks) * BLOCK_N
                 col_ok = cols < 2 * D
                 acc = _rows_times(prev_raw, D, cg_w, 1, D, rows, row_ok, cols, col_ok, D, BLOCK_B, BLOCK_K, BLOCK_N)
                 acc += tl.load(cg_b + cols, mask=col_ok, other=0.0)[None, :]
-                out_ok = row_ok[:, None] & col_ok[None, :]
-                tl.store(gate_pre + rows[:, None] * (2 * D) + cols[None, :], acc, mask=out_ok)
+                tl.store(gate_pre + rows[:, None] * (2 * D) + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _output_kernel(attended, o_w, o_b, shift, out_pre, B, D, HD, HAS_SHIFT: tl.constexpr,
@@ -435,7 +440,9 @@ if TRITON_AVAILABLE:
 
 
 def _block_rows(batch_size: int) -> int:
-    return min(32, max(MIN_BLOCK, triton.next_power_of_2(batch_size)))
+    """Rows per program: 16, whatever the batch (more rows are more programs). With 32 rows and 256-long reduction
+    blocks the kernels ran out of shared memory on an H200."""
+    return MIN_BLOCK
 
 
 def _block(size: int) -> int:
@@ -470,6 +477,7 @@ if TRITON_AVAILABLE:
             batch_size, hidden, num_heads, head_dim, num_slots, head_dim**-0.5,
             QK_ACT=qk_act, HAS_GLU=has_glu, HAS_GATE=has_gate, HAS_PROBS_MASK=has_probs_mask,
             BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_D=_block(head_dim), BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
 
     @triton_op("ran_hf::scan_output", mutates_args={"out_pre"})
@@ -482,7 +490,7 @@ if TRITON_AVAILABLE:
         grid = (triton.cdiv(hidden, BLOCK_N), triton.cdiv(batch_size, block_rows))
         wrap_triton(_output_kernel)[grid](
             attended, o_w, o_b, shift, out_pre, batch_size, hidden, attended.shape[-1], HAS_SHIFT=has_shift,
-            BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
+            BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
         )  # fmt: skip
 
     @triton_op(
@@ -557,7 +565,7 @@ if TRITON_AVAILABLE:
             grad_read_keys, grad_read_values, grad_attended, grad_qkv_pre, grad_keys, grad_values,
             batch_size, grad_out_pre.shape[-1], num_heads, head_dim, num_slots, head_dim**-0.5,
             QK_ACT=qk_act, HAS_PROBS_MASK=has_probs_mask,
-            BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_D=_block(head_dim), BLOCK_S=BLOCK_S,
+            BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_D=_block(head_dim), BLOCK_S=BLOCK_S, num_warps=NUM_WARPS,
         )  # fmt: skip
 
     @triton_op("ran_hf::scan_input_grad", mutates_args={"grad_normed", "grad_prev_raw"})
@@ -572,7 +580,7 @@ if TRITON_AVAILABLE:
         wrap_triton(_input_grad_kernel)[grid](
             grad_qkv_pre, qkv_w, grad_glu_pre, ag_w, grad_gate_pre, cg_w, grad_normed, grad_prev_raw,
             batch_size, hidden, qkv_w.shape[0] // 3, HAS_GLU=has_glu, HAS_GATE=has_gate,
-            BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
+            BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
         )  # fmt: skip
 
     for _op in (scan_project, scan_output, scan_write, scan_write_grad, scan_attention_grad, scan_input_grad):
@@ -580,6 +588,14 @@ if TRITON_AVAILABLE:
             _op.register_kernel("meta")(lambda *args, **kwargs: None)
         except RuntimeError:  # some PyTorch versions give every triton_op a meta kernel of their own
             pass
+
+
+def launchers(like: torch.Tensor, *ops):
+    """How to launch each op's kernel: through the op where something watches ops (`torch.compile`, a dispatch mode
+    such as a kernel counter or fake tensors, the meta device), else straight from Python: the custom op's dispatch
+    costs about 20 us a launch, a third of the scan's time at batch 1 (benchmarks/cuda/tune_triton_scan.json)."""
+    watched = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or like.is_meta
+    return [op if watched else getattr(op, "_init_fn", op) for op in ops]
 
 
 class _Absent:
@@ -624,17 +640,18 @@ def triton_scan_forward(plan, cell, previous_raw, step_keys, step_values, output
     def at(tensor, step):
         return absent() if tensor is None else tensor[step]
 
+    project, output, write = launchers(cell, scan_project, scan_output, scan_write)
     for step in range(num_steps):
         gate_on = step_has_gate(plan, step)
-        scan_project(
+        project(
             normed[step], previous_raw if step == 0 else raw_cells[step - 1], qkv_w, qkv_b, absent(ag_w),
             absent(ag_b), absent(cg_w), absent(cg_b), keys[step], values[step], bias[step], at(dropout.probs, step),
             qkv_pre[step], query[step], read_keys[step], read_values[step], attended[step], at(glu_pre, step),
             at(gate_pre, step), plan.qk_activation, has_glu, gate_on, dropout.probs is not None,
         )  # fmt: skip
-        scan_output(attended[step], o_w, o_b, at(output_shift, step), out_pre[step], output_shift is not None)
+        output(attended[step], o_w, o_b, at(output_shift, step), out_pre[step], output_shift is not None)
         has_next = step + 1 < num_steps
-        scan_write(
+        write(
             out_pre[step], at(glu_pre, step), at(gate_pre, step), rows[min(step, 1)], at(dropout.output, step),
             at(dropout.written, step), at(dropout.cell, step), at(dropout.input, step + 1) if has_next else absent(),
             absent(an_w), absent(an_b), absent(cn_w), absent(cn_b), in_w, in_b, raw_cells[step], cells[step],
@@ -704,9 +721,12 @@ def triton_scan_backward(plan, state, weights, grads):
     def at(tensor, step):
         return absent() if tensor is None else tensor[step]
 
+    write_grad, attention_grad, input_grad = launchers(
+        cell, scan_write_grad, scan_attention_grad, scan_input_grad
+    )
     for step in reversed(range(num_steps)):
         last, gate_on = step == num_steps - 1, step_has_gate(plan, step)
-        scan_write_grad(
+        write_grad(
             grad_cells[step], grad_raw_cells[step], grad_normed, grad_prev_raw,
             absent() if last else at(dropout.input, step + 1), state["cells"][step], in_w, state["out_pre"][step],
             at(state["glu_pre"], step), at(state["gate_pre"], step), state["raw_cells"][step], rows[min(step, 1)],
@@ -716,18 +736,18 @@ def triton_scan_backward(plan, state, weights, grads):
             absent(), eps,
             [last, False, has_gate and not last, plan.output_activation, has_glu, gate_on, *masks, has_input_mask],
         )  # fmt: skip
-        scan_attention_grad(
+        attention_grad(
             grad_out_pre[step], o_w, qkv_pre[step], state["query"][step], state["read_keys"][step],
             state["read_values"][step], state["attended"][step], keys[step], state["values"][step],
             state["bias"][step], at(dropout.probs, step), grad_read_keys[step], grad_read_values[step], grad_attended,
             grad_qkv_pre[step], grad_keys[step], grad_values[step], plan.qk_activation, dropout.probs is not None,
         )  # fmt: skip
-        scan_input_grad(
+        input_grad(
             grad_qkv_pre[step], qkv_w, at(grad_glu_pre, step), absent(ag_w), at(grad_gate_pre, step), absent(cg_w),
             grad_normed, grad_prev_raw, has_glu, gate_on,
         )  # fmt: skip
     # What the scan started from: its cell (through step 0's input norm) and the raw cell step 0's GLU read.
-    scan_write_grad(
+    write_grad(
         absent(), absent(), grad_normed, grad_prev_raw, at(dropout.input, 0), cell, in_w, absent(), absent(),
         absent(), absent(), absent(), absent(), absent(), absent(), absent(), absent(), absent(), grad_input_norm[0],
         absent(), absent(), absent(), absent(), absent(), grad_cell, grad_previous_raw, eps,

@@ -1,0 +1,244 @@
+#!/usr/bin/env python
+"""Kernels per training step, counted without a GPU: RAN with each cell scan against a windowed transformer.
+
+    python scripts/benchmarks/benchmark_kernels.py                  # BERT-base shape, 8 x 8K and 2 x 32K, meta device
+    python scripts/benchmarks/benchmark_kernels.py --shapes 2x2048 --num_layers 2 --hidden_size 128 --num_heads 4
+
+One masked-LM training step (forward with labels on every token, backward) of a `RANForMaskedLM` with random
+weights runs on the `meta` device, which holds shapes and no data, so the full size fits on any machine. A
+`TorchDispatchMode` counts every operator that reaches a backend: each one is a kernel launch on a GPU (a
+`torch.library.triton_op` is one op, one launch). Views and allocations (`empty`, `empty_strided`) launch nothing and
+are not counted. Each scan is counted alone, and the ops of the Triton scan's kernels (`ran_hf::scan_*`) are
+reported per window and layer.
+
+The baseline is the same-size transformer encoder most long-document users would train instead: pre-norm layers
+whose attention is exact within non-overlapping 256-token blocks (one `scaled_dot_product_attention` call over all
+blocks), GELU MLP of 4x width, tied MLM head.
+
+A projected H100 step time is printed from stated assumptions (launch cost, matmul and memory rates): it is a
+projection, labelled so, not a measurement. Writes `benchmarks/kernels/kernels_meta.json` and `.md`.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm.auto import tqdm
+
+from benchmark_utils import machine_info, machine_line
+
+from ran_hf import RANConfig, RANForMaskedLM
+from ran_hf.modeling_ran import RANWindowLayout
+
+NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh"}
+# Projection assumptions (H100 SXM, bf16), stated in every result file.
+LAUNCH_SECONDS = 5e-6
+MATMUL_FLOPS = 700e12
+MEMORY_BYTES_PER_SECOND = 3.0e12
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts the operators that launch a kernel, by name; sums the FLOPs of matrix products and the bytes that
+    the other operators read and write."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+        self.matmul_flops = 0
+        self.other_bytes = 0
+        self.host_syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        host_read = name == "aten::_local_scalar_dense" or (
+            name == "aten::_to_copy" and args[0].is_meta and str((kwargs or {}).get("device", "meta")) == "cpu"
+        )
+        if name == "aten::_to_copy" and str((kwargs or {}).get("device", "")) == "meta":
+            return func(*args, **(kwargs or {}))  # a layout built on the CPU (below) moving to meta: no kernel
+        if host_read:  # the host waits for the device here; a meta tensor has no value, so read zeros
+            self.host_syncs += 1
+            self.counts[name] += 1
+            return 0 if name == "aten::_local_scalar_dense" else torch.zeros(args[0].shape, dtype=args[0].dtype)
+        outputs = func(*args, **(kwargs or {}))
+        if name in NOT_LAUNCHED or func.is_view:
+            return outputs
+        self.counts[name] += 1
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, outputs)) if isinstance(t, torch.Tensor)]
+        if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"):
+            first, second = (t for t in tensors[-3:-1]) if name in ("aten::mm", "aten::bmm") else tensors[-3:-1]
+            self.matmul_flops += 2 * first.numel() * second.shape[-1]
+        else:
+            self.other_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return outputs
+
+
+class BlockAttentionLayer(nn.Module):
+    def __init__(self, hidden, heads, block):
+        super().__init__()
+        self.heads, self.block = heads, block
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, states):
+        batch, length, hidden = states.shape
+        blocks = length // self.block
+        qkv = self.qkv(self.norm1(states)).view(batch * blocks, self.block, 3, self.heads, -1)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B L/W, H, W, d) each
+        attended = F.scaled_dot_product_attention(query, key, value)
+        attended = attended.transpose(1, 2).reshape(batch, length, hidden)
+        states = states + self.out(attended)
+        return states + self.mlp(self.norm2(states))
+
+
+class BlockAttentionMLM(nn.Module):
+    """The windowed-transformer baseline: embeddings, pre-norm block-attention layers, a tied MLM head."""
+
+    def __init__(self, vocab, hidden, layers, heads, block):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(BlockAttentionLayer(hidden, heads, block) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, input_ids, labels):
+        states = self.embed(input_ids)
+        for layer in self.layers:
+            states = layer(states)
+        logits = self.norm(states) @ self.embed.weight.t()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def ran_config(args, scan: str) -> RANConfig:
+    return RANConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        head_dim=args.hidden_size // args.num_heads,
+        window_size=args.window_size,
+        min_window_size=16,
+        scan_implementation=scan,
+    )
+
+
+@contextmanager
+def layouts_built_with_values():
+    """The window layout reads its sizes from the attention mask, which a meta tensor does not have: build it from
+    an all-ones CPU mask of the same shape (its ops are counted like any other), then move it to meta."""
+    build = RANWindowLayout.from_attention_mask
+
+    def from_attention_mask(attention_mask, config, past_lengths=None):
+        if not attention_mask.is_meta:
+            return build(attention_mask, config, past_lengths)
+        layout = build(torch.ones(attention_mask.shape, dtype=torch.bool), config, None)
+        moved = {
+            field.name: value.to("meta") if isinstance(value := getattr(layout, field.name), torch.Tensor) else value
+            for field in dataclasses.fields(layout)
+        }
+        return dataclasses.replace(layout, **moved)
+
+    RANWindowLayout.from_attention_mask = from_attention_mask
+    try:
+        yield
+    finally:
+        RANWindowLayout.from_attention_mask = build
+
+
+def count_step(model_name: str, args, batch: int, length: int) -> dict:
+    with torch.device("meta"):
+        if model_name == "transformer":
+            model = BlockAttentionMLM(args.vocab_size, args.hidden_size, args.num_layers, args.num_heads,
+                                      args.window_size)  # fmt: skip
+        else:
+            model = RANForMaskedLM(ran_config(args, model_name.removeprefix("ran-")))
+        ids = torch.randint(1, args.vocab_size, (batch, length))
+    model.train()
+    counter = KernelCounter()
+    with layouts_built_with_values(), counter:
+        if model_name == "transformer":
+            loss = model(ids, ids)
+        else:
+            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+        loss.backward()
+    windows = batch * -(-length // args.window_size)
+    scan_ops = sum(n for name, n in counter.counts.items() if name.startswith("ran_hf::scan_"))
+    projected = (
+        sum(counter.counts.values()) * LAUNCH_SECONDS
+        + counter.matmul_flops / MATMUL_FLOPS
+        + counter.other_bytes / 2 / MEMORY_BYTES_PER_SECOND  # counted in float32 on meta; bf16 moves half
+    )
+    return {
+        "model": model_name,
+        "shape": f"{batch}x{length}",
+        "kernels": sum(counter.counts.values()),
+        "host_syncs": counter.host_syncs,
+        "triton_scan_kernels_per_window_and_layer": scan_ops / (windows / batch * args.num_layers) if scan_ops else None,
+        "matmul_tflop": counter.matmul_flops / 1e12,
+        "other_gbytes_float32": counter.other_bytes / 1e9,
+        "projected_h100_seconds": projected,
+        "top_ops": counter.counts.most_common(12),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["ran-reference", "ran-fused", "ran-triton", "transformer"])
+    parser.add_argument("--shapes", nargs="+", default=["8x8192", "2x32768"], help="BATCHxLENGTH")
+    parser.add_argument("--hidden_size", type=int, default=768)
+    parser.add_argument("--num_layers", type=int, default=12)
+    parser.add_argument("--num_heads", type=int, default=12)
+    parser.add_argument("--window_size", type=int, default=256)
+    parser.add_argument("--vocab_size", type=int, default=30522)
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/kernels"))
+    args = parser.parse_args()
+    shapes = []
+    for shape in args.shapes:
+        batch, _, length = shape.partition("x")
+        if not (batch.isdigit() and length.isdigit()) or int(length) % args.window_size:
+            parser.error(f"--shapes takes BATCHxLENGTH with LENGTH a multiple of --window_size, got {shape!r}")
+        shapes.append((int(batch), int(length)))
+
+    info = machine_info("meta")
+    print(machine_line(info))
+    results = []
+    for batch, length in shapes:
+        for name in tqdm(args.models, desc=f"{batch}x{length}", leave=False):
+            results.append(count_step(name, args, batch, length))
+    header = f"{'model':<15}{'shape':>9}{'kernels':>10}{'scan/window/layer':>19}{'matmul TFLOP':>14}"
+    header += f"{'other GB fp32':>15}{'projected H100 s':>18}"
+    lines = [header]
+    for r in results:
+        per_window = r["triton_scan_kernels_per_window_and_layer"]
+        per_window = "" if per_window is None else f"{per_window:.1f}"
+        lines.append(
+            f"{r['model']:<15}{r['shape']:>9}{r['kernels']:>10,}{per_window:>19}{r['matmul_tflop']:>14.2f}"
+            f"{r['other_gbytes_float32']:>15.1f}{r['projected_h100_seconds']:>18.3f}"
+        )
+    table = "\n".join(lines)
+    print(table)
+    assumptions = (
+        f"Projection, not a measurement: {LAUNCH_SECONDS * 1e6:.0f} us per launch + matmul FLOPs at "
+        f"{MATMUL_FLOPS / 1e12:.0f} TFLOP/s + other ops' bytes (halved for bf16) at {MEMORY_BYTES_PER_SECOND / 1e12:.0f} TB/s."
+    )
+    print(assumptions)
+    command = "python " + " ".join(sys.argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    report = {"machine_info": info, "command": command, "settings": {**vars(args), "output_dir": str(args.output_dir)},
+              "assumptions": assumptions, "results": results}  # fmt: skip
+    (args.output_dir / "kernels_meta.json").write_text(json.dumps(report, indent=2, default=str))
+    (args.output_dir / "kernels_meta.md").write_text(
+        f"# Kernels per MLM training step\n\n`{command}`\n\n{machine_line(info)}\n\n```\n{table}\n```\n\n{assumptions}\n"
+    )
+    print(f"wrote {args.output_dir}/kernels_meta.json and .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Where a RAN training step spends its GPU time: CUDA kernels by total time, launches, step time.
+
+    python scripts/benchmarks/profile_step.py --device cuda --scans fused triton --shape 8x8192
+
+One masked-LM training step (bf16 autocast, forward with labels, backward) of a `RANForMaskedLM` with random
+weights, BERT-base shape by default, profiled with `torch.profiler` after two warm-up steps. Prints, per scan, the
+step's wall time (between synchronisations, the median of `--repeats` steps), the number of CUDA kernels launched,
+and the kernels that take the most time. Writes `benchmarks/cuda/profile_<scan>.txt` tables and one JSON.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmark_utils import machine_info, machine_line
+
+from ran_hf import RANConfig, RANForMaskedLM
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scans", nargs="+", default=["fused", "triton"])
+    parser.add_argument("--shape", default="8x8192", help="BATCHxLENGTH")
+    parser.add_argument("--hidden_size", type=int, default=768)
+    parser.add_argument("--num_layers", type=int, default=12)
+    parser.add_argument("--num_heads", type=int, default=12)
+    parser.add_argument("--window_size", type=int, default=256)
+    parser.add_argument("--vocab_size", type=int, default=30522)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/cuda"))
+    args = parser.parse_args()
+    batch, length = (int(part) for part in args.shape.split("x"))
+    device = torch.device(args.device)
+    info = machine_info(args.device)
+    print(machine_line(info))
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for scan in args.scans:
+        config = RANConfig(
+            vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+            num_attention_heads=args.num_heads, head_dim=args.hidden_size // args.num_heads,
+            window_size=args.window_size, min_window_size=16, scan_implementation=scan,
+        )  # fmt: skip
+        model = RANForMaskedLM(config).to(device).train()
+        ids = torch.randint(1, args.vocab_size, (batch, length), device=device)
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            step()
+            torch.cuda.synchronize()
+        events = [event for event in profiler.key_averages() if event.device_type == torch.autograd.DeviceType.CUDA]
+        launches = sum(event.count for event in events)
+        table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+        (args.output_dir / f"profile_{scan}_{args.shape}.txt").write_text(table)
+        seconds = statistics.median(times)
+        results.append({"scan": scan, "shape": args.shape, "step_seconds": seconds, "tokens_per_second": batch * length / seconds,
+                        "cuda_kernels": launches, "peak_gib": torch.cuda.max_memory_allocated() / 2**30})  # fmt: skip
+        print(f"{scan}: step {seconds * 1000:.0f} ms, {batch * length / seconds:,.0f} tok/s, {launches:,} CUDA kernels")
+        print(table)
+        del model
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    report = {"machine_info": info, "command": "python " + " ".join(sys.argv), "settings": vars(args) | {"output_dir": str(args.output_dir)}, "results": results}  # fmt: skip
+    (args.output_dir / f"profile_{args.shape}.json").write_text(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
