@@ -27,7 +27,7 @@ CONFIGS = [
 
 
 def review_in_chunks_of(chunk_size, monkeypatch):
-    monkeypatch.setattr(RANMemoryReview, "chunk_length", lambda self, batch_size, num_cells: chunk_size)
+    monkeypatch.setattr(RANMemoryReview, "chunk_length", lambda self, batch_size, num_cells, device=None: chunk_size)
 
 
 def run(model, chunk_size, monkeypatch, *inputs, **kwargs):
@@ -158,3 +158,36 @@ def test_a_chunk_holds_at_most_its_share_of_scores(batch_size, monkeypatch):
         assert len(scores_per_chunk) == -(-length // chunk_length)
         assert max(scores_per_chunk) <= max(60, batch_size * num_cells)  # a chunk has at least one token
     assert len(scores_per_chunk) > 10
+
+
+def test_a_cuda_device_reviews_in_chunks_sized_for_its_memory(monkeypatch):
+    """On CUDA a chunk may hold 1/64 of the device's memory in scores: one chunk for 2 x 32K tokens against their
+    256 cells on an 80 GB card; the CPU budget stays 2^18 scores."""
+    review = RANMemoryReview(tiny_config())
+    properties = type("Properties", (), {"total_memory": 80 * 2**30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    assert review.chunk_length(2, 256, torch.device("cuda")) >= 32768
+    assert review.chunk_length(2, 256, torch.device("cpu")) == 2**18 // 512
+    assert review.chunk_length(2, 256) == 2**18 // 512
+
+
+def test_chunks_are_split_not_sliced(monkeypatch):
+    """The tokens reach the chunks through one `split` (its backward is one concatenation), not one slice each
+    (each slice's backward writes a full-size zero gradient): more chunks, no more slice backwards."""
+    model = randomize_(RANModel(tiny_config(num_hidden_layers=1)), seed=1).train()
+    ids = random_ids(31, model.config.vocab_size, seed=3)[None]
+
+    def slice_backwards(chunk_size):
+        review_in_chunks_of(chunk_size, monkeypatch)
+        ops = []
+
+        class Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(func._schema.name)
+                return func(*args, **(kwargs or {}))
+
+        with Recorder():
+            model(ids).last_hidden_state.pow(2).sum().backward()
+        return ops.count("aten::slice_backward")
+
+    assert slice_backwards(5) == slice_backwards(1000)

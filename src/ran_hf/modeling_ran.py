@@ -447,6 +447,9 @@ class RANMemoryReview(nn.Module):
     # constant, not a config field: it trades speed for memory and never changes the outputs (beyond float
     # rounding), so checkpoints need not carry it.
     max_chunk_scores = 2**18
+    # On CUDA: a chunk's float32 scores take at most 1/64 of the device's memory (1.25 GB, 312M scores on an 80 GB
+    # card: 2 x 32K tokens against their 256 cells are one chunk); the softmax keeps a few such tensors at once.
+    device_memory_share = 64
 
     def __init__(self, config: RANConfig):
         super().__init__()
@@ -468,9 +471,15 @@ class RANMemoryReview(nn.Module):
         # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
         self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
 
-    def chunk_length(self, batch_size: int, num_cells: int) -> int:
-        """Tokens per chunk, so that a chunk holds at most `max_chunk_scores` scores."""
-        return max(1, self.max_chunk_scores // max(1, batch_size * num_cells))
+    def chunk_length(self, batch_size: int, num_cells: int, device: torch.device | None = None) -> int:
+        """Tokens per chunk, so that a chunk holds at most `max_chunk_scores` scores; on a CUDA device at most
+        1/`device_memory_share` of its memory in float32 scores (one chunk for every document that fits: each chunk
+        is a few dozen kernel launches, and a GPU's memory is there to be used)."""
+        budget = self.max_chunk_scores
+        if device is not None and device.type == "cuda":
+            memory = torch.cuda.get_device_properties(device).total_memory  # cached: no synchronisation
+            budget = max(budget, memory // (4 * self.device_memory_share))
+        return max(1, budget // max(1, batch_size * num_cells))
 
     def project_cells(self, cells: torch.Tensor) -> torch.Tensor:
         """(..., D) cells -> (..., 2 D) their keys and values; a cache keeps these, not the cells."""
@@ -503,7 +512,12 @@ class RANMemoryReview(nn.Module):
         # which then exist whole.
         batch_size, length = token_states.shape[:2]
         # Compiled: one chunk, so that a new length or number of cells needs no new graph (memory O(tokens x cells)).
-        chunk_size = length if torch.compiler.is_compiling() else self.chunk_length(batch_size, cell_states.shape[1])
+        num_cells = cell_states.shape[1]
+        chunk_size = (
+            length
+            if torch.compiler.is_compiling()
+            else self.chunk_length(batch_size, num_cells, token_states.device)
+        )
         salient_table, salient_rows = (None, None) if salient is None else salient
         if length <= chunk_size:
             reviewed, weights = self.review_chunk(
@@ -512,13 +526,18 @@ class RANMemoryReview(nn.Module):
             return reviewed, weights if output_attentions else None
         # With several chunks, each one's backward recomputes it (same dropout mask: checkpoint restores the RNG
         # state) so that training keeps (chunk x windows) probabilities for one chunk at a time, not for them all.
+        # The tokens are split, not sliced: the backward of a split is one concatenation, where each slice's would
+        # write a full-size zero gradient.
         recompute = torch.is_grad_enabled()
+        num_chunks = -(-length // chunk_size)
+
+        def split(tensor):
+            return [None] * num_chunks if tensor is None else tensor.split(chunk_size, dim=1)
+
         reviewed, weights = [], []
-        for start in range(0, length, chunk_size):
-            chunk = slice(start, start + chunk_size)
-            first = None if first_readable is None else first_readable[:, chunk]
-            rows = None if salient_rows is None else salient_rows[:, chunk]
-            inputs = (token_states[:, chunk], cell_states, readable_cells[:, chunk], first, salient_table, rows)
+        per_chunk = zip(*(split(tensor) for tensor in (token_states, readable_cells, first_readable, salient_rows)))
+        for tokens, readable, first, rows in per_chunk:
+            inputs = (tokens, cell_states, readable, first, salient_table, rows)
             if recompute:
                 states, probs = checkpoint(self.review_chunk, *inputs, use_reentrant=False)
             else:
@@ -527,7 +546,7 @@ class RANMemoryReview(nn.Module):
             if output_attentions:  # kept only when asked for: all chunks' weights together are (tokens x cells)
                 weights.append(probs)
         weights = torch.cat(weights, dim=1) if output_attentions else None
-        return torch.cat(reviewed, dim=1) if len(reviewed) > 1 else reviewed[0], weights
+        return torch.cat(reviewed, dim=1), weights
 
     def review_chunk(self, token_states, cell_states, *readable) -> torch.Tensor:
         if self.residual_stream:
