@@ -7,7 +7,10 @@
 One masked-LM training step (forward with labels on every token, backward) of a `RANForMaskedLM` with random
 weights runs on the `meta` device, which holds shapes and no data, so the full size fits on any machine. A
 `TorchDispatchMode` counts every operator that reaches a backend: each one is a kernel launch on a GPU (a
-`torch.library.triton_op` is one op, one launch). Views and allocations (`empty`, `empty_strided`) launch nothing and
+`torch.library.triton_op` is one op, one launch). Memory review is chunked as on a CUDA device of
+`--gpu_memory_gib` (80: an H100). Host reads (`.item()`, `.tolist()`) are counted as synchronisations; the
+window layout, whose sizes the meta device cannot hold, is built on the CPU inside the count (its one read of the
+sizes is then not among them). Views and allocations (`empty`, `empty_strided`) launch nothing and
 are not counted. Each scan is counted alone, and the ops of the Triton scan's kernels (`ran_hf::scan_*`) are
 reported per window and layer.
 
@@ -36,7 +39,7 @@ from tqdm.auto import tqdm
 from benchmark_utils import machine_info, machine_line
 
 from ran_hf import RANConfig, RANForMaskedLM
-from ran_hf.modeling_ran import RANWindowLayout
+from ran_hf.modeling_ran import RANMemoryReview, RANWindowLayout
 
 NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh"}
 # Projection assumptions (H100 SXM, bf16), stated in every result file.
@@ -130,6 +133,22 @@ def ran_config(args, scan: str) -> RANConfig:
 
 
 @contextmanager
+def memory_review_sized_for(gib: float):
+    """Memory review chunks as on a CUDA device of `gib` GiB (the meta device is not one)."""
+    chunk_length = RANMemoryReview.chunk_length
+
+    def sized(self, batch_size, num_cells, device=None):
+        budget = max(self.max_chunk_scores, int(gib * 2**30) // (4 * self.device_memory_share))
+        return max(1, budget // max(1, batch_size * num_cells))
+
+    RANMemoryReview.chunk_length = sized if gib else chunk_length
+    try:
+        yield
+    finally:
+        RANMemoryReview.chunk_length = chunk_length
+
+
+@contextmanager
 def layouts_built_with_values():
     """The window layout reads its sizes from the attention mask, which a meta tensor does not have: build it from
     an all-ones CPU mask of the same shape (its ops are counted like any other), then move it to meta."""
@@ -162,7 +181,7 @@ def count_step(model_name: str, args, batch: int, length: int) -> dict:
         ids = torch.randint(1, args.vocab_size, (batch, length))
     model.train()
     counter = KernelCounter()
-    with layouts_built_with_values(), counter:
+    with layouts_built_with_values(), memory_review_sized_for(args.gpu_memory_gib), counter:
         if model_name == "transformer":
             loss = model(ids, ids)
         else:
@@ -180,7 +199,9 @@ def count_step(model_name: str, args, batch: int, length: int) -> dict:
         "shape": f"{batch}x{length}",
         "kernels": sum(counter.counts.values()),
         "host_syncs": counter.host_syncs,
-        "triton_scan_kernels_per_window_and_layer": scan_ops / (windows / batch * args.num_layers) if scan_ops else None,
+        "triton_scan_kernels_per_window_and_layer": (
+            scan_ops / (windows / batch * args.num_layers) if scan_ops else None
+        ),
         "matmul_tflop": counter.matmul_flops / 1e12,
         "other_gbytes_float32": counter.other_bytes / 1e9,
         "projected_h100_seconds": projected,
@@ -197,6 +218,9 @@ def main():
     parser.add_argument("--num_heads", type=int, default=12)
     parser.add_argument("--window_size", type=int, default=256)
     parser.add_argument("--vocab_size", type=int, default=30522)
+    parser.add_argument(
+        "--gpu_memory_gib", type=float, default=80, help="memory-review chunks as on a GPU this large (0: a CPU's)"
+    )
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/kernels"))
     args = parser.parse_args()
     shapes = []
@@ -226,7 +250,8 @@ def main():
     print(table)
     assumptions = (
         f"Projection, not a measurement: {LAUNCH_SECONDS * 1e6:.0f} us per launch + matmul FLOPs at "
-        f"{MATMUL_FLOPS / 1e12:.0f} TFLOP/s + other ops' bytes (halved for bf16) at {MEMORY_BYTES_PER_SECOND / 1e12:.0f} TB/s."
+        f"{MATMUL_FLOPS / 1e12:.0f} TFLOP/s + other ops' bytes (halved for bf16) at "
+        f"{MEMORY_BYTES_PER_SECOND / 1e12:.0f} TB/s."
     )
     print(assumptions)
     command = "python " + " ".join(sys.argv)
@@ -234,9 +259,8 @@ def main():
     report = {"machine_info": info, "command": command, "settings": {**vars(args), "output_dir": str(args.output_dir)},
               "assumptions": assumptions, "results": results}  # fmt: skip
     (args.output_dir / "kernels_meta.json").write_text(json.dumps(report, indent=2, default=str))
-    (args.output_dir / "kernels_meta.md").write_text(
-        f"# Kernels per MLM training step\n\n`{command}`\n\n{machine_line(info)}\n\n```\n{table}\n```\n\n{assumptions}\n"
-    )
+    markdown = f"# Kernels per MLM training step\n\n`{command}`\n\n{machine_line(info)}, {info['date']}\n\n"
+    (args.output_dir / "kernels_meta.md").write_text(f"{markdown}```\n{table}\n```\n\n{assumptions}\n")
     print(f"wrote {args.output_dir}/kernels_meta.json and .md")
 
 

@@ -75,14 +75,20 @@ def main():
         table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
         (args.output_dir / f"profile_{scan}_{args.shape}.txt").write_text(table)
         seconds = statistics.median(times)
-        results.append({"scan": scan, "shape": args.shape, "step_seconds": seconds, "tokens_per_second": batch * length / seconds,
-                        "cuda_kernels": launches, "peak_gib": torch.cuda.max_memory_allocated() / 2**30})  # fmt: skip
-        print(f"{scan}: step {seconds * 1000:.0f} ms, {batch * length / seconds:,.0f} tok/s, {launches:,} CUDA kernels")
+        tokens_per_second = batch * length / seconds
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        results.append({
+            "scan": scan, "shape": args.shape, "step_seconds": seconds, "tokens_per_second": tokens_per_second,
+            "cuda_kernels": launches, "peak_gib": peak_gib,
+        })  # fmt: skip
+        print(f"{scan}: step {seconds * 1000:.0f} ms, {tokens_per_second:,.0f} tok/s, {launches:,} CUDA kernels")
         print(table)
         del model
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    report = {"machine_info": info, "command": "python " + " ".join(sys.argv), "settings": vars(args) | {"output_dir": str(args.output_dir)}, "results": results}  # fmt: skip
+    settings = vars(args) | {"output_dir": str(args.output_dir)}
+    command = "python " + " ".join(sys.argv)
+    report = {"machine_info": info, "command": command, "settings": settings, "results": results}
     (args.output_dir / f"profile_{args.shape}.json").write_text(json.dumps(report, indent=2, default=str))
 
 

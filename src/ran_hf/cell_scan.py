@@ -204,10 +204,30 @@ def triton_cell_scan(
     return fused_cell_scan(layer, cell, previous_raw, keys, values, layout)
 
 
+def auto_cell_scan(
+    layer: "RANLayer",
+    cell: torch.Tensor,
+    previous_raw: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: "RANWindowLayout",
+):
+    """The default: the Triton scan on a CUDA device where Triton is installed, the reference scan elsewhere (on a
+    CPU the reference is as fast as any other for a whole model, and it is the one the tests are written from)."""
+    if cell.device.type == "cuda" and triton_scan_unsupported(cell) is None:
+        return triton_cell_scan(layer, cell, previous_raw, keys, values, layout)
+    return reference_cell_scan(layer, cell, previous_raw, keys, values, layout)
+
+
 class RANScanInterface(GeneralInterface):
     """The cell scans a RAN layer can run, by name (`config.scan_implementation`)."""
 
-    _global_mapping = {"reference": reference_cell_scan, "fused": fused_cell_scan, "triton": triton_cell_scan}
+    _global_mapping = {
+        "auto": auto_cell_scan,
+        "reference": reference_cell_scan,
+        "fused": fused_cell_scan,
+        "triton": triton_cell_scan,
+    }
 
 
 ALL_SCAN_FUNCTIONS = RANScanInterface()

@@ -194,14 +194,15 @@ class RANConfig(PreTrainedConfig):
             holds a 2-digit key as a set of two digits, and which came first is not learned. Defaults to `True` for
             causal models and `False` (official) for the encoder; a causal config saved before this field existed
             loads with `False`.
-        scan_implementation (`str`, *optional*, defaults to `"reference"`):
-            Which cell scan the layers run, by its name in `ran_hf.cell_scan.ALL_SCAN_FUNCTIONS`. `"reference"` is
-            the plain step-by-step loop that autograd records op by op. `"fused"` runs a layer's whole scan as one
-            autograd node with a hand-written backward (about half the ops per window); the two agree within 1e-5,
-            dropout included. On a CPU the fused scan alone is twice as fast, but a whole model's gain is within
-            the noise (README); it is meant for GPUs, where every op is a kernel launch, and is not the default
-            until measured there. For an activation other than SiLU, or wrapped projections (LoRA adapters), it runs
-            the reference, warning once. Other scans register there and must compute the same thing.
+        scan_implementation (`str`, *optional*, defaults to `"auto"`):
+            Which cell scan the layers run, by its name in `ran_hf.cell_scan.ALL_SCAN_FUNCTIONS`. `"auto"` runs
+            `"triton"` on a CUDA device where Triton is installed and `"reference"` elsewhere. `"reference"` is the
+            plain step-by-step loop that autograd records op by op. `"fused"` runs a layer's whole scan as one
+            autograd node with a hand-written backward (about half the ops per window). `"triton"` runs each window
+            as three Triton kernels forward and three backward (docs/gpu.md); without CUDA or Triton it runs the
+            fused scan, warning once. All agree within 1e-4, dropout included (the same masks for a seed). For an
+            activation other than SiLU, or wrapped projections (LoRA adapters), the fused and Triton scans run the
+            reference, warning once. Other scans register there and must compute the same thing.
         hidden_act (`str`, *optional*, defaults to `"silu"`):
             Activation of every projection (swish in the paper).
         hidden_dropout_prob (`float`, *optional*, defaults to 0.1):
@@ -264,7 +265,7 @@ class RANConfig(PreTrainedConfig):
     cell_max_pool: bool | None = None
     review_salience: bool | None = None
     token_shift: bool | None = None
-    scan_implementation: str = "reference"
+    scan_implementation: str = "auto"
     hidden_act: str = "silu"
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1

@@ -10,8 +10,9 @@ sequence, S slots of a window (enrichment tokens + the longest window), H heads,
 """
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -492,7 +493,7 @@ class RANMemoryReview(nn.Module):
         of the cell includes (`config.review_salience`). In float32 even under autocast: its gradient sums over every
         token and cell, and cancels; in bfloat16 it was 1.9% off (the rest of the model: at most 1.2%)."""
         key = cell_states[..., : cell_states.shape[-1] // 2]
-        with torch.autocast(key.device.type, enabled=False):
+        with nullcontext() if key.is_meta else torch.autocast(key.device.type, enabled=False):
             return key.float() @ self.salience.float()
 
     def forward(
@@ -1194,7 +1195,7 @@ def check_exportable(past_key_values, use_cache) -> None:
 
 
 def validate_ran_inputs(
-    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0
+    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_range=None
 ) -> tuple[int, int]:
     """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN.
 
@@ -1228,7 +1229,12 @@ def validate_ran_inputs(
         # Anything but 0/1 is read as "real token" where nonzero: an additive mask (0 / -10000) would be inverted.
         not_binary = (attention_mask != 0) & (attention_mask != 1)
         checks.append(not_binary.any().to(checks[0].device))
+    if label_range is not None:  # a head's labels, read in the same synchronisation
+        checks.extend(label_range.bounds.to(checks[0].device).unbind())
     found = torch.stack([check.long() for check in checks]).tolist()
+    if label_range is not None:
+        label_range.check(*found[-2:])
+        found = found[:-2]
 
     if input_ids is not None:
         low, high = found[:2]
@@ -1326,7 +1332,9 @@ class RANModel(RANPreTrainedModel):
             logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
             use_cache = False
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
-        validate_ran_inputs(self.config, input_ids, attention_mask, inputs_embeds, past_positions)
+        # A head's labels (`check_token_labels`) are read with the inputs: one host synchronisation for both.
+        label_range = kwargs.pop("label_range", None)
+        validate_ran_inputs(self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_range)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -1422,15 +1430,38 @@ def loss_of_nothing(logits: torch.Tensor) -> torch.Tensor:
     return logits.new_zeros(()) + logits.sum() * 0.0  # + 0.0: never a negative zero
 
 
-def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: int, name: str) -> None:
+def scored_token_loss(loss_function, logits, labels, scored, **kwargs) -> torch.Tensor:
+    """A token head's loss without reading the device to find a batch with nothing to score: unless the caller
+    (Trainer) counts the items itself, `num_items_in_batch` is the number of scored labels, at least 1, so the loss
+    is the mean over scored tokens, and 0 with zero gradients where there are none (not the NaN of an empty mean)."""
+    if kwargs.get("num_items_in_batch") is None:
+        kwargs["num_items_in_batch"] = (scored != -100).sum().clamp(min=1)
+    return loss_function(logits, labels, **kwargs)
+
+
+class LabelRange(NamedTuple):
+    """A token head's labels' smallest and largest scored value, still on the device: `RANModel` reads them with
+    its own input checks, in one host synchronisation, and raises if they fall outside [0, num_classes)."""
+
+    bounds: torch.Tensor  # (2,) min and max of the scored labels (-100 read as 0)
+    num_classes: int
+    name: str
+
+    def check(self, low: int, high: int) -> None:
+        if low < 0 or high >= self.num_classes:
+            raise ValueError(
+                f"`labels` holds a {self.name} outside [0, {self.num_classes - 1}] (use -100 to ignore a position)."
+            )
+
+
+def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: int, name: str) -> LabelRange:
+    """Shape and dtype now; the values' range is returned, to be read with the base model's input checks."""
     if tuple(labels.shape) != batch_shape:
         raise ValueError(f"`labels` must have shape {batch_shape} (one {name} per token), got {tuple(labels.shape)}.")
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise ValueError(f"`labels` must hold integer {name}s, got dtype {labels.dtype}.")
     scored = labels.masked_fill(labels == -100, 0)
-    low, high = torch.stack([scored.min(), scored.max()]).tolist()  # one host synchronisation
-    if low < 0 or high >= num_classes:
-        raise ValueError(f"`labels` holds a {name} outside [0, {num_classes - 1}] (use -100 to ignore a position).")
+    return LabelRange(torch.stack([scored.min(), scored.max()]), num_classes, name)
 
 
 class RANPredictionHead(nn.Module):
@@ -1483,22 +1514,27 @@ class RANForMaskedLM(RANLanguageModelBase):
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
         """
+        label_range = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
+            label_range = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
         # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True, **kwargs
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            label_range=label_range,
+            **kwargs,
         )
         logits = self.decoder(self.head(outputs.last_hidden_state))
 
         loss = None
         if labels is not None:
             labels = ignore_padding(labels, attention_mask)
-            if (labels == -100).all():
-                loss = loss_of_nothing(logits)
-            else:
-                loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = scored_token_loss(
+                self.loss_function, logits, labels, labels, vocab_size=self.config.vocab_size, **kwargs
+            )
         return RANMaskedLMOutput(
             loss=loss,
             logits=logits,
@@ -1587,7 +1623,11 @@ class RANForSequenceClassification(RANPreTrainedModel):
             labels = self.check_labels(labels, batch_size)
         # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True, **kwargs
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
         )
         logits = self.classifier(self.dropout(outputs.pooler_output))
 
@@ -1636,22 +1676,25 @@ class RANForTokenClassification(RANPreTrainedModel):
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Class id of every token; -100 (and every padding position) is ignored.
         """
+        label_range = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            check_token_labels(labels, batch_shape, self.num_labels, "class id")
+            label_range = check_token_labels(labels, batch_shape, self.num_labels, "class id")
         # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True, **kwargs
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            label_range=label_range,
+            **kwargs,
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
 
         loss = None
         if labels is not None:
             labels = ignore_padding(labels, attention_mask)
-            if (labels == -100).all():
-                loss = loss_of_nothing(logits)
-            else:
-                loss = self.loss_function(logits, labels, self.config, **kwargs)
+            loss = scored_token_loss(self.loss_function, logits, labels, labels, config=self.config, **kwargs)
         return RANTokenClassifierOutput(
             loss=loss,
             logits=logits,
@@ -1705,9 +1748,10 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
         """
+        label_range = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
+            label_range = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
             if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
                 raise ValueError(
                     "`labels` are scored at every position, but `logits_to_keep` keeps only some logits: pass "
@@ -1720,6 +1764,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=True,
+            label_range=label_range,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -1731,10 +1776,9 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             labels = ignore_padding(labels, attention_mask)
             # Position t predicts token t + 1, so the first label is never scored.
             scored = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[:, 1:]
-            if (scored == -100).all():
-                loss = loss_of_nothing(logits)
-            else:
-                loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = scored_token_loss(
+                self.loss_function, logits, labels, scored, vocab_size=self.config.vocab_size, **kwargs
+            )
         return RANCausalLMOutputWithPast(
             loss=loss,
             logits=logits,

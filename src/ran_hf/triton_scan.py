@@ -178,13 +178,15 @@ if TRITON_AVAILABLE:
                 col_ok = cols < 2 * D
                 acc = _rows_times(normed, D, ag_w, 1, D, rows, row_ok, cols, col_ok, D, BLOCK_B, BLOCK_K, BLOCK_N)
                 acc += tl.load(ag_b + cols, mask=col_ok, other=0.0)[None, :]
-                tl.store(glu_pre + rows[:, None] * (2 * D) + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(glu_pre + rows[:, None] * (2 * D) + cols[None, :], acc,
+                         mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
             elif HAS_GATE:
                 cols += (block - glu_blocks) * BLOCK_N
                 col_ok = cols < 2 * D
                 acc = _rows_times(prev_raw, D, cg_w, 1, D, rows, row_ok, cols, col_ok, D, BLOCK_B, BLOCK_K, BLOCK_N)
                 acc += tl.load(cg_b + cols, mask=col_ok, other=0.0)[None, :]
-                tl.store(gate_pre + rows[:, None] * (2 * D) + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(gate_pre + rows[:, None] * (2 * D) + cols[None, :], acc,
+                         mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
     @triton.jit
     def _output_kernel(attended, o_w, o_b, shift, out_pre, B, D, HD, HAS_SHIFT: tl.constexpr,

@@ -1,0 +1,44 @@
+"""What a GPU would launch, counted on the meta device (scripts/benchmarks/benchmark_kernels.py): the Triton scan is
+six kernels per window and layer plus one per scan, and a training forward of a token head reads the device once
+besides the window layout (its inputs and labels checked together)."""
+
+import pytest
+import torch
+
+from benchmark_kernels import KernelCounter, layouts_built_with_values
+from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification
+from ran_hf.triton_scan import TRITON_AVAILABLE
+from ran_testing import tiny_config
+
+
+def count_training_step(model_class, labels_max, **config_fields):
+    with torch.device("meta"):
+        model = model_class(tiny_config(**config_fields)).train()
+        ids = torch.randint(1, 61, (2, 37))
+        labels = torch.randint(0, labels_max, (2, 37))
+    counter = KernelCounter()
+    with layouts_built_with_values(), counter:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss.backward()
+    return counter
+
+
+@pytest.mark.parametrize(
+    "model_class,labels_max,fields",
+    [
+        pytest.param(RANForMaskedLM, 61, {}, id="masked-lm"),
+        pytest.param(RANForTokenClassification, 2, {"num_labels": 2}, id="token-classification"),
+        pytest.param(RANForCausalLM, 61, {"is_causal": True}, id="causal-lm"),
+    ],
+)
+def test_a_labelled_training_step_reads_the_device_once_besides_the_layout(model_class, labels_max, fields):
+    assert count_training_step(model_class, labels_max, **fields).host_syncs == 1
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "causal"])
+def test_the_triton_scan_launches_six_kernels_per_window_and_layer(causal):
+    config = {"scan_implementation": "triton", "is_causal": causal, "window_size": 5, "min_window_size": 2}
+    counter = count_training_step(RANForMaskedLM if not causal else RANForCausalLM, 61, **config)
+    scan_launches = sum(n for name, n in counter.counts.items() if name.startswith("ran_hf::scan_"))
+    windows, layers = 8, 2  # 37 tokens: seven windows of 5 and a tail of 2 (not shorter than min_window_size)
+    assert scan_launches == layers * (6 * windows + 1)
