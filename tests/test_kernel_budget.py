@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmark_kernels import KernelCounter, layouts_built_with_values
-from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification
+from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification, triton_norm
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_testing import tiny_config
 
@@ -42,3 +42,14 @@ def test_the_triton_scan_launches_six_kernels_per_window_and_layer(causal):
     scan_launches = sum(n for name, n in counter.counts.items() if name.startswith("ran_hf::scan_"))
     windows, layers = 8, 2  # 37 tokens: seven windows of 5 and a tail of 2 (not shorter than min_window_size)
     assert scan_launches == layers * (6 * windows + 1)
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+def test_the_opt_in_triton_norm_replaces_every_normalisation(monkeypatch):
+    """Switched on, every normalisation of a step is one kernel forward and one backward (counted on meta)."""
+    plain = count_training_step(RANForMaskedLM, 61, scan_implementation="triton").counts
+    monkeypatch.setattr(triton_norm, "ENABLED", True)
+    fused = count_training_step(RANForMaskedLM, 61, scan_implementation="triton").counts
+    assert fused["ran_hf::norm_forward"] == fused["ran_hf::norm_backward"] > 0
+    assert sum(fused.values()) < sum(plain.values())
+    assert fused["aten::rsqrt"] < plain["aten::rsqrt"]

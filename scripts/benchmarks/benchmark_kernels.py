@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from benchmark_utils import machine_info, machine_line
 
-from ran_hf import RANConfig, RANForMaskedLM
+from ran_hf import RANConfig, RANForMaskedLM, triton_norm
 from ran_hf.modeling_ran import RANMemoryReview, RANWindowLayout
 
 NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh"}
@@ -221,6 +221,9 @@ def main():
     parser.add_argument(
         "--gpu_memory_gib", type=float, default=80, help="memory-review chunks as on a GPU this large (0: a CPU's)"
     )
+    parser.add_argument(
+        "--triton_norm", action="store_true", help="count with the (opt-in) Triton normalisation switched on"
+    )
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/kernels"))
     args = parser.parse_args()
     shapes = []
@@ -230,6 +233,7 @@ def main():
             parser.error(f"--shapes takes BATCHxLENGTH with LENGTH a multiple of --window_size, got {shape!r}")
         shapes.append((int(batch), int(length)))
 
+    triton_norm.ENABLED = args.triton_norm
     info = machine_info("meta")
     print(machine_line(info))
     results = []
@@ -258,10 +262,11 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine_info": info, "command": command, "settings": {**vars(args), "output_dir": str(args.output_dir)},
               "assumptions": assumptions, "results": results}  # fmt: skip
-    (args.output_dir / "kernels_meta.json").write_text(json.dumps(report, indent=2, default=str))
+    name = "kernels_meta_triton_norm" if args.triton_norm else "kernels_meta"
+    (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
     markdown = f"# Kernels per MLM training step\n\n`{command}`\n\n{machine_line(info)}, {info['date']}\n\n"
-    (args.output_dir / "kernels_meta.md").write_text(f"{markdown}```\n{table}\n```\n\n{assumptions}\n")
-    print(f"wrote {args.output_dir}/kernels_meta.json and .md")
+    (args.output_dir / f"{name}.md").write_text(f"{markdown}```\n{table}\n```\n\n{assumptions}\n")
+    print(f"wrote {args.output_dir}/{name}.json and .md")
 
 
 if __name__ == "__main__":

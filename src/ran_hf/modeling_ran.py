@@ -35,6 +35,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .cache_ran import RANCache, RANCacheLayer
 from .cell_scan import ALL_SCAN_FUNCTIONS
+from .triton_norm import TritonNorm, triton_norm_applies
 from .configuration_ran import RANConfig
 from .scan_dropout import drop
 
@@ -55,12 +56,14 @@ def standard_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
     a token, and max pooling then splits its gradient between tokens that tie.
     """
     input_dtype = hidden_states.dtype
+    # (the meta device, which checks shapes and counts kernels, has no autocast state to ask)
+    autocast = hidden_states.device.type != "meta" and torch.is_autocast_enabled(hidden_states.device.type)
+    if triton_norm_applies(hidden_states):  # one kernel each way instead of seven to nine ops
+        return TritonNorm.apply(hidden_states, None, None, eps, torch.float32 if autocast else input_dtype)
     hidden_states = hidden_states.float()
     mean = hidden_states.mean(-1, keepdim=True)
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
     normalized = (hidden_states - mean) * torch.rsqrt(mean_square + eps)
-    # (the meta device, which checks shapes and counts kernels, has no autocast state to ask)
-    autocast = normalized.device.type != "meta" and torch.is_autocast_enabled(normalized.device.type)
     return normalized if autocast else normalized.to(input_dtype)
 
 
@@ -80,6 +83,11 @@ class RANLayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if triton_norm_applies(hidden_states):
+            autocast = hidden_states.device.type == "cuda" and torch.is_autocast_enabled("cuda")
+            normalized_dtype = torch.float32 if autocast else hidden_states.dtype
+            out_dtype = torch.promote_types(self.weight.dtype, normalized_dtype)
+            return TritonNorm.apply(hidden_states, self.weight, self.bias, self.eps, out_dtype)
         return self.weight * standard_normalize(hidden_states, self.eps) + self.bias
 
 

@@ -1,0 +1,142 @@
+"""RAN's normalisation as one Triton kernel forward and one backward (on CUDA, where Triton is installed).
+
+`standard_normalize` and `RANLayerNorm` (modeling_ran.py) are seven to nine PyTorch ops forward and more backward,
+each a kernel that reads and writes every token state; there are five or six of them per layer. Here the forward
+is one kernel per block of rows: y = weight * (x - mean(x)) / sqrt(mean(x^2) + eps) + bias, in float32 whatever x
+is. The backward is one kernel that writes the input's gradient and, per block of rows, partial sums of the weight's
+and bias's gradients (summed after). Each launch is a `torch.library.triton_op`.
+
+Shapes: R rows (tokens), D hidden size.
+"""
+
+import torch
+
+from .triton_scan import TRITON_AVAILABLE
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+ROWS_PER_PROGRAM = 16
+# Off until measured compiled on a GPU: checked here in Triton's interpreter only (tests/test_triton_norm.py).
+# `ran_hf.triton_norm.ENABLED = True` switches it on for every RAN normalisation on CUDA.
+ENABLED = False
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _norm_forward_kernel(x, weight, bias, y, R, D, eps, AFFINE: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_D: tl.constexpr):  # fmt: skip
+        i = tl.arange(0, BLOCK_D)
+        ok = i < D
+        if AFFINE:
+            w = tl.load(weight + i, mask=ok, other=0.0).to(tl.float32)
+            b = tl.load(bias + i, mask=ok, other=0.0).to(tl.float32)
+        for r in range(tl.program_id(0) * ROWS, tl.minimum(R, (tl.program_id(0) + 1) * ROWS)):
+            row = tl.load(x + r * D + i, mask=ok, other=0.0).to(tl.float32)
+            mean = tl.sum(row, 0) / D
+            rstd = 1.0 / tl.sqrt(tl.sum(row * row, 0) / D + eps)
+            out = (row - mean) * rstd
+            if AFFINE:
+                out = out * w + b
+            tl.store(y + r * D + i, out.to(y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _norm_backward_kernel(x, weight, grad_y, grad_x, grad_weight_parts, grad_bias_parts, R, D, eps,
+                              AFFINE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+        program = tl.program_id(0)
+        i = tl.arange(0, BLOCK_D)
+        ok = i < D
+        grad_w = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        grad_b = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        if AFFINE:
+            w = tl.load(weight + i, mask=ok, other=0.0).to(tl.float32)
+        for r in range(program * ROWS, tl.minimum(R, (program + 1) * ROWS)):
+            row = tl.load(x + r * D + i, mask=ok, other=0.0).to(tl.float32)
+            grad = tl.load(grad_y + r * D + i, mask=ok, other=0.0).to(tl.float32)
+            mean = tl.sum(row, 0) / D
+            rstd = 1.0 / tl.sqrt(tl.sum(row * row, 0) / D + eps)
+            normed = tl.where(ok, (row - mean) * rstd, 0.0)
+            if AFFINE:
+                grad_w += grad * normed
+                grad_b += grad
+                grad = grad * w
+            # d SN(x) / dx applied to grad: rstd (g - mean(g) - x rstd mean(g SN(x)))
+            mean_grad = tl.sum(grad, 0) / D
+            mean_product = tl.sum(grad * normed, 0) / D
+            grad_in = rstd * (grad - mean_grad - row * rstd * mean_product)
+            tl.store(grad_x + r * D + i, grad_in.to(grad_x.dtype.element_ty), mask=ok)
+        if AFFINE:
+            tl.store(grad_weight_parts + program * D + i, grad_w, mask=ok)
+            tl.store(grad_bias_parts + program * D + i, grad_b, mask=ok)
+
+    @triton_op("ran_hf::norm_forward", mutates_args={"y"})
+    def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, y: torch.Tensor, eps: float,
+                     affine: bool) -> None:  # fmt: skip
+        rows, hidden = x.shape
+        wrap_triton(_norm_forward_kernel)[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+            x, weight, bias, y, rows, hidden, eps, AFFINE=affine, ROWS=ROWS_PER_PROGRAM,
+            BLOCK_D=triton.next_power_of_2(hidden),
+        )  # fmt: skip
+
+    @triton_op("ran_hf::norm_backward", mutates_args={"grad_x", "grad_weight_parts", "grad_bias_parts"})
+    def norm_backward(x: torch.Tensor, weight: torch.Tensor, grad_y: torch.Tensor, grad_x: torch.Tensor,
+                      grad_weight_parts: torch.Tensor, grad_bias_parts: torch.Tensor, eps: float,
+                      affine: bool) -> None:  # fmt: skip
+        rows, hidden = x.shape
+        wrap_triton(_norm_backward_kernel)[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+            x, weight, grad_y, grad_x, grad_weight_parts, grad_bias_parts, rows, hidden, eps, AFFINE=affine,
+            ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(hidden),
+        )  # fmt: skip
+
+    for _op in (norm_forward, norm_backward):
+        try:
+            _op.register_kernel("meta")(lambda *args, **kwargs: None)
+        except RuntimeError:  # some PyTorch versions give every triton_op a meta kernel of their own
+            pass
+
+
+class TritonNorm(torch.autograd.Function):
+    """weight * SN(x) + bias (or SN(x) without weight and bias) over the last axis; returns `out_dtype`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, out_dtype: torch.dtype):
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).contiguous()
+        affine = weight is not None
+        y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+        stand_in = rows.new_empty(1)
+        norm_forward(rows, weight if affine else stand_in, bias if affine else stand_in, y, eps, affine)
+        ctx.save_for_backward(rows, weight if affine else None)
+        ctx.eps, ctx.shape, ctx.affine = eps, shape, affine
+        return y.view(shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        rows, weight = ctx.saved_tensors
+        grad_y = grad_y.reshape(rows.shape).contiguous()
+        grad_x = torch.empty_like(rows)
+        programs = triton.cdiv(rows.shape[0], ROWS_PER_PROGRAM)
+        parts = rows.new_empty(programs, rows.shape[1], dtype=torch.float32) if ctx.affine else rows.new_empty(1)
+        bias_parts = torch.empty_like(parts)
+        norm_backward(rows, weight if ctx.affine else rows.new_empty(1), grad_y, grad_x, parts, bias_parts, ctx.eps,
+                      ctx.affine)  # fmt: skip
+        grad_weight = grad_bias = None
+        if ctx.affine:
+            grad_weight, grad_bias = parts.sum(0).to(weight.dtype), bias_parts.sum(0).to(weight.dtype)
+        return grad_x.view(ctx.shape), grad_weight, grad_bias, None, None
+
+
+def triton_norm_applies(hidden_states: torch.Tensor) -> bool:
+    """Whether the Triton normalisation runs here: where `ENABLED`, on CUDA (and the meta device, which counts its
+    launches) with Triton installed, outside `torch.compile` (which fuses the PyTorch ops itself)."""
+    return (
+        ENABLED
+        and TRITON_AVAILABLE
+        and hidden_states.device.type in ("cuda", "meta")
+        and not torch.compiler.is_compiling()
+        and hidden_states.shape[-1] <= 16384
+    )
