@@ -18,7 +18,7 @@ from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
 from .fused_scan import fused_scan, fused_scan_unsupported, window_maxima
-from .triton_scan import TritonCellScan, triton_scan_unsupported
+from .triton_scan import TRITON_KERNELS, triton_scan_unsupported
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ def fused_cell_scan(
     keys: torch.Tensor,
     values: torch.Tensor,
     layout: "RANWindowLayout",
-    scan_class=None,
+    kernels=None,
 ):
     """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py).
 
@@ -179,7 +179,7 @@ def fused_cell_scan(
     if reason is not None:
         logger.warning_once(f"The fused cell scan runs the reference scan instead: {reason}.")
         return reference_cell_scan(layer, cell, previous_raw, keys, values, layout)
-    return fused_scan(layer, cell, previous_raw, *step_major(keys, values, layout), layout, scan_class)
+    return fused_scan(layer, cell, previous_raw, *step_major(keys, values, layout), layout, kernels)
 
 
 def triton_cell_scan(
@@ -198,7 +198,7 @@ def triton_cell_scan(
     """
     reason = triton_scan_unsupported(cell)
     if reason is None and not torch.compiler.is_compiling():
-        return fused_cell_scan(layer, cell, previous_raw, keys, values, layout, scan_class=TritonCellScan)
+        return fused_cell_scan(layer, cell, previous_raw, keys, values, layout, kernels=TRITON_KERNELS)
     if reason is not None:
         logger.warning_once(f"The Triton cell scan runs the fused scan instead: {reason}.")
     return fused_cell_scan(layer, cell, previous_raw, keys, values, layout)

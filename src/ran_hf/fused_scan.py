@@ -86,6 +86,9 @@ class ScanPlan:
     output_activation: bool  # whether the output projection that writes the cell is activated
     first_step_residual: torch.Tensor | bool  # (B, 1) rows whose first step has a residual, or all / none of them
     keep_for_backward: bool  # whether the forward keeps what the backward reads (not under no_grad)
+    # The functions that run the steps, forward and backward: this file's PyTorch ones, or the Triton scan's
+    # (triton_scan.py), which take and return the same. None: this file's.
+    kernels: tuple | None = None
 
     def has_residual(self, step: int):
         """Whether step `step` joins the previous raw cell: False, True, or a (B, 1) mask of rows."""
@@ -171,7 +174,8 @@ class FusedCellScan(torch.autograd.Function):
         ctx, plan: ScanPlan, cell, previous_raw, step_keys, step_values, output_shift, score_bias, dropout, *weights
     ):
         inputs = (cell, previous_raw, step_keys, step_values, output_shift, score_bias, dropout)
-        outputs, state = scan_forward(plan, *inputs, weights)
+        forward_steps = scan_forward if plan.kernels is None else plan.kernels[0]
+        outputs, state = forward_steps(plan, *inputs, weights)
         if plan.keep_for_backward:
             # Through `save_for_backward`, so that the saved tensors are freed after the backward pass.
             tensors, ctx.structure = pytree.tree_flatten((state, weights))
@@ -184,7 +188,8 @@ class FusedCellScan(torch.autograd.Function):
     def backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells):
         state, weights = pytree.tree_unflatten(ctx.saved_tensors, ctx.structure)
         grads = (grad_read_keys, grad_read_values, grad_raw_cells, grad_cells)
-        grad_cell, grad_previous_raw, grad_keys, grad_values, grad_shift, *grad_weights = scan_backward(
+        backward_steps = scan_backward if ctx.plan.kernels is None else ctx.plan.kernels[1]
+        grad_cell, grad_previous_raw, grad_keys, grad_values, grad_shift, *grad_weights = backward_steps(
             ctx.plan, state, weights, grads
         )
         grad_shift = grad_shift if ctx.needs_input_grad[5] else None
@@ -391,10 +396,11 @@ def scan_backward(plan: ScanPlan, state, weights, grads):
     )  # fmt: skip
 
 
-def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, layout, scan_class=None):
-    """Run `FusedCellScan` (or `scan_class`, an autograd function with its inputs and outputs, such as the Triton
-    scan's) for `layer`: the step-major slots (N, B, H, S, d) and their mask (N, B, S) as in the reference scan.
-    Returns what `reference_cell_scan` returns."""
+def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, layout, kernels=None):
+    """Run `FusedCellScan` for `layer`, its steps computed by `kernels` (a forward and a backward function with
+    `scan_forward`'s and `scan_backward`'s signatures, such as the Triton scan's) or by this file's: the step-major
+    slots (N, B, H, S, d) and their mask (N, B, S) as in the reference scan. Returns what `reference_cell_scan`
+    returns."""
     config = layer.config
     num_heads = layer.num_heads
     num_steps, batch_size = step_mask.shape[:2]
@@ -421,6 +427,7 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
         output_activation=config.uses_memory_value_activation,
         first_step_residual=first_step_residual,
         keep_for_backward=torch.is_grad_enabled(),
+        kernels=kernels,
     )
     # Float32 (float64 if the cell is) whatever the inputs and autocast say: the cell is a running state, written
     # once per window from the one before, and its standardisations divide by a mean of squares.
@@ -452,7 +459,7 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
                 plan, *(tensor.to(compute_dtype) for tensor in inputs), output_shift, score_bias, dropout, weights
             )
         else:
-            outputs = (scan_class or FusedCellScan).apply(
+            outputs = FusedCellScan.apply(
                 plan, *(tensor.to(compute_dtype) for tensor in inputs), output_shift, score_bias, dropout, *weights
             )
     # The cells keep the dtype of the cell read (float32 under autocast); the keys and values that of the tokens'.

@@ -28,7 +28,6 @@ Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slo
 import os
 
 import torch
-import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .fused_scan import drop, standardize
@@ -785,28 +784,5 @@ def triton_scan_backward(plan, state, weights, grads):
     )  # fmt: skip
 
 
-class TritonCellScan(torch.autograd.Function):
-    """`FusedCellScan` (fused_scan.py) with each step's work in Triton kernels: the same inputs and outputs."""
-
-    @staticmethod
-    def forward(
-        ctx, plan, cell, previous_raw, step_keys, step_values, output_shift, score_bias, dropout, *weights
-    ):  # fmt: skip
-        inputs = (cell, previous_raw, step_keys, step_values, output_shift, score_bias, dropout)
-        outputs, state = triton_scan_forward(plan, *inputs, weights)
-        if plan.keep_for_backward:
-            tensors, ctx.structure = pytree.tree_flatten((state, weights))
-            ctx.save_for_backward(*tensors)
-            ctx.plan = plan
-        return outputs
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells):
-        state, weights = pytree.tree_unflatten(ctx.saved_tensors, ctx.structure)
-        grads = (grad_read_keys, grad_read_values, grad_raw_cells, grad_cells)
-        grad_cell, grad_previous_raw, grad_keys, grad_values, grad_shift, *grad_weights = triton_scan_backward(
-            ctx.plan, state, weights, grads
-        )
-        grad_shift = grad_shift if ctx.needs_input_grad[5] else None
-        return None, grad_cell, grad_previous_raw, grad_keys, grad_values, grad_shift, None, None, *grad_weights
+TRITON_KERNELS = (triton_scan_forward, triton_scan_backward)
+"""What `fused_scan.FusedCellScan` runs its steps with to be the Triton scan (`ScanPlan.kernels`)."""
