@@ -1,6 +1,6 @@
 """What a GPU would launch, counted on the meta device (scripts/benchmarks/benchmark_kernels.py): the Triton scan is
 six kernels per window and layer plus one per scan, and a training forward of a token head reads the device once
-besides the window layout (its inputs and labels checked together)."""
+(the window layout's sizes, its inputs' checks and its labels' range together)."""
 
 import pytest
 import torch
@@ -17,8 +17,9 @@ def count_training_step(model_class, labels_max, **config_fields):
         ids = torch.randint(1, 61, (2, 37))
         labels = torch.randint(0, labels_max, (2, 37))
     counter = KernelCounter()
-    with layouts_built_with_values(), counter:
+    with layouts_built_with_values() as layout_reads, counter:
         model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss.backward()
+    counter.host_syncs += len(layout_reads)
     return counter
 
 
@@ -30,7 +31,8 @@ def count_training_step(model_class, labels_max, **config_fields):
         pytest.param(RANForCausalLM, 61, {"is_causal": True}, id="causal-lm"),
     ],
 )
-def test_a_labelled_training_step_reads_the_device_once_besides_the_layout(model_class, labels_max, fields):
+def test_a_labelled_training_step_reads_the_device_once(model_class, labels_max, fields):
+    """The window layout's sizes, the inputs' checks and the labels' range: one read of the device."""
     assert count_training_step(model_class, labels_max, **fields).host_syncs == 1
 
 
@@ -53,3 +55,26 @@ def test_the_opt_in_triton_norm_replaces_every_normalisation(monkeypatch):
     assert fused["ran_hf::norm_forward"] == fused["ran_hf::norm_backward"] > 0
     assert sum(fused.values()) < sum(plain.values())
     assert fused["aten::rsqrt"] < plain["aten::rsqrt"]
+
+
+def test_a_decoded_token_reads_the_device_once(monkeypatch):
+    """One cached decoding step: the layout's sizes and the inputs' checks in one read (`tolist`), no `item()`."""
+    from ran_testing import randomize_
+
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True)), seed=1).eval()
+    ids = torch.randint(1, 61, (2, 23))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or tolist(self))
+
+    class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name == "aten::_local_scalar_dense":  # item(), bool(), int() of a tensor
+                reads.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), ScalarReads():
+        model(ids[:, -1:], past_key_values=cache, use_cache=True)
+    assert reads == ["tolist"]

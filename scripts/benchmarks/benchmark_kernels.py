@@ -10,7 +10,7 @@ weights runs on the `meta` device, which holds shapes and no data, so the full s
 `torch.library.triton_op` is one op, one launch). Memory review is chunked as on a CUDA device of
 `--gpu_memory_gib` (80: an H100). Host reads (`.item()`, `.tolist()`) are counted as synchronisations; the
 window layout, whose sizes the meta device cannot hold, is built on the CPU inside the count (its one read of the
-sizes is then not among them). Views and allocations (`empty`, `empty_strided`) launch nothing and
+sizes and the input checks is counted as a synchronisation). Views and allocations (`empty`, `empty_strided`) launch nothing and
 are not counted. Each scan is counted alone, and the ops of the Triton scan's kernels (`ran_hf::scan_*`) are
 reported per window and layer.
 
@@ -150,13 +150,16 @@ def memory_review_sized_for(gib: float):
 
 @contextmanager
 def layouts_built_with_values():
-    """The window layout reads its sizes from the attention mask, which a meta tensor does not have: build it from
-    an all-ones CPU mask of the same shape (its ops are counted like any other), then move it to meta."""
+    """The window layout reads its sizes (and the forward's input checks) from the device, which a meta tensor
+    cannot answer: build it from an all-ones CPU mask of the same shape (its ops are counted like any other), then
+    move it to meta. Yields a list that gets one entry per layout built: each is one host synchronisation."""
     build = RANWindowLayout.from_attention_mask
+    reads = []
 
-    def from_attention_mask(attention_mask, config, past_lengths=None):
+    def from_attention_mask(attention_mask, config, past_lengths=None, input_checks=None):
         if not attention_mask.is_meta:
-            return build(attention_mask, config, past_lengths)
+            return build(attention_mask, config, past_lengths, input_checks)
+        reads.append(attention_mask.shape)
         layout = build(torch.ones(attention_mask.shape, dtype=torch.bool), config, None)
         moved = {
             field.name: value.to("meta") if isinstance(value := getattr(layout, field.name), torch.Tensor) else value
@@ -166,7 +169,7 @@ def layouts_built_with_values():
 
     RANWindowLayout.from_attention_mask = from_attention_mask
     try:
-        yield
+        yield reads
     finally:
         RANWindowLayout.from_attention_mask = build
 
@@ -181,7 +184,7 @@ def count_step(model_name: str, args, batch: int, length: int) -> dict:
         ids = torch.randint(1, args.vocab_size, (batch, length))
     model.train()
     counter = KernelCounter()
-    with layouts_built_with_values(), memory_review_sized_for(args.gpu_memory_gib), counter:
+    with layouts_built_with_values() as layout_reads, memory_review_sized_for(args.gpu_memory_gib), counter:
         if model_name == "transformer":
             loss = model(ids, ids)
         else:
@@ -198,7 +201,7 @@ def count_step(model_name: str, args, batch: int, length: int) -> dict:
         "model": model_name,
         "shape": f"{batch}x{length}",
         "kernels": sum(counter.counts.values()),
-        "host_syncs": counter.host_syncs,
+        "host_syncs": counter.host_syncs + len(layout_reads),
         "triton_scan_kernels_per_window_and_layer": (
             scan_ops / (windows / batch * args.num_layers) if scan_ops else None
         ),

@@ -12,7 +12,7 @@ sequence, S slots of a window (enrichment tokens + the longest window), H heads,
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -210,7 +210,11 @@ class RANWindowLayout:
 
     @classmethod
     def from_attention_mask(
-        cls, attention_mask: torch.Tensor, config: RANConfig, past_lengths: torch.Tensor | None = None
+        cls,
+        attention_mask: torch.Tensor,
+        config: RANConfig,
+        past_lengths: torch.Tensor | None = None,
+        input_checks: "InputChecks | None" = None,
     ) -> "RANWindowLayout":
         """Build the layout in five steps: count windows, pack them, place slots, pick queries, keep the cache tail.
 
@@ -248,8 +252,13 @@ class RANWindowLayout:
             sizes = [lengths.sum(), tail_lengths.sum(), num_windows.sum(), num_windows.max(), lengths.max()]
             sizes += [tail_lengths.max(), next_tail_lengths.max(), (first_window > 0).sum()]
             sizes += [(first_window + num_windows).max(), finished_windows.max()]
+            if input_checks is not None:  # the forward's input checks, read in the same synchronisation
+                sizes += input_checks.values.to(device).unbind()
+            found = torch.stack(sizes).tolist()
             (num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail, continued_rows,
-             cell_capacity, most_finished_windows) = torch.stack(sizes).tolist()  # fmt: skip
+             cell_capacity, most_finished_windows) = found[:10]  # fmt: skip
+            if input_checks is not None:
+                input_checks.judge(found[10:])
         token_index = true_positions(real.flatten(), num_tokens)  # (T,)
         empty = num_tokens + num_tail
         new_start, tail_start = group_starts(lengths), num_tokens + group_starts(tail_lengths)  # (B,) each
@@ -1202,14 +1211,22 @@ def check_exportable(past_key_values, use_cache) -> None:
         )
 
 
+class InputChecks(NamedTuple):
+    """The values of a forward's inputs (and a head's labels) to check, still on the device: the window layout
+    reads them with its sizes, in the forward's one host synchronisation, and `judge` then raises on a bad one."""
+
+    values: torch.Tensor  # (k,) long
+    judge: Callable[[list], None]
+
+
 def validate_ran_inputs(
     config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_range=None
-) -> tuple[int, int]:
+) -> tuple[tuple[int, int], InputChecks | None]:
     """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN.
 
-    Shapes are checked first; the values (token ids in the vocabulary, finite embeddings, a 0/1 mask) are then
-    checked with a single host synchronisation, except under `torch.compile` / `torch.export`. Returns (batch_size,
-    sequence_length).
+    Shapes are checked now. The values (token ids in the vocabulary, finite embeddings, a 0/1 mask, a head's label
+    range) are returned as `InputChecks`, which the window layout reads with its sizes before any other work on the
+    device; none under `torch.compile` / `torch.export`. Returns (batch_size, sequence_length) and the checks.
     """
     shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
     config._validate_salient_cells()  # a field that may be set on a trained model, after its config was checked
@@ -1226,7 +1243,7 @@ def validate_ran_inputs(
     if torch.compiler.is_compiling():
         # Compiled or exported: a value check would read the device inside the graph (a break, or an export that
         # fails on a data-dependent branch); the eager call of the same model checks them.
-        return shape
+        return shape, None
     if input_ids is not None:
         checks = [input_ids.min(), input_ids.max()]
     else:
@@ -1239,27 +1256,28 @@ def validate_ran_inputs(
         checks.append(not_binary.any().to(checks[0].device))
     if label_range is not None:  # a head's labels, read in the same synchronisation
         checks.extend(label_range.bounds.to(checks[0].device).unbind())
-    found = torch.stack([check.long() for check in checks]).tolist()
-    if label_range is not None:
-        label_range.check(*found[-2:])
-        found = found[:-2]
 
-    if input_ids is not None:
-        low, high = found[:2]
-        if low < 0 or high >= config.vocab_size:
+    def judge(found: list) -> None:
+        if label_range is not None:
+            label_range.check(*found[-2:])
+            found = found[:-2]
+        if input_ids is not None:
+            low, high = found[:2]
+            if low < 0 or high >= config.vocab_size:
+                raise ValueError(
+                    f"`input_ids` holds token id {low if low < 0 else high}, outside the vocabulary "
+                    f"[0, {config.vocab_size - 1}]."
+                )
+        elif found[0]:
+            raise ValueError("`inputs_embeds` holds NaN or infinite values.")
+        if not_binary is not None and found[-1]:
+            value = attention_mask[not_binary][0].item()
             raise ValueError(
-                f"`input_ids` holds token id {low if low < 0 else high}, outside the vocabulary "
-                f"[0, {config.vocab_size - 1}]."
+                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got {value}. An additive mask "
+                "(0 for tokens, a large negative number for padding) must be turned into 0/1 first: `(mask == 0)`."
             )
-    elif found[0]:
-        raise ValueError("`inputs_embeds` holds NaN or infinite values.")
-    if not_binary is not None and found[-1]:
-        value = attention_mask[not_binary][0].item()
-        raise ValueError(
-            f"`attention_mask` must hold 1 for real tokens and 0 for padding, got {value}. An additive mask "
-            "(0 for tokens, a large negative number for padding) must be turned into 0/1 first: `(mask == 0)`."
-        )
-    return shape
+
+    return shape, InputChecks(torch.stack([check.long() for check in checks]), judge)
 
 
 @contextmanager
@@ -1342,7 +1360,9 @@ class RANModel(RANPreTrainedModel):
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         # A head's labels (`check_token_labels`) are read with the inputs: one host synchronisation for both.
         label_range = kwargs.pop("label_range", None)
-        validate_ran_inputs(self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_range)
+        (batch_size, padded_length), input_checks = validate_ran_inputs(
+            self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_range
+        )
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -1353,15 +1373,16 @@ class RANModel(RANPreTrainedModel):
                 f"runs {self.config._attn_implementation!r}, so `attentions` is None (`memory_attentions` are "
                 'returned). Load it with `attn_implementation="eager"` to get both.'
             )
-        embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
-        batch_size, padded_length = embeddings.shape[:2]
+        device = (input_ids if input_ids is not None else inputs_embeds).device
         if attention_mask is None:
-            attention_mask = torch.ones(batch_size, padded_length, dtype=torch.bool, device=embeddings.device)
+            attention_mask = torch.ones(batch_size, padded_length, dtype=torch.bool, device=device)
         attention_mask = attention_mask[:, -padded_length:]  # generate() passes the mask of the whole text so far
         if use_cache and past_key_values is None:
             past_key_values = RANCache(self.config)
-        past_lengths = None if past_key_values is None else past_key_values.past_lengths(batch_size, embeddings.device)
-        layout = RANWindowLayout.from_attention_mask(attention_mask, self.config, past_lengths)
+        past_lengths = None if past_key_values is None else past_key_values.past_lengths(batch_size, device)
+        # The layout's sizes and the inputs' checks in one host synchronisation, before any token is embedded.
+        layout = RANWindowLayout.from_attention_mask(attention_mask, self.config, past_lengths, input_checks)
+        embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
 
         token_states = layout.from_padded(embeddings)  # (T, D)
         if self.config.uses_token_shift:
