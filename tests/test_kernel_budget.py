@@ -78,3 +78,24 @@ def test_a_decoded_token_reads_the_device_once(monkeypatch):
     with torch.no_grad(), ScalarReads():
         model(ids[:, -1:], past_key_values=cache, use_cache=True)
     assert reads == ["tolist"]
+
+
+@pytest.mark.parametrize(
+    "num_labels,labels",
+    [
+        pytest.param(3, torch.tensor([2, -100]), id="single-label"),
+        pytest.param(3, torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]), id="multi-label"),
+        pytest.param(1, torch.tensor([0.5, -2.0]), id="regression"),
+    ],
+)
+def test_a_labelled_sequence_classification_step_reads_the_device_once(num_labels, labels):
+    from ran_hf import RANForSequenceClassification
+
+    with torch.device("meta"):
+        model = RANForSequenceClassification(tiny_config(num_labels=num_labels)).train()
+        ids = torch.randint(1, 61, (2, 37))
+    counter = KernelCounter()
+    with layouts_built_with_values() as layout_reads, counter:
+        mask = torch.ones_like(ids)
+        model(input_ids=ids, attention_mask=mask, labels=labels.to("meta")).loss.backward()
+    assert counter.host_syncs + len(layout_reads) == 1

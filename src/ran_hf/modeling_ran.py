@@ -1220,7 +1220,7 @@ class InputChecks(NamedTuple):
 
 
 def validate_ran_inputs(
-    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_range=None
+    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_checks=None
 ) -> tuple[tuple[int, int], InputChecks | None]:
     """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN.
 
@@ -1254,13 +1254,14 @@ def validate_ran_inputs(
         # Anything but 0/1 is read as "real token" where nonzero: an additive mask (0 / -10000) would be inverted.
         not_binary = (attention_mask != 0) & (attention_mask != 1)
         checks.append(not_binary.any().to(checks[0].device))
-    if label_range is not None:  # a head's labels, read in the same synchronisation
-        checks.extend(label_range.bounds.to(checks[0].device).unbind())
+    if label_checks is not None:  # a head's labels, read in the same synchronisation
+        checks.extend(label_checks.values.to(checks[0].device).unbind())
 
     def judge(found: list) -> None:
-        if label_range is not None:
-            label_range.check(*found[-2:])
-            found = found[:-2]
+        if label_checks is not None:
+            own = len(found) - len(label_checks.values)
+            label_checks.judge(found[own:])
+            found = found[:own]
         if input_ids is not None:
             low, high = found[:2]
             if low < 0 or high >= config.vocab_size:
@@ -1358,10 +1359,10 @@ class RANModel(RANPreTrainedModel):
             logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
             use_cache = False
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
-        # A head's labels (`check_token_labels`) are read with the inputs: one host synchronisation for both.
-        label_range = kwargs.pop("label_range", None)
+        # A head's labels (`check_token_labels`, ...) are read with the inputs: one host synchronisation for all.
+        label_checks = kwargs.pop("label_checks", None)
         (batch_size, padded_length), input_checks = validate_ran_inputs(
-            self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_range
+            self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_checks
         )
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -1468,29 +1469,22 @@ def scored_token_loss(loss_function, logits, labels, scored, **kwargs) -> torch.
     return loss_function(logits, labels, **kwargs)
 
 
-class LabelRange(NamedTuple):
-    """A token head's labels' smallest and largest scored value, still on the device: `RANModel` reads them with
-    its own input checks, in one host synchronisation, and raises if they fall outside [0, num_classes)."""
-
-    bounds: torch.Tensor  # (2,) min and max of the scored labels (-100 read as 0)
-    num_classes: int
-    name: str
-
-    def check(self, low: int, high: int) -> None:
-        if low < 0 or high >= self.num_classes:
-            raise ValueError(
-                f"`labels` holds a {self.name} outside [0, {self.num_classes - 1}] (use -100 to ignore a position)."
-            )
-
-
-def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: int, name: str) -> LabelRange:
+def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: int, name: str) -> InputChecks:
     """Shape and dtype now; the values' range is returned, to be read with the base model's input checks."""
     if tuple(labels.shape) != batch_shape:
         raise ValueError(f"`labels` must have shape {batch_shape} (one {name} per token), got {tuple(labels.shape)}.")
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise ValueError(f"`labels` must hold integer {name}s, got dtype {labels.dtype}.")
     scored = labels.masked_fill(labels == -100, 0)
-    return LabelRange(torch.stack([scored.min(), scored.max()]), num_classes, name)
+
+    def judge(found: list) -> None:
+        low, high = found
+        if low < 0 or high >= num_classes:
+            raise ValueError(
+                f"`labels` holds a {name} outside [0, {num_classes - 1}] (use -100 to ignore a position)."
+            )
+
+    return InputChecks(torch.stack([scored.min(), scored.max()]).long(), judge)
 
 
 class RANPredictionHead(nn.Module):
@@ -1543,17 +1537,17 @@ class RANForMaskedLM(RANLanguageModelBase):
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
         """
-        label_range = None  # read with the inputs' checks, in one synchronisation
+        label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            label_range = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
+            label_checks = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
         # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             return_dict=True,
-            label_range=label_range,
+            label_checks=label_checks,
             **kwargs,
         )
         logits = self.decoder(self.head(outputs.last_hidden_state))
@@ -1585,8 +1579,10 @@ class RANForSequenceClassification(RANPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def check_labels(self, labels: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """Validate labels for the configured (or inferred, as Transformers does) problem type."""
+    def check_labels(self, labels: torch.Tensor, batch_size: int, attention_mask, found: dict):
+        """Validate labels for the configured (or inferred, as Transformers does) problem type: shapes and dtypes
+        now; their values returned as `InputChecks`, read with the inputs' (one host synchronisation), whose judge
+        raises on a bad one and fills `found`: whether every row has a token, whether every label is ignored."""
         num_labels = self.num_labels
         problem_type = self.config.problem_type
         if problem_type is None:
@@ -1606,9 +1602,11 @@ class RANForSequenceClassification(RANPreTrainedModel):
                     f"Single-label classification needs integer labels of shape ({batch_size},), got "
                     f"{labels.dtype} of shape {tuple(labels.shape)}."
                 )
-            real = labels[labels != -100]
-            if real.numel() and (int(real.min()) < 0 or int(real.max()) >= num_labels):
-                raise ValueError(f"`labels` holds a class outside [0, {num_labels - 1}].")
+            scored = labels.masked_fill(labels == -100, 0)
+            ignored = labels == -100
+            if attention_mask is not None:  # rows of padding alone are left out of the loss as well
+                ignored = ignored | ~attention_mask.bool().any(-1).to(labels.device)
+            values = [scored.min(), scored.max(), ignored.all()]
         elif problem_type == "multi_label_classification":
             if tuple(labels.shape) != (batch_size, num_labels):
                 raise ValueError(
@@ -1616,20 +1614,38 @@ class RANForSequenceClassification(RANPreTrainedModel):
                     f"got {tuple(labels.shape)}."
                 )
             labels = labels.float()
-            if not ((labels >= 0) & (labels <= 1)).all():  # NaN fails too
-                outside = labels[~((labels >= 0) & (labels <= 1))][0].item()
-                raise ValueError(
-                    f"Multi-label classification needs targets in [0, 1] (1: the class applies), got {outside}."
-                )
+            outside = ~((labels >= 0) & (labels <= 1))  # NaN fails too
+            values = [outside.any()]
         else:
             if labels.numel() != batch_size * num_labels:
                 raise ValueError(
                     f"Regression needs {num_labels} target(s) per example, got labels of shape {tuple(labels.shape)}."
                 )
             labels = labels.float()
-            if not torch.isfinite(labels).all():
+            values = [(~torch.isfinite(labels)).any()]
+        device = values[0].device
+        every_row = torch.ones((), dtype=torch.bool, device=device)
+        if attention_mask is not None:
+            every_row = attention_mask.bool().any(-1).all()
+        values.append(every_row)
+
+        def judge(read: list) -> None:
+            *checked, every_row_has_tokens = read
+            found.update(every_row_has_tokens=bool(every_row_has_tokens), nothing_scored=False)
+            if problem_type == "single_label_classification":
+                low, high, nothing_scored = checked
+                found["nothing_scored"] = bool(nothing_scored)
+                if low < 0 or high >= num_labels:
+                    raise ValueError(f"`labels` holds a class outside [0, {num_labels - 1}].")
+            elif problem_type == "multi_label_classification" and checked[0]:
+                shown = labels[outside][0].item()  # read only on the way to the error
+                raise ValueError(
+                    f"Multi-label classification needs targets in [0, 1] (1: the class applies), got {shown}."
+                )
+            elif problem_type == "regression" and checked[0]:
                 raise ValueError("Regression targets hold NaN or infinite values.")
-        return labels
+
+        return labels, InputChecks(torch.stack([value.long().to(device) for value in values]), judge)
 
     @can_return_tuple
     @auto_docstring
@@ -1647,28 +1663,31 @@ class RANForSequenceClassification(RANPreTrainedModel):
             multi-label classification, or float targets for regression (`num_labels == 1`); the problem type follows
             `config.problem_type` and is inferred as in Transformers when unset.
         """
+        label_checks, found = None, {}  # read with the inputs' checks, in one synchronisation
         if labels is not None:
             batch_size = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)[0]
-            labels = self.check_labels(labels, batch_size)
+            labels, label_checks = self.check_labels(labels, batch_size, attention_mask, found)
         # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             return_dict=True,
+            label_checks=label_checks,
             **kwargs,
         )
         logits = self.classifier(self.dropout(outputs.pooler_output))
 
         loss = None
         if labels is not None:
+            if not found:  # not read with the inputs (compiled; the meta device)
+                found = {"every_row_has_tokens": True, "nothing_scored": False}
             loss_logits = logits
-            if attention_mask is not None and not attention_mask.bool().any(-1).all():
+            if not found["every_row_has_tokens"]:
                 # Rows that hold only padding carry no document: leave them out of the loss.
                 has_tokens = attention_mask.bool().any(-1).to(logits.device)
                 loss_logits, labels = logits[has_tokens], labels.to(logits.device)[has_tokens]
-            single_label = labels.dim() == 1 and not labels.is_floating_point() and self.num_labels > 1
-            if loss_logits.shape[0] == 0 or (single_label and (labels == -100).all()):
+            if loss_logits.shape[0] == 0 or found["nothing_scored"]:
                 loss = loss_of_nothing(logits)
             else:
                 loss = self.loss_function(labels=labels, pooled_logits=loss_logits, config=self.config, **kwargs)
@@ -1705,17 +1724,17 @@ class RANForTokenClassification(RANPreTrainedModel):
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Class id of every token; -100 (and every padding position) is ignored.
         """
-        label_range = None  # read with the inputs' checks, in one synchronisation
+        label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            label_range = check_token_labels(labels, batch_shape, self.num_labels, "class id")
+            label_checks = check_token_labels(labels, batch_shape, self.num_labels, "class id")
         # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             return_dict=True,
-            label_range=label_range,
+            label_checks=label_checks,
             **kwargs,
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
@@ -1777,10 +1796,10 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
         """
-        label_range = None  # read with the inputs' checks, in one synchronisation
+        label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            label_range = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
+            label_checks = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
             if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
                 raise ValueError(
                     "`labels` are scored at every position, but `logits_to_keep` keeps only some logits: pass "
@@ -1793,7 +1812,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=True,
-            label_range=label_range,
+            label_checks=label_checks,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
