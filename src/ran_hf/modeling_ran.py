@@ -1040,6 +1040,8 @@ class RANPreTrainedModel(PreTrainedModel):
     # Flex attention is not claimed: on CPU it has no backward and its compiled forward crashed here. The memory
     # review and the cell scan keep their own small matmuls: one key per window, or one query per step.
     _supports_sdpa = True
+    # The cell scan runs window after window through the whole sequence: it cannot be split across ranks by length.
+    _supports_context_parallel = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
