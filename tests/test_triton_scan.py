@@ -60,3 +60,21 @@ def test_models_with_the_triton_scan_equal_the_reference(overrides):
     assert grads.keys() == fast_grads.keys()
     for name, grad in grads.items():
         assert torch.allclose(fast_grads[name], grad, atol=TOLERANCE * max(1.0, grad.abs().max().item())), name
+
+
+def test_a_kernel_that_cannot_be_built_sends_the_scan_to_the_fused_one(monkeypatch):
+    """A GPU the kernels cannot be built for (too little shared memory, say) gets the fused scan, and is told why."""
+    import triton
+
+    from ran_hf import triton_scan
+
+    def out_of_resources(*args, **kwargs):
+        raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(triton_scan, "BUILD_FAILURES", [])
+    monkeypatch.setattr("ran_hf.cell_scan.BUILD_FAILURES", triton_scan.BUILD_FAILURES)
+    monkeypatch.setattr("ran_hf.cell_scan.TRITON_KERNELS", (out_of_resources, out_of_resources))
+    layer, inputs, layout = layer_and_inputs({}, [23, 7], None, device=DEVICE)
+    assert_scans_agree(layer, inputs, layout, TOLERANCE, scan=triton_cell_scan)
+    assert triton_scan.BUILD_FAILURES and "OutOfResources" in triton_scan.BUILD_FAILURES[0]
+    assert "could not be built" in triton_scan_unsupported(inputs[0])

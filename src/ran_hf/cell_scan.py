@@ -18,7 +18,7 @@ from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
 from .fused_scan import fused_scan, fused_scan_unsupported, window_maxima
-from .triton_scan import TRITON_KERNELS, triton_scan_unsupported
+from .triton_scan import BUILD_FAILURES, KERNEL_BUILD_ERRORS, TRITON_KERNELS, triton_scan_unsupported
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 
 if TYPE_CHECKING:
@@ -198,7 +198,11 @@ def triton_cell_scan(
     """
     reason = triton_scan_unsupported(cell)
     if reason is None and not torch.compiler.is_compiling():
-        return fused_cell_scan(layer, cell, previous_raw, keys, values, layout, kernels=TRITON_KERNELS)
+        try:
+            return fused_cell_scan(layer, cell, previous_raw, keys, values, layout, kernels=TRITON_KERNELS)
+        except KERNEL_BUILD_ERRORS as error:  # built on first use: a GPU it cannot be built for gets the fused scan
+            BUILD_FAILURES.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            reason = triton_scan_unsupported(cell)
     if reason is not None:
         logger.warning_once(f"The Triton cell scan runs the fused scan instead: {reason}.")
     return fused_cell_scan(layer, cell, previous_raw, keys, values, layout)

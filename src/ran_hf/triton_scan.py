@@ -30,7 +30,6 @@ import os
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .fused_scan import drop, standardize
 
 try:  # optional: the reference and fused scans need no Triton
     import triton
@@ -38,8 +37,11 @@ try:  # optional: the reference and fused scans need no Triton
     from torch.library import triton_op, wrap_triton
 
     TRITON_AVAILABLE = True
+    # What a kernel that cannot be built for this GPU raises (too little shared memory, a compiler error).
+    KERNEL_BUILD_ERRORS = (triton.compiler.errors.CompilationError, triton.runtime.errors.OutOfResources)
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     TRITON_AVAILABLE = False
+    KERNEL_BUILD_ERRORS = ()
 
 # Rows of the batch per program, and the least block of any side: tl.dot needs at least 16 on each side, so small
 # batches are padded (masked) to 16.
@@ -52,10 +54,15 @@ BLOCK_S = 64  # window slots per iteration of the attention loops
 NUM_WARPS = 8  # of the matrix-vector kernels
 
 
+BUILD_FAILURES: list = []  # a kernel that could not be built here: the Triton scan is not tried again
+
+
 def triton_scan_unsupported(cell: torch.Tensor) -> str | None:
     """Why the Triton scan cannot run on this input, or None if it can."""
     if not TRITON_AVAILABLE:
         return "Triton is not installed"
+    if BUILD_FAILURES:
+        return f"its kernels could not be built on this device ({BUILD_FAILURES[0]})"
     # The meta device runs no kernel at all: it checks shapes and counts launches (benchmark_kernels.py).
     if cell.device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
         return f"its kernels run on CUDA devices (the input is on {cell.device.type})"
@@ -208,38 +215,43 @@ if TRITON_AVAILABLE:
         raw_out, cell_out, gated_out, joined_out, next_normed_cell, next_normed, D, eps,
         OUTPUT_ACT: tl.constexpr, HAS_GLU: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NEXT: tl.constexpr,
         HAS_OUTPUT_MASK: tl.constexpr, HAS_WRITTEN_MASK: tl.constexpr, HAS_CELL_MASK: tl.constexpr,
-        HAS_INPUT_MASK: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_INPUT_MASK: tl.constexpr, START: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
+        """Step t's raw cell and cell, then step t + 1's input norm; START: only the input norm of the cell the scan
+        starts from, read from `out_pre` (an input, where `cell_out` would be declared written)."""
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK_D)
         ok = i < D
         row = b * D + i
-        output = tl.load(out_pre + row, mask=ok, other=0.0)
-        if OUTPUT_ACT:
-            output = output * _sigmoid(output)
-        if HAS_OUTPUT_MASK:
-            output *= tl.load(output_mask + row, mask=ok, other=0.0)
-        if HAS_GLU:  # raw = SN(LN_attention(output + GLU(normed)))
-            value = tl.load(glu_pre + b * 2 * D + i, mask=ok, other=0.0)
-            gate = tl.load(glu_pre + b * 2 * D + D + i, mask=ok, other=0.0)
-            gated, _ = _standardize(output + value * _sigmoid(gate), ok, D, eps)
-            tl.store(gated_out + row, gated, mask=ok)
-            output = gated * tl.load(an_w + i, mask=ok, other=0.0) + tl.load(an_b + i, mask=ok, other=0.0)
-        raw, _ = _standardize(output, ok, D, eps)
-        if HAS_WRITTEN_MASK:
-            raw *= tl.load(written_mask + row, mask=ok, other=0.0)
-        tl.store(raw_out + row, raw, mask=ok)
-        cell = raw
-        if HAS_GATE:  # cell = LN_cell(raw + GLU_cell(previous raw)) on rows with a residual
-            value = tl.load(gate_pre + b * 2 * D + i, mask=ok, other=0.0)
-            gate = tl.load(gate_pre + b * 2 * D + D + i, mask=ok, other=0.0)
-            joined, _ = _standardize(raw + value * _sigmoid(gate), ok, D, eps)
-            tl.store(joined_out + row, joined, mask=ok)
-            updated = joined * tl.load(cn_w + i, mask=ok, other=0.0) + tl.load(cn_b + i, mask=ok, other=0.0)
-            if HAS_CELL_MASK:
-                updated *= tl.load(cell_mask + row, mask=ok, other=0.0)
-            cell = tl.where(tl.load(residual_rows + b) > 0, updated, raw)
-        tl.store(cell_out + row, cell, mask=ok)
+        if START:
+            cell = tl.load(out_pre + row, mask=ok, other=0.0)
+        else:
+            output = tl.load(out_pre + row, mask=ok, other=0.0)
+            if OUTPUT_ACT:
+                output = output * _sigmoid(output)
+            if HAS_OUTPUT_MASK:
+                output *= tl.load(output_mask + row, mask=ok, other=0.0)
+            if HAS_GLU:  # raw = SN(LN_attention(output + GLU(normed)))
+                value = tl.load(glu_pre + b * 2 * D + i, mask=ok, other=0.0)
+                gate = tl.load(glu_pre + b * 2 * D + D + i, mask=ok, other=0.0)
+                gated, _ = _standardize(output + value * _sigmoid(gate), ok, D, eps)
+                tl.store(gated_out + row, gated, mask=ok)
+                output = gated * tl.load(an_w + i, mask=ok, other=0.0) + tl.load(an_b + i, mask=ok, other=0.0)
+            raw, _ = _standardize(output, ok, D, eps)
+            if HAS_WRITTEN_MASK:
+                raw *= tl.load(written_mask + row, mask=ok, other=0.0)
+            tl.store(raw_out + row, raw, mask=ok)
+            cell = raw
+            if HAS_GATE:  # cell = LN_cell(raw + GLU_cell(previous raw)) on rows with a residual
+                value = tl.load(gate_pre + b * 2 * D + i, mask=ok, other=0.0)
+                gate = tl.load(gate_pre + b * 2 * D + D + i, mask=ok, other=0.0)
+                joined, _ = _standardize(raw + value * _sigmoid(gate), ok, D, eps)
+                tl.store(joined_out + row, joined, mask=ok)
+                updated = joined * tl.load(cn_w + i, mask=ok, other=0.0) + tl.load(cn_b + i, mask=ok, other=0.0)
+                if HAS_CELL_MASK:
+                    updated *= tl.load(cell_mask + row, mask=ok, other=0.0)
+                cell = tl.where(tl.load(residual_rows + b) > 0, updated, raw)
+            tl.store(cell_out + row, cell, mask=ok)
         if HAS_NEXT:  # the next step's input norm
             normed_cell, _ = _standardize(cell, ok, D, eps)
             tl.store(next_normed_cell + row, normed_cell, mask=ok)
@@ -506,8 +518,8 @@ if TRITON_AVAILABLE:
         gated_out: torch.Tensor, joined_out: torch.Tensor, next_normed_cell: torch.Tensor, next_normed: torch.Tensor,
         eps: float, flags: list[bool],
     ) -> None:  # fmt: skip
-        (output_act, has_glu, has_gate, has_next, has_output_mask, has_written_mask, has_cell_mask,
-         has_input_mask) = flags  # fmt: skip
+        (output_act, has_glu, has_gate, has_next, has_output_mask, has_written_mask, has_cell_mask, has_input_mask,
+         start) = flags  # fmt: skip
         batch_size, hidden = out_pre.shape
         wrap_triton(_write_kernel)[(batch_size,)](
             out_pre, glu_pre, gate_pre, residual_rows, output_mask, written_mask, cell_mask, next_input_mask,
@@ -515,7 +527,7 @@ if TRITON_AVAILABLE:
             next_normed, hidden, eps,
             OUTPUT_ACT=output_act, HAS_GLU=has_glu, HAS_GATE=has_gate, HAS_NEXT=has_next,
             HAS_OUTPUT_MASK=has_output_mask, HAS_WRITTEN_MASK=has_written_mask, HAS_CELL_MASK=has_cell_mask,
-            HAS_INPUT_MASK=has_input_mask, BLOCK_D=triton.next_power_of_2(hidden),
+            HAS_INPUT_MASK=has_input_mask, START=start, BLOCK_D=triton.next_power_of_2(hidden),
         )  # fmt: skip
 
     @triton_op(
@@ -634,14 +646,16 @@ def triton_scan_forward(plan, cell, previous_raw, step_keys, step_values, output
     raw_cells, cells = buffer(hidden), buffer(hidden)
     glu_pre, gated = (buffer(2 * hidden), buffer(hidden)) if has_glu else (None, None)
     gate_pre, joined = (buffer(2 * hidden), buffer(hidden)) if has_gate else (None, None)
-    first_normed_cell, _ = standardize(cell, eps)
-    normed_cells[0] = first_normed_cell
-    normed[0] = drop(torch.addcmul(in_b, first_normed_cell, in_w), None if dropout.input is None else dropout.input[0])
 
     def at(tensor, step):
         return absent() if tensor is None else tensor[step]
 
     project, output, write = launchers(cell, scan_project, scan_output, scan_write)
+    write(  # the input norm of the cell the scan starts from
+        cell, absent(), absent(), rows[0], absent(), absent(), absent(), at(dropout.input, 0), absent(), absent(),
+        absent(), absent(), in_w, in_b, absent(), absent(), absent(), absent(), normed_cells[0], normed[0], eps,
+        [False, False, False, True, False, False, False, dropout.input is not None, True],
+    )  # fmt: skip
     for step in range(num_steps):
         gate_on = step_has_gate(plan, step)
         project(
@@ -659,7 +673,7 @@ def triton_scan_forward(plan, cell, previous_raw, step_keys, step_values, output
             at(gated, step), at(joined, step), normed_cells[step + 1] if has_next else absent(),
             normed[step + 1] if has_next else absent(), eps,
             [plan.output_activation, has_glu, gate_on, has_next, dropout.output is not None,
-             dropout.written is not None, dropout.cell is not None, dropout.input is not None],
+             dropout.written is not None, dropout.cell is not None, dropout.input is not None, False],
         )  # fmt: skip
     outputs = (read_keys, read_values, raw_cells, cells)
     if not plan.keep_for_backward:
