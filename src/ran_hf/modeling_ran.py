@@ -466,7 +466,7 @@ class RANMemoryReview(nn.Module):
     # rounding), so checkpoints need not carry it.
     max_chunk_scores = 2**18
     # On CUDA: a chunk's float32 scores take at most 1/64 of the device's memory (1.25 GB, 312M scores on an 80 GB
-    # card: 2 x 32K tokens against their 256 cells are one chunk); the softmax keeps a few such tensors at once.
+    # card: 2 x 32K tokens against their 128 cells are one chunk); the softmax keeps a few such tensors at once.
     device_memory_share = 64
 
     def __init__(self, config: RANConfig):
