@@ -10,9 +10,8 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from ran_hf import RANCache, RANForCausalLM, RANModel
-from ran_hf.cell_scan import fused_cell_scan, reference_cell_scan
-from ran_hf.fused_scan import fused_scan_unsupported
-from ran_hf import modeling_ran
+from ran_hf.cell_scan import fused_cell_scan, fused_scan_unsupported, reference_cell_scan
+from ran_hf import building_blocks, modeling_ran
 from ran_hf.modeling_ran import RANLayer, RANWindowLayout
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
@@ -132,6 +131,7 @@ def test_fused_scan_equals_the_reference_in_float64(overrides, lengths, past_len
         return centred * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
 
     monkeypatch.setattr(modeling_ran, "standard_normalize", standard_normalize)
+    monkeypatch.setattr(building_blocks, "standard_normalize", standard_normalize)
     layer, inputs, layout = layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float64)
     assert_scans_agree(layer, inputs, layout, 1e-10)
 

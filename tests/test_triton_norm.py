@@ -5,7 +5,7 @@ On a CPU the kernels run in Triton's interpreter; on CUDA compiled, and `RANLaye
 import pytest
 import torch
 
-from ran_hf.modeling_ran import RANLayerNorm, standard_normalize
+from ran_hf.building_blocks import RANLayerNorm, standard_normalize
 from ran_hf.triton_norm import TritonNorm
 from ran_hf.triton_scan import TRITON_AVAILABLE
 

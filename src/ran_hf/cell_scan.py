@@ -11,18 +11,19 @@ autograd node with a hand-written backward (fused_scan.py), which runs the refer
 """
 
 import math
-from typing import TYPE_CHECKING
+from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
-from .fused_scan import fused_scan, fused_scan_unsupported, window_maxima
+from .building_blocks import RANLayerNorm
+from .fused_scan import FusedCellScan, ScanPlan, window_maxima
+from .scan_op import cell_scan_op
 from .triton_scan import BUILD_FAILURES, KERNEL_BUILD_ERRORS, TRITON_KERNELS, triton_scan_unsupported
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
-
-if TYPE_CHECKING:
-    from .modeling_ran import RANLayer, RANWindowLayout
 
 logger = logging.get_logger(__name__)
 
@@ -221,6 +222,104 @@ def auto_cell_scan(
     if cell.device.type == "cuda" and triton_scan_unsupported(cell) is None:
         return triton_cell_scan(layer, cell, previous_raw, keys, values, layout)
     return reference_cell_scan(layer, cell, previous_raw, keys, values, layout)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The layer-to-kernel adapter: the fused and Triton scans take tensors and plain weights, read from the layer here.
+# --------------------------------------------------------------------------------------------------------------------
+
+FUSED_ACTIVATIONS = ("silu", "swish")
+
+
+def scan_modules(layer) -> dict:
+    """The modules whose weights the fused scan reads directly, by name."""
+    names = ["input_norm", "qkv_proj", "o_proj"]
+    if layer.cell_input_residual:
+        names += ["attention_glu.proj", "attention_norm"]
+    if layer.config.use_cell_residual:
+        names += ["cell_glu.proj", "cell_norm"]
+    return {name: layer.get_submodule(name) for name in names}
+
+
+def fused_scan_unsupported(layer, cell: torch.Tensor) -> str | None:
+    """Why the fused scan cannot run this layer on this input, or None if it can."""
+    if layer.config.hidden_act not in FUSED_ACTIVATIONS:
+        return f"it computes SiLU activations only (`hidden_act` is {layer.config.hidden_act!r})"
+    # It reads weights, not modules: a wrapped projection (LoRA adapters, quantisation, hooks) would be bypassed.
+    for name, module in scan_modules(layer).items():
+        if type(module) not in (nn.Linear, RANLayerNorm) or module._forward_hooks or module._forward_pre_hooks:
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            return f"it reads plain weights, and `{name}` is wrapped ({kind}, or forward hooks): adapters would be skipped"
+    return None
+
+
+def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, layout, kernels=None):
+    """Run `FusedCellScan` for `layer`, its steps computed by `kernels` (a forward and a backward function with
+    `scan_forward`'s and `scan_backward`'s signatures, such as the Triton scan's) or by this file's: the step-major
+    slots (N, B, H, S, d) and their mask (N, B, S) as in the reference scan. Returns what `reference_cell_scan`
+    returns."""
+    config = layer.config
+    num_heads = layer.num_heads
+    num_steps, batch_size = step_mask.shape[:2]
+    attention_glu = attention_norm = cell_glu = cell_norm = (None, None)
+    if layer.cell_input_residual:
+        attention_glu = (layer.attention_glu.proj.weight, layer.attention_glu.proj.bias)
+        attention_norm = (layer.attention_norm.weight, layer.attention_norm.bias)
+    first_step_residual = False
+    if config.use_cell_residual:
+        cell_glu = (layer.cell_glu.proj.weight, layer.cell_glu.proj.bias)
+        cell_norm = (layer.cell_norm.weight, layer.cell_norm.bias)
+        if layout.continued_rows == batch_size:
+            first_step_residual = True
+        elif layout.continued_rows > 0:
+            first_step_residual = layout.first_window[:, None] > 0  # (B, 1)
+    plan = ScanPlan(
+        num_steps=num_steps,
+        num_heads=num_heads,
+        head_dim=layer.head_dim,
+        eps=config.layer_norm_eps,
+        cell_input_residual=layer.cell_input_residual,
+        use_cell_residual=config.use_cell_residual,
+        qk_activation=config.uses_attention_qk_activation,
+        output_activation=config.uses_memory_value_activation,
+        first_step_residual=first_step_residual,
+        keep_for_backward=torch.is_grad_enabled(),
+        kernels=kernels,
+    )
+    # Float32 (float64 if the cell is) whatever the inputs and autocast say: the cell is a running state, written
+    # once per window from the one before, and its standardisations divide by a mean of squares.
+    compute_dtype = torch.float64 if cell.dtype == torch.float64 else torch.float32
+    visible = F.pad(step_mask, (1, 0), value=True)  # (N, B, 1 + S): the cell's own key is always visible
+    score_bias = torch.zeros(visible.shape, dtype=compute_dtype, device=cell.device)
+    score_bias = score_bias.masked_fill_(~visible, float("-inf"))
+    score_bias = score_bias[:, :, None, None].expand(-1, -1, num_heads, 1, -1).flatten(1, 2)  # (N, B H, 1, 1 + S)
+    weights = (
+        layer.input_norm.weight, layer.input_norm.bias, layer.qkv_proj.weight, layer.qkv_proj.bias,
+        layer.o_proj.weight, layer.o_proj.bias, *attention_glu, *attention_norm, *cell_glu, *cell_norm,
+    )  # fmt: skip
+    weights = tuple(None if weight is None else weight.to(compute_dtype) for weight in weights)
+    dropout = draw_scan_dropout(layer, num_steps, batch_size, step_keys.shape[-2], compute_dtype, cell.device)
+    output_shift = None
+    if config.uses_cell_max_pool:  # the reference adds the maxima before `o_proj`: the same, by linearity
+        maxima = window_maxima(step_values, step_mask).flatten(-2).to(compute_dtype)  # (N, B, H d)
+        output_shift = torch.mm(maxima.flatten(0, 1), weights[4].t()).view(num_steps, batch_size, -1)
+    inputs = (cell, previous_raw, step_keys, step_values)
+    # (the meta device, which checks shapes and counts kernels, has no autocast to switch off)
+    no_autocast = nullcontext() if cell.device.type == "meta" else torch.autocast(cell.device.type, enabled=False)
+    with no_autocast:
+        if torch.compiler.is_compiling():
+            # One opaque op for dynamo: the steps are not unrolled into the graph, whose shapes then follow the
+            # number of windows instead of being rebuilt for each one.
+            outputs = cell_scan_op(
+                plan, *(tensor.to(compute_dtype) for tensor in inputs), output_shift, score_bias, dropout, weights
+            )
+        else:
+            outputs = FusedCellScan.apply(
+                plan, *(tensor.to(compute_dtype) for tensor in inputs), output_shift, score_bias, dropout, *weights
+            )
+    # The cells keep the dtype of the cell read (float32 under autocast); the keys and values that of the tokens'.
+    dtypes = (step_keys.dtype, step_values.dtype, cell.dtype, cell.dtype)
+    return tuple(output.to(dtype) for output, dtype in zip(outputs, dtypes))
 
 
 class RANScanInterface(GeneralInterface):
