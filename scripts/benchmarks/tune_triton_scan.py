@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import ran_hf.triton_scan as triton_scan
+import ran_hf.triton_scan_kernels as triton_kernels
 from benchmark_scan import measure
 from benchmark_utils import machine_info, machine_line
 
@@ -49,7 +50,7 @@ def main():
     for case in CASES:
         results.append({**measure(case, "fused", args, device), "variant": "fused"})
         for block_k, block_n, block_s, warps, via_op in VARIANTS:
-            triton_scan.BLOCK_K, triton_scan.BLOCK_N, triton_scan.BLOCK_S, triton_scan.NUM_WARPS = (
+            triton_kernels.BLOCK_K, triton_kernels.BLOCK_N, triton_kernels.BLOCK_S, triton_kernels.NUM_WARPS = (
                 block_k, block_n, block_s, warps)  # fmt: skip
             for name, op in through_op.items():
                 setattr(triton_scan, name, op if via_op else op._init_fn)

@@ -11,7 +11,7 @@ Shapes: R rows (tokens), D hidden size.
 
 import torch
 
-from .triton_scan import TRITON_AVAILABLE
+from .triton_scan_kernels import TRITON_AVAILABLE, register_meta_no_ops
 
 if TRITON_AVAILABLE:
     import triton
@@ -91,11 +91,7 @@ if TRITON_AVAILABLE:
             ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(hidden),
         )  # fmt: skip
 
-    for _op in (norm_forward, norm_backward):
-        try:
-            _op.register_kernel("meta")(lambda *args, **kwargs: None)
-        except RuntimeError:  # some PyTorch versions give every triton_op a meta kernel of their own
-            pass
+    register_meta_no_ops(norm_forward, norm_backward)
 
 
 class TritonNorm(torch.autograd.Function):
