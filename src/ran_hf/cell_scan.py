@@ -6,8 +6,11 @@ layer calls the function that `config.scan_implementation` names in `ALL_SCAN_FU
 (a benchmark's variant of the design) join with `RANScanInterface.register`, as attention functions join
 Transformers' `AttentionInterface`.
 
-Registered here: "reference", the plain loop that autograd records op by op, and "fused", the same maths as one
-autograd node with a hand-written backward (fused_scan.py), which runs the reference, warning once, where it cannot.
+Registered here: "reference", the plain loop that autograd records op by op; "fused", the same maths as one
+autograd node with a hand-written backward (fused_scan.py), which runs the reference, warning once, where it cannot;
+"triton", that node with each window's steps in Triton kernels (triton_scan.py), which runs the fused scan where it
+cannot; and "auto" (the default), Triton on CUDA where it can run, the reference elsewhere. The fused and Triton
+scans take tensors and plain weights: `fused_scan` below reads them from the layer.
 """
 
 import math
@@ -22,8 +25,8 @@ from transformers.utils.generic import GeneralInterface
 from .building_blocks import RANLayerNorm
 from .fused_scan import FusedCellScan, ScanPlan, window_maxima
 from .scan_op import cell_scan_op
-from .triton_scan import BUILD_FAILURES, KERNEL_BUILD_ERRORS, TRITON_KERNELS, triton_scan_unsupported
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
+from .triton_scan import BUILD_FAILURES, KERNEL_BUILD_ERRORS, TRITON_KERNELS, triton_scan_unsupported
 
 logger = logging.get_logger(__name__)
 
@@ -255,7 +258,7 @@ def fused_scan_unsupported(layer, cell: torch.Tensor) -> str | None:
 
 def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, layout, kernels=None):
     """Run `FusedCellScan` for `layer`, its steps computed by `kernels` (a forward and a backward function with
-    `scan_forward`'s and `scan_backward`'s signatures, such as the Triton scan's) or by this file's: the step-major
+    `scan_forward`'s and `scan_backward`'s signatures, such as the Triton scan's) or by fused_scan.py's: the step-major
     slots (N, B, H, S, d) and their mask (N, B, S) as in the reference scan. Returns what `reference_cell_scan`
     returns."""
     config = layer.config
