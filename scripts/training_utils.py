@@ -126,6 +126,20 @@ class RANTrainingArguments(TrainingArguments):
         },
     )
 
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata={
+            "help": "Stop the run, before anything more is saved or pushed, when this many optimizer steps in a row "
+            "had a NaN or infinite loss or gradient norm (a step that fp16's loss scaler skipped does not count: "
+            "the scaler recovers from those). A diverged run does not recover; its weights soon are NaN too."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"--max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}.")
+
 
 @dataclass
 class ModelArguments:
@@ -373,11 +387,13 @@ def checkpoint_to_resume(training_args: transformers.TrainingArguments) -> str |
         missing = missing_from_checkpoint(requested)
         if missing:
             raise ValueError(f"Cannot resume from {requested}: it lacks {', '.join(missing)}.")
+        refuse_diverged_checkpoint(requested)
         return requested
     output_dir = Path(training_args.output_dir)
     for checkpoint in checkpoints_in(output_dir):
         missing = missing_from_checkpoint(checkpoint)
         if not missing:
+            refuse_diverged_checkpoint(checkpoint)
             logger.warning(f"Resuming from {checkpoint}")
             return str(checkpoint)
         logger.warning(
@@ -385,6 +401,18 @@ def checkpoint_to_resume(training_args: transformers.TrainingArguments) -> str |
         )
     logger.warning(f"No complete checkpoint in {output_dir}: training starts from scratch.")
     return None
+
+
+def refuse_diverged_checkpoint(checkpoint: str | Path) -> None:
+    """A checkpoint whose weights hold NaN or infinite values was saved by a diverged run: resuming would train on
+    garbage (`latest` does not fall back to an older checkpoint either, which would likely diverge again)."""
+    broken = first_nonfinite_saved_weight(checkpoint)
+    if broken is not None:
+        raise ValueError(
+            f"Cannot resume from {checkpoint}: its weight {broken} holds NaN or infinite values; the run had "
+            "diverged when it saved it. Resume from an earlier checkpoint (--resume_from_checkpoint PATH) with a "
+            "lower --learning_rate, or start again."
+        )
 
 
 def prepare_output_dir(training_args: RANTrainingArguments) -> str | None:
@@ -608,6 +636,12 @@ def load_model(auto_class, model_args: ModelArguments, config):
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
         output_loading_info=True,
     )
+    broken = first_nonfinite_weight(model)
+    if broken is not None:
+        raise ValueError(
+            f"--model_name_or_path {model_args.model_name_or_path}: its weight {broken} holds NaN or infinite "
+            "values (a diverged or damaged model); training or evaluating it would give NaN. Use another checkpoint."
+        )
     if model_args.lora_r > 0:
         new_weights = {*loading_info["missing_keys"], *(key for key, *_ in loading_info["mismatched_keys"])}
         model = wrap_with_lora(model, model_args, new_weights)
@@ -642,6 +676,96 @@ def wrap_with_lora(model, model_args: ModelArguments, new_weights: set[str]):
         f"({trainable / total:.2%})"
     )
     return model
+
+
+# ---- non-finite values: diverged runs and broken weights ----------------------------------------------------------
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss or the gradients stayed NaN or infinite: the run stops instead of saving what it learned."""
+
+
+def first_nonfinite_weight(model: torch.nn.Module) -> str | None:
+    """The name of the first parameter or floating-point buffer holding a NaN or an infinity; None if all are finite.
+
+    Under FSDP each process checks its own shard (a DTensor's local part); DeepSpeed's placeholders are empty."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in named:
+        tensor = tensor.detach()
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if tensor.is_floating_point() and tensor.numel() and not torch.isfinite(tensor).all():
+            return name
+    return None
+
+
+SAVED_TORCH_WEIGHTS = re.compile(r"^(pytorch_model|adapter_model)(-\d+-of-\d+)?\.bin$")
+
+
+def first_nonfinite_saved_weight(folder: str | Path) -> str | None:
+    """`"<tensor> in <file>"` for the first saved weight of `folder` holding a NaN or an infinity; None if all are
+    finite. Reads safetensors and `torch.save` weight files one tensor or one file at a time."""
+    for path in sorted(Path(folder).iterdir()):
+        if path.is_file() and path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as file:
+                for key in file.keys():
+                    tensor = file.get_tensor(key)
+                    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                        return f"{key} in {path.name}"
+        elif path.is_file() and SAVED_TORCH_WEIGHTS.match(path.name):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for key, tensor in state.items():
+                if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    return f"{key} in {path.name}"
+    return None
+
+
+class DivergenceGuard:
+    """Counts the optimizer steps in a row whose loss or gradient norm is NaN or infinite, and stops the run at
+    `limit` of them.
+
+    The losses of a step's micro-batches are combined on the device; the step is read back once (one host read per
+    optimizer step). A step that fp16's loss scaler skipped for infinite gradients does not count: the weights are
+    untouched and the scaler lowers its scale. Its loss still counts, since the forward pass does not depend on it.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.step_losses_finite = None  # all micro-batch losses of the current step finite, on the device
+        self.last_loss = None
+        self.bad_steps = []  # global steps of the current run of non-finite steps
+        self.checked_step = None
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        loss = loss.detach()
+        finite = torch.isfinite(loss).all()
+        self.step_losses_finite = finite if self.step_losses_finite is None else self.step_losses_finite & finite
+        self.last_loss = loss
+
+    def end_step(self, global_step: int, grad_norm, step_skipped: bool) -> None:
+        """After the optimizer step `global_step` (and before anything is logged or saved for it)."""
+        if global_step == self.checked_step:  # the epoch's end repeats the last step's logging call
+            return
+        self.checked_step = global_step
+        finite = self.step_losses_finite
+        if grad_norm is not None and not step_skipped:
+            norm_finite = torch.isfinite(torch.as_tensor(grad_norm)).all()
+            finite = norm_finite if finite is None else finite & norm_finite.to(finite.device)
+        self.step_losses_finite = None
+        if finite is None or bool(finite):
+            self.bad_steps = []
+            return
+        self.bad_steps.append(global_step)
+        if len(self.bad_steps) >= self.limit:
+            loss = "unknown" if self.last_loss is None else f"{self.last_loss.float().mean().item():g}"
+            norm = "not computed" if grad_norm is None else f"{float(grad_norm):g}"
+            raise TrainingDivergedError(
+                f"Training diverged: the loss or the gradient norm was NaN or infinite at {len(self.bad_steps)} "
+                f"optimizer steps in a row (steps {self.bad_steps[0]} to {global_step}; last loss {loss}, gradient "
+                f"norm {norm}). The run stops here and saves nothing more; checkpoints saved before step "
+                f"{self.bad_steps[0]} are kept. Lower --learning_rate, lengthen --warmup_steps or set "
+                "--max_grad_norm, and resume from such a checkpoint or start again (--max_nonfinite_steps sets how "
+                "many such steps in a row stop a run)."
+            )
 
 
 # ---- parameter checksums ------------------------------------------------------------------------------------------
@@ -686,12 +810,34 @@ class RANTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.card = card or {}
         self.sentence_transformers_pooling = sentence_transformers_pooling
+        self.divergence_guard = DivergenceGuard(getattr(self.args, "max_nonfinite_steps", 3))
         if sentence_transformers_pooling == "cell_transform" and not any(
             name.rsplit(".", 1)[-1] == "pooler" for name, _ in self.model.named_modules()
         ):
             raise ValueError(
                 f"--sentence_transformers_pooling cell_transform needs a trained pooler, which a "
                 f"{type(self.model).__name__} does not have: choose pooled_cell, mean or max."
+            )
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.divergence_guard.add_loss(loss)
+        return loss
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs) -> None:
+        """Stops a diverged run (`DivergenceGuard`) after each optimizer step, before it is logged or saved."""
+        self.divergence_guard.end_step(
+            self.state.global_step, grad_norm, step_skipped=self.accelerator.optimizer_step_was_skipped
+        )
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def refuse_nonfinite_weights(self, output_dir: str | None) -> None:
+        broken = first_nonfinite_weight(self.model)
+        if broken is not None:
+            raise TrainingDivergedError(
+                f"Refusing to save the model to {output_dir or self.args.output_dir}: its weight {broken} holds NaN "
+                "or infinite values; the run diverged. Lower --learning_rate, lengthen --warmup_steps or set "
+                "--max_grad_norm, and start again or resume from an earlier checkpoint."
             )
 
     def write_sentence_transformers_files(self, folder: str | Path) -> None:
@@ -702,7 +848,9 @@ class RANTrainer(Trainer):
         """The final save (into `--output_dir`) is atomic: the model is written into a folder beside it, which then
         replaces it (`ran_hf.folders.replace_folder`); checkpoints and other entries of the old folder are moved over,
         its previous model, metrics and card are not. A full disk or a kill leaves the old model or the new one,
-        whole. Checkpoint saves, other ranks and DeepSpeed saves are Transformers' own."""
+        whole. Checkpoint saves, other ranks and DeepSpeed saves are Transformers' own. Weights that are NaN or
+        infinite are never saved."""
+        self.refuse_nonfinite_weights(output_dir)
         final = output_dir is None or os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir)
         if not final or not self.args.should_save or self.is_deepspeed_enabled:
             super().save_model(output_dir, _internal_call=_internal_call)
