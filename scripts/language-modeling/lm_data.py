@@ -1,5 +1,6 @@
 """What the language-modelling scripts of this folder share (`run_mlm.py`, `run_clm.py`, `evaluate_perplexity.py`):
-their text datasets, the cutting of a token stream into blocks, and the token that ends a document.
+their text datasets, the cutting of a token stream into blocks, the token that ends a document, and the
+special tokens a causal LM is saved with so that it generates as it was trained.
 
 What every example script shares (arguments, output folder, checkpoints, model card) is `../training_utils.py`.
 """
@@ -8,6 +9,7 @@ import logging
 
 import numpy as np
 from datasets import Dataset, DatasetDict
+from tokenizers import processors
 from transformers import PreTrainedTokenizerBase
 
 from training_utils import ModelArguments, load_splits
@@ -78,3 +80,42 @@ def end_of_text_id(tokenizer: PreTrainedTokenizerBase) -> int:
     if token_id is None:
         raise ValueError("The tokenizer has neither an EOS nor a SEP token to end documents with.")
     return token_id
+
+
+def wraps_prompts(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer("text")` adds special tokens ([CLS]/[SEP], BOS/EOS) around the text's own tokens."""
+    probe = "end of text"
+    return tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]
+
+
+def prepare_for_generation(model, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Make a causal LM and its tokenizer (saved beside it) generate the way the model was trained.
+
+    Training reads documents without special tokens, each ended by the end-of-text token (`end_of_text_id`). So the
+    tokenizer is changed in place to read a prompt the same way, `tokenizer("text")` giving the text's tokens alone
+    (a pair is joined by the end-of-text token, as documents are), and it names that token its EOS; the model's
+    config and generation config get it as `eos_token_id`, with the tokenizer's `pad_token_id`, so `generate()` and
+    `pipeline("text-generation")` stop at the end of a text.
+    """
+    end_id = end_of_text_id(tokenizer)
+    end_token = tokenizer.convert_ids_to_tokens(end_id)
+    if tokenizer.eos_token_id is None:
+        tokenizer.eos_token = end_token
+    if wraps_prompts(tokenizer):
+        for flag in ("add_bos_token", "add_eos_token"):  # tokenizers that rebuild their template from these
+            if getattr(tokenizer, flag, False):
+                setattr(tokenizer, flag, False)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single="$A", pair=f"$A {end_token} $B:1", special_tokens=[(end_token, end_id)]
+            )
+    if wraps_prompts(tokenizer):
+        raise ValueError(
+            f"The tokenizer ({type(tokenizer).__name__}) still adds special tokens around a text and has no "
+            "`tokenizers` post-processor to change: a causal LM trained on bare text would be prompted with tokens "
+            "it never saw mid-text. Use a fast tokenizer (`train_tokenizer.py` writes one)."
+        )
+    for settings in (model.config, model.generation_config):
+        settings.eos_token_id = end_id
+        settings.pad_token_id = tokenizer.pad_token_id

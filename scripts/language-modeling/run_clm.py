@@ -16,6 +16,10 @@ With `--stream_training`, the training text is read as `--per_device_train_batch
 each batch row continues the same row of the batch before, and the recurrent state (`RANCache`) is carried from
 batch to batch, detached, so backpropagation is truncated at chunk boundaries of `--block_size` tokens. The model
 then learns to use what it carried over from arbitrarily far back, with the memory of one chunk (docs/training.md).
+
+The saved folder generates out of the box: its tokenizer adds no special tokens around a prompt and names the
+end-of-text token its EOS, and `config.json` and `generation_config.json` carry `eos_token_id` and `pad_token_id`,
+so `generate()` and `pipeline("text-generation")` stop at the end of a text.
 """
 
 import itertools
@@ -31,7 +35,13 @@ from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
-from lm_data import end_of_text_id, group_into_blocks, interleave_streams, load_text_datasets  # noqa: E402
+from lm_data import (  # noqa: E402
+    end_of_text_id,
+    group_into_blocks,
+    interleave_streams,
+    load_text_datasets,
+    prepare_for_generation,
+)
 from training_utils import (  # noqa: E402
     ModelArguments,
     ParameterChecksumCallback,
@@ -115,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
     end_id = end_of_text_id(tokenizer)
     config = load_config(model_args, tokenizer, is_causal=True)
     model = load_model(AutoModelForCausalLM, model_args, config)
+    # The saved tokenizer reads a prompt as training reads text (no [CLS]/[SEP] around it), and the saved config and
+    # generation config name the end-of-text token as EOS: generate() stops where a document would end.
+    prepare_for_generation(model, tokenizer)
 
     # Preprocessing
     def tokenize(examples):
