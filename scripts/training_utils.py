@@ -603,6 +603,35 @@ def load_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, 
     return config
 
 
+DEFAULT_LABEL = re.compile(r"^LABEL_(\d+)$")
+
+
+def trained_labels(model_args: ModelArguments) -> tuple[tuple[str, ...], str | None] | None:
+    """The classes of `--model_name_or_path` (or `--config_name`) in the order of its outputs, and its
+    `problem_type`, when its head was trained on named classes; None when no model is given or its `id2label` holds
+    only Transformers' placeholder names (`LABEL_0`, `LABEL_1`, ...).
+
+    A fine-tuned classifier's `id2label` is what its outputs mean: a script evaluating or training it further must
+    keep those classes in that order, never re-infer them from the data."""
+    name = model_args.config_name or model_args.model_name_or_path
+    if name is None:
+        return None
+    config = AutoConfig.from_pretrained(
+        name,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    id2label = {int(index): str(label) for index, label in (getattr(config, "id2label", None) or {}).items()}
+    placeholders = all(
+        (match := DEFAULT_LABEL.match(label)) and int(match.group(1)) == index for index, label in id2label.items()
+    )
+    if not id2label or placeholders:
+        return None
+    return tuple(id2label[index] for index in sorted(id2label)), getattr(config, "problem_type", None)
+
+
 def check_tokenizer_matches_config(tokenizer: PreTrainedTokenizerBase, config) -> None:
     """A tokenizer that can emit ids the embedding does not have, or pads with another id, is an error."""
     if len(tokenizer) > config.vocab_size:

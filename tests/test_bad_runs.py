@@ -13,15 +13,16 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer
-
 import run_classification
+import run_ner
 import run_pipeline
+import torch
 import train_tokenizer
-from ran_hf import RANConfig, RANForSequenceClassification
+from safetensors.torch import load_file, save_file
 from training_utils import TrainingDivergedError
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from ran_hf import RANConfig, RANForSequenceClassification, RANForTokenClassification
 
 # Windows of 16 tokens, so that every test document spans several; no dropout, so that runs are reproducible.
 TINY_OVERRIDES = (
@@ -42,7 +43,9 @@ def topic_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizer_dir(topic_files, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tokenizer")
-    train_tokenizer.main(["--train_files", str(topic_files["train"]), "--vocab_size", "300", "--output_dir", str(folder)])
+    train_tokenizer.main(
+        ["--train_files", str(topic_files["train"]), "--vocab_size", "300", "--output_dir", str(folder)]
+    )
     return folder
 
 
@@ -105,7 +108,9 @@ def test_a_healthy_run_is_not_stopped(tokenizer_dir, topic_files, tmp_path):
 @pytest.fixture(scope="module")
 def run_with_a_checkpoint(tokenizer_dir, topic_files, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("checkpointed") / "run"
-    run_classification.main(classification_argv(tokenizer_dir, topic_files, output_dir, "--max_steps", "2", "--save_steps", "2"))
+    run_classification.main(
+        classification_argv(tokenizer_dir, topic_files, output_dir, "--max_steps", "2", "--save_steps", "2")
+    )
     return output_dir
 
 
@@ -124,8 +129,11 @@ def test_a_checkpoint_with_nan_weights_is_not_resumed(
     name = poison(checkpoint / "model.safetensors", "classifier")
     argv = classification_argv(tokenizer_dir, topic_files, output_dir, "--max_steps", "4")
     argv += ["--resume_from_checkpoint", str(checkpoint) if resume == "path" else "latest"]
-    with pytest.raises(ValueError, match=rf"Cannot resume from .*checkpoint-2: its weight {name} in model.safetensors "
-                       "holds NaN or infinite values"):
+    with pytest.raises(
+        ValueError,
+        match=rf"Cannot resume from .*checkpoint-2: its weight {name} in model.safetensors "
+        "holds NaN or infinite values",
+    ):
         run_classification.main(argv)
     assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-2"]
 
@@ -169,3 +177,172 @@ def test_the_final_save_refuses_nan_weights(tokenizer_dir, topic_files, tmp_path
     with pytest.raises(TrainingDivergedError, match=r"Refusing to save the model to .*run/checkpoint-1: its weight"):
         run_classification.main(classification_argv(tokenizer_dir, topic_files, output_dir, "--max_steps", "1"))
     assert not (output_dir / "checkpoint-1").exists()
+
+
+# ---- labels: a trained model's classes are its own -------------------------------------------------------------------
+
+TOPICS = ("astronomy", "cooking", "finance", "football", "medicine", "sailing")
+
+
+def predictions_of(model_dir: Path, documents: Path, max_length: int) -> list[str]:
+    """The class names a saved classifier predicts for the documents, read through its own id2label."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    names = []
+    for line in documents.read_text(encoding="utf-8").splitlines():
+        encoded = tokenizer(json.loads(line)["text"], truncation=True, max_length=max_length, return_tensors="pt")
+        with torch.no_grad():
+            names.append(model.config.id2label[int(model(**encoded).logits.argmax(-1))])
+    return names
+
+
+def test_a_trained_classifier_keeps_the_order_of_its_classes(tokenizer_dir, topic_files, tmp_path):
+    """`run_classification.py` re-ordered an existing model's id2label alphabetically, so every prediction and
+    metric came out under another class's name. Now the model's order is kept, for evaluation and for training."""
+    own_order = tuple(reversed(TOPICS))
+    model_dir = save_classifier(
+        tokenizer_dir,
+        tmp_path / "model",
+        id2label=dict(enumerate(own_order)),
+        label2id={n: i for i, n in enumerate(own_order)},
+    )
+    output_dir = tmp_path / "evaluated"
+    results = run_classification.main(
+        ["--model_name_or_path", str(model_dir), "--output_dir", str(output_dir), "--max_seq_length", "64"]
+        + ["--test_file", str(topic_files["test"]), "--do_predict", *QUIET]
+    )
+    assert results["labels"] == list(own_order)
+    predicted = [line.split("\t")[1] for line in (output_dir / "predict_results.txt").read_text().splitlines()[1:]]
+    assert predicted == predictions_of(model_dir, topic_files["test"], max_length=64)
+
+    trained_dir = tmp_path / "trained"
+    run_classification.main(
+        ["--model_name_or_path", str(model_dir), "--output_dir", str(trained_dir), "--max_seq_length", "64"]
+        + ["--train_file", str(topic_files["train"]), "--do_train", "--max_steps", "1", *QUIET]
+    )
+    assert json.loads((trained_dir / "config.json").read_text())["id2label"] == {
+        str(index): name for index, name in enumerate(own_order)
+    }
+
+
+def test_evaluating_on_data_without_some_of_the_classes(tokenizer_dir, topic_files, tmp_path):
+    """Evaluating a six-class model on documents of two classes crashed (two classes inferred from the data, a head
+    of six); now the data's labels are mapped onto the model's six."""
+    model_dir = save_classifier(tokenizer_dir, tmp_path / "model", id2label=dict(enumerate(TOPICS)))
+    records = [json.loads(line) for line in topic_files["validation"].read_text().splitlines()]
+    two_topics = write_jsonl(tmp_path / "two.jsonl", [r for r in records if r["label"] in ("cooking", "sailing")])
+    results = run_classification.main(
+        ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"), "--max_seq_length", "64"]
+        + ["--validation_file", str(two_topics), "--do_eval", *QUIET]
+    )
+    assert results["labels"] == list(TOPICS) and 0.0 <= results["eval"]["eval_accuracy"] <= 1.0
+
+
+def test_labels_a_trained_classifier_lacks_are_named(tokenizer_dir, topic_files, tmp_path):
+    model_dir = save_classifier(tokenizer_dir, tmp_path / "model", id2label=dict(enumerate(TOPICS[:5])))
+    argv = ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out")]
+    argv += ["--validation_file", str(topic_files["validation"]), "--do_eval", *QUIET]
+    with pytest.raises(ValueError, match=r"labels that the model .*model does not have: \['sailing'\]"):
+        run_classification.main(argv)
+    # a new head for six classes may replace the five-class one, in the data's order
+    results = run_classification.main(argv + ["--ignore_mismatched_sizes"])
+    assert results["labels"] == list(TOPICS)
+
+
+def test_a_model_without_named_classes_gets_the_data_s_in_sorted_order(tokenizer_dir, topic_files, tmp_path):
+    model_dir = save_classifier(tokenizer_dir, tmp_path / "model", num_labels=6)  # LABEL_0 ... LABEL_5
+    results = run_classification.main(
+        ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"), "--max_seq_length", "64"]
+        + ["--train_file", str(topic_files["train"]), "--do_train", "--max_steps", "1", *QUIET]
+    )
+    assert results["labels"] == list(TOPICS)
+
+
+CONLL_SENTENCES = [
+    ("EU rejects German call to boycott British lamb .", "B-ORG O B-MISC O O O B-MISC O O"),
+    ("Peter Blackburn", "B-PER I-PER"),
+    ("BRUSSELS 1996-08-22", "B-LOC O"),
+    ("The European Commission said on Thursday", "O B-ORG I-ORG O O O"),
+]
+
+
+def write_conll(path: Path, sentences) -> Path:
+    lines = []
+    for words, tags in sentences:
+        lines += [f"{word} NN B-NP {tag}" for word, tag in zip(words.split(), tags.split())] + [""]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def conll_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("conll")
+    train = write_conll(folder / "train.txt", CONLL_SENTENCES * 4)
+    tokenizer_dir = folder / "tokenizer"
+    train_tokenizer.main(
+        ["--train_files", str(train), "--conll", "--vocab_size", "120", "--output_dir", str(tokenizer_dir)]
+    )
+    return {
+        "train": train,
+        "people": write_conll(folder / "people.txt", CONLL_SENTENCES[1:2] * 2),
+        "tokenizer": tokenizer_dir,
+    }
+
+
+def save_tagger(tokenizer_dir: Path, folder: Path, tags) -> Path:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = RANConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        num_attention_heads=2,
+        head_dim=8,
+        id2label=dict(enumerate(tags)),
+        label2id={tag: index for index, tag in enumerate(tags)},
+    )
+    RANForTokenClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_trained_tagger_keeps_the_order_of_its_tags(conll_files, tmp_path):
+    own_order = ("I-PER", "B-PER", "I-ORG", "B-ORG", "B-MISC", "B-LOC", "O")
+    model_dir = save_tagger(conll_files["tokenizer"], tmp_path / "model", own_order)
+    argv = ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"), *QUIET]
+    results = run_ner.main(argv + ["--validation_file", str(conll_files["people"]), "--do_eval"])
+    assert results["labels"] == list(own_order)  # and data with only two of the tags is evaluated
+
+    model_dir = save_tagger(conll_files["tokenizer"], tmp_path / "small", own_order[:-2])
+    with pytest.raises(ValueError, match=r"tags that the model .*small does not have: \['B-LOC', 'O'\]"):
+        run_ner.main(
+            ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out2"), *QUIET]
+            + ["--validation_file", str(conll_files["train"]), "--do_eval"]
+        )
+
+
+# ---- silent data problems ------------------------------------------------------------------------------------------
+
+
+def test_entities_cut_off_by_max_seq_length_are_counted(conll_files, tmp_path, caplog):
+    """`--max_seq_length` dropped the words past the cut, entities included, from training and from the scores
+    without a word. Now a warning counts them."""
+    argv = ["--tokenizer_name", str(conll_files["tokenizer"]), "--config_overrides", TINY_OVERRIDES]
+    argv += ["--output_dir", str(tmp_path / "out"), "--train_file", str(conll_files["train"]), "--do_train"]
+    argv += ["--max_steps", "1", "--max_seq_length", "4", "--report_to", "none", "--disable_tqdm", "true"]
+    with caplog.at_level("WARNING"):
+        run_ner.main(argv)
+    tokenizer = AutoTokenizer.from_pretrained(conll_files["tokenizer"])
+    cut_words = cut_entity_words = cut_sentences = 0
+    for words, tags in CONLL_SENTENCES * 4:
+        kept = 1 + max(
+            w
+            for w in tokenizer(words.split(), is_split_into_words=True, truncation=True, max_length=4).word_ids()
+            if w is not None
+        )
+        cut_sentences += kept < len(words.split())
+        cut_words += len(words.split()) - kept
+        cut_entity_words += sum(tag != "O" for tag in tags.split()[kept:])
+    assert cut_entity_words > 0
+    assert (
+        f"train: --max_seq_length 4 cut {cut_sentences} of 16 sentences short: {cut_words} words, "
+        f"{cut_entity_words} of them tagged as entities (not 'O'), are neither trained on nor scored"
+    ) in caplog.text

@@ -29,7 +29,7 @@ import torch
 from datasets import ClassLabel, List
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-from ran_hf.data import ClassificationLabels
+from ran_hf.data import ClassificationLabels, UnknownLabelsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
@@ -49,6 +49,7 @@ from training_utils import (  # noqa: E402
     parse_arguments,
     prepare_output_dir,
     setup_logging,
+    trained_labels,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,49 @@ class DataTrainingArguments:
     @property
     def text_columns(self) -> list[str]:
         return [column.strip() for column in self.text_column_name.split(",")]
+
+
+def choose_labels(label_values: dict, column: str, class_names, model_args: ModelArguments) -> ClassificationLabels:
+    """The classes, in the order of the model's outputs.
+
+    A trained classifier (`--model_name_or_path` with named classes in its `id2label`) keeps its own: the data's
+    labels are mapped onto them, labels it lacks are an error, and a split may use only some of them. Otherwise, as
+    with `--ignore_mismatched_sizes` and another number of classes (a new head), they are read off the data.
+    """
+    trained = trained_labels(model_args)
+    if trained is None:
+        return ClassificationLabels.from_splits(label_values, column, names=class_names)
+    names, problem_type = trained
+    model = model_args.config_name or model_args.model_name_or_path
+    if model_args.ignore_mismatched_sizes and label_values:
+        from_data = ClassificationLabels.from_splits(label_values, column, names=class_names)
+        if len(from_data.names) != len(names):
+            logger.warning(
+                f"--ignore_mismatched_sizes: the head of {model} for its {len(names)} classes is replaced by a new "
+                f"one for the data's {len(from_data.names)}."
+            )
+            return from_data
+    multi_label = problem_type == "multi_label_classification"
+    if not label_values:  # only predicting unlabelled documents
+        return ClassificationLabels(names, multi_label)
+    try:
+        labels = ClassificationLabels.from_splits(label_values, column, names=names, names_from=f"the model {model}")
+    except UnknownLabelsError as error:
+        raise UnknownLabelsError(
+            f"{error} Check --label_column_name; to train a new head for the data's classes, start from a model "
+            "without one (run_mlm.py's, say), or pass --ignore_mismatched_sizes when their number differs."
+        ) from None
+    trained_kind_known = problem_type in ("single_label_classification", "multi_label_classification")
+    if trained_kind_known and labels.multi_label != multi_label:
+        kinds = {True: "multi-label (lists of labels)", False: "single-label"}
+        raise ValueError(
+            f"The model {model} is a {kinds[multi_label]} classifier but column {column!r} holds "
+            f"{kinds[labels.multi_label]} data."
+        )
+    logger.info(
+        f"Keeping the classes of {model} in their order: {list(names[:10])}{' ...' if len(names) > 10 else ''}"
+    )
+    return labels
 
 
 def classification_metrics(logits: np.ndarray, labels: np.ndarray, multi_label: bool, threshold: float) -> dict:
@@ -174,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         label_values[split] = values
     if (training_args.do_train or training_args.do_eval) and not label_values:
         raise ValueError(f"No split has labels in column {label_column!r}.")
-    labels = ClassificationLabels.from_splits(label_values, label_column, names=class_names)
+    labels = choose_labels(label_values, label_column, class_names, model_args)
     logger.info(
         f"{'Multi' if labels.multi_label else 'Single'}-label classification with {len(labels.names)} classes: "
         f"{list(labels.names[:10])}{' ...' if len(labels.names) > 10 else ''}"

@@ -31,7 +31,15 @@ from transformers import (
     set_seed,
 )
 
-from ran_hf.data import TagLabels, check_columns, check_text, file_format, read_conll, read_records
+from ran_hf.data import (
+    TagLabels,
+    UnknownLabelsError,
+    check_columns,
+    check_text,
+    file_format,
+    read_conll,
+    read_records,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
@@ -50,6 +58,7 @@ from training_utils import (  # noqa: E402
     parse_arguments,
     prepare_output_dir,
     setup_logging,
+    trained_labels,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,6 +90,54 @@ class DataTrainingArguments:
     def __post_init__(self):
         if self.dataset_name is None and not (self.train_file or self.validation_file or self.test_file):
             raise ValueError("Give --dataset_name or --train_file / --validation_file / --test_file.")
+        if self.max_seq_length < 2:
+            raise ValueError(
+                f"--max_seq_length must be at least 2 (room for a word and a special token), got "
+                f"{self.max_seq_length}."
+            )
+
+
+def choose_tags(splits: dict[str, list], model_args: ModelArguments) -> TagLabels:
+    """The tags, in the order of the model's outputs.
+
+    A trained tagger (`--model_name_or_path` with named tags in its `id2label`) keeps its own: the data's tags are
+    mapped onto them, tags it lacks are an error, and a split may use only some of them. Otherwise, as with
+    `--ignore_mismatched_sizes` and another number of tags (a new head), they are read off the data.
+    """
+    trained = trained_labels(model_args)
+    if trained is None:
+        return TagLabels.from_splits(splits)
+    names, _ = trained
+    model = model_args.config_name or model_args.model_name_or_path
+    if model_args.ignore_mismatched_sizes:
+        from_data = TagLabels.from_splits(splits)
+        if len(from_data.names) != len(names):
+            logger.warning(
+                f"--ignore_mismatched_sizes: the head of {model} for its {len(names)} tags is replaced by a new one "
+                f"for the data's {len(from_data.names)}."
+            )
+            return from_data
+    try:
+        return TagLabels.from_splits(splits, names=names, names_from=f"the model {model}")
+    except UnknownLabelsError as error:
+        raise UnknownLabelsError(
+            f"{error} Check --tags_column_name; to train a new head for the data's tags, start from a model without "
+            "one (run_mlm.py's, say), or pass --ignore_mismatched_sizes when their number differs."
+        ) from None
+
+
+def warn_about_cut_words(split: str, dataset: Dataset, max_seq_length: int) -> None:
+    """Say how many words, and entity words, `--max_seq_length` cut off (the scores leave them out too)."""
+    cut_words = dataset["cut_words"]
+    cut_sentences = sum(count > 0 for count in cut_words)
+    if not cut_sentences:
+        return
+    logger.warning(
+        f"{split}: --max_seq_length {max_seq_length} cut {cut_sentences:,} of {len(dataset):,} sentences short: "
+        f"{sum(cut_words):,} words, {sum(dataset['cut_entity_words']):,} of them tagged as entities (not 'O'), are "
+        f"neither trained on nor scored (nor predicted: predictions.txt gives them 'O'). Raise --max_seq_length "
+        "to keep them."
+    )
 
 
 def load_sentences(model_args: ModelArguments, data_args: DataTrainingArguments) -> DatasetDict:
@@ -203,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     ):
         if split in raw_datasets and limit is not None:
             raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
-    tags = TagLabels.from_splits({split: dataset["ner_tags"] for split, dataset in raw_datasets.items()})
+    tags = choose_tags({split: dataset["ner_tags"] for split, dataset in raw_datasets.items()}, model_args)
     logger.info(f"{len(tags.names)} tags: {list(tags.names)}")
 
     # Tokenizer, config and model
@@ -236,6 +293,15 @@ def main(argv: list[str] | None = None) -> dict:
             )
             for row, sentence_tags in enumerate(examples["ner_tags"])
         ]
+        # Words past --max_seq_length are neither trained on nor scored: counted, to say so.
+        kept = [
+            1 + max((word for word in encoded.word_ids(row) if word is not None), default=-1)
+            for row in range(len(examples["ner_tags"]))
+        ]
+        encoded["cut_words"] = [len(sentence) - count for sentence, count in zip(examples["ner_tags"], kept)]
+        encoded["cut_entity_words"] = [
+            sum(tag != "O" for tag in sentence[count:]) for sentence, count in zip(examples["ner_tags"], kept)
+        ]
         return encoded
 
     with training_args.main_process_first(desc="tokenization"):
@@ -246,6 +312,9 @@ def main(argv: list[str] | None = None) -> dict:
             remove_columns=["tokens", "ner_tags"],
             desc="Tokenizing and aligning tags",
         )
+    for split, dataset in processed.items():
+        warn_about_cut_words(split, dataset, data_args.max_seq_length)
+    processed = processed.remove_columns(["cut_words", "cut_entity_words"])
     train_dataset = processed.get("train") if training_args.do_train else None
     eval_dataset = processed.get("validation") if training_args.do_eval else None
     predict_dataset = processed.get("test") if training_args.do_predict else None

@@ -269,6 +269,10 @@ def label_name(value, source: str, column: str) -> str:
     )
 
 
+class UnknownLabelsError(ValueError):
+    """Labels of the data outside a fixed set of classes (a trained model's, or a Hub `ClassLabel`'s)."""
+
+
 @dataclass(frozen=True)
 class ClassificationLabels:
     """The classes of a document classification task and whether a document may carry several of them."""
@@ -278,14 +282,20 @@ class ClassificationLabels:
 
     @classmethod
     def from_splits(
-        cls, splits: Mapping[str, Sequence], column: str, names: Sequence[str] | None = None
+        cls,
+        splits: Mapping[str, Sequence],
+        column: str,
+        names: Sequence[str] | None = None,
+        names_from: str = "the dataset's ClassLabel feature",
     ) -> "ClassificationLabels":
         """Infer the task from the label values of every split (`{"train": [...], "validation": [...]}`).
 
         All values must be of one kind: single labels (str / int / bool) or lists of them (multi-label). Single-label
         classes are those of the training split (or of the first split, without one) and the other splits may only
         use those; multi-label classes are the union over the splits, so that labels seen only in evaluation count as
-        misses. `names` (from a Hub `ClassLabel` feature) fixes the classes and their order instead.
+        misses. `names` (a Hub `ClassLabel` feature's, or a trained model's) fixes the classes and their order
+        instead: every label must be one of them (`names_from` says whose they are in the error), and a split may
+        use only some.
         """
         kinds = {}  # "single" / "multi" -> the first example of that kind
         for split, values in splits.items():
@@ -309,7 +319,21 @@ class ClassificationLabels:
         multi_label = "multi" in kinds
 
         if names is not None:
-            return cls(tuple(str(name) for name in names), multi_label)
+            names = tuple(str(name) for name in names)
+            found = {
+                label_name(item, split, column)
+                for split, values in splits.items()
+                for value in values
+                for item in (value if multi_label else [value])
+            }
+            unknown = found - set(names)
+            if unknown:
+                raise UnknownLabelsError(
+                    f"Column {column!r} holds labels that {names_from} does not have: {sort_names(unknown)[:10]}"
+                    f"{' ...' if len(unknown) > 10 else ''} (its classes: {list(names[:10])}"
+                    f"{' ...' if len(names) > 10 else ''})."
+                )
+            return cls(names, multi_label)
         if multi_label:
             found = {label_name(item, split, column) for values in splits.values() for row in values for item in row}
             return cls(tuple(sort_names(found)), True)
@@ -351,9 +375,21 @@ class TagLabels:
     names: tuple[str, ...]
 
     @classmethod
-    def from_splits(cls, splits: Mapping[str, Sequence[Sequence[str]]], names: Sequence[str] | None = None):
-        """Tags of every sentence of every split; tags outside the training split's set are an error."""
+    def from_splits(
+        cls,
+        splits: Mapping[str, Sequence[Sequence[str]]],
+        names: Sequence[str] | None = None,
+        names_from: str = "the dataset's ClassLabel feature",
+    ):
+        """Tags of every sentence of every split; tags outside the training split's set are an error. `names` (a
+        trained model's, say) fixes the tags and their order instead; tags outside them are an error."""
         if names is not None:
+            unknown = {tag for sentences in splits.values() for sentence in sentences for tag in sentence} - set(names)
+            if unknown:
+                raise UnknownLabelsError(
+                    f"The data has tags that {names_from} does not have: {sorted(unknown)[:10]} (its tags: "
+                    f"{list(names[:20])}{' ...' if len(names) > 20 else ''})."
+                )
             return cls(tuple(names))
         reference = "train" if "train" in splits else next(iter(splits))
         known = {tag for sentence in splits[reference] for tag in sentence}
@@ -375,6 +411,7 @@ class TagLabels:
 __all__ = [
     "ClassificationLabels",
     "TagLabels",
+    "UnknownLabelsError",
     "check_columns",
     "check_text",
     "file_format",
