@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import string
 import sys
 import zipfile
@@ -40,7 +39,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import ran_hf  # registers RAN with the Auto classes and marks it for remote code on save
 from ran_hf import RAN_LORA_TARGET_MODULES, RANConfig, frozen_new_weights, ran_lora_config
 from ran_hf.data import check_columns, check_text, read_records
-from ran_hf.folders import normal_permissions, recover_interrupted, replace_folder, staging_folder
+from ran_hf.folders import (
+    check_not_inputs,
+    contents,
+    discard_set_aside,
+    lock_folder,
+    recover_interrupted,
+    set_aside,
+    write_folder,
+)
 from ran_hf.sentence_embeddings import (
     SENTENCE_POOLINGS,
     SENTENCE_TRANSFORMERS_FILES,
@@ -415,27 +422,54 @@ def refuse_diverged_checkpoint(checkpoint: str | Path) -> None:
         )
 
 
-def prepare_output_dir(training_args: RANTrainingArguments) -> str | None:
+# Fields of the scripts' argument dataclasses that name something the run reads (a local path, or a Hub name).
+INPUT_FIELDS = (
+    "model_name_or_path",
+    "config_name",
+    "tokenizer_name",
+    "dataset_name",
+    "train_file",
+    "validation_file",
+    "test_file",
+)
+
+
+def run_inputs(*arguments) -> list[tuple[str, str]]:
+    """(flag, value) of every input that `arguments` (the scripts' argument dataclasses) name."""
+    return [
+        (f"--{name}", getattr(group, name))
+        for group in arguments
+        for name in INPUT_FIELDS
+        if getattr(group, name, None) is not None
+    ]
+
+
+def prepare_output_dir(training_args: RANTrainingArguments, *arguments) -> str | None:
     """Check `--output_dir` before any work and return the checkpoint to resume from (see `checkpoint_to_resume`).
 
-    First, what a killed final save left beside the folder is cleaned up (`ran_hf.folders.recover_interrupted`).
+    First, an `--output_dir` that is, holds or lies inside something the run reads (the model, tokenizer or data
+    named in `arguments`, the script's other argument dataclasses) is refused (`ran_hf.folders.check_not_inputs`).
+    The process that saves then takes the lock on the folder for the whole run (`ran_hf.folders.lock_folder`: a second
+    run into it is refused, naming this one) and cleans up what a killed save left (`recover_interrupted`).
     Then a training run into a folder that already holds something (a finished run's model and metrics, or the
     checkpoints of another run) is refused unless it continues the run in that folder (`--resume_from_checkpoint`
     naming one of its checkpoints, or `latest` finding one) or `--overwrite_output_dir` is given. When overwriting,
-    the old checkpoints are deleted now (a later `latest` would otherwise pick them), and the old model, metrics and
-    card are replaced by the final save (`RANTrainer.save_model`), never merged with the new run's.
+    the old checkpoints are set aside now (a later `latest` would otherwise pick them) and deleted once the final save
+    is complete; the old model, metrics and card are replaced by the final save (`RANTrainer.save_model`), never
+    merged with the new run's.
     """
     output_dir = Path(training_args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise ValueError(f"--output_dir {output_dir} is a file, not a folder.")
+    check_not_inputs(output_dir, "--output_dir", run_inputs(*arguments))
     if training_args.should_save:
-        target = Path(os.path.abspath(output_dir))
-        for note in recover_interrupted(target, carry_over=lambda name: not is_run_file(name)):
+        lock_folder(output_dir)  # held until the script's main returns (or the process ends)
+        for note in recover_interrupted(output_dir, carry_over=lambda name: not is_run_file(name)):
             logger.warning(f"Before this run: {note}.")
     checkpoint = checkpoint_to_resume(training_args)
     if not training_args.do_train or not output_dir.is_dir():
         return checkpoint
-    entries = sorted(path.name for path in output_dir.iterdir())
+    entries = contents(output_dir)
     if not entries:
         return checkpoint
     if checkpoint is not None and Path(checkpoint).resolve().parent == output_dir.resolve():
@@ -449,13 +483,12 @@ def prepare_output_dir(training_args: RANTrainingArguments) -> str | None:
             f"run's model and mix their metrics. {resume}--overwrite_output_dir to replace it, or choose another "
             "--output_dir."
         )
-    if training_args.should_save:
-        for path in old_checkpoints:
-            shutil.rmtree(path)
+    if training_args.should_save and old_checkpoints:
+        set_aside(output_dir, [path.name for path in old_checkpoints])
     names = ", ".join(path.name for path in old_checkpoints)
-    deleted = f"Deleted its checkpoints ({names}); " if old_checkpoints else ""
+    aside = f"Set its checkpoints aside ({names}), to be deleted once this run's model is saved; " if names else ""
     logger.warning(
-        f"--overwrite_output_dir: {output_dir} held a previous run. {deleted}its model, metrics and model card are "
+        f"--overwrite_output_dir: {output_dir} held a previous run. {aside}its model, metrics and model card are "
         "replaced when this run saves its model."
     )
     return checkpoint
@@ -874,44 +907,26 @@ class RANTrainer(Trainer):
             write_sentence_transformers_config(folder, pooling=self.sentence_transformers_pooling)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The final save (into `--output_dir`) is atomic: the model is written into a folder beside it, which then
-        replaces it (`ran_hf.folders.replace_folder`); checkpoints and other entries of the old folder are moved over,
-        its previous model, metrics and card are not. A full disk or a kill leaves the old model or the new one,
-        whole. Checkpoint saves, other ranks and DeepSpeed saves are Transformers' own. Weights that are NaN or
+        """The final save (into `--output_dir`) goes through `ran_hf.folders.write_folder`: the model is written
+        into a temporary folder, which then replaces the old one (its contents, for a mount point); checkpoints and
+        other entries of the old folder stay, its previous model, metrics and card do not. A full disk or a kill
+        leaves the old model or the new one, whole. Checkpoint saves, other ranks and DeepSpeed saves are Transformers' own. Weights that are NaN or
         infinite are never saved."""
         self.refuse_nonfinite_weights(output_dir)
         final = output_dir is None or os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir)
         if not final or not self.args.should_save or self.is_deepspeed_enabled:
             super().save_model(output_dir, _internal_call=_internal_call)
             return
-        target = Path(os.path.abspath(self.args.output_dir))
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staging = staging_folder(target, "saving")
-        except OSError as error:
-            logger.warning(f"Cannot write beside {target} ({error}): saving into it directly, not atomically.")
-            super().save_model(output_dir, _internal_call=_internal_call)
-            self.write_sentence_transformers_files(target)
-            return
-        try:
+        written = set()
+        with write_folder(self.args.output_dir, "saving", carry_over=lambda name: not is_run_file(name)) as staging:
             super().save_model(str(staging), _internal_call=True)
             if any(staging.iterdir()):
                 self.write_sentence_transformers_files(staging)
             written = {path.name for path in staging.iterdir()}
-            if not written:  # nothing to publish (a sharded FSDP state, say): keep the folder as it is
-                super().save_model(output_dir, _internal_call=True)
-            else:
-                normal_permissions(staging)
-                working_in_target = target.is_dir() and os.path.samefile(os.getcwd(), target)
-                replace_folder(staging, target, carry_over=lambda name: name not in written and not is_run_file(name))
-                if working_in_target:  # the old folder, our working directory, is gone: move into the new one
-                    os.chdir(target)
-        except BaseException:
-            logger.error(f"Saving the model to {target} failed; {target} holds what it held before.")
-            raise
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
+        if written:
+            discard_set_aside(self.args.output_dir)  # the old run's checkpoints (--overwrite_output_dir)
+        else:  # nothing to publish (a sharded FSDP state, say): the folder stays as it is
+            super().save_model(output_dir, _internal_call=True)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from ran_hf import RANConfig, RANForSequenceClassification
 from ran_hf.data import ClassificationLabels, TagLabels, read_conll, read_records
+from ran_hf.folders import releases_folder_locks
 from remote_code import run_without_ran_hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -894,7 +895,7 @@ def test_a_kill_after_the_new_folder_moved_in_is_finished_by_the_next_run(tmp_pa
         (old / name / "file").write_text(name)
     for name in ("config.json", "model.safetensors", "all_results.json", "eval_results.json", "README.md"):
         (old / name).write_text("old")
-    prepare_output_dir(RANTrainingArguments(output_dir=str(output_dir), do_train=False))
+    releases_folder_locks(prepare_output_dir)(RANTrainingArguments(output_dir=str(output_dir), do_train=False))
     assert files_of(output_dir) == {
         "config.json": b"new",
         "checkpoint-2/file": b"checkpoint-2",

@@ -58,6 +58,8 @@ from training_utils import (  # noqa: E402
     setup_logging,
 )
 
+from ran_hf.folders import releases_folder_locks  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 
@@ -96,6 +98,7 @@ class DataTrainingArguments:
             raise ValueError(f"--block_size must be at least 2, got {self.block_size}.")
 
 
+@releases_folder_locks
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_arguments(
         (ModelArguments, DataTrainingArguments, RANTrainingArguments), argv
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
             "--stream_training carries each stream's state from batch to batch in one process; it cannot split "
             f"batches over {training_args.world_size} processes. Run it in a single process."
         )
-    checkpoint = prepare_output_dir(training_args)  # refuses to train over a previous run unasked
+    # refuses to train over a previous run unasked or over its own inputs; locks the folder for the run
+    checkpoint = prepare_output_dir(training_args, model_args, data_args)
     set_seed(training_args.seed)
 
     # Data

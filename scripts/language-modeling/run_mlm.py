@@ -48,6 +48,8 @@ from training_utils import (  # noqa: E402
     setup_logging,
 )
 
+from ran_hf.folders import releases_folder_locks  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 
@@ -86,6 +88,7 @@ class DataTrainingArguments:
             raise ValueError(f"--max_seq_length must be at least 2, got {self.max_seq_length}.")
 
 
+@releases_folder_locks
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_arguments(
         (ModelArguments, DataTrainingArguments, RANTrainingArguments), argv
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging(training_args, logger)
     configure_data_parallelism(training_args)
     check_training_length(training_args)
-    checkpoint = prepare_output_dir(training_args)  # refuses to train over a previous run unasked
+    # refuses to train over a previous run unasked or over its own inputs; locks the folder for the run
+    checkpoint = prepare_output_dir(training_args, model_args, data_args)
     set_seed(training_args.seed)
 
     # Data

@@ -52,6 +52,8 @@ from training_utils import (  # noqa: E402
     trained_labels,
 )
 
+from ran_hf.folders import releases_folder_locks  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 
@@ -162,6 +164,7 @@ def classification_metrics(logits: np.ndarray, labels: np.ndarray, multi_label: 
     return metrics
 
 
+@releases_folder_locks
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_arguments(
         (ModelArguments, DataTrainingArguments, RANTrainingArguments), argv
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging(training_args, logger)
     configure_data_parallelism(training_args)
     check_training_length(training_args)
-    checkpoint = prepare_output_dir(training_args)  # refuses to train over a previous run unasked
+    # refuses to train over a previous run unasked or over its own inputs; locks the folder for the run
+    checkpoint = prepare_output_dir(training_args, model_args, data_args)
     set_seed(training_args.seed)
 
     # Data: read, check the columns, then infer and check the labels of every split that has them
