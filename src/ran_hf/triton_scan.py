@@ -1,20 +1,25 @@
-"""The cell scan in Triton: three kernels per window forward, three backward, whatever the layer's width.
+"""The cell scan in Triton: two kernels per window forward, two backward, whatever the layer's width.
 
 `fused_scan.py` runs each window step as ~40 forward and ~56 backward PyTorch ops; on a GPU every one is a kernel
-launch of a few microseconds around very little arithmetic. Here a step is three launches each way, each a
+launch of a few microseconds around very little arithmetic. Here a step is two launches each way, each a
 `torch.library.triton_op` (one op for `torch.compile`, export and a dispatch counter):
 
-forward, step t (the cell c read by the window, its input norm `normed` already computed):
-  1. `project`  one program per head: q, k, v of the cell (a matrix-vector product per sequence with `tl.dot`), their
-                activation, then the head's attention over [the cell's own key; the window's slots] (online softmax,
-                dropout on the weights). Further programs compute the two GLU projections (attention GLU of `normed`,
-                cell GLU of the previous raw cell), which need no attention.
+forward, step t:
+  1. `project`  first the previous step's `write` (below), which every program computes for its rows: the row-wise
+                norms, gates and residual that make the raw cell and the cell of step t - 1, and the input norm
+                `normed` of the cell step t reads. Then one program per head: q, k, v of the cell (a matrix-vector
+                product per sequence with `tl.dot`), their activation, then the head's attention over [the cell's
+                own key; the window's slots] (online softmax, dropout on the weights). Further programs compute the
+                two GLU projections (attention GLU of `normed`, cell GLU of the previous raw cell).
   2. `output`   the output projection of the attended heads, column blocks in parallel.
-  3. `write`    one program per sequence, the whole row: activation, gated residual, the standardisations and norms
-                that write the raw cell and the cell, and the input norm of the next step's cell.
-backward, step t in reverse: `write_grad` (the row-wise chain of `write` and the next step's input norm, in reverse),
-`attention_grad` (per head: the output projection's transpose, the attention's backward, the window slots'
-gradients), `input_grad` (the transposed input projections, column blocks in parallel).
+A `write` launch of its own starts the scan (the input norm of its first cell) and ends it (the last cell).
+backward, step t in reverse: `attention_grad` (first the row-wise chain of `write` and the next step's input norm in
+reverse, in every program for its rows; then per head: the output projection's transpose, the attention's backward,
+the window slots' gradients), `input_grad` (the transposed input projections, column blocks in parallel); one
+`write_grad` ends it (the gradients of the cell and raw cell the scan started from).
+
+Repeating the row-wise work in every program costs a few sums over rows of the hidden size; a launch costs
+microseconds whatever it does, and the step's launches wait on each other.
 
 Weight gradients are sums over steps, taken after the loop by a few batched products, as in the fused scan.
 
@@ -106,31 +111,46 @@ def triton_scan_forward(plan, cell, previous_raw, step_keys, step_values, output
     def at(tensor, step):
         return absent() if tensor is None else tensor[step]
 
+    def write_of(step):
+        """The tensors and flags of step `step`'s write (raw cell, cell, the next step's input norm); step -1: the
+        input norm of the cell the scan starts from."""
+        start, has_next = step < 0, step + 1 < num_steps
+
+        def of_step(tensor):
+            return absent() if start else at(tensor, step)
+
+        tensors = (
+            cell if start else out_pre[step], of_step(glu_pre), of_step(gate_pre), rows[min(max(step, 0), 1)],
+            of_step(dropout.output), of_step(dropout.written), of_step(dropout.cell),
+            at(dropout.input, step + 1) if has_next else absent(), absent(an_w), absent(an_b), absent(cn_w),
+            absent(cn_b), in_w, in_b, of_step(raw_cells), of_step(cells), of_step(gated), of_step(joined),
+            *((normed_cells[step + 1], normed[step + 1]) if has_next else (absent(), absent())),
+        )  # fmt: skip
+        flags = [
+            plan.output_activation, has_glu, not start and step_has_gate(plan, step), has_next,
+            not start and dropout.output is not None, not start and dropout.written is not None,
+            not start and dropout.cell is not None, dropout.input is not None, start,
+        ]  # fmt: skip
+        return tensors, flags
+
     project, output, write = launchers(cell, scan_project, scan_output, scan_write)
-    write(  # the input norm of the cell the scan starts from
-        cell, absent(), absent(), rows[0], absent(), absent(), absent(), at(dropout.input, 0), absent(), absent(),
-        absent(), absent(), in_w, in_b, absent(), absent(), absent(), absent(), normed_cells[0], normed[0], eps,
-        [False, False, False, True, False, False, False, dropout.input is not None, True],
-    )  # fmt: skip
+    tensors, flags = write_of(-1)
+    write(*tensors, eps, flags)
     for step in range(num_steps):
-        gate_on = step_has_gate(plan, step)
+        # From the second step on, each step's projections launch first writes the previous step's cell.
+        fused = step > 0
+        write_tensors, write_flags = write_of(step - 1) if fused else ((absent(),) * 20, [False] * 9)
         project(
-            normed[step], previous_raw if step == 0 else raw_cells[step - 1], qkv_w, qkv_b, absent(ag_w),
+            absent() if fused else normed[step], absent() if fused else previous_raw, qkv_w, qkv_b, absent(ag_w),
             absent(ag_b), absent(cg_w), absent(cg_b), keys[step], values[step], bias[step], at(dropout.probs, step),
             qkv_pre[step], query[step], read_keys[step], read_values[step], attended[step], at(glu_pre, step),
-            at(gate_pre, step), plan.qk_activation, has_glu, gate_on, dropout.probs is not None,
+            at(gate_pre, step), *write_tensors, eps,
+            [plan.qk_activation, has_glu, step_has_gate(plan, step), dropout.probs is not None, fused,
+             plan.output_activation, write_flags[2], *write_flags[4:8]],
         )  # fmt: skip
         output(attended[step], o_w, o_b, at(output_shift, step), out_pre[step], output_shift is not None)
-        has_next = step + 1 < num_steps
-        write(
-            out_pre[step], at(glu_pre, step), at(gate_pre, step), rows[min(step, 1)], at(dropout.output, step),
-            at(dropout.written, step), at(dropout.cell, step), at(dropout.input, step + 1) if has_next else absent(),
-            absent(an_w), absent(an_b), absent(cn_w), absent(cn_b), in_w, in_b, raw_cells[step], cells[step],
-            at(gated, step), at(joined, step), normed_cells[step + 1] if has_next else absent(),
-            normed[step + 1] if has_next else absent(), eps,
-            [plan.output_activation, has_glu, gate_on, has_next, dropout.output is not None,
-             dropout.written is not None, dropout.cell is not None, dropout.input is not None, False],
-        )  # fmt: skip
+    tensors, flags = write_of(num_steps - 1)
+    write(*tensors, eps, flags)
     outputs = (read_keys, read_values, raw_cells, cells)
     if not plan.keep_for_backward:
         return outputs, None
@@ -197,21 +217,18 @@ def triton_scan_backward(plan, state, weights, grads):
     )
     for step in reversed(range(num_steps)):
         last, gate_on = step == num_steps - 1, step_has_gate(plan, step)
-        write_grad(
-            grad_cells[step], grad_raw_cells[step], grad_normed, grad_prev_raw,
+        attention_grad(  # the step's row-wise backward, then its attention's
+            o_w, qkv_pre[step], state["query"][step], state["read_keys"][step], state["read_values"][step],
+            state["attended"][step], keys[step], state["values"][step], state["bias"][step], at(dropout.probs, step),
+            grad_read_keys[step], grad_read_values[step], grad_attended, grad_qkv_pre[step], grad_keys[step],
+            grad_values[step], grad_cells[step], grad_raw_cells[step], grad_normed, grad_prev_raw,
             absent() if last else at(dropout.input, step + 1), state["cells"][step], in_w, state["out_pre"][step],
             at(state["glu_pre"], step), at(state["gate_pre"], step), state["raw_cells"][step], rows[min(step, 1)],
             at(dropout.output, step), at(dropout.written, step), at(dropout.cell, step), absent(an_w), absent(an_b),
             absent(cn_w), absent() if last else grad_input_norm[step + 1], at(grad_update, step),
-            at(grad_gate_pre, step), at(grad_written, step), at(grad_glu_pre, step), grad_out_pre[step], absent(),
-            absent(), eps,
-            [last, False, has_gate and not last, plan.output_activation, has_glu, gate_on, *masks, has_input_mask],
-        )  # fmt: skip
-        attention_grad(
-            grad_out_pre[step], o_w, qkv_pre[step], state["query"][step], state["read_keys"][step],
-            state["read_values"][step], state["attended"][step], keys[step], state["values"][step],
-            state["bias"][step], at(dropout.probs, step), grad_read_keys[step], grad_read_values[step], grad_attended,
-            grad_qkv_pre[step], grad_keys[step], grad_values[step], plan.qk_activation, dropout.probs is not None,
+            at(grad_gate_pre, step), at(grad_written, step), at(grad_glu_pre, step), grad_out_pre[step], eps,
+            [plan.qk_activation, dropout.probs is not None, last, has_gate and not last, plan.output_activation,
+             has_glu, gate_on, *masks, has_input_mask],
         )  # fmt: skip
         input_grad(
             grad_qkv_pre[step], qkv_w, at(grad_glu_pre, step), absent(ag_w), at(grad_gate_pre, step), absent(cg_w),

@@ -80,16 +80,33 @@ if TRITON_AVAILABLE:
     def _project_kernel(
         normed, prev_raw, qkv_w, qkv_b, ag_w, ag_b, cg_w, cg_b, keys, values, bias, probs_mask,
         qkv_pre, query, read_key, read_value, attended, glu_pre, gate_pre,
-        B, D, H, d, S, scale,
+        w_out_pre, w_glu_pre, w_gate_pre, residual_rows, output_mask, written_mask, cell_mask, input_mask,
+        an_w, an_b, cn_w, cn_b, in_w, in_b, raw_out, cell_out, gated_out, joined_out, normed_cell_out, normed_out,
+        B, D, H, d, S, scale, eps,
         QK_ACT: tl.constexpr, HAS_GLU: tl.constexpr, HAS_GATE: tl.constexpr, HAS_PROBS_MASK: tl.constexpr,
+        WRITE: tl.constexpr, OUTPUT_ACT: tl.constexpr, WRITE_GATE: tl.constexpr, HAS_OUTPUT_MASK: tl.constexpr,
+        HAS_WRITTEN_MASK: tl.constexpr, HAS_CELL_MASK: tl.constexpr, HAS_INPUT_MASK: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_S: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
     ):  # fmt: skip
+        """WRITE: first the previous step's write (`_write_rows`, `w_*` its inputs), whose raw cell and input norm
+        this step projects: every program computes it for its rows, one program of each row block keeps the rest.
+        A launch fewer a step, for a few row-wise sums repeated in every program."""
         pid = tl.program_id(0)
         first_row = tl.program_id(1) * BLOCK_B
         rows = first_row + tl.arange(0, BLOCK_B)
         row_ok = rows < B
         HD = H * d
+        if WRITE:
+            _write_rows(
+                first_row, tl.minimum(B, first_row + BLOCK_B), pid == 0, w_out_pre, w_glu_pre, w_gate_pre,
+                residual_rows, output_mask, written_mask, cell_mask, input_mask, an_w, an_b, cn_w, cn_b, in_w, in_b,
+                raw_out, cell_out, gated_out, joined_out, normed_cell_out, normed_out, D, eps, OUTPUT_ACT, HAS_GLU,
+                WRITE_GATE, True, HAS_OUTPUT_MASK, HAS_WRITTEN_MASK, HAS_CELL_MASK, HAS_INPUT_MASK, False,
+                BLOCK_HIDDEN,
+            )  # fmt: skip
+            normed, prev_raw = normed_out, raw_out
+            tl.debug_barrier()  # the rows just stored are what the projections below read
         if pid < H:  # head h: the cell's query, key and value, then its attention over the window
             h = pid
             j = tl.arange(0, BLOCK_D)
@@ -180,6 +197,61 @@ if TRITON_AVAILABLE:
         tl.store(out_pre + where, acc, mask=ok)
 
     @triton.jit
+    def _write_rows(
+        first_row, last_row, keep_all, out_pre, glu_pre, gate_pre, residual_rows, output_mask, written_mask,
+        cell_mask, next_input_mask, an_w, an_b, cn_w, cn_b, in_w, in_b,
+        raw_out, cell_out, gated_out, joined_out, next_normed_cell, next_normed, D, eps,
+        OUTPUT_ACT: tl.constexpr, HAS_GLU: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NEXT: tl.constexpr,
+        HAS_OUTPUT_MASK: tl.constexpr, HAS_WRITTEN_MASK: tl.constexpr, HAS_CELL_MASK: tl.constexpr,
+        HAS_INPUT_MASK: tl.constexpr, START: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Rows [first_row, last_row) of step t's raw cell and cell, then of step t + 1's input norm; START: only the
+        input norm of the cell the scan starts from, read from `out_pre` (an input, where `cell_out` would be declared
+        written). The raw cell and the next input norm, which the next step's projections read, are always stored;
+        the rest only where `keep_all` (one program of a launch that computes the same rows in every program)."""
+        i = tl.arange(0, BLOCK_D)
+        ok = i < D
+        kept = tl.where(keep_all, ok, False)
+        for b in range(first_row, last_row):
+            row = b * D + i
+            if START:
+                cell = tl.load(out_pre + row, mask=ok, other=0.0)
+            else:
+                output = tl.load(out_pre + row, mask=ok, other=0.0)
+                if OUTPUT_ACT:
+                    output = output * _sigmoid(output)
+                if HAS_OUTPUT_MASK:
+                    output *= tl.load(output_mask + row, mask=ok, other=0.0)
+                if HAS_GLU:  # raw = SN(LN_attention(output + GLU(normed)))
+                    value = tl.load(glu_pre + b * 2 * D + i, mask=ok, other=0.0)
+                    gate = tl.load(glu_pre + b * 2 * D + D + i, mask=ok, other=0.0)
+                    gated, _ = _standardize(output + value * _sigmoid(gate), ok, D, eps)
+                    tl.store(gated_out + row, gated, mask=kept)
+                    output = gated * tl.load(an_w + i, mask=ok, other=0.0) + tl.load(an_b + i, mask=ok, other=0.0)
+                raw, _ = _standardize(output, ok, D, eps)
+                if HAS_WRITTEN_MASK:
+                    raw *= tl.load(written_mask + row, mask=ok, other=0.0)
+                tl.store(raw_out + row, raw, mask=ok)
+                cell = raw
+                if HAS_GATE:  # cell = LN_cell(raw + GLU_cell(previous raw)) on rows with a residual
+                    value = tl.load(gate_pre + b * 2 * D + i, mask=ok, other=0.0)
+                    gate = tl.load(gate_pre + b * 2 * D + D + i, mask=ok, other=0.0)
+                    joined, _ = _standardize(raw + value * _sigmoid(gate), ok, D, eps)
+                    tl.store(joined_out + row, joined, mask=kept)
+                    updated = joined * tl.load(cn_w + i, mask=ok, other=0.0) + tl.load(cn_b + i, mask=ok, other=0.0)
+                    if HAS_CELL_MASK:
+                        updated *= tl.load(cell_mask + row, mask=ok, other=0.0)
+                    cell = tl.where(tl.load(residual_rows + b) > 0, updated, raw)
+                tl.store(cell_out + row, cell, mask=kept)
+            if HAS_NEXT:  # the next step's input norm
+                normed_cell, _ = _standardize(cell, ok, D, eps)
+                tl.store(next_normed_cell + row, normed_cell, mask=kept)
+                normed = normed_cell * tl.load(in_w + i, mask=ok, other=0.0) + tl.load(in_b + i, mask=ok, other=0.0)
+                if HAS_INPUT_MASK:
+                    normed *= tl.load(next_input_mask + row, mask=ok, other=0.0)
+                tl.store(next_normed + row, normed, mask=ok)
+
+    @triton.jit
     def _write_kernel(
         out_pre, glu_pre, gate_pre, residual_rows, output_mask, written_mask, cell_mask, next_input_mask,
         an_w, an_b, cn_w, cn_b, in_w, in_b,
@@ -188,48 +260,14 @@ if TRITON_AVAILABLE:
         HAS_OUTPUT_MASK: tl.constexpr, HAS_WRITTEN_MASK: tl.constexpr, HAS_CELL_MASK: tl.constexpr,
         HAS_INPUT_MASK: tl.constexpr, START: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """Step t's raw cell and cell, then step t + 1's input norm; START: only the input norm of the cell the scan
-        starts from, read from `out_pre` (an input, where `cell_out` would be declared written)."""
+        """`_write_rows`, one sequence a program: the write of the scan's start and of its last step."""
         b = tl.program_id(0)
-        i = tl.arange(0, BLOCK_D)
-        ok = i < D
-        row = b * D + i
-        if START:
-            cell = tl.load(out_pre + row, mask=ok, other=0.0)
-        else:
-            output = tl.load(out_pre + row, mask=ok, other=0.0)
-            if OUTPUT_ACT:
-                output = output * _sigmoid(output)
-            if HAS_OUTPUT_MASK:
-                output *= tl.load(output_mask + row, mask=ok, other=0.0)
-            if HAS_GLU:  # raw = SN(LN_attention(output + GLU(normed)))
-                value = tl.load(glu_pre + b * 2 * D + i, mask=ok, other=0.0)
-                gate = tl.load(glu_pre + b * 2 * D + D + i, mask=ok, other=0.0)
-                gated, _ = _standardize(output + value * _sigmoid(gate), ok, D, eps)
-                tl.store(gated_out + row, gated, mask=ok)
-                output = gated * tl.load(an_w + i, mask=ok, other=0.0) + tl.load(an_b + i, mask=ok, other=0.0)
-            raw, _ = _standardize(output, ok, D, eps)
-            if HAS_WRITTEN_MASK:
-                raw *= tl.load(written_mask + row, mask=ok, other=0.0)
-            tl.store(raw_out + row, raw, mask=ok)
-            cell = raw
-            if HAS_GATE:  # cell = LN_cell(raw + GLU_cell(previous raw)) on rows with a residual
-                value = tl.load(gate_pre + b * 2 * D + i, mask=ok, other=0.0)
-                gate = tl.load(gate_pre + b * 2 * D + D + i, mask=ok, other=0.0)
-                joined, _ = _standardize(raw + value * _sigmoid(gate), ok, D, eps)
-                tl.store(joined_out + row, joined, mask=ok)
-                updated = joined * tl.load(cn_w + i, mask=ok, other=0.0) + tl.load(cn_b + i, mask=ok, other=0.0)
-                if HAS_CELL_MASK:
-                    updated *= tl.load(cell_mask + row, mask=ok, other=0.0)
-                cell = tl.where(tl.load(residual_rows + b) > 0, updated, raw)
-            tl.store(cell_out + row, cell, mask=ok)
-        if HAS_NEXT:  # the next step's input norm
-            normed_cell, _ = _standardize(cell, ok, D, eps)
-            tl.store(next_normed_cell + row, normed_cell, mask=ok)
-            normed = normed_cell * tl.load(in_w + i, mask=ok, other=0.0) + tl.load(in_b + i, mask=ok, other=0.0)
-            if HAS_INPUT_MASK:
-                normed *= tl.load(next_input_mask + row, mask=ok, other=0.0)
-            tl.store(next_normed + row, normed, mask=ok)
+        _write_rows(
+            b, b + 1, True, out_pre, glu_pre, gate_pre, residual_rows, output_mask, written_mask, cell_mask,
+            next_input_mask, an_w, an_b, cn_w, cn_b, in_w, in_b, raw_out, cell_out, gated_out, joined_out,
+            next_normed_cell, next_normed, D, eps, OUTPUT_ACT, HAS_GLU, HAS_GATE, HAS_NEXT, HAS_OUTPUT_MASK,
+            HAS_WRITTEN_MASK, HAS_CELL_MASK, HAS_INPUT_MASK, START, BLOCK_D,
+        )  # fmt: skip
 
     @triton.jit
     def _standardize_grad(grad, x, ok, D, eps):
@@ -242,6 +280,95 @@ if TRITON_AVAILABLE:
         return tl.where(ok, rstd * (grad - mean_grad - x * rstd * mean_product), 0.0)
 
     @triton.jit
+    def _write_grad_rows(
+        first_row, last_row, keep_all,
+        grad_cells, grad_raw_cells, grad_normed_next, grad_prev_raw_next, next_input_mask, read_cell, in_w,
+        out_pre, glu_pre, gate_pre, raw, residual_rows, output_mask, written_mask, cell_mask, an_w, an_b, cn_w,
+        grad_input_norm_out, grad_update_out, grad_gate_pre_out, grad_written_out, grad_glu_pre_out, grad_out_pre_out,
+        grad_cell_out, grad_raw_out, D, eps,
+        LAST: tl.constexpr, FIRST: tl.constexpr, NEXT_GATE: tl.constexpr,
+        OUTPUT_ACT: tl.constexpr, HAS_GLU: tl.constexpr, HAS_GATE: tl.constexpr,
+        HAS_OUTPUT_MASK: tl.constexpr, HAS_WRITTEN_MASK: tl.constexpr, HAS_CELL_MASK: tl.constexpr,
+        HAS_INPUT_MASK: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Rows [first_row, last_row) of step t's row-wise backward, after finishing step t + 1's (its input norm,
+        reading `read_cell`, the cell of step t). FIRST: only that finish, for the cell and raw cell the scan started
+        from. The output projection's gradient, which the attention's backward reads, is always stored; the rest
+        only where `keep_all` (one program of a launch that computes the same rows in every program)."""
+        i = tl.arange(0, BLOCK_D)
+        ok = i < D
+        kept = tl.where(keep_all, ok, False)
+        for b in range(first_row, last_row):
+            row = b * D + i
+            grad_cell = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            grad_raw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            if not FIRST:
+                grad_cell += tl.load(grad_cells + row, mask=ok, other=0.0)
+                grad_raw += tl.load(grad_raw_cells + row, mask=ok, other=0.0)
+            if not LAST:  # step t + 1 read this cell through its input norm, and this raw cell through its cell GLU
+                grad_normed = tl.load(grad_normed_next + row, mask=ok, other=0.0)
+                if HAS_INPUT_MASK:
+                    grad_normed *= tl.load(next_input_mask + row, mask=ok, other=0.0)
+                tl.store(grad_input_norm_out + row, grad_normed, mask=kept)
+                cell = tl.load(read_cell + row, mask=ok, other=0.0)
+                grad_cell += _standardize_grad(grad_normed * tl.load(in_w + i, mask=ok, other=0.0), cell, ok, D, eps)
+                if NEXT_GATE:
+                    grad_raw += tl.load(grad_prev_raw_next + row, mask=ok, other=0.0)
+            if FIRST:
+                tl.store(grad_cell_out + row, grad_cell, mask=kept)
+                tl.store(grad_raw_out + row, grad_raw, mask=kept)
+            else:
+                raw_cell = tl.load(raw + row, mask=ok, other=0.0)
+                if HAS_GATE:
+                    has_residual = tl.load(residual_rows + b) > 0
+                    grad_update = tl.where(has_residual, grad_cell, 0.0)
+                    grad_raw += tl.where(has_residual, 0.0, grad_cell)
+                    if HAS_CELL_MASK:
+                        grad_update *= tl.load(cell_mask + row, mask=ok, other=0.0)
+                    tl.store(grad_update_out + row, grad_update, mask=kept)
+                    value = tl.load(gate_pre + b * 2 * D + i, mask=ok, other=0.0)
+                    gate = tl.load(gate_pre + b * 2 * D + D + i, mask=ok, other=0.0)
+                    sigmoid = _sigmoid(gate)
+                    grad_joined = _standardize_grad(grad_update * tl.load(cn_w + i, mask=ok, other=0.0),
+                                                    raw_cell + value * sigmoid, ok, D, eps)  # fmt: skip
+                    tl.store(grad_gate_pre_out + b * 2 * D + i, grad_joined * sigmoid, mask=kept)
+                    grad_gate = grad_joined * value * sigmoid * (1.0 - sigmoid)
+                    tl.store(grad_gate_pre_out + b * 2 * D + D + i, grad_gate, mask=kept)
+                    grad_raw += grad_joined
+                else:
+                    grad_raw += grad_cell
+                if HAS_WRITTEN_MASK:
+                    grad_raw *= tl.load(written_mask + row, mask=ok, other=0.0)
+                # Recompute what the raw cell was standardised from.
+                output_pre = tl.load(out_pre + row, mask=ok, other=0.0)
+                output = output_pre
+                if OUTPUT_ACT:
+                    output = output_pre * _sigmoid(output_pre)
+                output_keep = tl.full((BLOCK_D,), 1.0, tl.float32)
+                if HAS_OUTPUT_MASK:
+                    output_keep = tl.load(output_mask + row, mask=ok, other=0.0)
+                output *= output_keep
+                written = output
+                if HAS_GLU:
+                    value = tl.load(glu_pre + b * 2 * D + i, mask=ok, other=0.0)
+                    gate = tl.load(glu_pre + b * 2 * D + D + i, mask=ok, other=0.0)
+                    sigmoid = _sigmoid(gate)
+                    summed = output + value * sigmoid
+                    gated, _ = _standardize(summed, ok, D, eps)
+                    an_weight = tl.load(an_w + i, mask=ok, other=0.0)
+                    written = gated * an_weight + tl.load(an_b + i, mask=ok, other=0.0)
+                grad = _standardize_grad(grad_raw, written, ok, D, eps)
+                if HAS_GLU:
+                    tl.store(grad_written_out + row, grad, mask=kept)
+                    grad = _standardize_grad(grad * an_weight, summed, ok, D, eps)
+                    tl.store(grad_glu_pre_out + b * 2 * D + i, grad * sigmoid, mask=kept)
+                    tl.store(grad_glu_pre_out + b * 2 * D + D + i, grad * value * sigmoid * (1.0 - sigmoid), mask=kept)
+                grad *= output_keep
+                if OUTPUT_ACT:
+                    grad *= _silu_grad(output_pre)
+                tl.store(grad_out_pre_out + row, grad, mask=ok)
+
+    @triton.jit
     def _write_grad_kernel(
         grad_cells, grad_raw_cells, grad_normed_next, grad_prev_raw_next, next_input_mask, read_cell, in_w,
         out_pre, glu_pre, gate_pre, raw, residual_rows, output_mask, written_mask, cell_mask, an_w, an_b, cn_w,
@@ -252,93 +379,48 @@ if TRITON_AVAILABLE:
         HAS_OUTPUT_MASK: tl.constexpr, HAS_WRITTEN_MASK: tl.constexpr, HAS_CELL_MASK: tl.constexpr,
         HAS_INPUT_MASK: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """Step t's row-wise backward, after finishing step t + 1's (its input norm, reading `read_cell`, the cell
-        of step t). FIRST: only that finish, for the cell and raw cell the scan started from."""
+        """`_write_grad_rows`, one sequence a program: the finish for the cell the scan started from."""
         b = tl.program_id(0)
-        i = tl.arange(0, BLOCK_D)
-        ok = i < D
-        row = b * D + i
-        grad_cell = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        grad_raw = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        if not FIRST:
-            grad_cell += tl.load(grad_cells + row, mask=ok, other=0.0)
-            grad_raw += tl.load(grad_raw_cells + row, mask=ok, other=0.0)
-        if not LAST:  # step t + 1 read this cell through its input norm, and this raw cell through its cell GLU
-            grad_normed = tl.load(grad_normed_next + row, mask=ok, other=0.0)
-            if HAS_INPUT_MASK:
-                grad_normed *= tl.load(next_input_mask + row, mask=ok, other=0.0)
-            tl.store(grad_input_norm_out + row, grad_normed, mask=ok)
-            cell = tl.load(read_cell + row, mask=ok, other=0.0)
-            grad_cell += _standardize_grad(grad_normed * tl.load(in_w + i, mask=ok, other=0.0), cell, ok, D, eps)
-            if NEXT_GATE:
-                grad_raw += tl.load(grad_prev_raw_next + row, mask=ok, other=0.0)
-        if FIRST:
-            tl.store(grad_cell_out + row, grad_cell, mask=ok)
-            tl.store(grad_raw_out + row, grad_raw, mask=ok)
-        else:
-            raw_cell = tl.load(raw + row, mask=ok, other=0.0)
-            if HAS_GATE:
-                has_residual = tl.load(residual_rows + b) > 0
-                grad_update = tl.where(has_residual, grad_cell, 0.0)
-                grad_raw += tl.where(has_residual, 0.0, grad_cell)
-                if HAS_CELL_MASK:
-                    grad_update *= tl.load(cell_mask + row, mask=ok, other=0.0)
-                tl.store(grad_update_out + row, grad_update, mask=ok)
-                value = tl.load(gate_pre + b * 2 * D + i, mask=ok, other=0.0)
-                gate = tl.load(gate_pre + b * 2 * D + D + i, mask=ok, other=0.0)
-                sigmoid = _sigmoid(gate)
-                grad_joined = _standardize_grad(grad_update * tl.load(cn_w + i, mask=ok, other=0.0),
-                                                raw_cell + value * sigmoid, ok, D, eps)  # fmt: skip
-                tl.store(grad_gate_pre_out + b * 2 * D + i, grad_joined * sigmoid, mask=ok)
-                grad_gate = grad_joined * value * sigmoid * (1.0 - sigmoid)
-                tl.store(grad_gate_pre_out + b * 2 * D + D + i, grad_gate, mask=ok)
-                grad_raw += grad_joined
-            else:
-                grad_raw += grad_cell
-            if HAS_WRITTEN_MASK:
-                grad_raw *= tl.load(written_mask + row, mask=ok, other=0.0)
-            # Recompute what the raw cell was standardised from.
-            output_pre = tl.load(out_pre + row, mask=ok, other=0.0)
-            output = output_pre
-            if OUTPUT_ACT:
-                output = output_pre * _sigmoid(output_pre)
-            output_keep = tl.full((BLOCK_D,), 1.0, tl.float32)
-            if HAS_OUTPUT_MASK:
-                output_keep = tl.load(output_mask + row, mask=ok, other=0.0)
-            output *= output_keep
-            written = output
-            if HAS_GLU:
-                value = tl.load(glu_pre + b * 2 * D + i, mask=ok, other=0.0)
-                gate = tl.load(glu_pre + b * 2 * D + D + i, mask=ok, other=0.0)
-                sigmoid = _sigmoid(gate)
-                summed = output + value * sigmoid
-                gated, _ = _standardize(summed, ok, D, eps)
-                an_weight = tl.load(an_w + i, mask=ok, other=0.0)
-                written = gated * an_weight + tl.load(an_b + i, mask=ok, other=0.0)
-            grad = _standardize_grad(grad_raw, written, ok, D, eps)
-            if HAS_GLU:
-                tl.store(grad_written_out + row, grad, mask=ok)
-                grad = _standardize_grad(grad * an_weight, summed, ok, D, eps)
-                tl.store(grad_glu_pre_out + b * 2 * D + i, grad * sigmoid, mask=ok)
-                tl.store(grad_glu_pre_out + b * 2 * D + D + i, grad * value * sigmoid * (1.0 - sigmoid), mask=ok)
-            grad *= output_keep
-            if OUTPUT_ACT:
-                grad *= _silu_grad(output_pre)
-            tl.store(grad_out_pre_out + row, grad, mask=ok)
+        _write_grad_rows(
+            b, b + 1, True, grad_cells, grad_raw_cells, grad_normed_next, grad_prev_raw_next, next_input_mask,
+            read_cell, in_w, out_pre, glu_pre, gate_pre, raw, residual_rows, output_mask, written_mask, cell_mask,
+            an_w, an_b, cn_w, grad_input_norm_out, grad_update_out, grad_gate_pre_out, grad_written_out,
+            grad_glu_pre_out, grad_out_pre_out, grad_cell_out, grad_raw_out, D, eps, LAST, FIRST, NEXT_GATE,
+            OUTPUT_ACT, HAS_GLU, HAS_GATE, HAS_OUTPUT_MASK, HAS_WRITTEN_MASK, HAS_CELL_MASK, HAS_INPUT_MASK, BLOCK_D,
+        )  # fmt: skip
 
     @triton.jit
     def _attention_grad_kernel(
         grad_out_pre, o_w, qkv_pre, query, read_key, read_value, attended, keys, values, bias, probs_mask,
         grad_read_keys, grad_read_values, grad_attended, grad_qkv_pre, grad_keys, grad_values,
-        B, D, H, d, S, scale,
+        grad_cells, grad_raw_cells, grad_normed_next, grad_prev_raw_next, next_input_mask, read_cell, in_w,
+        out_pre, glu_pre, gate_pre, raw, residual_rows, output_mask, written_mask, cell_mask, an_w, an_b, cn_w,
+        grad_input_norm_out, grad_update_out, grad_gate_pre_out, grad_written_out, grad_glu_pre_out,
+        B, D, H, d, S, scale, eps,
         QK_ACT: tl.constexpr, HAS_PROBS_MASK: tl.constexpr,
+        LAST: tl.constexpr, NEXT_GATE: tl.constexpr, OUTPUT_ACT: tl.constexpr,
+        HAS_GLU: tl.constexpr, HAS_GATE: tl.constexpr, HAS_OUTPUT_MASK: tl.constexpr,
+        HAS_WRITTEN_MASK: tl.constexpr, HAS_CELL_MASK: tl.constexpr, HAS_INPUT_MASK: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        BLOCK_HIDDEN: tl.constexpr,
     ):  # fmt: skip
+        """First the step's row-wise backward (`_write_grad_rows`), whose output projection gradient `grad_out_pre`
+        the products below read: every program computes it for its rows, one program of each row block keeps the
+        rest. A launch fewer a step, for a few row-wise sums repeated in every program."""
         h = tl.program_id(0)
         first_row = tl.program_id(1) * BLOCK_B
         rows = first_row + tl.arange(0, BLOCK_B)
         row_ok = rows < B
         HD = H * d
+        _write_grad_rows(
+            first_row, tl.minimum(B, first_row + BLOCK_B), h == 0, grad_cells, grad_raw_cells, grad_normed_next,
+            grad_prev_raw_next, next_input_mask, read_cell, in_w, out_pre, glu_pre, gate_pre, raw, residual_rows,
+            output_mask, written_mask, cell_mask, an_w, an_b, cn_w, grad_input_norm_out, grad_update_out,
+            grad_gate_pre_out, grad_written_out, grad_glu_pre_out, grad_out_pre, grad_cells, grad_raw_cells, D,
+            eps, LAST, False, NEXT_GATE, OUTPUT_ACT, HAS_GLU, HAS_GATE, HAS_OUTPUT_MASK, HAS_WRITTEN_MASK,
+            HAS_CELL_MASK, HAS_INPUT_MASK, BLOCK_HIDDEN,
+        )  # fmt: skip
+        tl.debug_barrier()  # the rows just stored are what the products below read
         j = tl.arange(0, BLOCK_D)
         j_ok = j < d
         # The gradient of head h's attended value: grad_out_pre @ o_w[:, h d : (h + 1) d].
@@ -440,17 +522,29 @@ if TRITON_AVAILABLE:
 
     @triton_op(
         "ran_hf::scan_project",
-        mutates_args={"qkv_pre", "query", "read_key", "read_value", "attended", "glu_pre", "gate_pre"},
-    )
+        mutates_args={
+            "qkv_pre", "query", "read_key", "read_value", "attended", "glu_pre", "gate_pre", "raw_out", "cell_out",
+            "gated_out", "joined_out", "normed_cell_out", "normed_out",
+        },
+    )  # fmt: skip
     def scan_project(
         normed: torch.Tensor, prev_raw: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor, ag_w: torch.Tensor,
         ag_b: torch.Tensor, cg_w: torch.Tensor, cg_b: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         bias: torch.Tensor, probs_mask: torch.Tensor, qkv_pre: torch.Tensor, query: torch.Tensor,
         read_key: torch.Tensor, read_value: torch.Tensor, attended: torch.Tensor, glu_pre: torch.Tensor,
-        gate_pre: torch.Tensor, qk_act: bool, has_glu: bool, has_gate: bool, has_probs_mask: bool,
+        gate_pre: torch.Tensor, w_out_pre: torch.Tensor, w_glu_pre: torch.Tensor, w_gate_pre: torch.Tensor,
+        residual_rows: torch.Tensor, output_mask: torch.Tensor, written_mask: torch.Tensor, cell_mask: torch.Tensor,
+        input_mask: torch.Tensor, an_w: torch.Tensor, an_b: torch.Tensor, cn_w: torch.Tensor, cn_b: torch.Tensor,
+        in_w: torch.Tensor, in_b: torch.Tensor, raw_out: torch.Tensor, cell_out: torch.Tensor,
+        gated_out: torch.Tensor, joined_out: torch.Tensor, normed_cell_out: torch.Tensor, normed_out: torch.Tensor,
+        eps: float, flags: list[bool],
     ) -> None:  # fmt: skip
+        """With `write` (flags[4]), the previous step's write first: its outputs `raw_out` and `normed_out` are then
+        what this step reads, and `prev_raw` and `normed` are not read."""
+        (qk_act, has_glu, has_gate, has_probs_mask, write, output_act, write_gate, has_output_mask, has_written_mask,
+         has_cell_mask, has_input_mask) = flags  # fmt: skip
         batch_size, num_heads, num_slots, head_dim = keys.shape
-        hidden = normed.shape[-1]
+        hidden = qkv_w.shape[-1]
         block_rows = _block_rows(batch_size)
         glu_blocks = triton.cdiv(2 * hidden, BLOCK_N)
         programs = num_heads + glu_blocks * has_glu + glu_blocks * has_gate
@@ -458,10 +552,14 @@ if TRITON_AVAILABLE:
         wrap_triton(_project_kernel)[grid](
             normed, prev_raw, qkv_w, qkv_b, ag_w, ag_b, cg_w, cg_b, keys, values, bias, probs_mask,
             qkv_pre, query, read_key, read_value, attended, glu_pre, gate_pre,
-            batch_size, hidden, num_heads, head_dim, num_slots, head_dim**-0.5,
-            QK_ACT=qk_act, HAS_GLU=has_glu, HAS_GATE=has_gate, HAS_PROBS_MASK=has_probs_mask,
+            w_out_pre, w_glu_pre, w_gate_pre, residual_rows, output_mask, written_mask, cell_mask, input_mask,
+            an_w, an_b, cn_w, cn_b, in_w, in_b, raw_out, cell_out, gated_out, joined_out, normed_cell_out, normed_out,
+            batch_size, hidden, num_heads, head_dim, num_slots, head_dim**-0.5, eps,
+            QK_ACT=qk_act, HAS_GLU=has_glu, HAS_GATE=has_gate, HAS_PROBS_MASK=has_probs_mask, WRITE=write,
+            OUTPUT_ACT=output_act, WRITE_GATE=write_gate, HAS_OUTPUT_MASK=has_output_mask,
+            HAS_WRITTEN_MASK=has_written_mask, HAS_CELL_MASK=has_cell_mask, HAS_INPUT_MASK=has_input_mask,
             BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_D=_block(head_dim), BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S,
-            num_warps=NUM_WARPS,
+            BLOCK_HIDDEN=triton.next_power_of_2(hidden), num_warps=NUM_WARPS,
         )  # fmt: skip
 
     @triton_op("ran_hf::scan_output", mutates_args={"out_pre"})
@@ -533,23 +631,42 @@ if TRITON_AVAILABLE:
 
     @triton_op(
         "ran_hf::scan_attention_grad",
-        mutates_args={"grad_attended", "grad_qkv_pre", "grad_keys", "grad_values"},
-    )
+        mutates_args={
+            "grad_attended", "grad_qkv_pre", "grad_keys", "grad_values", "grad_input_norm_out", "grad_update_out",
+            "grad_gate_pre_out", "grad_written_out", "grad_glu_pre_out", "grad_out_pre",
+        },
+    )  # fmt: skip
     def scan_attention_grad(
-        grad_out_pre: torch.Tensor, o_w: torch.Tensor, qkv_pre: torch.Tensor, query: torch.Tensor,
-        read_key: torch.Tensor, read_value: torch.Tensor, attended: torch.Tensor, keys: torch.Tensor,
-        values: torch.Tensor, bias: torch.Tensor, probs_mask: torch.Tensor, grad_read_keys: torch.Tensor,
-        grad_read_values: torch.Tensor, grad_attended: torch.Tensor, grad_qkv_pre: torch.Tensor,
-        grad_keys: torch.Tensor, grad_values: torch.Tensor, qk_act: bool, has_probs_mask: bool,
+        o_w: torch.Tensor, qkv_pre: torch.Tensor, query: torch.Tensor, read_key: torch.Tensor,
+        read_value: torch.Tensor, attended: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+        probs_mask: torch.Tensor, grad_read_keys: torch.Tensor, grad_read_values: torch.Tensor,
+        grad_attended: torch.Tensor, grad_qkv_pre: torch.Tensor, grad_keys: torch.Tensor, grad_values: torch.Tensor,
+        grad_cells: torch.Tensor, grad_raw_cells: torch.Tensor, grad_normed_next: torch.Tensor,
+        grad_prev_raw_next: torch.Tensor, next_input_mask: torch.Tensor, read_cell: torch.Tensor, in_w: torch.Tensor,
+        out_pre: torch.Tensor, glu_pre: torch.Tensor, gate_pre: torch.Tensor, raw: torch.Tensor,
+        residual_rows: torch.Tensor, output_mask: torch.Tensor, written_mask: torch.Tensor, cell_mask: torch.Tensor,
+        an_w: torch.Tensor, an_b: torch.Tensor, cn_w: torch.Tensor, grad_input_norm_out: torch.Tensor,
+        grad_update_out: torch.Tensor, grad_gate_pre_out: torch.Tensor, grad_written_out: torch.Tensor,
+        grad_glu_pre_out: torch.Tensor, grad_out_pre: torch.Tensor, eps: float, flags: list[bool],
     ) -> None:  # fmt: skip
+        """The step's row-wise backward (`scan_write_grad`'s flags but FIRST), then the attention's."""
+        (qk_act, has_probs_mask, last, next_gate, output_act, has_glu, has_gate, has_output_mask, has_written_mask,
+         has_cell_mask, has_input_mask) = flags  # fmt: skip
         batch_size, num_heads, num_slots, head_dim = keys.shape
+        hidden = grad_out_pre.shape[-1]
         block_rows = _block_rows(batch_size)
         wrap_triton(_attention_grad_kernel)[(num_heads, triton.cdiv(batch_size, block_rows))](
             grad_out_pre, o_w, qkv_pre, query, read_key, read_value, attended, keys, values, bias, probs_mask,
             grad_read_keys, grad_read_values, grad_attended, grad_qkv_pre, grad_keys, grad_values,
-            batch_size, grad_out_pre.shape[-1], num_heads, head_dim, num_slots, head_dim**-0.5,
-            QK_ACT=qk_act, HAS_PROBS_MASK=has_probs_mask,
-            BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_D=_block(head_dim), BLOCK_S=BLOCK_S, num_warps=NUM_WARPS,
+            grad_cells, grad_raw_cells, grad_normed_next, grad_prev_raw_next, next_input_mask, read_cell, in_w,
+            out_pre, glu_pre, gate_pre, raw, residual_rows, output_mask, written_mask, cell_mask, an_w, an_b, cn_w,
+            grad_input_norm_out, grad_update_out, grad_gate_pre_out, grad_written_out, grad_glu_pre_out,
+            batch_size, hidden, num_heads, head_dim, num_slots, head_dim**-0.5, eps,
+            QK_ACT=qk_act, HAS_PROBS_MASK=has_probs_mask, LAST=last, NEXT_GATE=next_gate, OUTPUT_ACT=output_act,
+            HAS_GLU=has_glu, HAS_GATE=has_gate, HAS_OUTPUT_MASK=has_output_mask, HAS_WRITTEN_MASK=has_written_mask,
+            HAS_CELL_MASK=has_cell_mask, HAS_INPUT_MASK=has_input_mask,
+            BLOCK_B=block_rows, BLOCK_K=BLOCK_K, BLOCK_D=_block(head_dim), BLOCK_S=BLOCK_S,
+            BLOCK_HIDDEN=triton.next_power_of_2(hidden), num_warps=NUM_WARPS,
         )  # fmt: skip
 
     @triton_op("ran_hf::scan_input_grad", mutates_args={"grad_normed", "grad_prev_raw"})
