@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import ran_hf
+from ran_hf.folders import check_not_inputs
 
 
 def load_model(model_dir: str) -> ran_hf.RANPreTrainedModel:
@@ -28,6 +29,24 @@ def load_model(model_dir: str) -> ran_hf.RANPreTrainedModel:
     if model_class is None:
         raise ValueError(f"{model_dir}: config.json names the architecture {architecture!r}, which ran_hf lacks")
     return model_class.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def check_output(model_dir: str, output: str) -> None:
+    """Refuse an --output that is not a `.onnx` file, or that is (links resolved) a file the model is read from: the
+    export would overwrite the weights or config with the graph."""
+    if not output.endswith(".onnx"):
+        raise ValueError(f"--output must name a .onnx file, got {output}.")
+    if Path(output).is_dir():
+        raise ValueError(f"--output {output} is a folder; name the .onnx file to write.")
+    if not Path(model_dir).is_dir():
+        return  # load_model says what is missing
+    earlier_export = (".onnx", ".onnx.data")  # replaced, not read
+    model_files = [
+        path for path in Path(model_dir).iterdir() if path.is_file() and not path.name.endswith(earlier_export)
+    ]
+    external_data = f"{output}.data"  # where weights over 2 GB go
+    for written, flag in ((output, "--output"), (external_data, f"--output's external data {external_data}")):
+        check_not_inputs(written, flag, [(f"a file of --model_dir, {path.name},", path) for path in model_files])
 
 
 def check_batches(config: ran_hf.RANConfig, batch_size: int, seed: int = 0):
@@ -66,6 +85,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch_size", type=int, default=3, help="rows of each check batch")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed absolute difference")
     args = parser.parse_args(argv)
+    try:
+        check_output(args.model_dir, args.output)
+    except ValueError as error:
+        parser.exit(1, f"error: {error}\n")
     try:
         import onnxruntime
     except ImportError:

@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from importlib import resources
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging
 
 from .configuration_ran import RANConfig
-from .folders import normal_permissions, recover_interrupted, replace_folder, staging_folder
+from .folders import check_not_inputs, contents, lock_folder, recover_interrupted, releases_folder_locks, write_folder
 from .modeling_ran import RANForMaskedLM
 from .tf_checkpoint import TFCheckpointReader
 
@@ -475,6 +474,7 @@ def model_card(config: RANConfig, rannet_dir: Path, source_files: list[Path]) ->
     return card.rstrip("\n") + "\n" + "\n".join(lines)
 
 
+@releases_folder_locks
 def convert_rannet_checkpoint(
     rannet_dir: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False
 ) -> Path:
@@ -509,15 +509,17 @@ def convert_rannet_checkpoint(
         if not path.is_file():
             raise FileNotFoundError(f"{path.name} not found in {rannet_dir}")
     check_apart(rannet_dir, output_dir)
-    target = Path(os.path.abspath(output_dir))  # a name to stage beside, even for "."
-    for note in recover_interrupted(target):
+    prefix = find_checkpoint_prefix(rannet_dir)  # its `checkpoint` file may name a checkpoint elsewhere
+    checkpoint_files = sorted(Path(prefix).parent.glob(Path(prefix).name + ".*"))
+    check_not_inputs(output_dir, "output_dir", [("the TensorFlow checkpoint file", path) for path in checkpoint_files])
+    lock_folder(output_dir)  # released when this function returns
+    for note in recover_interrupted(output_dir):
         logger.warning(f"Before converting: {note}.")
-    if output_dir.exists() and not (output_dir.is_dir() and not any(output_dir.iterdir())) and not overwrite:
+    if output_dir.exists() and not (output_dir.is_dir() and not contents(output_dir)) and not overwrite:
         raise FileExistsError(f"{output_dir} exists and is not empty; pass overwrite=True to replace it")
 
     # 1. Read and check everything.
     config = read_rannet_config(config_path)
-    prefix = find_checkpoint_prefix(rannet_dir)
     variables, memory_review = read_checkpoint(prefix, config)
     _, vocab_lines = read_vocab(vocab_path)
     embedding_rows = variables[f"{PREFIX}/token-embedding/embeddings"].shape[0]
@@ -531,21 +533,14 @@ def convert_rannet_checkpoint(
     model.load_state_dict(convert_variables(variables, model), strict=True)
     model.eval()
     tokenizer = build_rannet_tokenizer(vocab_path)
-    source_files = [config_path, vocab_path] + sorted(Path(prefix).parent.glob(Path(prefix).name + ".*"))
+    source_files = [config_path, vocab_path] + checkpoint_files
 
-    # 2. Write next to the destination, then move into place (an existing folder, empty or replaced on request, is
-    # set aside until the new one is in place).
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_folder(target, "converting")
-    try:
+    # 2. Write into a temporary folder, then put it in place (an existing folder, empty or replaced on request, is
+    # set aside until the new one is in place; a mount point keeps its place and gets new contents).
+    with write_folder(output_dir, "converting") as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / "README.md").write_text(model_card(config, rannet_dir, source_files), encoding="utf-8")
-        normal_permissions(staging)
-        replace_folder(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     return output_dir
 
 

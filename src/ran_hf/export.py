@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .folders import lock_folder, resolved
 from .modeling_ran import RANPreTrainedModel
 
 INPUT_NAMES = ("input_ids", "attention_mask")
@@ -66,13 +67,19 @@ def export_onnx(model: RANPreTrainedModel, path: str | os.PathLike | None = None
 
 
 def save_atomically(program, path: Path) -> None:
-    """Save into a folder beside `path`, then move the files into place, the graph last: a killed export never
-    leaves a half-written file, nor a graph whose external weights (models over 2 GB) are missing."""
-    staging = path.parent / f".{path.name}.exporting-{os.getpid()}"
-    staging.mkdir(parents=True)
+    """Save into a folder beside `path` (links resolved: a link's target is written, on its file system), then move
+    the files into place, the graph last: a killed export never leaves a half-written file, nor a graph whose external
+    weights (models over 2 GB) are missing. The file is locked meanwhile (`ran_hf.folders.lock_folder`)."""
+    path = resolved(path)
+    lock = lock_folder(path)
     try:
-        program.save(staging / path.name)
-        for written in sorted(staging.iterdir(), key=lambda file: file.name == path.name):
-            os.replace(written, path.parent / written.name)
+        staging = path.parent / f".{path.name}.exporting-{os.getpid()}"
+        staging.mkdir(parents=True)
+        try:
+            program.save(staging / path.name)
+            for written in sorted(staging.iterdir(), key=lambda file: file.name == path.name):
+                os.replace(written, path.parent / written.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        lock.release()

@@ -118,7 +118,7 @@ def check_not_inputs(
             continue
         raise ValueError(
             f"{output_flag} {output} {relation}, which this run reads: writing there would overwrite or delete it. "
-            f"Choose an {output_flag} apart from what the run reads."
+            f"Choose an {output_flag} that is apart from what the run reads."
         )
 
 
