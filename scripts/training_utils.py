@@ -238,8 +238,9 @@ class ModelArguments:
                 )
             if self.lora_r > 0:
                 raise ValueError("--sentence_transformers_pooling needs a whole model; a LoRA run saves an adapter.")
-        if len(self.lora_target_modules) == 1:
-            self.lora_target_modules = self.lora_target_modules[0]  # "all-linear", or one name
+        if self.lora_target_modules == ["all-linear"]:
+            # PEFT's keyword is a str; one module name stays a list, since PEFT reads a str as a regular expression
+            self.lora_target_modules = "all-linear"
 
 
 # ---- arguments, logging and distributed settings ----------------------------------------------------------------
@@ -408,6 +409,33 @@ def checkpoint_to_resume(training_args: transformers.TrainingArguments) -> str |
         )
     logger.warning(f"No complete checkpoint in {output_dir}: training starts from scratch.")
     return None
+
+
+# Config fields that say how a model was saved or is run, not what it computes.
+BOOKKEEPING_CONFIG_FIELDS = frozenset(
+    {"transformers_version", "_name_or_path", "architectures", "auto_map", "dtype", "torch_dtype", "use_cache"}
+)
+
+
+def refuse_changed_config(checkpoint: str | Path, config) -> None:
+    """Resuming loads the checkpoint's weights into the model this run built: built with other settings
+    (`--config_overrides` changed between the runs), it would continue another architecture, or fail on a shape."""
+    if not (Path(checkpoint) / "config.json").is_file():  # a LoRA checkpoint holds the adapter only
+        return
+    saved = type(config).from_pretrained(checkpoint).to_dict()
+    current = config.to_dict()
+    changed = sorted(
+        name
+        for name in saved.keys() | current.keys()
+        if name not in BOOKKEEPING_CONFIG_FIELDS and saved.get(name) != current.get(name)
+    )
+    if changed:
+        shown = ", ".join(f"{name}: {saved.get(name)!r} there, {current.get(name)!r} now" for name in changed[:8])
+        raise ValueError(
+            f"Cannot resume from {checkpoint}: its model was built with other settings than this run's ({shown}"
+            f"{' ...' if len(changed) > 8 else ''}). Resume with the --config_overrides of the run that saved it, "
+            "or start a new run."
+        )
 
 
 def refuse_diverged_checkpoint(checkpoint: str | Path) -> None:
@@ -880,6 +908,11 @@ class RANTrainer(Trainer):
                 f"--sentence_transformers_pooling cell_transform needs a trained pooler, which a "
                 f"{type(self.model).__name__} does not have: choose pooled_cell, mean or max."
             )
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if isinstance(resume_from_checkpoint, str | Path):
+            refuse_changed_config(resume_from_checkpoint, self.accelerator.unwrap_model(self.model).config)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         loss = super().training_step(model, inputs, num_items_in_batch)

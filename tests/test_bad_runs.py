@@ -10,19 +10,24 @@ Scripts run in this process through their `main(argv)`, on tiny models and data 
 """
 
 import json
+import random
 from pathlib import Path
 
+import evaluate_perplexity
 import pytest
 import run_classification
+import run_clm
 import run_ner
 import run_pipeline
 import torch
+import train_embeddings
 import train_tokenizer
 from safetensors.torch import load_file, save_file
 from training_utils import TrainingDivergedError
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from ran_hf import RANConfig, RANForSequenceClassification, RANForTokenClassification
+from ran_hf.data import read_records
 
 # Windows of 16 tokens, so that every test document spans several; no dropout, so that runs are reproducible.
 TINY_OVERRIDES = (
@@ -346,3 +351,111 @@ def test_entities_cut_off_by_max_seq_length_are_counted(conll_files, tmp_path, c
         f"train: --max_seq_length 4 cut {cut_sentences} of 16 sentences short: {cut_words} words, "
         f"{cut_entity_words} of them tagged as entities (not 'O'), are neither trained on nor scored"
     ) in caplog.text
+
+
+def test_perplexity_of_a_model_that_is_not_a_causal_lm_is_refused(tokenizer_dir, topic_files, tmp_path):
+    """A classifier or MLM folder loaded as a causal LM got an output layer it was never trained with, and its
+    "perplexity" was reported as if it were one."""
+    model_dir = save_classifier(tokenizer_dir, tmp_path / "model", is_causal=True)
+    text = tmp_path / "text.txt"
+    text.write_text("the first line of text\nand a second one\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"model is a RANForSequenceClassification, not a causal language model"):
+        evaluate_perplexity.main(["--model_name_or_path", str(model_dir), "--text_file", str(text)])
+
+
+def test_a_null_text_does_not_train_the_tokenizer_as_the_word_none(tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "some words here"}, {"text": None}])
+    with pytest.raises(ValueError, match=r"corpus.jsonl, line 2: column 'text' holds null"):
+        train_tokenizer.main(
+            ["--train_files", str(corpus), "--vocab_size", "100", "--output_dir", str(tmp_path / "t")]
+        )
+
+
+def test_documents_without_text_or_label_are_skipped_and_counted_for_embeddings(tmp_path, caplog):
+    records = [
+        {"text": "a post about sailing boats", "label": "sailing"},
+        {"text": None, "label": "sailing"},
+        {"text": "   ", "label": "cooking"},
+        {"text": "a post about stew", "label": None},
+        {"text": "another post about sailing", "label": "sailing"},
+    ]
+    path = write_jsonl(tmp_path / "posts.jsonl", records)
+    data_args = train_embeddings.DataTrainingArguments(train_file=str(path), test_file=str(path))
+    with caplog.at_level("WARNING"):
+        documents = train_embeddings.read_documents(str(path), data_args)
+    assert [text for text, _ in documents] == ["a post about sailing boats", "another post about sailing"]
+    assert (
+        "skipped 2 documents without text (null or blank after --strip_headers) and 1 without a label" in caplog.text
+    )
+
+
+def test_pairs_cannot_be_drawn_when_every_label_is_unique():
+    """`train_embeddings.py` looped forever looking for two documents of one label."""
+    documents = [(f"document {index}", frozenset([str(index)])) for index in range(5)]
+    with pytest.raises(ValueError, match="No two of the 5 training documents share a label"):
+        train_embeddings.training_pairs(documents, 10, random.Random(0))
+
+
+def test_stream_training_with_fewer_chunks_than_streams(tokenizer_dir, topic_files, tmp_path):
+    """Keeping fewer chunks than streams made no whole batch: 0 training steps and an untrained model saved."""
+    argv = ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", TINY_OVERRIDES, "--output_dir"]
+    argv += [str(tmp_path / "clm"), "--train_file", str(topic_files["train"]), "--do_train", "--stream_training"]
+    argv += ["--block_size", "32", "--per_device_train_batch_size", "4", "--max_train_samples", "3", *QUIET]
+    with pytest.raises(ValueError, match=r"--max_train_samples 3 keeps fewer chunks than the 4 streams"):
+        run_clm.main(argv)
+    assert not (tmp_path / "clm" / "model.safetensors").exists()
+
+
+def test_resuming_with_other_config_overrides_names_the_changed_fields(
+    run_with_a_checkpoint, tokenizer_dir, topic_files, tmp_path
+):
+    """A run resumed after `--config_overrides` changed the architecture (same weight shapes) trained on without a
+    word: another model continued the checkpoint's weights."""
+    output_dir = tmp_path / "run"
+    (output_dir / "checkpoint-2").mkdir(parents=True)
+    for path in (run_with_a_checkpoint / "checkpoint-2").iterdir():
+        (output_dir / "checkpoint-2" / path.name).write_bytes(path.read_bytes())
+    argv = classification_argv(tokenizer_dir, topic_files, output_dir, "--max_steps", "4")
+    argv[argv.index(TINY_OVERRIDES)] = TINY_OVERRIDES.replace("window_size=16", "window_size=8")
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint-2: its model was built with other settings than this run's "
+        r"\(window_size: 16 there, 8 now\)",
+    ):
+        run_classification.main(argv + ["--resume_from_checkpoint", "latest"])
+
+
+# ---- unclear errors ------------------------------------------------------------------------------------------------
+
+
+def test_a_json_array_instead_of_json_lines(tokenizer_dir, tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps([{"text": "a", "label": "x"}, {"text": "b", "label": "y"}], indent=2))
+    with pytest.raises(ValueError, match=r"train.jsonl holds a JSON array; this reader takes JSON Lines"):
+        read_records(path)
+
+
+def test_one_lora_target_module(tokenizer_dir, topic_files, tmp_path):
+    """One `--lora_target_modules` name was passed to PEFT as a str, which PEFT reads as a regular expression that
+    must match a whole module path: "Target modules o_proj not found". Now one name adapts the modules it names."""
+    pytest.importorskip("peft")
+    model_dir = save_classifier(tokenizer_dir, tmp_path / "model", id2label=dict(enumerate(TOPICS)))
+    output_dir = tmp_path / "adapter"
+    run_classification.main(
+        ["--model_name_or_path", str(model_dir), "--output_dir", str(output_dir), "--max_seq_length", "64"]
+        + ["--train_file", str(topic_files["train"]), "--do_train", "--max_steps", "1"]
+        + ["--lora_r", "2", "--lora_target_modules", "o_proj", *QUIET]
+    )
+    assert json.loads((output_dir / "adapter_config.json").read_text())["target_modules"] == ["o_proj"]
+
+
+def test_integer_ner_tags_in_jsonl(tokenizer_dir, tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"tokens": ["EU", "rejects"], "ner_tags": [3, 0]}])
+    argv = ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", TINY_OVERRIDES, "--output_dir"]
+    argv += [str(tmp_path / "out"), "--train_file", str(path), "--do_train", "--max_steps", "1", *QUIET]
+    with pytest.raises(
+        ValueError,
+        match=r"train sentence 1: column 'ner_tags' holds tag ids \(\[3, 0\]\); a jsonl file "
+        "must give tag names",
+    ):
+        run_ner.main(argv)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 import ran_hf  # noqa: F401  (registers RAN with the Auto classes)
 from ran_hf.data import read_lines
@@ -112,6 +112,15 @@ def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(PerplexityArguments).parse_args_into_dataclasses(args=argv)
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or args.model_name_or_path)
+    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    architectures = config.architectures or []
+    if architectures and not any(name.endswith("ForCausalLM") for name in architectures):
+        # Loaded as a causal LM, a classifier's or MLM's weights get an output layer they were not trained with
+        # (the tied embeddings, or random weights): a number, but no perplexity of that model.
+        raise ValueError(
+            f"{args.model_name_or_path} is a {', '.join(architectures)}, not a causal language model "
+            "(`...ForCausalLM`): it has no next-token likelihood to score. Evaluate a run_clm.py model."
+        )
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     if not getattr(model.config, "is_causal", False):
         raise ValueError(f"{args.model_name_or_path} is not a causal model (config.is_causal is False).")

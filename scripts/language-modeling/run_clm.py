@@ -160,6 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset = interleave_streams(stream, num_streams, data_args.block_size)
         if data_args.max_train_samples is not None:  # whole batches: every stream stops at the same chunk
             kept = min(len(train_dataset), data_args.max_train_samples) // num_streams * num_streams
+            if kept == 0:
+                raise ValueError(
+                    f"--max_train_samples {data_args.max_train_samples} keeps fewer chunks than the {num_streams} "
+                    "streams (--per_device_train_batch_size): not one whole batch, so training would run 0 steps and "
+                    "save an untrained model. Keep at least one chunk per stream."
+                )
             train_dataset = train_dataset.select(range(kept))
         logger.info(f"Stream training: {num_streams} streams of {len(train_dataset) // num_streams:,} chunks each.")
     elif training_args.do_train:

@@ -105,16 +105,34 @@ class DataTrainingArguments:
 
 
 def read_documents(path: str, data_args: DataTrainingArguments) -> list[tuple[str, frozenset]]:
-    """(text, labels) for every document with a non-blank text; a label list becomes a set of labels."""
-    documents = []
+    """(text, labels) for every document with a non-blank text and a label; a label list becomes a set of labels.
+    The others (a null or blank text, a null label or an empty list) are skipped and counted in the log."""
+    documents, without_text, without_label = [], 0, 0
     for record in read_records(path):
-        text = str(record[data_args.text_column_name])
+        text, label = record[data_args.text_column_name], record[data_args.label_column_name]
+        if not isinstance(text, str):  # null: not the word "None"
+            text = "" if text is None else str(text)
         if data_args.strip_headers and "\n\n" in text:
             text = text.split("\n\n", 1)[1]
-        label = record[data_args.label_column_name]
-        labels = frozenset(map(str, label)) if isinstance(label, list) else frozenset([str(label)])
-        if text.strip() and labels:
+        items = label if isinstance(label, list) else [label]
+        labels = frozenset(str(item) for item in items if item is not None and item != "")
+        if not text.strip():
+            without_text += 1
+        elif not labels:
+            without_label += 1
+        else:
             documents.append((text.strip(), labels))
+    if without_text or without_label:
+        logger.warning(
+            f"{path}: skipped {without_text:,} documents without text (null or blank"
+            f"{' after --strip_headers' if data_args.strip_headers else ''}) and {without_label:,} without a label "
+            f"(null or empty); {len(documents):,} remain."
+        )
+    if not documents:
+        raise ValueError(
+            f"{path} has no document with both a text in column {data_args.text_column_name!r} and a label in "
+            f"column {data_args.label_column_name!r}."
+        )
     return documents
 
 
@@ -124,6 +142,11 @@ def training_pairs(documents, count: int, rng: random.Random) -> Dataset:
     for index, (_, labels) in enumerate(documents):
         for label in labels:
             by_label[label].append(index)
+    if all(len(indices) < 2 for indices in by_label.values()):  # the loop below would never find a pair
+        raise ValueError(
+            f"No two of the {len(documents):,} training documents share a label: every label is unique, so no "
+            "training pair (two documents of one label) can be made. Check --label_column_name."
+        )
     anchors, positives = [], []
     while len(anchors) < count:
         index = rng.randrange(len(documents))

@@ -175,6 +175,11 @@ def load_sentences(model_args: ModelArguments, data_args: DataTrainingArguments)
                 if not isinstance(values, list | tuple) or not values:
                     raise ValueError(f"{where}: column {column!r} must be a non-empty list, got {values!r}.")
                 for value in values:
+                    if column == tags_column and isinstance(value, int) and not isinstance(value, bool):
+                        raise ValueError(
+                            f"{where}: column {column!r} holds tag ids ({values!r}); a jsonl file must give tag names "
+                            "(B-PER, I-PER, O, ...), since ids alone do not say which tag they are."
+                        )
                     check_text(value, where, column)
             if len(sentence_words) != len(sentence_tags):
                 raise ValueError(

@@ -88,6 +88,11 @@ def read_jsonl(path: str | Path, text_columns: Iterable[str] = ()) -> list[dict]
     for line_number, line in enumerate(read_lines(path), start=1):
         if not line.strip():
             continue
+        if not records and line.lstrip().startswith("["):
+            raise ValueError(
+                f"{path} holds a JSON array; this reader takes JSON Lines, one JSON object per line (convert it "
+                f"with `jq -c '.[]' {Path(path).name}`)."
+            )
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
