@@ -1,7 +1,8 @@
 """ran_hf: the Recurrent Attention Network (RAN) as a Hugging Face Transformers model family.
 
 Importing the package registers `RANConfig` and every RAN model with the Auto classes, and marks them for remote
-code, so that `save_pretrained` writes a folder (or Hub repo) that loads with `trust_remote_code=True` anywhere.
+code, so that `save_pretrained` writes a folder (or Hub repo) that loads with `trust_remote_code=True` anywhere. It
+also registers the `"extractive-question-answering"` pipeline (`ran_hf.question_answering`).
 """
 
 from transformers import (
@@ -9,9 +10,11 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
+from transformers.pipelines import PIPELINE_REGISTRY
 
 from .cache_ran import RANCache
 from .configuration_ran import RANConfig
@@ -20,11 +23,13 @@ from .lora import RAN_LORA_TARGET_MODULES, RAN_NEW_HEAD_MODULES, frozen_new_weig
 from .modeling_ran import (
     RANForCausalLM,
     RANForMaskedLM,
+    RANForQuestionAnswering,
     RANForSequenceClassification,
     RANForTokenClassification,
     RANModel,
     RANPreTrainedModel,
 )
+from .question_answering import ExtractiveQuestionAnsweringPipeline
 
 __version__ = "0.1.0"
 
@@ -32,6 +37,7 @@ AUTO_CLASSES = {
     AutoModel: RANModel,
     AutoModelForCausalLM: RANForCausalLM,
     AutoModelForMaskedLM: RANForMaskedLM,
+    AutoModelForQuestionAnswering: RANForQuestionAnswering,
     AutoModelForSequenceClassification: RANForSequenceClassification,
     AutoModelForTokenClassification: RANForTokenClassification,
 }
@@ -41,6 +47,13 @@ RANConfig.register_for_auto_class()
 for auto_class, model_class in AUTO_CLASSES.items():
     auto_class.register(RANConfig, model_class, exist_ok=True)
     model_class.register_for_auto_class(auto_class.__name__)
+# Transformers 5 removed its `question-answering` pipeline; this one reads the whole document in one pass.
+PIPELINE_REGISTRY.register_pipeline(
+    "extractive-question-answering",
+    pipeline_class=ExtractiveQuestionAnsweringPipeline,
+    pt_model=AutoModelForQuestionAnswering,
+    type="text",
+)
 
 
 def __getattr__(name: str):
@@ -55,10 +68,12 @@ def __getattr__(name: str):
 __all__ = [
     "RAN_LORA_TARGET_MODULES",
     "RAN_NEW_HEAD_MODULES",
+    "ExtractiveQuestionAnsweringPipeline",
     "RANCache",
     "RANConfig",
     "RANForCausalLM",
     "RANForMaskedLM",
+    "RANForQuestionAnswering",
     "RANForSequenceClassification",
     "RANForTokenClassification",
     "RANModel",

@@ -77,6 +77,7 @@ REMOTE_CODE_AUTO_MAP = {
     "AutoModel": "modeling_ran.RANModel",
     "AutoModelForCausalLM": "modeling_ran.RANForCausalLM",
     "AutoModelForMaskedLM": "modeling_ran.RANForMaskedLM",
+    "AutoModelForQuestionAnswering": "modeling_ran.RANForQuestionAnswering",
     "AutoModelForSequenceClassification": "modeling_ran.RANForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_ran.RANForTokenClassification",
 }

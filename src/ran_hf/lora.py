@@ -14,9 +14,10 @@ Left out: the gated linear units (`attention_glu`, `cell_glu`, `memory_review.gl
 attention), the pooler, the masked-LM transform and the decoder (the token embedding itself, where tied).
 
 A classifier fine-tuned from an encoder gets new, randomly initialised modules: the pooler (the cell transform) and
-the classifier of `RANForSequenceClassification`, the classifier of `RANForTokenClassification`. Under LoRA every
-weight outside the adapters is frozen, so these must be listed in `modules_to_save` to be trained (and saved with the
-adapter); `ran_lora_config` does so, and `frozen_new_weights` finds the new weights a configuration leaves frozen.
+the classifier of `RANForSequenceClassification`, the classifier of `RANForTokenClassification`, the span layer of
+`RANForQuestionAnswering` (`qa_outputs`). Under LoRA every weight outside the adapters is frozen, so these must be
+listed in `modules_to_save` to be trained (and saved with the adapter); `ran_lora_config` does so, and
+`frozen_new_weights` finds the new weights a configuration leaves frozen.
 The language models' heads are pretrained and stay frozen.
 
 PEFT is optional: it is imported only when a function here needs it.
@@ -33,6 +34,7 @@ RAN_LORA_TARGET_MODULES = ("qkv_proj", "o_proj", "q_proj", "kv_proj")
 RAN_NEW_HEAD_MODULES = {
     "RANForSequenceClassification": ("pooler", "classifier"),
     "RANForTokenClassification": ("classifier",),
+    "RANForQuestionAnswering": ("qa_outputs",),
     "RANForMaskedLM": (),
     "RANForCausalLM": (),
     "RANModel": (),
@@ -43,6 +45,7 @@ from random weights: LoRA must train them in full (PEFT's `modules_to_save`)."""
 PEFT_TASK_TYPES = {
     "RANForSequenceClassification": "SEQ_CLS",
     "RANForTokenClassification": "TOKEN_CLS",
+    "RANForQuestionAnswering": "QUESTION_ANS",
     "RANForCausalLM": "CAUSAL_LM",
 }
 """PEFT's task type per head (the PeftModel subclass it builds); the masked LM and the bare model have none."""

@@ -25,6 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     MaskedLMOutput,
+    QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
@@ -1783,9 +1784,106 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         )
 
 
+@dataclass
+class RANQuestionAnsweringModelOutput(QuestionAnsweringModelOutput):
+    """
+    [`QuestionAnsweringModelOutput`] with the memory-review weights; `start_logits` and `end_logits` are the lowest
+    float at padding positions.
+
+    Args:
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+    """
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+def answer_positions_on_text(positions: torch.Tensor, attention_mask, batch_size: int, length: int, name: str):
+    """Answer positions as Transformers' span loss reads them, with those on padding moved to `length`: like one past
+    the end of the input, an answer on padding is ignored (the loss clamps positions to [0, length], ignores length)."""
+    if positions.is_floating_point() or positions.dtype == torch.bool or positions.numel() != batch_size:
+        raise ValueError(
+            f"`{name}` must hold one integer token index per example ({batch_size}), got {positions.dtype} of "
+            f"shape {tuple(positions.shape)}."
+        )
+    positions = positions.reshape(batch_size).clamp(0, length)
+    if attention_mask is None:
+        return positions
+    on_text = F.pad(attention_mask.bool(), (0, 1)).to(positions.device).gather(1, positions[:, None]).squeeze(1)
+    return positions.masked_fill(~on_text, length)
+
+
+@auto_docstring(
+    custom_intro="""
+    RAN with a span head for extractive question answering: a linear layer on every token state gives the start and
+    end logits of the answer over the whole input (question and document as one pair) in a single pass, however long
+    the document.
+    """
+)
+class RANForQuestionAnswering(RANPreTrainedModel):
+    def __init__(self, config: RANConfig):
+        super().__init__(config)
+        self.model = RANModel(config, add_pooling_layer=False)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)  # start and end logit of every token
+        self.post_init()
+
+    @can_return_tuple
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> RANQuestionAnsweringModelOutput:
+        r"""
+        start_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Index of the answer's first token. A position past the input or on padding is ignored by the loss.
+        end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Index of the answer's last token, ignored in the same way.
+        """
+        if (start_positions is None) != (end_positions is None):
+            raise ValueError("Give both `start_positions` and `end_positions` for a loss, or neither.")
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            return_dict=True,
+            **kwargs,
+        )
+        logits = self.qa_outputs(self.dropout(outputs.last_hidden_state))
+        if attention_mask is not None:
+            # Padding is never an answer: without it in the softmax over positions, the loss and the span
+            # probabilities do not depend on how a sequence is padded.
+            padding = ~attention_mask.bool()[:, -logits.shape[1] :, None].to(logits.device)
+            logits = logits.masked_fill(padding, torch.finfo(logits.dtype).min)
+        start_logits, end_logits = (side.squeeze(-1).contiguous() for side in logits.split(1, dim=-1))
+
+        loss = None
+        if start_positions is not None:
+            batch_size, length = start_logits.shape
+            start_positions, end_positions = (
+                answer_positions_on_text(positions, attention_mask, batch_size, length, name)
+                for positions, name in ((start_positions, "start_positions"), (end_positions, "end_positions"))
+            )
+            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
+        return RANQuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            memory_attentions=outputs.memory_attentions,
+        )
+
+
 __all__ = [
     "RANForCausalLM",
     "RANForMaskedLM",
+    "RANForQuestionAnswering",
     "RANForSequenceClassification",
     "RANForTokenClassification",
     "RANModel",

@@ -1,0 +1,97 @@
+"""Extractive question answering over a whole document, as a Transformers pipeline.
+
+Transformers 5 removed its `question-answering` pipeline (the task name now raises, pointing to chat models), while
+`AutoModelForQuestionAnswering` and the span heads remain. `import ran_hf` registers this pipeline under the task
+`"extractive-question-answering"`, for `RANForQuestionAnswering` or any other span head:
+
+    from transformers import pipeline
+    qa = pipeline("extractive-question-answering", model="path/to/ran-qa")
+    qa(question="Who wrote the report?", context=long_document)  # {"score", "start", "end", "answer"}
+
+Unlike the removed pipeline, it does not cut the context into overlapping pieces of `max_seq_len` tokens: RAN reads
+the question and the whole document as one pair in a single forward pass, so an answer is chosen with every token of
+the document in view. The answer is the span (start <= end, at most `max_answer_len` tokens) of the document with the
+highest product of start and end probability, the probabilities taken over the document's tokens only; `start` and
+`end` are character offsets into `context`, as before.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers import Pipeline
+
+
+class ExtractiveQuestionAnsweringPipeline(Pipeline):
+    """Answer spans from a span head (`start_logits`, `end_logits`) over the whole (question, context) pair."""
+
+    _load_tokenizer = True
+    _load_processor = False
+    _load_image_processor = False
+    _load_feature_extractor = False
+
+    def __call__(self, question: str | list[str], context: str | list[str], **kwargs):
+        """One answer (or `top_k`) for a question and its context; lists of questions and contexts, pairwise."""
+        if isinstance(question, str) != isinstance(context, str) or (
+            not isinstance(question, str) and len(question) != len(context)
+        ):
+            raise ValueError("Give one `question` and one `context`, or two lists of the same length.")
+        if isinstance(question, str):
+            return super().__call__({"question": question, "context": context}, **kwargs)
+        return super().__call__([{"question": q, "context": c} for q, c in zip(question, context)], **kwargs)
+
+    def _sanitize_parameters(self, top_k: int | None = None, max_answer_len: int | None = None):
+        postprocess = {}
+        if top_k is not None:
+            if top_k < 1:
+                raise ValueError(f"`top_k` must be at least 1, got {top_k}.")
+            postprocess["top_k"] = top_k
+        if max_answer_len is not None:
+            if max_answer_len < 1:
+                raise ValueError(f"`max_answer_len` must be at least 1, got {max_answer_len}.")
+            postprocess["max_answer_len"] = max_answer_len
+        return {}, {}, postprocess
+
+    def preprocess(self, inputs: dict) -> dict:
+        if not self.tokenizer.is_fast:
+            raise ValueError("Extractive question answering maps tokens to characters: it needs a fast tokenizer.")
+        question, context = inputs["question"], inputs["context"]
+        if not question.strip() or not context.strip():
+            raise ValueError("The question and the context must both hold text.")
+        encoding = self.tokenizer(question, context, return_offsets_mapping=True, return_tensors="pt")
+        in_context = torch.tensor([sequence == 1 for sequence in encoding.sequence_ids(0)])
+        return {
+            "model_inputs": {name: encoding[name] for name in self.tokenizer.model_input_names if name in encoding},
+            "offsets": encoding["offset_mapping"][0],
+            "in_context": in_context,
+            "context": context,
+        }
+
+    def _forward(self, inputs: dict) -> dict:
+        outputs = self.model(**inputs["model_inputs"])
+        return {"start_logits": outputs.start_logits[0], "end_logits": outputs.end_logits[0], **inputs}
+
+    def postprocess(self, outputs: dict, top_k: int = 1, max_answer_len: int = 30):
+        in_context = outputs["in_context"]
+        # Probabilities over the document's tokens only: the question, special tokens and padding are no answer.
+        start, end = (
+            outputs[name].float().masked_fill(~in_context, -torch.inf).softmax(-1)
+            for name in ("start_logits", "end_logits")
+        )
+        # scores[s, k]: the span from token s to token s + k (k < max_answer_len); spans past the end score 0.
+        ends = F.pad(end, (0, max_answer_len - 1)).unfold(0, max_answer_len, 1)
+        scores = (start[:, None] * ends).flatten()
+        best = scores.topk(min(top_k, int((scores > 0).sum()))).indices
+        answers = []
+        offsets, context = outputs["offsets"], outputs["context"]
+        for index in best.tolist():
+            first, last = divmod(index, max_answer_len)
+            last += first
+            start_char, end_char = int(offsets[first][0]), int(offsets[last][1])
+            answers.append(
+                {
+                    "score": scores[index].item(),
+                    "start": start_char,
+                    "end": end_char,
+                    "answer": context[start_char:end_char],
+                }
+            )
+        return answers[0] if top_k == 1 else answers
