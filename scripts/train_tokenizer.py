@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Train a WordPiece or byte-level BPE tokenizer for RAN from text files, with `[PAD]` as id 0.
+
+    python scripts/train_tokenizer.py --train_files corpus.txt more.jsonl.gz --vocab_size 8000 --output_dir tok
+    python scripts/train_tokenizer.py --train_files ../shared/data/conll2003/train.txt --conll --output_dir tok
+
+Files are read with `ran_hf.data` (plain text one document per line, jsonl / jsonl.gz / csv with a text column, or
+CoNLL with `--conll`). The saved folder loads with `AutoTokenizer.from_pretrained`. Special tokens, in id order:
+[PAD] [UNK] [CLS] [SEP] [MASK]; a single text becomes `[CLS] text [SEP]`, a pair `[CLS] a [SEP] b [SEP]`.
+"""
+
+import logging
+import sys
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import HfArgumentParser, PreTrainedTokenizerFast
+
+from ran_hf.data import check_columns, read_conll, read_records
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@dataclass
+class TokenizerArguments:
+    train_files: list[str] = field(metadata={"help": "Text files to learn the vocabulary from (see the docstring)."})
+    output_dir: str = field(metadata={"help": "Folder to save the tokenizer to."})
+    model: str = field(default="wordpiece", metadata={"help": "`wordpiece` (BERT-style) or `bpe` (byte-level)."})
+    vocab_size: int = field(default=8000, metadata={"help": "Size of the vocabulary, special tokens included."})
+    min_frequency: int = field(default=2, metadata={"help": "Least frequent pair or piece still merged."})
+    lowercase: bool = field(default=True, metadata={"help": "WordPiece only: lower-case and strip accents."})
+    text_column_name: str = field(default="text", metadata={"help": "Column with the text in jsonl / csv files."})
+    conll: bool = field(default=False, metadata={"help": "Read the files as CoNLL: the words of the first column."})
+    max_documents: int | None = field(default=None, metadata={"help": "Read at most this many documents per file."})
+    model_max_length: int | None = field(
+        default=None, metadata={"help": "Length the tokenizer reports; RAN has no limit, so leave it unset."}
+    )
+
+    def __post_init__(self):
+        if self.model not in ("wordpiece", "bpe"):
+            raise ValueError(f"--model must be `wordpiece` or `bpe`, got {self.model!r}.")
+        if self.vocab_size <= len(SPECIAL_TOKENS):
+            raise ValueError(f"--vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens.")
+
+
+def read_texts(args: TokenizerArguments) -> list[str]:
+    texts = []
+    for path in args.train_files:
+        if args.conll:
+            documents = [" ".join(sentence["tokens"]) for sentence in read_conll(path)]
+        else:
+            # a null or blank text is an error naming the file and line, not the word "None" in the vocabulary
+            records = read_records(path, text_columns=[args.text_column_name])
+            check_columns(records, [args.text_column_name], str(path))
+            documents = [record[args.text_column_name] for record in records]
+        texts.extend(documents[: args.max_documents])
+    return texts
+
+
+def build_tokenizer(args: TokenizerArguments, texts: list[str]) -> PreTrainedTokenizerFast:
+    if args.model == "wordpiece":
+        backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        backend.normalizer = normalizers.BertNormalizer(lowercase=args.lowercase, strip_accents=args.lowercase)
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        backend.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=args.vocab_size, min_frequency=args.min_frequency, special_tokens=SPECIAL_TOKENS
+        )
+    else:
+        backend = Tokenizer(models.BPE(unk_token="[UNK]"))
+        backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=args.vocab_size,
+            min_frequency=args.min_frequency,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+    backend.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    extra = {"model_max_length": args.model_max_length} if args.model_max_length else {}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_input_names=["input_ids", "attention_mask"],
+        **extra,
+    )
+
+
+def main(argv: list[str] | None = None) -> PreTrainedTokenizerFast:
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, stream=sys.stdout
+    )
+    (args,) = HfArgumentParser(TokenizerArguments).parse_args_into_dataclasses(args=argv)
+
+    texts = read_texts(args)
+    logger.info(f"Training a {args.model} tokenizer (vocabulary {args.vocab_size}) on {len(texts):,} documents")
+    tokenizer = build_tokenizer(args, texts)
+    if tokenizer.pad_token_id != 0:
+        raise RuntimeError(f"[PAD] got id {tokenizer.pad_token_id}; RAN configs expect 0.")
+    tokenizer.save_pretrained(args.output_dir)
+    logger.info(f"Saved a tokenizer of {len(tokenizer):,} tokens to {args.output_dir}")
+    return tokenizer
+
+
+if __name__ == "__main__":
+    main()
