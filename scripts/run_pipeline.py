@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_tokenizer.main(
             ["--train_files", *tokenizer_files, "--text_column_name", args.text_column_name]
             + ["--vocab_size", str(args.vocab_size), "--output_dir", tokenizer_dir]
+            + ["--overwrite_output_dir"]  # no earlier models were trained with it (checked above), or replacing them
         )
 
     # 3. Masked-language-model pretraining from scratch, on the training texts

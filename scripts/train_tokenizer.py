@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import HfArgumentParser, PreTrainedTokenizerFast
 
 from ran_hf.data import check_columns, read_conll, read_records
+from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,14 @@ class TokenizerArguments:
     lowercase: bool = field(default=True, metadata={"help": "WordPiece only: lower-case and strip accents."})
     text_column_name: str = field(default="text", metadata={"help": "Column with the text in jsonl / csv files."})
     conll: bool = field(default=False, metadata={"help": "Read the files as CoNLL: the words of the first column."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Save into an --output_dir that already holds files (a trained model, another tokenizer): its "
+            "tokenizer files are replaced, the rest stays. Without it such a folder is refused: a model's tokenizer "
+            "replaced by one of another vocabulary would read every text wrongly."
+        },
+    )
     max_documents: int | None = field(default=None, metadata={"help": "Read at most this many documents per file."})
     model_max_length: int | None = field(
         default=None, metadata={"help": "Length the tokenizer reports; RAN has no limit, so leave it unset."}
@@ -99,18 +108,36 @@ def build_tokenizer(args: TokenizerArguments, texts: list[str]) -> PreTrainedTok
     )
 
 
+def check_output_dir(args: TokenizerArguments) -> None:
+    """Before reading anything: refuse an --output_dir that is or holds one of --train_files, or that already holds
+    files (unless --overwrite_output_dir), and lock it for the run (`ran_hf.folders`)."""
+    check_not_inputs(args.output_dir, "--output_dir", [("--train_files", path) for path in args.train_files])
+    lock_folder(args.output_dir)
+    entries = contents(args.output_dir)
+    if entries and not args.overwrite_output_dir:
+        shown = ", ".join(entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+        raise ValueError(
+            f"--output_dir {args.output_dir} already holds files ({shown}); a new tokenizer would replace the one a "
+            "model there was trained with. Pass --overwrite_output_dir to replace its tokenizer files, or choose "
+            "another --output_dir."
+        )
+
+
+@releases_folder_locks
 def main(argv: list[str] | None = None) -> PreTrainedTokenizerFast:
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, stream=sys.stdout
     )
     (args,) = HfArgumentParser(TokenizerArguments).parse_args_into_dataclasses(args=argv)
+    check_output_dir(args)
 
     texts = read_texts(args)
     logger.info(f"Training a {args.model} tokenizer (vocabulary {args.vocab_size}) on {len(texts):,} documents")
     tokenizer = build_tokenizer(args, texts)
     if tokenizer.pad_token_id != 0:
         raise RuntimeError(f"[PAD] got id {tokenizer.pad_token_id}; RAN configs expect 0.")
-    tokenizer.save_pretrained(args.output_dir)
+    with write_folder(args.output_dir, "saving", carry_over=lambda name: True) as staging:
+        tokenizer.save_pretrained(staging)
     logger.info(f"Saved a tokenizer of {len(tokenizer):,} tokens to {args.output_dir}")
     return tokenizer
 

@@ -45,6 +45,7 @@ from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser,
 
 from ran_hf import RANConfig, RANModel
 from ran_hf.data import read_records
+from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 from ran_hf.sentence_embeddings import SENTENCE_POOLINGS, ran_sentence_transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the machine line of the benchmarks
@@ -99,6 +100,10 @@ class DataTrainingArguments:
     num_train_pairs: int = field(default=2000, metadata={"help": "Training pairs (documents sharing a label)."})
     num_queries: int = field(default=200, metadata={"help": "Held-out documents used as queries."})
     num_corpus: int = field(default=1000, metadata={"help": "Other held-out documents forming the corpus."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Run into an --output_dir that holds a previous run: its models and results are replaced."},
+    )
     results_prefix: str | None = field(
         default=None, metadata={"help": "Also write PREFIX.json and PREFIX.md (e.g. benchmarks/embeddings_cpu)."}
     )
@@ -246,7 +251,8 @@ def train_and_evaluate(name, model, train_dataset, evaluator, training_args, out
     seconds = time.perf_counter() - start
     logger.info(f"*** {name}: after training ***")
     after = retrieval_scores(model, evaluator)
-    model.save(str(output_dir / name))
+    with write_folder(output_dir / name, "saving") as staging:
+        model.save(str(staging))
     row = {
         "model": name,
         "parameters": count_parameters(model),
@@ -287,6 +293,23 @@ def markdown(rows, info, setup) -> str:
     return "\n".join(lines)
 
 
+def check_output_dir(output_dir: Path, model_args: ModelArguments, data_args: DataTrainingArguments) -> None:
+    """Before any work: refuse an --output_dir that is, holds or lies inside what the run reads, or that already
+    holds a run's models (unless --overwrite_output_dir), and lock it for the run (`ran_hf.folders`)."""
+    inputs = [("--model_name_or_path", model_args.model_name_or_path), ("--tokenizer_name", model_args.tokenizer_name)]
+    inputs += [("--train_file", data_args.train_file), ("--test_file", data_args.test_file)]
+    check_not_inputs(output_dir, "--output_dir", inputs)
+    lock_folder(output_dir)
+    entries = contents(output_dir)
+    if entries and not data_args.overwrite_output_dir:
+        shown = ", ".join(entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+        raise ValueError(
+            f"--output_dir {output_dir} already holds a previous run ({shown}); this run would replace its models "
+            "and results. Pass --overwrite_output_dir to replace them, or choose another --output_dir."
+        )
+
+
+@releases_folder_locks
 def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, SentenceTransformerTrainingArguments))
     if argv is None:
@@ -296,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.utils.logging.set_verbosity_warning()
     set_seed(training_args.seed)
     output_dir = Path(training_args.output_dir)
+    check_output_dir(output_dir, model_args, data_args)
     output_dir.mkdir(parents=True, exist_ok=True)
 
     # Data: training pairs from the train file, queries and corpus from the held-out file
