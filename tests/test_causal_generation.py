@@ -18,7 +18,12 @@ import run_clm
 import train_tokenizer
 
 DOCUMENTS = ["one two three four five", "red green blue", "north south east west", "spring summer autumn winter"]
-PROMPTS = {"one two three": "four five", "red green": "blue", "north south": "east west", "spring": "summer autumn winter"}
+PROMPTS = {
+    "one two three": "four five",
+    "red green": "blue",
+    "north south": "east west",
+    "spring": "summer autumn winter",
+}
 TINY_CAUSAL = (
     "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,head_dim=16,window_size=8,min_window_size=2,"
     "hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0"
