@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from benchmark_utils import machine_info, machine_line
 
-from ran_hf import RANConfig, RANForMaskedLM, triton_norm
+from ran_hf import RANConfig, RANForMaskedLM, triton_norm, triton_rotary
 from ran_hf.modeling_ran import RANMemoryReview, RANWindowLayout
 
 NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh"}
@@ -225,7 +225,9 @@ def main():
         "--gpu_memory_gib", type=float, default=80, help="memory-review chunks as on a GPU this large (0: a CPU's)"
     )
     parser.add_argument(
-        "--triton_norm", action="store_true", help="count with the (opt-in) Triton normalisation switched on"
+        "--token_kernels",
+        action="store_true",
+        help="count with the (opt-in) Triton normalisation and rotary embedding switched on",
     )
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/kernels"))
     args = parser.parse_args()
@@ -236,7 +238,7 @@ def main():
             parser.error(f"--shapes takes BATCHxLENGTH with LENGTH a multiple of --window_size, got {shape!r}")
         shapes.append((int(batch), int(length)))
 
-    triton_norm.ENABLED = args.triton_norm
+    triton_norm.ENABLED = triton_rotary.ENABLED = args.token_kernels
     info = machine_info("meta")
     print(machine_line(info))
     results = []
@@ -265,7 +267,7 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine_info": info, "command": command, "settings": {**vars(args), "output_dir": str(args.output_dir)},
               "assumptions": assumptions, "results": results}  # fmt: skip
-    name = "kernels_meta_triton_norm" if args.triton_norm else "kernels_meta"
+    name = "kernels_meta_token_kernels" if args.token_kernels else "kernels_meta"
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
     markdown = f"# Kernels per MLM training step\n\n`{command}`\n\n{machine_line(info)}, {info['date']}\n\n"
     (args.output_dir / f"{name}.md").write_text(f"{markdown}```\n{table}\n```\n\n{assumptions}\n")

@@ -36,7 +36,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from benchmark_utils import machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
 from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
-from ran_hf.modeling_ran import apply_interleaved_rotary, rotary_rotations
+from ran_hf.building_blocks import apply_interleaved_rotary, rotary_rotations
 
 VOCAB_SIZE = 64
 KEY, QUESTION, FIRST_DIGIT, FIRST_FILLER = 1, 2, 3, 13  # 0 is padding; digits are 3..12; filler 13..63

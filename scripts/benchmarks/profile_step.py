@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Where a RAN training step spends its GPU time: CUDA kernels by total time, launches, step time.
 
-    python scripts/benchmarks/profile_step.py --device cuda --scans fused triton --shape 8x8192
+    python scripts/benchmarks/profile_step.py --device cuda --models ran-fused ran-triton transformer --shape 8x8192
 
 One masked-LM training step (bf16 autocast, forward with labels, backward) of a `RANForMaskedLM` with random
-weights, BERT-base shape by default, profiled with `torch.profiler` after two warm-up steps. Prints, per scan, the
-step's wall time (between synchronisations, the median of `--repeats` steps), the number of CUDA kernels launched,
-and the kernels that take the most time. Writes `benchmarks/cuda/profile_<scan>.txt` tables and one JSON.
+weights, BERT-base shape by default, profiled with `torch.profiler` after two warm-up steps. Models: `ran-SCAN`
+(any `scan_implementation`), `ran-SCAN+tokens` (with the opt-in Triton normalisation and rotary embedding), and
+`transformer`, the same-size windowed transformer of benchmark_kernels.py (block attention, no dropout). Prints, per
+model, the step's wall time (between synchronisations, the median of `--repeats` steps), the number of CUDA kernels
+launched, and the kernels that take the most time. Writes `profile_<model>_<shape>.txt` tables and one JSON.
 """
 
 import argparse
@@ -21,12 +23,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmark_utils import machine_info, machine_line
 
-from ran_hf import RANConfig, RANForMaskedLM
+from benchmark_kernels import BlockAttentionMLM
+from ran_hf import RANConfig, RANForMaskedLM, triton_norm, triton_rotary
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scans", nargs="+", default=["fused", "triton"])
+    parser.add_argument("--models", nargs="+", default=["ran-fused", "ran-triton", "transformer"])
     parser.add_argument("--shape", default="8x8192", help="BATCHxLENGTH")
     parser.add_argument("--hidden_size", type=int, default=768)
     parser.add_argument("--num_layers", type=int, default=12)
@@ -39,53 +42,68 @@ def main():
     args = parser.parse_args()
     batch, length = (int(part) for part in args.shape.split("x"))
     device = torch.device(args.device)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # CPU: a smoke test
     info = machine_info(args.device)
     print(machine_line(info))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    for scan in args.scans:
-        config = RANConfig(
-            vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-            num_attention_heads=args.num_heads, head_dim=args.hidden_size // args.num_heads,
-            window_size=args.window_size, min_window_size=16, scan_implementation=scan,
-        )  # fmt: skip
-        model = RANForMaskedLM(config).to(device).train()
+    for name in args.models:
+        scan, _, options = name.removeprefix("ran-").partition("+")
+        triton_norm.ENABLED = triton_rotary.ENABLED = options == "tokens"
+        if name == "transformer":
+            model = BlockAttentionMLM(args.vocab_size, args.hidden_size, args.num_layers, args.num_heads,
+                                      args.window_size)  # fmt: skip
+        else:
+            config = RANConfig(
+                vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                num_attention_heads=args.num_heads, head_dim=args.hidden_size // args.num_heads,
+                window_size=args.window_size, min_window_size=16, scan_implementation=scan,
+            )  # fmt: skip
+            model = RANForMaskedLM(config)
+        model = model.to(device).train()
         ids = torch.randint(1, args.vocab_size, (batch, length), device=device)
+
+        def loss_of_step():
+            if name == "transformer":
+                return model(ids, ids)
+            return model(input_ids=ids, labels=ids).loss
 
         def step():
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = loss_of_step()
             loss.backward()
             model.zero_grad(set_to_none=True)
 
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
+        synchronize()
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             step()
-            torch.cuda.synchronize()
+            synchronize()
             times.append(time.perf_counter() - start)
-        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+        with profile(activities=[activity]) as profiler:
             step()
-            torch.cuda.synchronize()
+            synchronize()
         events = [event for event in profiler.key_averages() if event.device_type == torch.autograd.DeviceType.CUDA]
         launches = sum(event.count for event in events)
         table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
-        (args.output_dir / f"profile_{scan}_{args.shape}.txt").write_text(table)
+        (args.output_dir / f"profile_{name}_{args.shape}.txt").write_text(table)
         seconds = statistics.median(times)
         tokens_per_second = batch * length / seconds
-        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         results.append({
-            "scan": scan, "shape": args.shape, "step_seconds": seconds, "tokens_per_second": tokens_per_second,
+            "model": name, "shape": args.shape, "step_seconds": seconds, "tokens_per_second": tokens_per_second,
             "cuda_kernels": launches, "peak_gib": peak_gib,
         })  # fmt: skip
-        print(f"{scan}: step {seconds * 1000:.0f} ms, {tokens_per_second:,.0f} tok/s, {launches:,} CUDA kernels")
+        print(f"{name}: step {seconds * 1000:.0f} ms, {tokens_per_second:,.0f} tok/s, {launches:,} CUDA kernels")
         print(table)
         del model
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     settings = vars(args) | {"output_dir": str(args.output_dir)}
     command = "python " + " ".join(sys.argv)
     report = {"machine_info": info, "command": command, "settings": settings, "results": results}

@@ -1,7 +1,8 @@
 """RAN's building blocks, shared by the layer and the cell scans: the official normalisation (`standard_normalize`,
-`RANLayerNorm`, langml's), unit vectors, and the gated linear unit.
+`RANLayerNorm`, langml's), unit vectors, the gated linear unit and the interleaved rotary embedding.
 
-On CUDA the normalisations can run as one Triton kernel each way (`triton_norm.py`, opt-in).
+On CUDA the normalisations and the rotary embedding can run as one Triton kernel each way (`triton_norm.py`,
+`triton_rotary.py`, opt-in).
 """
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .triton_norm import TritonNorm, triton_norm_applies
+from .triton_rotary import triton_rotary_applies, triton_rotate_pairs
 
 
 def standard_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,3 +67,24 @@ class RANGatedLinearUnit(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         value, gate = self.proj(hidden_states).chunk(2, dim=-1)
         return value * torch.sigmoid(gate)
+
+
+def rotary_rotations(num_positions: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """(num_positions, head_dim / 2, 2): cosine and sine of each pair's rotation at positions 0, 1, ..."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.arange(num_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x_2i, x_2i+1) of the last axis by the angles whose cosines and sines are
+    `rotations` (..., d / 2, 2), which broadcasts against (..., d / 2, 2) pairs.
+
+    RAN rotates neighbouring pairs, not the two halves of the head as Llama does. Real arithmetic, not a complex
+    product: ONNX has no complex numbers.
+    """
+    if triton_rotary_applies(states):  # one kernel each way instead of about fifteen and twenty ops
+        return triton_rotate_pairs(states, rotations)
+    x, y = states.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = rotations.unbind(-1)
+    return torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).flatten(-2).to(states.dtype)

@@ -36,7 +36,14 @@ from transformers.utils.generic import can_return_tuple
 
 from .cache_ran import RANCache, RANCacheLayer
 from .cell_scan import ALL_SCAN_FUNCTIONS
-from .building_blocks import RANGatedLinearUnit, RANLayerNorm, standard_normalize, unit_vectors
+from .building_blocks import (
+    RANGatedLinearUnit,
+    RANLayerNorm,
+    apply_interleaved_rotary,
+    rotary_rotations,
+    standard_normalize,
+    unit_vectors,
+)
 from .configuration_ran import RANConfig
 from .scan_dropout import drop
 
@@ -46,25 +53,6 @@ logger = logging.get_logger(__name__)
 # --------------------------------------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def rotary_rotations(num_positions: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """(num_positions, head_dim / 2, 2): cosine and sine of each pair's rotation at positions 0, 1, ..."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.arange(num_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
-
-
-def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x_2i, x_2i+1) of the last axis by the angles whose cosines and sines are
-    `rotations` (..., d / 2, 2), which broadcasts against (..., d / 2, 2) pairs.
-
-    RAN rotates neighbouring pairs, not the two halves of the head as Llama does. Real arithmetic, not a complex
-    product: ONNX has no complex numbers.
-    """
-    x, y = states.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = rotations.unbind(-1)
-    return torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).flatten(-2).to(states.dtype)
 
 
 def count_windows(lengths: torch.Tensor, window: int, min_window: int) -> torch.Tensor:

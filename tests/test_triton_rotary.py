@@ -1,0 +1,63 @@
+"""The Triton rotary embedding (triton_rotary.py) equals RAN's PyTorch one (`apply_interleaved_rotary`): outputs and
+the states' gradients, for the queries' and the keys' broadcasting of the rotations, head sizes that are and are not
+powers of two, float32 and float16. On a CPU the kernel runs in Triton's interpreter; on CUDA compiled."""
+
+import pytest
+import torch
+
+from ran_hf import triton_rotary
+from ran_hf.building_blocks import apply_interleaved_rotary, rotary_rotations
+from ran_hf.triton_rotary import triton_rotate_pairs
+from ran_hf.triton_scan import TRITON_AVAILABLE
+
+pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rotations_for(kind, windows, heads, slots, head_dim, generator):
+    """As RANLayer.project_windows rotates them: keys by their slot, queries by their own slot in the window."""
+    table = rotary_rotations(slots + 1, head_dim, 10000.0, "cpu")[1:]  # (S, d / 2, 2)
+    if kind == "keys":
+        return table.to(DEVICE)
+    query_slots = torch.randint(0, slots, (windows, slots - 1), generator=generator)
+    return table[query_slots][:, None].to(DEVICE)  # (K, 1, Q, d / 2, 2)
+
+
+@pytest.mark.parametrize("kind", ["keys", "queries"])
+@pytest.mark.parametrize("head_dim", [8, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_triton_rotary_equals_the_pytorch_rotary(kind, head_dim, dtype):
+    generator = torch.Generator().manual_seed(head_dim)
+    windows, heads, slots = 3, 2, 7
+    rotations = rotations_for(kind, windows, heads, slots, head_dim, generator)
+    positions = slots if kind == "keys" else slots - 1
+    states = torch.randn(windows, heads, positions, head_dim, generator=generator).to(DEVICE, dtype)
+    probe = torch.randn(states.shape, generator=generator).to(DEVICE, dtype)
+
+    def run(rotate):
+        leaf = states.clone().requires_grad_()
+        out = rotate(leaf, rotations)
+        (out.float() * probe.float()).sum().backward()
+        return out.detach(), leaf.grad
+
+    expected, expected_grad = run(apply_interleaved_rotary)
+    actual, actual_grad = run(triton_rotate_pairs)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    assert actual.dtype == expected.dtype == dtype and actual.shape == expected.shape
+    assert torch.allclose(actual.float(), expected.float(), atol=tolerance)
+    assert torch.allclose(actual_grad.float(), expected_grad.float(), atol=tolerance)
+
+
+def test_triton_rotary_refuses_rotations_that_do_not_fit():
+    states = torch.randn(2, 3, 5, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        triton_rotate_pairs(states, torch.randn(4, 4, 2, device=DEVICE))
+
+
+def test_the_pytorch_rotary_is_used_unless_switched_on(monkeypatch):
+    """Off by default (checked compiled on no GPU yet); on, only on CUDA and the meta device."""
+    meta_states = torch.empty(2, 3, 5, 8, device="meta")
+    assert not triton_rotary.triton_rotary_applies(meta_states)
+    monkeypatch.setattr(triton_rotary, "ENABLED", True)
+    assert triton_rotary.triton_rotary_applies(meta_states)
+    assert not triton_rotary.triton_rotary_applies(torch.empty(2, 3, 5, 8))
