@@ -1,0 +1,399 @@
+"""Nothing lost when writing output folders: the eight data-loss cases of issue 34, each reproduced and shown to be
+refused or to succeed without loss, plus the folder writer (`ran_hf.folders`) on mount points and links.
+
+Mount points are real: a tmpfs (and a bind mount) mounted here, which needs root; the tests that need one are
+skipped with the reason otherwise.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import export_onnx
+import pytest
+import run_classification
+import run_pipeline
+import train_embeddings
+import train_tokenizer
+from safetensors.torch import load_file
+
+from ran_hf import RANConfig, RANForSequenceClassification, convert_rannet_checkpoint
+from ran_hf.folders import FolderInUseError, lock_folder, recover_interrupted, write_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ROOT / "src" / "ran_hf" / "folders.py"
+# Takes the lock on argv[2] and holds it; loads folders.py alone (the ran_hf package would import torch: seconds).
+HOLD_LOCK = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("folders", sys.argv[1])
+folders = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(folders)
+folders.lock_folder(sys.argv[2])
+print("locked", flush=True)
+time.sleep(60)
+"""
+RANNET_FIXTURE = ROOT / "tests" / "fixtures" / "rannet" / "l1_d32_w4_last"
+TINY_OVERRIDES = "hidden_size=16,num_attention_heads=2,head_dim=8,window_size=16,min_window_size=4"
+QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--log_level", "warning"]
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def mount(kind: str, point: Path, source: Path | None = None) -> None:
+    """Mount a tmpfs (or bind `source`) at `point`, or skip the test saying why it cannot."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a file system needs root")
+    point.mkdir(parents=True, exist_ok=True)
+    command = ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(point)]
+    if kind == "bind":
+        command = ["mount", "--bind", str(source), str(point)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount here ({' '.join(command)}: {result.stderr.strip()})")
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A tmpfs mounted at tmp_path/volume for the test (a volume on another file system than tmp_path)."""
+    point = tmp_path / "volume"
+    mount("tmpfs", point)
+    yield point
+    subprocess.run(["umount", "-l", str(point)], check=True)
+
+
+@pytest.fixture(scope="module")
+def topic_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("topics")
+    return run_pipeline.write_topic_documents(folder, {"train": 16, "validation": 4}, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(topic_files, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer.main(
+        ["--train_files", str(topic_files["train"]), "--vocab_size", "200", "--output_dir", str(folder)]
+    )
+    return folder
+
+
+def classification_run(tokenizer_dir, topic_files, output_dir, *extra) -> list[str]:
+    return [
+        "--tokenizer_name",
+        str(tokenizer_dir),
+        "--config_overrides",
+        TINY_OVERRIDES,
+        "--train_file",
+        str(topic_files["train"]),
+        "--max_seq_length",
+        "48",
+        "--do_train",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_steps",
+        "2",
+        "--output_dir",
+        str(output_dir),
+        *extra,
+        *QUIET,
+    ]
+
+
+def assert_no_leftovers(folder: Path) -> None:
+    """No temporary folder or lock file of ours beside or inside `folder`."""
+    for where in (folder.parent, folder):
+        leftovers = [path.name for path in where.iterdir() if path.name.startswith(f".{folder.name}.")]
+        assert not leftovers, leftovers
+
+
+# ---- 1. the exporter over its own model ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved_model(tmp_path):
+    config = RANConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_attention_heads=2,
+        head_dim=8,
+        window_size=8,
+        min_window_size=2,
+        num_hidden_layers=1,
+        num_labels=2,
+    )
+    folder = tmp_path / "model"
+    RANForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("output", ["model.safetensors", "config.json", "link.onnx"])
+def test_export_refuses_to_overwrite_a_file_of_its_model(saved_model, output):
+    """`export_onnx.py --model_dir M --output M/model.safetensors` wrote the graph over the weights and exited 0. Now
+    an --output that is not a .onnx file, or that is (through a link) a file the model is read from, is refused
+    before the model is loaded."""
+    (saved_model / "link.onnx").symlink_to(saved_model / "model.safetensors")
+    before = files_of(saved_model)
+    with pytest.raises(SystemExit) as exit_info:
+        export_onnx.main(["--model_dir", str(saved_model), "--output", str(saved_model / output)])
+    assert exit_info.value.code == 1
+    assert files_of(saved_model) == before
+
+
+def test_export_check_allows_a_new_graph_beside_the_model(saved_model):
+    export_onnx.check_output(str(saved_model), str(saved_model / "model.onnx"))  # what the README does
+
+
+# ---- 2. training from a checkpoint of the folder it overwrites ----------------------------------------------------
+
+
+def test_a_run_does_not_delete_the_checkpoint_it_starts_from(tokenizer_dir, topic_files, tmp_path):
+    """`--model_name_or_path OUT/checkpoint-2 --output_dir OUT --overwrite_output_dir` deleted every checkpoint of
+    OUT, the starting one included, before reading it. Now an --output_dir holding an input is refused first."""
+    output_dir = tmp_path / "run"
+    run_classification.main(classification_run(tokenizer_dir, topic_files, output_dir, "--save_steps", "2"))
+    before = files_of(output_dir)
+    assert "checkpoint-2/model.safetensors" in before
+    arguments = ["--model_name_or_path", str(output_dir / "checkpoint-2"), "--train_file", str(topic_files["train"])]
+    arguments += ["--do_train", "--max_steps", "2", "--output_dir", str(output_dir), "--overwrite_output_dir", *QUIET]
+    with pytest.raises(ValueError, match=r"--output_dir .*run holds --model_name_or_path .*checkpoint-2"):
+        run_classification.main(arguments)
+    assert files_of(output_dir) == before
+
+
+def test_overwriting_keeps_the_old_checkpoints_until_the_new_model_is_saved(tokenizer_dir, topic_files, tmp_path):
+    """--overwrite_output_dir no longer deletes the old checkpoints at the start: a run refused on its arguments leaves
+    them, and a finished run deletes them only after its final save."""
+    output_dir = tmp_path / "run"
+    run_classification.main(classification_run(tokenizer_dir, topic_files, output_dir, "--save_steps", "2"))
+    old = files_of(output_dir / "checkpoint-2")
+    arguments = classification_run(
+        tokenizer_dir, topic_files, output_dir, "--overwrite_output_dir", "--max_steps", "0"
+    )
+    with pytest.raises(ValueError, match="--max_steps"):  # refused before the folder is touched
+        run_classification.main(arguments)
+    assert files_of(output_dir / "checkpoint-2") == old
+    run_classification.main(
+        classification_run(tokenizer_dir, topic_files, output_dir, "--overwrite_output_dir", "--save_strategy", "no")
+    )
+    assert not (output_dir / "checkpoint-2").exists() and (output_dir / "model.safetensors").is_file()
+    assert_no_leftovers(output_dir)
+
+
+# ---- 3. an output folder that is a mount point ---------------------------------------------------------------------
+
+
+def test_a_run_into_a_mount_point_keeps_its_model(tokenizer_dir, topic_files, tmpfs):
+    """A volume as --output_dir: the final rename failed with EBUSY, the trained model was deleted with the staging
+    folder and the log said the folder held what it held before. Now the volume's contents are replaced, twice."""
+    run_classification.main(classification_run(tokenizer_dir, topic_files, tmpfs, "--save_strategy", "no"))
+    first = load_file(tmpfs / "model.safetensors")
+    assert os.path.ismount(tmpfs) and (tmpfs / "config.json").is_file()
+    (tmpfs / "notes.txt").write_text("mine")  # not a run file: stays
+    run_classification.main(
+        classification_run(
+            tokenizer_dir, topic_files, tmpfs, "--save_strategy", "no", "--overwrite_output_dir", "--seed", "7"
+        )
+    )
+    second = load_file(tmpfs / "model.safetensors")
+    assert any(not (first[name] == second[name]).all() for name in first)  # the new model, not the old one
+    assert (tmpfs / "notes.txt").read_text() == "mine"
+    assert_no_leftovers(tmpfs)
+
+
+def test_write_folder_replaces_the_contents_of_a_bind_mount(tmp_path):
+    """A bind mount on the same file system is no mount point to `os.path.ismount`, and its rename fails with
+    EBUSY all the same; its contents are replaced."""
+    source, point = tmp_path / "source", tmp_path / "bound"
+    source.mkdir()
+    (source / "old.txt").write_text("old")
+    (source / "keep.txt").write_text("keep")
+    mount("bind", point, source)
+    try:
+        with write_folder(point, "saving", carry_over=lambda name: name == "keep.txt") as staging:
+            (staging / "new.txt").write_text("new")
+        assert files_of(source) == {"keep.txt": b"keep", "new.txt": b"new"}
+        assert os.path.ismount(point) or point.stat().st_ino == source.stat().st_ino
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=True)
+    assert_no_leftovers(source)
+
+
+def test_a_kill_while_a_mount_point_gets_new_contents_is_finished_by_the_next_run(tmpfs):
+    """Killed after the old entries were set aside and the new folder marked ready: the next start moves the new
+    entries in; killed before the mark, it puts the old entries back."""
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    pid = int(dead.stdout)
+    (tmpfs / "kept.txt").write_text("kept")
+    ready, previous = tmpfs / f".volume.ready-{pid}-a", tmpfs / f".volume.previous-{pid}-b"
+    ready.mkdir(), previous.mkdir()
+    (ready / "model.safetensors").write_text("new")
+    (previous / "model.safetensors").write_text("old")
+    recover_interrupted(tmpfs)
+    assert files_of(tmpfs) == {"kept.txt": b"kept", "model.safetensors": b"new"}
+
+    previous.mkdir()
+    os.replace(tmpfs / "model.safetensors", previous / "model.safetensors")
+    (tmpfs / f".volume.saving-{pid}-c").mkdir()
+    recover_interrupted(tmpfs)
+    assert files_of(tmpfs) == {"kept.txt": b"kept", "model.safetensors": b"new"}
+    assert_no_leftovers(tmpfs)
+
+
+# ---- 4. an output folder that is a link -----------------------------------------------------------------------------
+
+
+def test_a_run_into_a_link_writes_the_folder_it_points_to(tokenizer_dir, topic_files, tmp_path):
+    """On one file system the link was replaced by a real folder (the model landed off-target)."""
+    target, link = tmp_path / "models" / "real", tmp_path / "link"
+    target.mkdir(parents=True)
+    link.symlink_to(target)
+    run_classification.main(classification_run(tokenizer_dir, topic_files, link, "--save_strategy", "no"))
+    assert link.is_symlink() and (target / "model.safetensors").is_file()
+    assert_no_leftovers(target)
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
+
+
+def test_a_link_to_another_file_system_is_written_and_rewritten(tokenizer_dir, topic_files, tmp_path, tmpfs):
+    """Across file systems: EXDEV after the new model was in place, the false "holds what it held before", and every
+    later run crashed in `recover_interrupted`. Now the link's target is written, and written again."""
+    target, link = tmpfs / "real", tmp_path / "link"
+    target.mkdir()
+    link.symlink_to(target)
+    for extra in ([], ["--overwrite_output_dir"]):
+        run_classification.main(classification_run(tokenizer_dir, topic_files, link, "--save_strategy", "no", *extra))
+        assert link.is_symlink() and (target / "model.safetensors").is_file()
+        assert_no_leftovers(target)
+    assert recover_interrupted(link) == []
+
+
+def test_a_link_to_a_mount_point_has_the_mount_points_contents_replaced(tmp_path, tmpfs):
+    link = tmp_path / "link"
+    link.symlink_to(tmpfs)
+    (tmpfs / "old.txt").write_text("old")
+    with write_folder(link, "saving") as staging:
+        (staging / "new.txt").write_text("new")
+    assert link.is_symlink() and files_of(tmpfs) == {"new.txt": b"new"}
+
+
+# ---- 5. two runs into one folder ----------------------------------------------------------------------------------
+
+
+def test_a_second_run_into_a_locked_folder_is_refused_naming_the_holder(tokenizer_dir, topic_files, tmp_path):
+    """Two runs at once into one empty folder both exited 0, the second silently replacing the first. Now the second
+    is refused at once, naming the first; once the first is gone (killed), its stale lock is taken over."""
+    output_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(FOLDERS), str(output_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(FolderInUseError, match=rf"run is being written by process {holder.pid} on "):
+            run_classification.main(classification_run(tokenizer_dir, topic_files, output_dir))
+        assert not output_dir.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / ".run.lock").exists()  # left by the killed holder
+    run_classification.main(classification_run(tokenizer_dir, topic_files, output_dir, "--save_strategy", "no"))
+    assert (output_dir / "model.safetensors").is_file() and not (tmp_path / ".run.lock").exists()
+
+
+def test_a_lock_is_shared_within_a_process_and_released(tmp_path):
+    first = lock_folder(tmp_path / "out")
+    assert lock_folder(tmp_path / "out") is first
+    first.release()
+    assert (tmp_path / ".out.lock").exists()
+    first.release()
+    assert not (tmp_path / ".out.lock").exists()
+
+
+# ---- 6. a tokenizer over a trained model's ------------------------------------------------------------------------
+
+
+def test_a_tokenizer_is_not_trained_over_a_models_tokenizer(tokenizer_dir, topic_files, tmp_path):
+    """`train_tokenizer.py --output_dir <a trained model's folder>` replaced the model's tokenizer with one of
+    another vocabulary. Now it is refused; with --overwrite_output_dir only the tokenizer files are replaced."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tokenizer_dir, model_dir)
+    (model_dir / "model.safetensors").write_bytes(b"weights")
+    before = files_of(model_dir)
+    arguments = ["--train_files", str(topic_files["train"]), "--vocab_size", "120", "--output_dir", str(model_dir)]
+    with pytest.raises(ValueError, match=r"--output_dir .*model already holds files .*--overwrite_output_dir"):
+        train_tokenizer.main(arguments)
+    assert files_of(model_dir) == before
+    train_tokenizer.main([*arguments, "--overwrite_output_dir"])
+    assert (model_dir / "model.safetensors").read_bytes() == b"weights"
+    assert (model_dir / "tokenizer.json").read_bytes() != before["tokenizer.json"]
+    assert_no_leftovers(model_dir)
+
+
+# ---- 7. sentence embeddings twice into one folder -------------------------------------------------------------------
+
+
+def test_train_embeddings_does_not_replace_a_previous_run(tokenizer_dir, topic_files, tmp_path):
+    """A second `train_embeddings.py` into a folder with finished models replaced them without a word. Now it is
+    refused before any work unless --overwrite_output_dir."""
+    output_dir = tmp_path / "embeddings"
+    (output_dir / "ran-mean").mkdir(parents=True)
+    (output_dir / "ran-mean" / "model.safetensors").write_bytes(b"finished")
+    (output_dir / "results.json").write_text("{}")
+    before = files_of(output_dir)
+    with pytest.raises(ValueError, match=r"already holds a previous run \(ran-mean, results.json\)"):
+        train_embeddings.main(
+            [
+                "--tokenizer_name",
+                str(tokenizer_dir),
+                "--train_file",
+                str(topic_files["train"]),
+                "--test_file",
+                str(topic_files["validation"]),
+                "--output_dir",
+                str(output_dir),
+            ]
+        )
+    assert files_of(output_dir) == before
+
+
+# ---- 8. the converter over the checkpoint it converts ---------------------------------------------------------------
+
+
+def test_the_converter_refuses_an_output_holding_its_checkpoint(tmp_path):
+    """A `checkpoint` file whose model_checkpoint_path points into --output_dir: --overwrite deleted the checkpoint
+    data being converted. Now refused, overwrite or not, before anything is read or written."""
+    rannet_dir, output_dir = tmp_path / "rannet", tmp_path / "out"
+    shutil.copytree(RANNET_FIXTURE, rannet_dir)
+    output_dir.mkdir()
+    for path in rannet_dir.glob("model.ckpt.*"):
+        shutil.move(path, output_dir / path.name)
+    (rannet_dir / "checkpoint").write_text(f'model_checkpoint_path: "{output_dir / "model.ckpt"}"\n')
+    before = files_of(output_dir)
+    with pytest.raises(ValueError, match=r"output_dir .*out holds the TensorFlow checkpoint file .*model\.ckpt"):
+        convert_rannet_checkpoint(rannet_dir, output_dir, overwrite=True)
+    assert files_of(output_dir) == before
+    assert_no_leftovers(output_dir)
+
+
+def test_write_folder_keeps_a_new_folder_it_cannot_put_in_place(tmp_path, monkeypatch):
+    """A failed final move deleted the new content; now it is kept under a visible name, which the error gives."""
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    replace = os.replace
+
+    def full_disk(source, destination):
+        if Path(source).name.startswith(".out.saving-") and Path(destination) == target:
+            raise OSError(28, "No space left on device")
+        replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    new_content_kept = pytest.raises(OSError, match=r"the new content is complete in .*out\.new-")
+    with new_content_kept, write_folder(target, "saving") as staging:
+        (staging / "new.txt").write_text("new")
+    monkeypatch.setattr(os, "replace", replace)
+    (kept,) = tmp_path.glob("out.new-*")
+    assert files_of(kept) == {"new.txt": b"new"} and files_of(target) == {"old.txt": b"old"}
