@@ -256,10 +256,10 @@ def test_train_tokenizer_reads_conll_words(tmp_path):
             "--min_frequency",
             "1",
             "--output_dir",
-            str(tmp_path),
+            str(tmp_path / "tokenizer"),  # not tmp_path, which holds the training file
         ]
     )
-    vocabulary = AutoTokenizer.from_pretrained(tmp_path).get_vocab()
+    vocabulary = AutoTokenizer.from_pretrained(tmp_path / "tokenizer").get_vocab()
     assert {"eu", "rejects"} <= vocabulary.keys()
     assert "nnp" not in vocabulary and "b-org" not in vocabulary  # only the words, not the other columns
 
