@@ -431,7 +431,10 @@ def test_resuming_with_other_config_overrides_names_the_changed_fields(
 def test_a_json_array_instead_of_json_lines(tokenizer_dir, tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps([{"text": "a", "label": "x"}, {"text": "b", "label": "y"}], indent=2))
-    with pytest.raises(ValueError, match=r"train.jsonl holds a JSON array; this reader takes JSON Lines"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.jsonl, line 1: expected a JSON object, got the start of a JSON array. This reader takes JSON Lines",
+    ):
         read_records(path)
 
 
@@ -459,3 +462,24 @@ def test_integer_ner_tags_in_jsonl(tokenizer_dir, tmp_path):
         "must give tag names",
     ):
         run_ner.main(argv)
+
+
+def test_a_lone_surrogate_in_jsonl_is_named(tmp_path):
+    """`"\\ud800"` is valid JSON but no text: the tokenizer failed on it with "TypeError: TextEncodeInput must be ..."""
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "fine", "label": "a"}\n{"text": "broken \\ud800 here", "label": "b"}\n')
+    with pytest.raises(
+        ValueError,
+        match=r"train.jsonl, line 2: column 'text' holds a lone surrogate '\\ud800' at "
+        "character 8",
+    ):
+        read_records(path, ["text"])
+
+
+def test_stream_training_with_gradient_checkpointing(tokenizer_dir, topic_files, tmp_path):
+    """It failed at the first step with "AttributeError: 'NoneType' object has no attribute 'detach'"."""
+    argv = ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", TINY_OVERRIDES, "--output_dir"]
+    argv += [str(tmp_path / "clm"), "--train_file", str(topic_files["train"]), "--do_train", "--stream_training"]
+    argv += ["--block_size", "32", "--gradient_checkpointing", "--max_steps", "1", *QUIET]
+    with pytest.raises(ValueError, match=r"--stream_training carries .* drop --gradient_checkpointing"):
+        run_clm.main(argv)

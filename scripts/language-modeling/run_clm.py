@@ -113,6 +113,12 @@ def main(argv: list[str] | None = None) -> dict:
             "--stream_training carries each stream's state from batch to batch in one process; it cannot split "
             f"batches over {training_args.world_size} processes. Run it in a single process."
         )
+    if data_args.stream_training and training_args.gradient_checkpointing:
+        raise ValueError(
+            "--stream_training carries each stream's recurrent state (the model's cache) from batch to batch, and a "
+            "checkpointed layer, which runs twice, returns none: drop --gradient_checkpointing (a stream chunk's "
+            "activations are those of one --block_size) or train without --stream_training."
+        )
     # refuses to train over a previous run unasked or over its own inputs; locks the folder for the run
     checkpoint = prepare_output_dir(training_args, model_args, data_args)
     set_seed(training_args.seed)

@@ -69,8 +69,15 @@ def file_format(path: str | Path) -> str:
 
 
 def check_text(value, where: str, column: str) -> None:
-    """A document's text must be a string with something besides whitespace in it."""
+    """A document's text must be a string with something besides whitespace in it, and valid Unicode."""
     if isinstance(value, str) and value.strip():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:  # JSON may escape half of a UTF-16 pair ("\ud800"); tokenizers fail on it
+            raise ValueError(
+                f"{where}: column {column!r} holds a lone surrogate {value[error.start]!r} at character "
+                f"{error.start + 1} (half of a UTF-16 pair, escaped in JSON), which is not text. Fix the file."
+            ) from None
         return
     if value is None:
         kind = "null"
@@ -90,8 +97,8 @@ def read_jsonl(path: str | Path, text_columns: Iterable[str] = ()) -> list[dict]
             continue
         if not records and line.lstrip().startswith("["):
             raise ValueError(
-                f"{path} holds a JSON array; this reader takes JSON Lines, one JSON object per line (convert it "
-                f"with `jq -c '.[]' {Path(path).name}`)."
+                f"{path}, line {line_number}: expected a JSON object, got the start of a JSON array. This reader "
+                f"takes JSON Lines, one object per line: convert the array with `jq -c '.[]' {Path(path).name}`."
             )
         try:
             record = json.loads(line)
