@@ -578,6 +578,20 @@ def load_splits(
     return splits
 
 
+def check_data_limits(data_args) -> None:
+    """The data flags every script's `DataTrainingArguments` may have, checked when parsed: `--max_*_samples` keep
+    the first N examples (below 1, nothing would be left to train on or score), `--validation_split_percentage` holds
+    out part of the training data (100 would leave none to train on)."""
+    for name, value in vars(data_args).items():
+        if name.startswith("max_") and name.endswith("_samples") and value is not None and value < 1:
+            raise ValueError(f"--{name} must be at least 1 (leave it out to keep every example), got {value}.")
+    percentage = getattr(data_args, "validation_split_percentage", None)
+    if percentage is not None and not 0 <= percentage < 100:
+        raise ValueError(
+            f"--validation_split_percentage must be in [0, 100) (0: no split held out), got {percentage}."
+        )
+
+
 def describe_source(data_args) -> str:
     """ "Hub dataset `name` (`config`)" or the data files, for a model card."""
     if data_args.dataset_name:

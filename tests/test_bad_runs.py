@@ -483,3 +483,52 @@ def test_stream_training_with_gradient_checkpointing(tokenizer_dir, topic_files,
     argv += ["--block_size", "32", "--gradient_checkpointing", "--max_steps", "1", *QUIET]
     with pytest.raises(ValueError, match=r"--stream_training carries .* drop --gradient_checkpointing"):
         run_clm.main(argv)
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        pytest.param(
+            run_classification,
+            ["--max_train_samples", "0"],
+            r"--max_train_samples must be at least 1 .*got 0",
+            id="classification-max_train_samples",  # was "No labels found in column 'label'"
+        ),
+        pytest.param(
+            run_classification,
+            ["--max_eval_samples", "0"],
+            r"--max_eval_samples must be at least 1 .*got 0",
+            id="classification-max_eval_samples",  # was "Column 'input_ids' doesn't exist"
+        ),
+        pytest.param(
+            run_clm,
+            ["--max_train_samples", "0", "--block_size", "32"],
+            r"--max_train_samples must be at least 1 .*got 0",
+            id="clm-max_train_samples",  # was "num_samples should be a positive integer value"
+        ),
+        pytest.param(
+            run_clm,
+            ["--validation_split_percentage", "100", "--block_size", "32"],
+            r"--validation_split_percentage must be in \[0, 100\) .*got 100",
+            id="clm-validation_split_percentage",  # was "test_size=1.0 should be either positive ..."
+        ),
+    ],
+)
+def test_flags_that_keep_no_data(script, flags, message, tokenizer_dir, topic_files, tmp_path):
+    """Each failed deep in `datasets` or the sampler with a message that named no flag (beside each case)."""
+    argv = ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", TINY_OVERRIDES, "--output_dir"]
+    argv += [str(tmp_path / "out"), "--train_file", str(topic_files["train"]), "--do_train", "--max_steps", "1"]
+    argv += ["--validation_file", str(topic_files["validation"]), "--do_eval"] if "max_eval" in flags[0] else []
+    with pytest.raises(ValueError, match=message):
+        script.main(argv + flags + QUIET)
+
+
+@pytest.mark.parametrize("max_tokens", ["0", "1"])
+def test_perplexity_of_fewer_than_two_tokens(tmp_path, max_tokens):
+    """`--max_tokens 0` or `1` scored no token and failed with a ZeroDivisionError."""
+    text = tmp_path / "text.txt"
+    text.write_text("some text\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"--max_tokens must be at least 2 .*got {max_tokens}"):
+        evaluate_perplexity.main(
+            ["--model_name_or_path", "unused", "--text_file", str(text), "--max_tokens", max_tokens]
+        )

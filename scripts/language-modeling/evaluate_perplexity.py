@@ -65,6 +65,8 @@ class PerplexityArguments:
             raise ValueError(f"--mode must be `stream` or `chunks`, got {self.mode!r}.")
         if self.chunk_length < 2:
             raise ValueError(f"--chunk_length must be at least 2, got {self.chunk_length}.")
+        if self.max_tokens is not None and self.max_tokens < 2:  # the first token is never scored
+            raise ValueError(f"--max_tokens must be at least 2 (leave it out to score all), got {self.max_tokens}.")
 
 
 def read_stream(path: str, tokenizer) -> tuple[torch.Tensor, int]:

@@ -47,6 +47,7 @@ from training_utils import (  # noqa: E402
     ParameterChecksumCallback,
     RANTrainer,
     RANTrainingArguments,
+    check_data_limits,
     check_training_length,
     configure_data_parallelism,
     describe_source,
@@ -96,6 +97,7 @@ class DataTrainingArguments:
             raise ValueError("Give --dataset_name or --train_file / --validation_file.")
         if self.block_size < 2:
             raise ValueError(f"--block_size must be at least 2, got {self.block_size}.")
+        check_data_limits(self)
 
 
 @releases_folder_locks

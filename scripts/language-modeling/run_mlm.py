@@ -36,6 +36,7 @@ from training_utils import (  # noqa: E402
     ParameterChecksumCallback,
     RANTrainer,
     RANTrainingArguments,
+    check_data_limits,
     check_training_length,
     configure_data_parallelism,
     cut_for_tokenizer,
@@ -86,6 +87,7 @@ class DataTrainingArguments:
             raise ValueError(f"--mlm_probability must be in (0, 1), got {self.mlm_probability}.")
         if self.max_seq_length < 2:
             raise ValueError(f"--max_seq_length must be at least 2, got {self.max_seq_length}.")
+        check_data_limits(self)
 
 
 @releases_folder_locks

@@ -38,6 +38,7 @@ from training_utils import (  # noqa: E402
     ParameterChecksumCallback,
     RANTrainer,
     RANTrainingArguments,
+    check_data_limits,
     check_training_length,
     configure_data_parallelism,
     cut_for_tokenizer,
@@ -89,6 +90,7 @@ class DataTrainingArguments:
             raise ValueError("Give --dataset_name or --train_file / --validation_file / --test_file.")
         if self.max_seq_length < 1:
             raise ValueError(f"--max_seq_length must be positive, got {self.max_seq_length}.")
+        check_data_limits(self)
 
     @property
     def text_columns(self) -> list[str]:

@@ -48,6 +48,7 @@ from training_utils import (  # noqa: E402
     ParameterChecksumCallback,
     RANTrainer,
     RANTrainingArguments,
+    check_data_limits,
     check_training_length,
     configure_data_parallelism,
     describe_source,
@@ -97,6 +98,7 @@ class DataTrainingArguments:
                 f"--max_seq_length must be at least 2 (room for a word and a special token), got "
                 f"{self.max_seq_length}."
             )
+        check_data_limits(self)
 
 
 def choose_tags(splits: dict[str, list], model_args: ModelArguments) -> TagLabels:
