@@ -862,11 +862,15 @@ class DivergenceGuard:
         if len(self.bad_steps) >= self.limit:
             loss = "unknown" if self.last_loss is None else f"{self.last_loss.float().mean().item():g}"
             norm = "not computed" if grad_norm is None else f"{float(grad_norm):g}"
+            count, first = len(self.bad_steps), self.bad_steps[0]
+            if count > 1:
+                steps = f"{count} optimizer steps in a row, steps {first} to {global_step}"
+            else:
+                steps = f"optimizer step {global_step}"
             raise TrainingDivergedError(
-                f"Training diverged: the loss or the gradient norm was NaN or infinite at {len(self.bad_steps)} "
-                f"optimizer steps in a row (steps {self.bad_steps[0]} to {global_step}; last loss {loss}, gradient "
-                f"norm {norm}). The run stops here and saves nothing more; checkpoints saved before step "
-                f"{self.bad_steps[0]} are kept. Lower --learning_rate, lengthen --warmup_steps or set "
+                f"Training diverged: the loss or the gradient norm was NaN or infinite at {steps} (last loss {loss}, "
+                f"gradient norm {norm}). The run stops here and saves nothing more; checkpoints saved before step "
+                f"{first} are kept. Lower --learning_rate, lengthen --warmup_steps or set "
                 "--max_grad_norm, and resume from such a checkpoint or start again (--max_nonfinite_steps sets how "
                 "many such steps in a row stop a run)."
             )
