@@ -61,9 +61,13 @@ if TRITON_AVAILABLE:
         )  # fmt: skip
         return out
 
-    @rotate_pairs.register_kernel("meta")
-    def _(states, rotations, inverse):  # shape checks and kernel counts without a GPU
+    def _on_meta(states, rotations, inverse):  # shape checks and kernel counts without a GPU
         return torch.empty_like(states)
+
+    try:
+        rotate_pairs.register_kernel("meta")(_on_meta)
+    except RuntimeError:  # some PyTorch versions give every triton_op a meta kernel of their own
+        pass
 
     def _setup_context(ctx, inputs, output):
         ctx.rotations, ctx.inverse = inputs[1], inputs[2]
