@@ -90,7 +90,7 @@ def main():
         events = [event for event in profiler.key_averages() if event.device_type == torch.autograd.DeviceType.CUDA]
         launches = sum(event.count for event in events)
         table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
-        (args.output_dir / f"profile_{name.replace("+", "-")}_{args.shape}.txt").write_text(table)
+        (args.output_dir / f"profile_{name.replace('+', '-')}_{args.shape}.txt").write_text(table)
         seconds = statistics.median(times)
         tokens_per_second = batch * length / seconds
         peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
