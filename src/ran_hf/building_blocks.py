@@ -1,5 +1,6 @@
 """RAN's building blocks, shared by the layer and the cell scans: the official normalisation (`standard_normalize`,
-`RANLayerNorm`, langml's), unit vectors, the gated linear unit and the interleaved rotary embedding.
+`RANLayerNorm`, langml's), unit vectors, the gated linear unit, the interleaved rotary embedding and the row
+gather every layout uses.
 
 On CUDA the normalisations and the rotary embedding can run as one Triton kernel each way (`triton_norm.py`,
 `triton_rotary.py`, opt-in).
@@ -88,3 +89,10 @@ def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> t
     x, y = states.float().unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = rotations.unbind(-1)
     return torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).flatten(-2).to(states.dtype)
+
+
+def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`source[index]` for an integer `index` of any shape into the first axis, as `index_select`: its gradient adds
+    rows back with `index_add_`, where advanced indexing's sorts the indices first (on an H200, 12% of a training
+    step's GPU time)."""
+    return source.index_select(0, index.reshape(-1)).view(*index.shape, *source.shape[1:])

@@ -22,7 +22,7 @@ from torch import nn
 from transformers.utils import logging
 from transformers.utils.generic import GeneralInterface
 
-from .building_blocks import RANLayerNorm
+from .building_blocks import RANLayerNorm, gather_rows
 from .fused_scan import FusedCellScan, ScanPlan, window_maxima
 from .scan_op import cell_scan_op
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
@@ -42,7 +42,7 @@ def step_major(keys: torch.Tensor, values: torch.Tensor, layout: "RANWindowLayou
     has_window = layout.step_windows < keys.shape[0]  # (N, B)
     windows = torch.where(has_window, layout.step_windows, 0)
     step_mask = layout.slot_mask[windows] & has_window[..., None]  # (N, B, S)
-    return keys[windows], values[windows], step_mask
+    return gather_rows(keys, windows), gather_rows(values, windows), step_mask
 
 
 def reference_cell_scan(

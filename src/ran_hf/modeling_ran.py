@@ -40,6 +40,7 @@ from .building_blocks import (
     RANGatedLinearUnit,
     RANLayerNorm,
     apply_interleaved_rotary,
+    gather_rows,
     rotary_rotations,
     standard_normalize,
     unit_vectors,
@@ -299,7 +300,7 @@ class RANWindowLayout:
 
     def from_windows(self, query_states: torch.Tensor) -> torch.Tensor:
         """(K, Q, F) outputs of the query slots -> (T, F): each new token's state."""
-        return query_states.flatten(0, 1)[self.output_slot]
+        return gather_rows(query_states.flatten(0, 1), self.output_slot)
 
     def to_padded(self, token_states: torch.Tensor) -> torch.Tensor:
         """(T, F) flat token features -> (B, L, F), zeros at padding."""
@@ -311,7 +312,7 @@ class RANWindowLayout:
 
     def from_padded(self, padded_states: torch.Tensor) -> torch.Tensor:
         """(B, L, F) -> (T, F): the real tokens only."""
-        return padded_states.flatten(0, 1)[self.token_index]
+        return gather_rows(padded_states.flatten(0, 1), self.token_index)
 
     def to_windows(self, token_states: torch.Tensor) -> torch.Tensor:
         """(T, F) -> (K, Q, F): the inverse of `from_windows`, zeros at unused query slots."""
@@ -334,7 +335,7 @@ class RANWindowLayout:
 
     def per_sequence(self, step_states: torch.Tensor) -> torch.Tensor:
         """(N, B, F) per-step states -> (K, F) the state of every packed window."""
-        return step_states[self.window_number, self.window_sequence]
+        return gather_rows(step_states.flatten(0, 1), self.window_number * self.batch_size + self.window_sequence)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -637,8 +638,8 @@ class RANLayer(GradientCheckpointingLayer):
         tail = None
         if cache is not None and cache.tail_keys is not None:
             tail = torch.stack([cache.tail_keys, cache.tail_values], 2)  # (B, P, 2, H, d)
-        key, value = layout.sources(new_kv, tail)[layout.window_slots].permute(2, 0, 3, 1, 4)  # (K, H, S, d)
-        query = layout.sources(qkv[:, 0])[layout.query_index].transpose(1, 2)  # (K, H, Q, d)
+        key, value = gather_rows(layout.sources(new_kv, tail), layout.window_slots).permute(2, 0, 3, 1, 4)
+        query = gather_rows(layout.sources(qkv[:, 0]), layout.query_index).transpose(1, 2)  # (K, H, Q, d)
         if self.config.use_rotary:
             rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2, 2)
             query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
