@@ -54,6 +54,7 @@ __all__ = [
     "normal_permissions",
     "recover_interrupted",
     "releases_folder_locks",
+    "restore_set_aside",
     "replace_folder",
     "resolved",
     "set_aside",
@@ -205,13 +206,17 @@ def lock_folder(target: str | os.PathLike) -> FolderLock:
 
 def releases_folder_locks(function: Callable) -> Callable:
     """Decorate a script's `main`: the output locks it takes are released when it returns or raises (called from a
-    test or another script, the process goes on)."""
+    test or another script, the process goes on); when it raises, old checkpoints it set aside are put back."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         before = set(_HELD)
         try:
             return function(*args, **kwargs)
+        except BaseException:
+            for target in list(_SET_ASIDE):
+                restore_set_aside(target)
+            raise
         finally:
             for target in set(_HELD) - before:
                 lock = _HELD[target]
@@ -437,6 +442,19 @@ def set_aside(target: str | os.PathLike, names: Iterable[str]) -> None:
     for name in names:
         os.replace(target / name, into / name)
     _SET_ASIDE.setdefault(target, []).append(previous)
+
+
+def restore_set_aside(target: str | os.PathLike) -> None:
+    """Put back what `set_aside` moved out of `target`'s way in this process (a run that failed): entries the run
+    wrote under the same names since are kept, and the old ones stay where they were set aside."""
+    target = resolved(target)
+    for previous in _SET_ASIDE.pop(target, []):
+        into = previous if previous.parent == target else previous / target.name
+        for entry in list(into.iterdir()) if into.is_dir() else []:
+            if not os.path.lexists(target / entry.name):
+                os.replace(entry, target / entry.name)
+        if not any(into.iterdir()):
+            shutil.rmtree(previous, ignore_errors=True)
 
 
 def discard_set_aside(target: str | os.PathLike) -> None:
