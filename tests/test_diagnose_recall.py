@@ -1,0 +1,80 @@
+"""The MQAR diagnosis (scripts/benchmarks/diagnose_recall.py): its layouts put each pair where they say, its oracle
+hands memory review exactly the pair's cell and nothing else, and its measurements at initialisation run."""
+
+import math
+
+import pytest
+import torch
+
+from diagnose_recall import (
+    FIRST_KEY,
+    FIRST_VALUE,
+    WINDOWS,
+    build_model,
+    gradients_at_init,
+    mqar_batch,
+    oracle_cells,
+    query_logits,
+    sequence_length,
+)
+
+
+@pytest.mark.parametrize("layout", list(WINDOWS))
+def test_each_query_asks_for_the_value_of_a_pair_in_the_window_named(layout):
+    pairs = 4
+    ids, positions, values, windows = mqar_batch(torch.Generator().manual_seed(0), 8, layout, pairs)
+    assert ids.shape == (8, sequence_length(layout, pairs))
+    window = WINDOWS[layout]
+    for row in range(8):
+        for query in range(pairs):
+            key = ids[row, positions[query]]
+            assert FIRST_KEY <= key < FIRST_VALUE and ids[row, positions[query] + 1] == FIRST_VALUE + values[row, query]
+            pair_start = (ids[row, : positions[0]] == key).nonzero().flatten()
+            assert len(pair_start) == 1, "each key is stored once, before the queries"
+            assert ids[row, pair_start + 1] == FIRST_VALUE + values[row, query]
+            assert pair_start.item() // window == windows[row, query]
+            assert positions[query] // window > windows[row, query], "a query reads its pair only through a cell"
+    if layout == "packed":
+        assert (windows == 0).all()
+    else:
+        assert sorted(windows[0].tolist()) == list(range(pairs))  # one pair per window
+
+
+@pytest.mark.parametrize("layout", ["no-filler", "one-per-window"])
+def test_the_oracle_reads_exactly_the_pair_cell_and_leaves_other_tokens_alone(layout):
+    pairs = 3
+    length = sequence_length(layout, pairs)
+    ids, positions, _, windows = mqar_batch(torch.Generator().manual_seed(1), 4, layout, pairs)
+    torch.manual_seed(0)
+    model = build_model("ran-oracle", layout, length).eval()
+    cells = oracle_cells(4, length, positions, windows)
+    with torch.no_grad():
+        _, handed = query_logits(model, ids, positions, cells, output_attentions=True)
+        _, plain = query_logits(model, ids, positions, None, output_attentions=True)
+    rows = torch.arange(4)[:, None]
+    for weights, plain_weights in zip(handed.memory_attentions, plain.memory_attentions):
+        assert torch.allclose(weights[rows, positions, windows], torch.ones(4, pairs))
+        assert torch.allclose(weights[rows, positions].sum(-1), torch.ones(4, pairs))
+        others = torch.ones(length, dtype=torch.bool)
+        others[positions] = False
+        # Tokens before the first query read as they do without the oracle (later ones see changed states).
+        before = torch.arange(length) < positions[0]
+        assert torch.equal(weights[:, before & others], plain_weights[:, before & others])
+        assert not torch.allclose(weights[rows, positions], plain_weights[rows, positions])
+
+
+def test_the_oracle_needs_a_model_without_the_starting_cell():
+    from diagnose_recall import install_oracle
+
+    with pytest.raises(ValueError, match="review_initial_cell=False"):
+        install_oracle(build_model("ran", "packed", 32))
+
+
+def test_gradients_reach_memory_review_and_the_pair_cells_at_initialisation():
+    result = gradients_at_init("no-filler", 4, batch_size=8)
+    norms = result["gradient_norm"]
+    assert all(math.isfinite(value) for value in norms.values())
+    assert norms["memory_review"] > 0 and norms["window_attention_and_cell_write"] > 0
+    for layer in result["layers"]:
+        assert layer["cell_gradient_pair_windows"] > 0
+        assert 0 < layer["review_on_pair_cell"] < 1 and 0 < layer["uniform_review_weight"] < 1
