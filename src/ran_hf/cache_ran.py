@@ -4,6 +4,48 @@ per each of the last `memory_review_cells` windows)."""
 import torch
 from transformers.cache_utils import Cache
 
+# The config fields that decide what a cache holds and how a forward reads it: a cache made by a model that differs
+# in any of them is another model's state (cells of another width, another number of layers, windows cut elsewhere).
+CACHE_SHAPE_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "head_dim",
+    "window_size",
+    "min_window_size",
+    "window_overlap",
+    "memory_review_cells",
+    "memory_salient_cells",
+    "uses_token_shift",
+)
+
+
+def cache_shape(config) -> dict:
+    return {name: getattr(config, name) for name in CACHE_SHAPE_FIELDS}
+
+
+def check_cache(past_key_values, config) -> None:
+    """Refuse, naming the mismatch, a `past_key_values` this model cannot continue: a cache of another kind (a
+    transformer's `DynamicCache`, legacy tuples), or a `RANCache` made by a model of another shape."""
+    if past_key_values is None:
+        return
+    if not isinstance(past_key_values, RANCache):
+        raise TypeError(
+            f"`past_key_values` must be a RANCache (what a causal RAN returns with `use_cache=True`), got "
+            f"{type(past_key_values).__name__}: a RAN carries a recurrent state, not per-token keys and values. Pass "
+            "the cache this model returned, or None to start a new text."
+        )
+    differing = [
+        f"{name} {made!r} there, {config_value!r} here"
+        for name, config_value in cache_shape(config).items()
+        if (made := past_key_values.model_shape.get(name)) != config_value
+    ]
+    if differing:
+        raise ValueError(
+            f"`past_key_values` was made by another model ({'; '.join(differing)}): its state cannot be continued "
+            "by this one. Pass the cache this model returned, or None to start a new text."
+        )
+
 
 class RANCacheLayer:
     """What one causal RAN layer needs to continue a sequence.
@@ -93,6 +135,7 @@ class RANCache(Cache):
 
     def __init__(self, config):
         super().__init__(layers=[RANCacheLayer() for _ in range(config.num_hidden_layers)])
+        self.model_shape = cache_shape(config)  # what a model continuing this cache must have (`check_cache`)
         self.window_size = config.window_size
         self.window_overlap = config.window_overlap
         self.lengths = None  # (B,) real tokens read by each row
@@ -171,4 +214,4 @@ class RANCache(Cache):
         return total
 
 
-__all__ = ["RANCache", "RANCacheLayer"]
+__all__ = ["RANCache", "RANCacheLayer", "check_cache"]
