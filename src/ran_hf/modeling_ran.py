@@ -34,7 +34,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
-from .cache_ran import RANCache, RANCacheLayer, check_cache
+from .cache_ran import RANCache, RANCacheLayer
 from .cell_scan import ALL_SCAN_FUNCTIONS
 from .building_blocks import (
     RANGatedLinearUnit,
@@ -1165,10 +1165,7 @@ def validate_ran_inputs(
     device; none under `torch.compile` / `torch.export`. Returns (batch_size, sequence_length) and the checks.
     """
     shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
-    if torch.compiler.is_compiling():
-        config._validate_salient_cells()  # what compiled code checks; an eager forward checks every field
-    else:
-        config.validate_if_changed()  # fields set on a built model (`model.config.window_size = 0`) checked again
+    config._validate_salient_cells()  # a field that may be set on a trained model, after its config was checked
     if attention_mask is not None and tuple(attention_mask.shape) not in (
         shape,
         (shape[0], past_positions + shape[1]),
@@ -1218,6 +1215,56 @@ def validate_ran_inputs(
             )
 
     return shape, InputChecks(torch.stack([check.long() for check in checks]), judge)
+
+
+def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_positions: int) -> InputChecks | None:
+    """A starting cell's shape and dtype now, before any work; whether it is finite is returned as `InputChecks`,
+    read with the inputs' checks (none under `torch.compile` / `torch.export`)."""
+    if not torch.is_tensor(initial_cell):
+        raise ValueError(
+            f"`initial_cell` must be a tensor of shape (batch_size, hidden_size), got {type(initial_cell)}."
+        )
+    expected = (batch_shape[0], hidden_size)
+    if tuple(initial_cell.shape) != expected:
+        raise ValueError(
+            f"`initial_cell` must have shape (batch_size, hidden_size) = {expected}, one cell per sequence, got "
+            f"{tuple(initial_cell.shape)}."
+        )
+    if not initial_cell.is_floating_point():
+        raise ValueError(
+            f"`initial_cell` must hold floating-point values (a cell such as an earlier call's `last_cell`), got dtype "
+            f"{initial_cell.dtype}."
+        )
+    if past_positions:
+        raise ValueError(
+            f"`initial_cell` starts a text, but `past_key_values` already holds {past_positions} token(s) whose cells "
+            "continue it: pass `initial_cell` with the first call only."
+        )
+    if torch.compiler.is_compiling():
+        return None
+
+    def judge(found: list) -> None:
+        if found[0]:
+            raise ValueError("`initial_cell` holds NaN or infinite values.")
+
+    return InputChecks((~torch.isfinite(initial_cell)).any().long()[None], judge)
+
+
+def joined_checks(*checks: InputChecks | None) -> InputChecks | None:
+    """Several `InputChecks` read in one synchronisation; each judge sees its own values."""
+    checks = [check for check in checks if check is not None]
+    if len(checks) <= 1:
+        return checks[0] if checks else None
+    sizes = [len(check.values) for check in checks]
+
+    def judge(found: list) -> None:
+        start = 0
+        for check, size in zip(checks, sizes):
+            check.judge(found[start : start + size])
+            start += size
+
+    device = checks[0].values.device
+    return InputChecks(torch.cat([check.values.to(device) for check in checks]), judge)
 
 
 @contextmanager
@@ -1271,6 +1318,7 @@ class RANModel(RANPreTrainedModel):
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANModelOutput:
         r"""
@@ -1289,11 +1337,17 @@ class RANModel(RANPreTrainedModel):
             attention weights.
         output_hidden_states (`bool`, *optional*):
             Also return the embedding output and every layer's token states.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell each sequence's first window reads in the first layer, instead of the layer's learned starting
+            cell (`rannet`'s `with_cell=True`): e.g. the `last_cell` of the text before, to continue a document. As in
+            `rannet`, only the first layer reads it; later encoder layers start from the cell of the layer below, and
+            later causal layers from their own learned cell. Used as given (no dropout); `rannet` replaces a batch of
+            all-zero cells with its learned one, here pass None for that. Causal models: with the first call only
+            (a cache carries the cells after it); memory review's starting cell stays the learned one.
         """
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
-        check_cache(past_key_values, self.config)
         if self.gradient_checkpointing and self.training and use_cache and past_key_values is None:
             # A checkpointed layer runs twice; the second run would update a fresh cache again.
             logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
@@ -1301,6 +1355,10 @@ class RANModel(RANPreTrainedModel):
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         # A head's labels (`check_token_labels`, ...) are read with the inputs: one host synchronisation for all.
         label_checks = kwargs.pop("label_checks", None)
+        if initial_cell is not None:  # read with the inputs' checks too
+            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
+            cell_checks = check_initial_cell(initial_cell, batch_shape, self.config.hidden_size, past_positions)
+            label_checks = joined_checks(label_checks, cell_checks)
         (batch_size, padded_length), input_checks = validate_ran_inputs(
             self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_checks
         )
@@ -1329,7 +1387,9 @@ class RANModel(RANPreTrainedModel):
         if self.config.uses_token_shift:
             first_cache = past_key_values.layers[0] if past_key_values is not None else None
             token_states = self.embeddings.shift_tokens(token_states, layout, first_cache)
-        cell = None  # the first layer starts from its own learned cell
+        if initial_cell is not None:
+            initial_cell = initial_cell.to(device=embeddings.device, dtype=embeddings.dtype)
+        cell = initial_cell  # None: the first layer starts from its own learned cell
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
         all_memory_attentions = () if output_attentions and self.config.memory_review else None
@@ -1338,8 +1398,8 @@ class RANModel(RANPreTrainedModel):
                 # The returned states stay in the graph: the layer reads its tokens back from them.
                 all_hidden_states += (layout.to_padded(token_states),)
                 token_states = layout.from_padded(all_hidden_states[-1])
-            if self.config.is_causal:
-                cell = None  # every causal layer starts from its own learned cell: the cell below has read ahead
+            if self.config.is_causal and layer.layer_idx > 0:
+                cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
                 token_states, raw_cells, cell, attention_weights, review_weights = layer(
@@ -1471,11 +1531,15 @@ class RANForMaskedLM(RANLanguageModelBase):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANMaskedLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1486,6 +1550,7 @@ class RANForMaskedLM(RANLanguageModelBase):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
@@ -1595,6 +1660,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.Tensor | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANSequenceClassifierOutput:
         r"""
@@ -1602,6 +1668,9 @@ class RANForSequenceClassification(RANPreTrainedModel):
             `(batch_size,)` class ids for single-label classification, `(batch_size, num_labels)` 0/1 targets for
             multi-label classification, or float targets for regression (`num_labels == 1`); the problem type follows
             `config.problem_type` and is inferred as in Transformers when unset.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks, found = None, {}  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1612,6 +1681,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
@@ -1658,11 +1728,15 @@ class RANForTokenClassification(RANPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANTokenClassifierOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Class id of every token; -100 (and every padding position) is ignored.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1673,6 +1747,7 @@ class RANForTokenClassification(RANPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
@@ -1717,6 +1792,12 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         # RAN keeps a recurrent state, not per-token keys and values: forward() creates its own `RANCache`.
         return False
 
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+        if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            model_inputs.pop("initial_cell", None)  # read by the prompt's pass; the cache carries the cells since
+        return model_inputs
+
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -1728,6 +1809,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANCausalLMOutputWithPast:
         r"""
@@ -1735,6 +1817,9 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             Usually `input_ids`: the loss predicts token t + 1 from tokens up to t; -100 and padding are ignored.
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1749,6 +1834,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=True,
@@ -1830,6 +1916,7 @@ class RANForQuestionAnswering(RANPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         start_positions: torch.LongTensor | None = None,
         end_positions: torch.LongTensor | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANQuestionAnsweringModelOutput:
         r"""
@@ -1837,6 +1924,9 @@ class RANForQuestionAnswering(RANPreTrainedModel):
             Index of the answer's first token. A position past the input or on padding is ignored by the loss.
         end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Index of the answer's last token, ignored in the same way.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         if (start_positions is None) != (end_positions is None):
             raise ValueError("Give both `start_positions` and `end_positions` for a loss, or neither.")
@@ -1844,6 +1934,7 @@ class RANForQuestionAnswering(RANPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             return_dict=True,
             **kwargs,
         )
