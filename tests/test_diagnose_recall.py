@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from diagnose_recall import (
     FIRST_KEY,
     FIRST_VALUE,
@@ -28,7 +27,9 @@ def test_each_query_asks_for_the_value_of_a_pair_in_the_window_named(layout):
     for row in range(8):
         for query in range(pairs):
             key = ids[row, positions[query]]
-            assert FIRST_KEY <= key < FIRST_VALUE and ids[row, positions[query] + 1] == FIRST_VALUE + values[row, query]
+            assert (
+                FIRST_KEY <= key < FIRST_VALUE and ids[row, positions[query] + 1] == FIRST_VALUE + values[row, query]
+            )
             pair_start = (ids[row, : positions[0]] == key).nonzero().flatten()
             assert len(pair_start) == 1, "each key is stored once, before the queries"
             assert ids[row, pair_start + 1] == FIRST_VALUE + values[row, query]
@@ -78,3 +79,19 @@ def test_gradients_reach_memory_review_and_the_pair_cells_at_initialisation():
     for layer in result["layers"]:
         assert layer["cell_gradient_pair_windows"] > 0
         assert 0 < layer["review_on_pair_cell"] < 1 and 0 < layer["uniform_review_weight"] < 1
+
+
+def test_plain_review_starts_uniform_and_token_keys_find_the_pair_cell_at_initialisation():
+    """The diagnosis in one look: at initialisation a query weighs every earlier cell about alike, while scoring a
+    cell by its window's tokens (`ran-token-keys`) puts most of the weight on the cell that holds the query's key."""
+    ids, positions, _, windows = mqar_batch(torch.Generator().manual_seed(2), 8, "no-filler", 8)
+    rows = torch.arange(8)[:, None]
+    on_pair_cell = {}
+    for name in ("ran", "ran-token-keys"):
+        torch.manual_seed(0)
+        model = build_model(name, "no-filler", sequence_length("no-filler", 8)).eval()
+        with torch.no_grad():
+            _, outputs = query_logits(model, ids, positions, None, output_attentions=True)
+        on_pair_cell[name] = [w[rows, positions, windows + 1].mean().item() for w in outputs.memory_attentions]
+    assert all(weight < 0.2 for weight in on_pair_cell["ran"]), on_pair_cell  # uniform over 9-16 cells: 0.06-0.11
+    assert all(weight > 0.7 for weight in on_pair_cell["ran-token-keys"]), on_pair_cell

@@ -41,10 +41,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from benchmark_utils import machine_info, machine_line
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from benchmark_utils import machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
+from ran_hf.building_blocks import unit_vectors
 
 NUM_SYMBOLS = 64  # filler tokens, keys and values: 64 each
 FIRST_FILLER, FIRST_KEY, FIRST_VALUE = 1, 1 + NUM_SYMBOLS, 1 + 2 * NUM_SYMBOLS  # 0 is padding
@@ -53,11 +54,13 @@ VOCAB_SIZE = 1 + 3 * NUM_SYMBOLS
 # layout -> window size: `no-filler` windows are exactly one pair.
 WINDOWS = {"no-filler": 2, "one-per-window": 16, "packed": 16}
 
-# name -> RAN fields that differ from the causal defaults, and whether the oracle hands the review its cell (None:
-# GPT-2). The oracle model reads no starting cell, so that its query reads exactly one cell: the right one.
+# name -> RAN fields that differ from the causal defaults, and the change the diagnosis makes to the model: "oracle"
+# hands memory review the pair's cell, "token-keys" scores a cell by its window's tokens (None: GPT-2). The oracle
+# model reads no starting cell, so that its query reads exactly one cell: the right one.
 MODELS = {
-    "ran": ({}, False),
-    "ran-oracle": ({"review_initial_cell": False}, True),
+    "ran": ({}, None),
+    "ran-oracle": ({"review_initial_cell": False}, "oracle"),
+    "ran-token-keys": ({}, "token-keys"),
     "gpt2": None,
 }
 
@@ -72,6 +75,8 @@ EXPERIMENTS = {
     "one-per-window/ran": ("one-per-window", "ran", 8),
     "packed/ran": ("packed", "ran", 8),  # Zoology's layout
     "packed/ran-oracle-p4": ("packed", "ran-oracle", 4),
+    "no-filler/ran-token-keys": ("no-filler", "ran-token-keys", 8),  # a change the diagnosis points to
+    "one-per-window/ran-token-keys": ("one-per-window", "ran-token-keys", 8),
 }
 
 
@@ -140,7 +145,7 @@ def build_model(name: str, layout: str, length: int, hidden_size: int = 64) -> t
             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
         )  # fmt: skip
         return GPT2LMHeadModel(config)
-    fields, oracle = MODELS[name]
+    fields, change = MODELS[name]
     window = WINDOWS[layout]
     config = RANConfig(
         vocab_size=VOCAB_SIZE, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4,
@@ -148,9 +153,32 @@ def build_model(name: str, layout: str, length: int, hidden_size: int = 64) -> t
         attention_probs_dropout_prob=0.0, is_causal=True, scan_implementation="reference", **fields,
     )  # fmt: skip
     model = RANForCausalLM(config)
-    if oracle:
+    if change == "oracle":
         install_oracle(model)
+    elif change == "token-keys":
+        install_token_keys(model)
     return model
+
+
+def install_token_keys(model: RANForCausalLM) -> None:
+    """Memory review scores a cell by the mean of its window's tokens' review queries (unit vectors), instead of a
+    key projected from the cell: a query then meets, already at initialisation, the window that holds its own
+    token. The cell still gives the value. An experiment for unpadded batches without a cache."""
+    for layer in model.model.layers:
+        plain_review_memory = layer.review_memory
+
+        def review_memory(token_states, cells, first_cell, initial_cell, layout, *rest, layer=layer,
+                          plain_review_memory=plain_review_memory):  # fmt: skip
+            review = layer.memory_review
+            padded = layout.to_padded(token_states)  # (B, L, D)
+            queries = unit_vectors(review.q_proj(review.norm(padded)))  # (B, L, D): as review scores them
+            windows = (layout.token_window - first_cell[:, None])[..., None].expand_as(queries)  # (B, L, D)
+            pooled = queries.new_zeros(cells.shape[0], cells.shape[1], queries.shape[-1])
+            keys = unit_vectors(pooled.scatter_add(1, windows, queries))  # (B, C, D)
+            cells = torch.cat([keys, cells[..., keys.shape[-1] :]], dim=-1)
+            return plain_review_memory(token_states, cells, first_cell, initial_cell, layout, *rest)
+
+        layer.review_memory = review_memory
 
 
 def install_oracle(model: RANForCausalLM) -> None:
@@ -325,13 +353,17 @@ def markdown(results: list[RunResult], gradients: list[dict], info: dict, args, 
     lines = [f"Machine: {machine_line(info)}", "", f"Command: `{command}`", ""]
     if results:
         lines += [
-            f"MQAR through memory review: {args.steps} steps at most, batch {args.batch_size}, lr "
-            f"{args.learning_rate} (warmup {args.warmup_steps}); accuracy over all queries of 128 held-out examples "
-            "(chance 1.6%); review on pair cell: per layer, the mean memory-review weight a query puts on the cell "
-            "of its pair's window at the end.",
+            (
+                f"MQAR through memory review: {args.steps} steps at most, batch {args.batch_size}, lr "
+                f"{args.learning_rate} (warmup {args.warmup_steps}); accuracy over all queries of 128 held-out examples "
+                "(chance 1.6%); review on pair cell: per layer, the mean memory-review weight a query puts on the cell "
+                "of its pair's window at the end."
+            ),
             "",
-            "| experiment | layout | model | pairs | hidden | tokens | final accuracy | steps to 90% | final loss | "
-            "review on pair cell | seconds |",
+            (
+                "| experiment | layout | model | pairs | hidden | tokens | final accuracy | steps to 90% | final loss | "
+                "review on pair cell | seconds |"
+            ),
             "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
         for r in results:
@@ -343,12 +375,16 @@ def markdown(results: list[RunResult], gradients: list[dict], info: dict, args, 
     if gradients:
         lines += [
             "",
-            "At initialisation (plain causal RAN, one batch of 32): gradient norms, and per layer the gradient on the "
-            "raw cells of pair windows and of the other windows before the queries, the review weight of a query on "
-            "its pair's cell against a uniform guess, and the mean cosine between the cells' review keys.",
+            (
+                "At initialisation (plain causal RAN, one batch of 32): gradient norms, and per layer the gradient on the "
+                "raw cells of pair windows and of the other windows before the queries, the review weight of a query on "
+                "its pair's cell against a uniform guess, and the mean cosine between the cells' review keys."
+            ),
             "",
-            "| layout | pairs | loss | all | memory review | window attention + cell write | layer | cell grad, pair "
-            "windows | cell grad, others | review on pair cell | uniform | key cosine |",
+            (
+                "| layout | pairs | loss | all | memory review | window attention + cell write | layer | cell grad, pair "
+                "windows | cell grad, others | review on pair cell | uniform | key cosine |"
+            ),
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for g in gradients:
@@ -412,6 +448,23 @@ def parse_args(argv=None):
     return args
 
 
+def save(results: list[RunResult], gradients: list[dict], info: dict, args, command: str) -> dict:
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": command,
+        "machine_info": info,
+        "arguments": vars(args),
+        "gradients_at_init": gradients,
+        "results": [r.__dict__ for r in results],
+    }
+    output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    output.with_suffix(".md").write_text(markdown(results, gradients, info, args, command))
+    if results:
+        plot(results, output.with_suffix(".png"))
+    return payload
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -420,6 +473,7 @@ def main(argv=None) -> dict:
     command = "python scripts/benchmarks/diagnose_recall.py " + " ".join(sys.argv[1:] if argv is None else argv)
     gradients = [gradients_at_init(layout, 8, args.hidden_size) for layout in WINDOWS]
     results = []
+    save(results, gradients, info, args, command.strip())
     if not args.gradients_only:
         for experiment in args.experiments:
             for seed in args.seeds:
@@ -427,21 +481,9 @@ def main(argv=None) -> dict:
                 results.append(result)
                 print(f"{experiment} seed {seed}: {100 * result.accuracy:.1f}% after {result.steps} steps "
                       f"({result.seconds:.0f} s)", flush=True)  # fmt: skip
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "command": command.strip(),
-        "machine_info": info,
-        "arguments": vars(args),
-        "gradients_at_init": gradients,
-        "results": [r.__dict__ for r in results],
-    }
-    output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    table = markdown(results, gradients, info, args, command.strip())
-    output.with_suffix(".md").write_text(table)
-    if results:
-        plot(results, output.with_suffix(".png"))
-    print(table)
+                save(results, gradients, info, args, command.strip())  # after every run: a long run keeps its part
+    payload = save(results, gradients, info, args, command.strip())
+    print(markdown(results, gradients, info, args, command.strip()))
     return payload
 
 
