@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
@@ -29,6 +30,7 @@ from .modeling_ran import (
     RANModel,
     RANPreTrainedModel,
 )
+from .prefix_lm import RANForPrefixLM, prefix_lm_features
 from .question_answering import ExtractiveQuestionAnsweringPipeline
 
 __version__ = "0.1.0"
@@ -38,6 +40,7 @@ AUTO_CLASSES = {
     AutoModelForCausalLM: RANForCausalLM,
     AutoModelForMaskedLM: RANForMaskedLM,
     AutoModelForQuestionAnswering: RANForQuestionAnswering,
+    AutoModelForSeq2SeqLM: RANForPrefixLM,  # decoder-only: source and target in one text (docs/seq2seq.md)
     AutoModelForSequenceClassification: RANForSequenceClassification,
     AutoModelForTokenClassification: RANForTokenClassification,
 }
@@ -73,6 +76,7 @@ __all__ = [
     "RANConfig",
     "RANForCausalLM",
     "RANForMaskedLM",
+    "RANForPrefixLM",
     "RANForQuestionAnswering",
     "RANForSequenceClassification",
     "RANForTokenClassification",
@@ -81,5 +85,6 @@ __all__ = [
     "convert_rannet_checkpoint",
     "export_onnx",
     "frozen_new_weights",
+    "prefix_lm_features",
     "ran_lora_config",
 ]

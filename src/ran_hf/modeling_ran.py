@@ -9,6 +9,7 @@ Shapes: B batch, L padded length, T real tokens in the batch, K windows in the b
 sequence, S slots of a window (enrichment tokens + the longest window), H heads, d head size, D hidden size.
 """
 
+import dataclasses
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
-from .cache_ran import RANCache, RANCacheLayer
+from .cache_ran import RANCache, RANCacheLayer, check_cache
 from .cell_scan import ALL_SCAN_FUNCTIONS
 from .building_blocks import (
     RANGatedLinearUnit,
@@ -76,6 +77,16 @@ def true_positions(flags: torch.Tensor, count: int) -> torch.Tensor:
     positions = torch.empty(flags.numel(), dtype=torch.long, device=flags.device)
     positions.scatter_(0, torch.where(flags, true_rank, false_rank), torch.arange(flags.numel(), device=flags.device))
     return positions[:count]
+
+
+def prefix_slots(token_type_ids, token_index, window_slots, slot_mask, window_sequence, batch_size: int):
+    """A prefix LM's windows: (K, S) which slots hold a source token (type 0), and (B,) how many of each sequence's
+    windows hold one (its first windows: the source comes first)."""
+    is_source = token_type_ids.flatten()[token_index] == 0  # (T,)
+    slot_is_source = F.pad(is_source, (0, 1))[window_slots] & slot_mask  # the empty row is no source
+    holds_source = slot_is_source.any(-1).long()  # (K,)
+    source_windows = holds_source.new_zeros(batch_size).index_add_(0, window_sequence, holds_source)
+    return slot_is_source, source_windows
 
 
 @dataclass
@@ -133,6 +144,8 @@ class RANWindowLayout:
     batch_size: int
     padded_length: int
     _rotary: torch.Tensor | None = None
+    slot_is_source: torch.Tensor | None = None  # (K, S) prefix LM (token_type_ids): the slot holds a source token
+    source_windows: torch.Tensor | None = None  # (B,) prefix LM: windows that hold a source token, the first ones
 
     @property
     def num_steps(self) -> int:
@@ -149,6 +162,7 @@ class RANWindowLayout:
         config: RANConfig,
         past_lengths: torch.Tensor | None = None,
         input_checks: "InputChecks | None" = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> "RANWindowLayout":
         """Build the layout in five steps: count windows, pack them, place slots, pick queries, keep the cache tail.
 
@@ -156,7 +170,9 @@ class RANWindowLayout:
         the device.
         """
         window, overlap = config.window_size, config.window_overlap
-        min_window = 1 if config.is_causal else config.min_window_size
+        # A prefix LM (`token_type_ids`) never merges a short tail either: whether it would depends on the target's
+        # length, which a target token may not read.
+        min_window = 1 if config.is_causal or token_type_ids is not None else config.min_window_size
         own_slots = window + min_window - 1  # the longest window: a full one plus a tail too short to stand alone
         batch_size, padded_length = attention_mask.shape
         device = attention_mask.device
@@ -256,6 +272,11 @@ class RANWindowLayout:
             next_position = (total - next_tail_lengths)[:, None] + offset  # (B, P')
             rows = torch.arange(batch_size, device=device)[:, None].expand_as(next_position)
             next_tail = torch.where(offset < next_tail_lengths[:, None], source_index(rows, next_position), empty)
+        slot_is_source = source_windows = None
+        if token_type_ids is not None:  # without a cache: every slot indexes a new token or the empty row
+            slot_is_source, source_windows = prefix_slots(
+                token_type_ids, token_index, window_slots, slot_mask, window_sequence, batch_size
+            )
 
         return cls(
             lengths=lengths,
@@ -281,7 +302,16 @@ class RANWindowLayout:
             most_finished_windows=most_finished_windows,
             batch_size=batch_size,
             padded_length=padded_length,
+            slot_is_source=slot_is_source,
+            source_windows=source_windows,
         )
+
+    def for_cell_scan(self) -> "RANWindowLayout":
+        """The layout the cell scan reads. A prefix LM's cell sits in the source, so it reads the source slots only:
+        given as the slot mask, which every scan implementation takes."""
+        if self.slot_is_source is None:
+            return self
+        return dataclasses.replace(self, slot_mask=self.slot_is_source)
 
     def sources(self, token_states: torch.Tensor, tail_states: torch.Tensor | None = None) -> torch.Tensor:
         """[new tokens; cached tail; an empty row]: what window slots and the next tail index into."""
@@ -659,9 +689,12 @@ class RANLayer(GradientCheckpointingLayer):
         key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
         value = torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
         visible = F.pad(layout.slot_mask, (1, 0), value=True)[:, None, None, :]  # (K, 1, 1, 1 + S)
-        if self.config.is_causal:
+        if self.config.is_causal or layout.slot_is_source is not None:
             key_slot = torch.arange(-1, layout.num_slots, device=key.device)  # the cell is "slot -1"
-            visible = visible & (key_slot <= layout.query_slots[:, :, None])[:, None]  # (K, 1, Q, 1 + S)
+            earlier = key_slot <= layout.query_slots[:, :, None]  # (K, Q, 1 + S)
+            if layout.slot_is_source is not None:  # prefix LM (UniLM): every token reads the source, and its past
+                earlier = earlier | F.pad(layout.slot_is_source, (1, 0))[:, None, :]
+            visible = visible & earlier[:, None]  # (K, 1, Q, 1 + S)
         # One additive mask suits every implementation; the cell is always visible, so no row is fully masked.
         attention_mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
         attention_mask = attention_mask.masked_fill(~visible, torch.finfo(query.dtype).min)
@@ -747,6 +780,10 @@ class RANLayer(GradientCheckpointingLayer):
                 readable_cells = readable_cells + 1  # ... and the initial cell before them
                 first_readable = None if first_readable is None else first_readable + 1
                 salient = None if salient is None else (F.pad(salient[0], (1, 0)), salient[1])
+        elif layout.source_windows is not None:
+            # Prefix LM: the cells of the source's windows and of the token's own window and those before it; a cell
+            # reads the source only, but how many windows follow is the target's length.
+            readable_cells = torch.maximum(layout.token_window + 1, layout.source_windows[:, None])
         else:
             readable_cells = layout.num_windows[:, None].expand_as(layout.token_window)  # (B, L): all of them
         reviewed, weights = self.memory_review(
@@ -849,7 +886,9 @@ class RANLayer(GradientCheckpointingLayer):
 
         # 2. The cell scan: the only sequential step.
         scan = scan_function(self.config.scan_implementation)
-        read_keys, read_values, raw_cells, cells = scan(self, start_cell, start_previous, key, value, layout)
+        read_keys, read_values, raw_cells, cells = scan(
+            self, start_cell, start_previous, key, value, layout.for_cell_scan()
+        )
 
         # 3. Token attention of all windows in one batched call, then the per-token tail.
         read_key, read_value = layout.per_sequence(read_keys), layout.per_sequence(read_values)
@@ -876,10 +915,12 @@ class RANLayer(GradientCheckpointingLayer):
                 cache, layout, (start_cell, start_previous), raw_cells, cells, cell_states, first_cell, new_kv,
                 salient_pool,
             )  # fmt: skip
-        # A sequence's last cell starts the next layer; a row of padding only keeps the cell it came with.
-        last_step = (layout.num_windows - 1).clamp(min=0)
+        # A sequence's last cell starts the next layer; a row of padding only keeps the cell it came with. A prefix
+        # LM's is the cell after its source: the windows after it are as many as the target is long.
+        cell_windows = layout.num_windows if layout.source_windows is None else layout.source_windows
+        last_step = (cell_windows - 1).clamp(min=0)
         rows = torch.arange(layout.batch_size, device=last_step.device)
-        last_cell = torch.where((layout.num_windows > 0)[:, None], cells[last_step, rows], start_cell)
+        last_cell = torch.where((cell_windows > 0)[:, None], cells[last_step, rows], start_cell)
         return token_states, raw_cells, last_cell, attention_weights, review_weights
 
 
@@ -1155,6 +1196,44 @@ class InputChecks(NamedTuple):
     judge: Callable[[list], None]
 
 
+def check_token_type_ids(token_type_ids, batch_shape: tuple, attention_mask, config: RANConfig, label_checks=None):
+    """A prefix LM's segments: shape and dtype now; whether every real token's type is 0 (source) or 1 (target),
+    the source first, is returned as `InputChecks` (joined with a head's `label_checks`) to be read with the
+    inputs' checks."""
+    if config.is_causal:
+        raise ValueError(
+            "`token_type_ids` mark the source (0) and target (1) of a prefix LM, whose source reads itself both ways; "
+            "a causal model (`is_causal=True`) reads every token causally: pass no `token_type_ids`."
+        )
+    if not torch.is_tensor(token_type_ids) or tuple(token_type_ids.shape) != batch_shape:
+        shape = tuple(token_type_ids.shape) if torch.is_tensor(token_type_ids) else type(token_type_ids)
+        raise ValueError(f"`token_type_ids` must have the inputs' shape {batch_shape}, got {shape}.")
+    if token_type_ids.is_floating_point() or token_type_ids.is_complex():
+        raise ValueError(f"`token_type_ids` must hold integers (0 source, 1 target), got dtype {token_type_ids.dtype}.")
+    types = token_type_ids.long()
+    real = torch.ones_like(types, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    real = real.to(types.device)
+    is_target = (types == 1) & real
+    unknown = (~is_target & (types != 0) & real).any()
+    source_after_target = (torch.cummax(is_target.long(), dim=-1).values.bool() & (types == 0) & real).any()
+
+    def judge(found: list) -> None:
+        if found[0]:
+            raise ValueError("`token_type_ids` holds a value other than 0 (source) and 1 (target) at a real token.")
+        if found[1]:
+            raise ValueError(
+                "`token_type_ids` puts a source token (0) after a target token (1): a prefix LM's text is its source, "
+                "then its target."
+            )
+        if label_checks is not None:
+            label_checks.judge(found[2:])
+
+    values = torch.stack([unknown, source_after_target]).long()
+    if label_checks is not None:
+        values = torch.cat([values, label_checks.values.to(values.device)])
+    return InputChecks(values, judge)
+
+
 def validate_ran_inputs(
     config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_checks=None
 ) -> tuple[tuple[int, int], InputChecks | None]:
@@ -1165,7 +1244,10 @@ def validate_ran_inputs(
     device; none under `torch.compile` / `torch.export`. Returns (batch_size, sequence_length) and the checks.
     """
     shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
-    config._validate_salient_cells()  # a field that may be set on a trained model, after its config was checked
+    if torch.compiler.is_compiling():
+        config._validate_salient_cells()  # what compiled code checks; an eager forward checks every field
+    else:
+        config.validate_if_changed()  # fields set on a built model (`model.config.window_size = 0`) checked again
     if attention_mask is not None and tuple(attention_mask.shape) not in (
         shape,
         (shape[0], past_positions + shape[1]),
@@ -1215,56 +1297,6 @@ def validate_ran_inputs(
             )
 
     return shape, InputChecks(torch.stack([check.long() for check in checks]), judge)
-
-
-def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_positions: int) -> InputChecks | None:
-    """A starting cell's shape and dtype now, before any work; whether it is finite is returned as `InputChecks`,
-    read with the inputs' checks (none under `torch.compile` / `torch.export`)."""
-    if not torch.is_tensor(initial_cell):
-        raise ValueError(
-            f"`initial_cell` must be a tensor of shape (batch_size, hidden_size), got {type(initial_cell)}."
-        )
-    expected = (batch_shape[0], hidden_size)
-    if tuple(initial_cell.shape) != expected:
-        raise ValueError(
-            f"`initial_cell` must have shape (batch_size, hidden_size) = {expected}, one cell per sequence, got "
-            f"{tuple(initial_cell.shape)}."
-        )
-    if not initial_cell.is_floating_point():
-        raise ValueError(
-            f"`initial_cell` must hold floating-point values (a cell such as an earlier call's `last_cell`), got dtype "
-            f"{initial_cell.dtype}."
-        )
-    if past_positions:
-        raise ValueError(
-            f"`initial_cell` starts a text, but `past_key_values` already holds {past_positions} token(s) whose cells "
-            "continue it: pass `initial_cell` with the first call only."
-        )
-    if torch.compiler.is_compiling():
-        return None
-
-    def judge(found: list) -> None:
-        if found[0]:
-            raise ValueError("`initial_cell` holds NaN or infinite values.")
-
-    return InputChecks((~torch.isfinite(initial_cell)).any().long()[None], judge)
-
-
-def joined_checks(*checks: InputChecks | None) -> InputChecks | None:
-    """Several `InputChecks` read in one synchronisation; each judge sees its own values."""
-    checks = [check for check in checks if check is not None]
-    if len(checks) <= 1:
-        return checks[0] if checks else None
-    sizes = [len(check.values) for check in checks]
-
-    def judge(found: list) -> None:
-        start = 0
-        for check, size in zip(checks, sizes):
-            check.judge(found[start : start + size])
-            start += size
-
-    device = checks[0].values.device
-    return InputChecks(torch.cat([check.values.to(device) for check in checks]), judge)
 
 
 @contextmanager
@@ -1318,7 +1350,7 @@ class RANModel(RANPreTrainedModel):
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        initial_cell: torch.FloatTensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANModelOutput:
         r"""
@@ -1337,17 +1369,15 @@ class RANModel(RANPreTrainedModel):
             attention weights.
         output_hidden_states (`bool`, *optional*):
             Also return the embedding output and every layer's token states.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell each sequence's first window reads in the first layer, instead of the layer's learned starting
-            cell (`rannet`'s `with_cell=True`): e.g. the `last_cell` of the text before, to continue a document. As in
-            `rannet`, only the first layer reads it; later encoder layers start from the cell of the layer below, and
-            later causal layers from their own learned cell. Used as given (no dropout); `rannet` replaces a batch of
-            all-zero cells with its learned one, here pass None for that. Causal models: with the first call only
-            (a cache carries the cells after it); memory review's starting cell stays the learned one.
+        token_type_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Prefix LM (`rannet`'s seq2seq mask, UniLM): 0 for the source, 1 for the target that follows it. In every
+            window, source tokens read each other both ways and target tokens read the source and earlier targets;
+            cells read the source only. See docs/seq2seq.md. None: no prefix mask.
         """
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
+        check_cache(past_key_values, self.config)
         if self.gradient_checkpointing and self.training and use_cache and past_key_values is None:
             # A checkpointed layer runs twice; the second run would update a fresh cache again.
             logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
@@ -1355,10 +1385,9 @@ class RANModel(RANPreTrainedModel):
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         # A head's labels (`check_token_labels`, ...) are read with the inputs: one host synchronisation for all.
         label_checks = kwargs.pop("label_checks", None)
-        if initial_cell is not None:  # read with the inputs' checks too
+        if token_type_ids is not None:  # read with the inputs' checks too
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            cell_checks = check_initial_cell(initial_cell, batch_shape, self.config.hidden_size, past_positions)
-            label_checks = joined_checks(label_checks, cell_checks)
+            label_checks = check_token_type_ids(token_type_ids, batch_shape, attention_mask, self.config, label_checks)
         (batch_size, padded_length), input_checks = validate_ran_inputs(
             self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_checks
         )
@@ -1380,16 +1409,16 @@ class RANModel(RANPreTrainedModel):
             past_key_values = RANCache(self.config)
         past_lengths = None if past_key_values is None else past_key_values.past_lengths(batch_size, device)
         # The layout's sizes and the inputs' checks in one host synchronisation, before any token is embedded.
-        layout = RANWindowLayout.from_attention_mask(attention_mask, self.config, past_lengths, input_checks)
+        layout = RANWindowLayout.from_attention_mask(
+            attention_mask, self.config, past_lengths, input_checks, token_type_ids=token_type_ids
+        )
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
 
         token_states = layout.from_padded(embeddings)  # (T, D)
         if self.config.uses_token_shift:
             first_cache = past_key_values.layers[0] if past_key_values is not None else None
             token_states = self.embeddings.shift_tokens(token_states, layout, first_cache)
-        if initial_cell is not None:
-            initial_cell = initial_cell.to(device=embeddings.device, dtype=embeddings.dtype)
-        cell = initial_cell  # None: the first layer starts from its own learned cell
+        cell = None  # the first layer starts from its own learned cell
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
         all_memory_attentions = () if output_attentions and self.config.memory_review else None
@@ -1398,8 +1427,8 @@ class RANModel(RANPreTrainedModel):
                 # The returned states stay in the graph: the layer reads its tokens back from them.
                 all_hidden_states += (layout.to_padded(token_states),)
                 token_states = layout.from_padded(all_hidden_states[-1])
-            if self.config.is_causal and layer.layer_idx > 0:
-                cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
+            if self.config.is_causal:
+                cell = None  # every causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
                 token_states, raw_cells, cell, attention_weights, review_weights = layer(
@@ -1531,15 +1560,11 @@ class RANForMaskedLM(RANLanguageModelBase):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
-        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANMaskedLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1550,7 +1575,6 @@ class RANForMaskedLM(RANLanguageModelBase):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
@@ -1660,7 +1684,6 @@ class RANForSequenceClassification(RANPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.Tensor | None = None,
-        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANSequenceClassifierOutput:
         r"""
@@ -1668,9 +1691,6 @@ class RANForSequenceClassification(RANPreTrainedModel):
             `(batch_size,)` class ids for single-label classification, `(batch_size, num_labels)` 0/1 targets for
             multi-label classification, or float targets for regression (`num_labels == 1`); the problem type follows
             `config.problem_type` and is inferred as in Transformers when unset.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks, found = None, {}  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1681,7 +1701,6 @@ class RANForSequenceClassification(RANPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
@@ -1728,15 +1747,11 @@ class RANForTokenClassification(RANPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
-        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANTokenClassifierOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Class id of every token; -100 (and every padding position) is ignored.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1747,7 +1762,6 @@ class RANForTokenClassification(RANPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
@@ -1792,12 +1806,6 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         # RAN keeps a recurrent state, not per-token keys and values: forward() creates its own `RANCache`.
         return False
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
-        model_inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
-        if past_key_values is not None and past_key_values.get_seq_length() > 0:
-            model_inputs.pop("initial_cell", None)  # read by the prompt's pass; the cache carries the cells since
-        return model_inputs
-
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -1809,7 +1817,6 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANCausalLMOutputWithPast:
         r"""
@@ -1817,9 +1824,6 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             Usually `input_ids`: the loss predicts token t + 1 from tokens up to t; -100 and padding are ignored.
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1834,7 +1838,6 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=True,
@@ -1916,7 +1919,6 @@ class RANForQuestionAnswering(RANPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         start_positions: torch.LongTensor | None = None,
         end_positions: torch.LongTensor | None = None,
-        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANQuestionAnsweringModelOutput:
         r"""
@@ -1924,9 +1926,6 @@ class RANForQuestionAnswering(RANPreTrainedModel):
             Index of the answer's first token. A position past the input or on padding is ignored by the loss.
         end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Index of the answer's last token, ignored in the same way.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         if (start_positions is None) != (end_positions is None):
             raise ValueError("Give both `start_positions` and `end_positions` for a loss, or neither.")
@@ -1934,7 +1933,6 @@ class RANForQuestionAnswering(RANPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
             return_dict=True,
             **kwargs,
         )

@@ -1,0 +1,183 @@
+"""Sequence-to-sequence RAN as a prefix LM: `rannet`'s `RanNetForSeq2Seq` (UniLM's mask) with Transformers' API.
+
+One text holds the source, then the target; `token_type_ids` mark them (0 source, 1 target). In every window source
+tokens read each other both ways and target tokens read the source and the targets before them; the cell sits in
+the source, so cells, and the memory review that reads them, carry the source only. Training scores the target,
+each token from the ones before it (the labels are shifted, as Transformers' causal LMs shift theirs); `generate()`
+continues a source with its target. docs/seq2seq.md explains the choice and where it departs from `rannet`.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, auto_docstring, logging
+from transformers.utils.generic import can_return_tuple
+
+from .configuration_ran import RANConfig
+from .modeling_ran import (
+    RANCausalLMOutputWithPast,
+    RANLanguageModelBase,
+    check_token_labels,
+    input_batch_shape,
+    scored_token_loss,
+)
+
+logger = logging.get_logger(__name__)
+
+SOURCE, TARGET = 0, 1
+
+
+def target_labels(labels: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """The labels a prefix LM scores, already shifted: position t predicts token t + 1 when that token is a real
+    target token (a source token is read both ways, so predicting one would be copying it)."""
+    scored = token_type_ids == TARGET
+    if attention_mask is not None:
+        scored = scored & attention_mask.bool().to(scored.device)
+    labels = labels.masked_fill(~scored.to(labels.device), -100)
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def prefix_lm_features(tokenizer, source: str, target: str | None = None, max_source_length=None, max_target_length=None):
+    """`input_ids`, `token_type_ids` and (with a target) `labels` of one (source, target) pair, as `rannet`'s
+    `Seq2SeqLMDataLoader` lays them out: the source as the tokenizer encodes it alone (`[CLS] source [SEP]`), then
+    the target's tokens and an end of text (`[SEP]`, the tokenizer's `sep_token`), which `generate()` stops at.
+
+    Without a target this is what `generate()` reads. The labels are -100 over the source.
+    """
+    source_ids = tokenizer(source, truncation=max_source_length is not None, max_length=max_source_length)["input_ids"]
+    features = {"input_ids": list(source_ids), "token_type_ids": [SOURCE] * len(source_ids)}
+    if target is None:
+        return features
+    if tokenizer.sep_token_id is None:
+        raise ValueError("The tokenizer has no `sep_token`: a prefix LM's target ends with it, as rannet's does.")
+    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+    if max_target_length is not None:
+        target_ids = target_ids[: max_target_length - 1]
+    target_ids = target_ids + [tokenizer.sep_token_id]
+    features["input_ids"] += target_ids
+    features["token_type_ids"] += [TARGET] * len(target_ids)
+    features["labels"] = [-100] * len(source_ids) + target_ids
+    return features
+
+
+@auto_docstring(
+    custom_intro="""
+    Sequence-to-sequence RAN as a prefix LM (`rannet`'s `RanNetForSeq2Seq`): the official LM head over a text whose
+    `token_type_ids` mark its source (0) and target (1). `generate()` continues a source with its target, reading
+    the whole text again at every step (no cache: a target token's state depends on nothing after it).
+    """
+)
+class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
+    def __init__(self, config: RANConfig):
+        if config.is_causal:
+            logger.warning(
+                "RANForPrefixLM reads its source both ways: setting `config.is_causal=False` (its other fields stay "
+                "as they are)."
+            )
+            config.is_causal = False
+        super().__init__(config)
+
+    @can_return_tuple
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> RANCausalLMOutputWithPast:
+        r"""
+        token_type_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            0 for the source, 1 for the target after it (padding: any value). None: the whole input is source.
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Usually `input_ids`: the loss predicts every target token from the tokens before it (position t predicts
+            token t + 1, as in causal LMs); labels of source tokens, -100 and padding are ignored.
+        logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
+            Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
+        """
+        batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        if token_type_ids is None:
+            token_type_ids = torch.full(batch_shape, SOURCE, dtype=torch.long, device=device)
+        label_checks = None  # read with the inputs' checks, in one synchronisation
+        if labels is not None:
+            label_checks = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
+            if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+                raise ValueError(
+                    "`labels` are scored at every target position, but `logits_to_keep` keeps only some logits: pass "
+                    "`logits_to_keep=0` (the default) with `labels`."
+                )
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            return_dict=True,
+            label_checks=label_checks,
+            **kwargs,
+        )
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.decoder(self.head(outputs.last_hidden_state[:, keep]))
+
+        loss = None
+        if labels is not None:
+            shifted = target_labels(labels, token_type_ids, attention_mask)
+            kwargs.pop("shift_labels", None)
+            loss = scored_token_loss(
+                ForCausalLMLoss, logits, labels, shifted, vocab_size=self.config.vocab_size, shift_labels=shifted,
+                **kwargs,
+            )  # fmt: skip
+        return RANCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            memory_attentions=outputs.memory_attentions,
+        )
+
+    # ---- generation: the prompt is the source, every generated token is target ------------------------------------
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # no cache: each step reads the whole text again
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """[`GenerationMixin.generate`] from a source: `input_ids` (or `inputs`) are the source unless
+        `token_type_ids` say otherwise (a target already begun); the tokens generated are target."""
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if kwargs.get("token_type_ids") is None and torch.is_tensor(input_ids):
+            kwargs["token_type_ids"] = torch.full_like(input_ids, SOURCE)
+        return super().generate(inputs, generation_config, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self, input_ids, attention_mask=None, token_type_ids=None, inputs_embeds=None, **kwargs
+    ):  # fmt: skip
+        if inputs_embeds is not None:
+            raise ValueError("RANForPrefixLM generates from `input_ids`: it reads the whole text again every step.")
+        model_inputs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "token_type_ids": token_type_ids,
+            "logits_to_keep": 1,
+        }
+        for name in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(name) is not None:
+                model_inputs[name] = kwargs[name]
+        return model_inputs
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
+        token_type_ids = model_kwargs.pop("token_type_ids", None)
+        model_kwargs = super()._update_model_kwargs_for_generation(
+            outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens
+        )
+        if token_type_ids is not None:  # generated tokens are target (Transformers would repeat the last type)
+            model_kwargs["token_type_ids"] = F.pad(token_type_ids, (0, num_new_tokens), value=TARGET)
+        return model_kwargs
+
+
+__all__ = ["RANForPrefixLM", "prefix_lm_features", "target_labels"]
