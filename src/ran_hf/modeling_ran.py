@@ -35,7 +35,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
-from .cache_ran import RANCache, RANCacheLayer, check_cache
+from .cache_ran import RANCache, RANCacheLayer
 from .cell_scan import ALL_SCAN_FUNCTIONS
 from .building_blocks import (
     RANGatedLinearUnit,
@@ -1244,10 +1244,7 @@ def validate_ran_inputs(
     device; none under `torch.compile` / `torch.export`. Returns (batch_size, sequence_length) and the checks.
     """
     shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
-    if torch.compiler.is_compiling():
-        config._validate_salient_cells()  # what compiled code checks; an eager forward checks every field
-    else:
-        config.validate_if_changed()  # fields set on a built model (`model.config.window_size = 0`) checked again
+    config._validate_salient_cells()  # a field that may be set on a trained model, after its config was checked
     if attention_mask is not None and tuple(attention_mask.shape) not in (
         shape,
         (shape[0], past_positions + shape[1]),
@@ -1297,6 +1294,56 @@ def validate_ran_inputs(
             )
 
     return shape, InputChecks(torch.stack([check.long() for check in checks]), judge)
+
+
+def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_positions: int) -> InputChecks | None:
+    """A starting cell's shape and dtype now, before any work; whether it is finite is returned as `InputChecks`,
+    read with the inputs' checks (none under `torch.compile` / `torch.export`)."""
+    if not torch.is_tensor(initial_cell):
+        raise ValueError(
+            f"`initial_cell` must be a tensor of shape (batch_size, hidden_size), got {type(initial_cell)}."
+        )
+    expected = (batch_shape[0], hidden_size)
+    if tuple(initial_cell.shape) != expected:
+        raise ValueError(
+            f"`initial_cell` must have shape (batch_size, hidden_size) = {expected}, one cell per sequence, got "
+            f"{tuple(initial_cell.shape)}."
+        )
+    if not initial_cell.is_floating_point():
+        raise ValueError(
+            f"`initial_cell` must hold floating-point values (a cell such as an earlier call's `last_cell`), got dtype "
+            f"{initial_cell.dtype}."
+        )
+    if past_positions:
+        raise ValueError(
+            f"`initial_cell` starts a text, but `past_key_values` already holds {past_positions} token(s) whose cells "
+            "continue it: pass `initial_cell` with the first call only."
+        )
+    if torch.compiler.is_compiling():
+        return None
+
+    def judge(found: list) -> None:
+        if found[0]:
+            raise ValueError("`initial_cell` holds NaN or infinite values.")
+
+    return InputChecks((~torch.isfinite(initial_cell)).any().long()[None], judge)
+
+
+def joined_checks(*checks: InputChecks | None) -> InputChecks | None:
+    """Several `InputChecks` read in one synchronisation; each judge sees its own values."""
+    checks = [check for check in checks if check is not None]
+    if len(checks) <= 1:
+        return checks[0] if checks else None
+    sizes = [len(check.values) for check in checks]
+
+    def judge(found: list) -> None:
+        start = 0
+        for check, size in zip(checks, sizes):
+            check.judge(found[start : start + size])
+            start += size
+
+    device = checks[0].values.device
+    return InputChecks(torch.cat([check.values.to(device) for check in checks]), judge)
 
 
 @contextmanager
@@ -1350,6 +1397,7 @@ class RANModel(RANPreTrainedModel):
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANModelOutput:
@@ -1373,11 +1421,17 @@ class RANModel(RANPreTrainedModel):
             Prefix LM (`rannet`'s seq2seq mask, UniLM): 0 for the source, 1 for the target that follows it. In every
             window, source tokens read each other both ways and target tokens read the source and earlier targets;
             cells read the source only. See docs/seq2seq.md. None: no prefix mask.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell each sequence's first window reads in the first layer, instead of the layer's learned starting
+            cell (`rannet`'s `with_cell=True`): e.g. the `last_cell` of the text before, to continue a document. As in
+            `rannet`, only the first layer reads it; later encoder layers start from the cell of the layer below, and
+            later causal layers from their own learned cell. Used as given (no dropout); `rannet` replaces a batch of
+            all-zero cells with its learned one, here pass None for that. Causal models: with the first call only
+            (a cache carries the cells after it); memory review's starting cell stays the learned one.
         """
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
-        check_cache(past_key_values, self.config)
         if self.gradient_checkpointing and self.training and use_cache and past_key_values is None:
             # A checkpointed layer runs twice; the second run would update a fresh cache again.
             logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
@@ -1385,6 +1439,10 @@ class RANModel(RANPreTrainedModel):
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         # A head's labels (`check_token_labels`, ...) are read with the inputs: one host synchronisation for all.
         label_checks = kwargs.pop("label_checks", None)
+        if initial_cell is not None:  # read with the inputs' checks too
+            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
+            cell_checks = check_initial_cell(initial_cell, batch_shape, self.config.hidden_size, past_positions)
+            label_checks = joined_checks(label_checks, cell_checks)
         if token_type_ids is not None:  # read with the inputs' checks too
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
             label_checks = check_token_type_ids(token_type_ids, batch_shape, attention_mask, self.config, label_checks)
@@ -1418,7 +1476,9 @@ class RANModel(RANPreTrainedModel):
         if self.config.uses_token_shift:
             first_cache = past_key_values.layers[0] if past_key_values is not None else None
             token_states = self.embeddings.shift_tokens(token_states, layout, first_cache)
-        cell = None  # the first layer starts from its own learned cell
+        if initial_cell is not None:
+            initial_cell = initial_cell.to(device=embeddings.device, dtype=embeddings.dtype)
+        cell = initial_cell  # None: the first layer starts from its own learned cell
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
         all_memory_attentions = () if output_attentions and self.config.memory_review else None
@@ -1427,8 +1487,8 @@ class RANModel(RANPreTrainedModel):
                 # The returned states stay in the graph: the layer reads its tokens back from them.
                 all_hidden_states += (layout.to_padded(token_states),)
                 token_states = layout.from_padded(all_hidden_states[-1])
-            if self.config.is_causal:
-                cell = None  # every causal layer starts from its own learned cell: the cell below has read ahead
+            if self.config.is_causal and layer.layer_idx > 0:
+                cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
                 token_states, raw_cells, cell, attention_weights, review_weights = layer(
@@ -1560,11 +1620,15 @@ class RANForMaskedLM(RANLanguageModelBase):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANMaskedLMOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1575,6 +1639,7 @@ class RANForMaskedLM(RANLanguageModelBase):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
@@ -1684,6 +1749,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.Tensor | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANSequenceClassifierOutput:
         r"""
@@ -1691,6 +1757,9 @@ class RANForSequenceClassification(RANPreTrainedModel):
             `(batch_size,)` class ids for single-label classification, `(batch_size, num_labels)` 0/1 targets for
             multi-label classification, or float targets for regression (`num_labels == 1`); the problem type follows
             `config.problem_type` and is inferred as in Transformers when unset.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks, found = None, {}  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1701,6 +1770,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
@@ -1747,11 +1817,15 @@ class RANForTokenClassification(RANPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANTokenClassifierOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Class id of every token; -100 (and every padding position) is ignored.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1762,6 +1836,7 @@ class RANForTokenClassification(RANPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
@@ -1806,6 +1881,12 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         # RAN keeps a recurrent state, not per-token keys and values: forward() creates its own `RANCache`.
         return False
 
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+        if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            model_inputs.pop("initial_cell", None)  # read by the prompt's pass; the cache carries the cells since
+        return model_inputs
+
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -1817,6 +1898,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANCausalLMOutputWithPast:
         r"""
@@ -1824,6 +1906,9 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             Usually `input_ids`: the loss predicts token t + 1 from tokens up to t; -100 and padding are ignored.
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         label_checks = None  # read with the inputs' checks, in one synchronisation
         if labels is not None:
@@ -1838,6 +1923,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             past_key_values=past_key_values,
             use_cache=use_cache,
             return_dict=True,
@@ -1919,6 +2005,7 @@ class RANForQuestionAnswering(RANPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         start_positions: torch.LongTensor | None = None,
         end_positions: torch.LongTensor | None = None,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANQuestionAnsweringModelOutput:
         r"""
@@ -1926,6 +2013,9 @@ class RANForQuestionAnswering(RANPreTrainedModel):
             Index of the answer's first token. A position past the input or on padding is ignored by the loss.
         end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Index of the answer's last token, ignored in the same way.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         if (start_positions is None) != (end_positions is None):
             raise ValueError("Give both `start_positions` and `end_positions` for a loss, or neither.")
@@ -1933,6 +2023,7 @@ class RANForQuestionAnswering(RANPreTrainedModel):
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell,
             return_dict=True,
             **kwargs,
         )
