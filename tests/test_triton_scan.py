@@ -6,7 +6,7 @@ as the reference for a seed), and inside whole models. On a CPU the kernels run 
 import pytest
 import torch
 
-from ran_hf import RANForCausalLM, RANModel
+from ran_hf import RANForCausalLM, RANModel, triton_scan_kernels
 from ran_hf.cell_scan import triton_cell_scan
 from ran_hf.triton_scan import TRITON_AVAILABLE, triton_scan_unsupported
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
@@ -38,6 +38,16 @@ def test_triton_scan_with_wide_windows_heads_and_a_batch_over_one_block():
     lengths = [70 - row for row in range(40)]
     fields = {"window_size": 40, "min_window_size": 8, "hidden_size": 24, "num_attention_heads": 3, "head_dim": 12}
     layer, inputs, layout = layer_and_inputs({"is_causal": True}, lengths, None, device=DEVICE, **fields)
+    assert_scans_agree(layer, inputs, layout, TOLERANCE, scan=triton_cell_scan)
+
+
+@pytest.mark.parametrize("overrides", [pytest.param({}, id="encoder"), pytest.param({"is_causal": True}, id="causal")])
+def test_the_attention_split_over_programs_by_rows_changes_nothing(overrides, monkeypatch):
+    """Compiled, each head's window attention is split over programs by rows of the batch (`ROW_SPLITS`); the
+    interpreter's tests run unsplit for speed (conftest.py), so the split is checked here, with dropout."""
+    monkeypatch.setattr(triton_scan_kernels, "ROW_SPLITS", 3)
+    layer, inputs, layout = layer_and_inputs(overrides, *BATCHES[3].values, device=DEVICE, **DROPOUT)
+    layer.train()
     assert_scans_agree(layer, inputs, layout, TOLERANCE, scan=triton_cell_scan)
 
 

@@ -30,6 +30,8 @@ BLOCK_K = 256  # the reduction block of every matrix-vector product
 BLOCK_N = 32  # output columns per program of the column-parallel products
 BLOCK_S = 64  # window slots per iteration of the attention loops
 NUM_WARPS = 8  # of the matrix-vector kernels
+# Programs a head's window attention is split over, by rows of the batch: each walks at most 16 / 8 rows' windows.
+ROW_SPLITS = 8
 
 
 def register_meta_no_ops(*ops) -> None:
@@ -91,96 +93,102 @@ if TRITON_AVAILABLE:
     ):  # fmt: skip
         """WRITE: first the previous step's write (`_write_rows`, `w_*` its inputs), whose raw cell and input norm
         this step projects: every program computes it for its rows, one program of each row block keeps the rest.
-        A launch fewer a step, for a few row-wise sums repeated in every program."""
+        A launch fewer a step, for a few row-wise sums repeated in every program. A head's attention is split over
+        `splits` programs by rows (the third grid axis), each computing the head's projections of the whole row
+        block: latency, not arithmetic, bounds these loops."""
         pid = tl.program_id(0)
         first_row = tl.program_id(1) * BLOCK_B
         rows = first_row + tl.arange(0, BLOCK_B)
         row_ok = rows < B
         HD = H * d
-        if WRITE:
-            _write_rows(
-                first_row, tl.minimum(B, first_row + BLOCK_B), pid == 0, w_out_pre, w_glu_pre, w_gate_pre,
-                residual_rows, output_mask, written_mask, cell_mask, input_mask, an_w, an_b, cn_w, cn_b, in_w, in_b,
-                raw_out, cell_out, gated_out, joined_out, normed_cell_out, normed_out, D, eps, OUTPUT_ACT, HAS_GLU,
-                WRITE_GATE, True, HAS_OUTPUT_MASK, HAS_WRITTEN_MASK, HAS_CELL_MASK, HAS_INPUT_MASK, False,
-                BLOCK_HIDDEN,
-            )  # fmt: skip
-            normed, prev_raw = normed_out, raw_out
-            tl.debug_barrier()  # the rows just stored are what the projections below read
-        if pid < H:  # head h: the cell's query, key and value, then its attention over the window
-            h = pid
-            j = tl.arange(0, BLOCK_D)
-            j_ok = j < d
-            out_ok = row_ok[:, None] & j_ok[None, :]
-            q = _rows_times(normed, D, qkv_w, 1, D, rows, row_ok, h * d + j, j_ok, D, BLOCK_B, BLOCK_K, BLOCK_D)
-            k = _rows_times(normed, D, qkv_w, 1, D, rows, row_ok, HD + h * d + j, j_ok, D, BLOCK_B, BLOCK_K, BLOCK_D)
-            v = _rows_times(normed, D, qkv_w, 1, D, rows, row_ok, 2 * HD + h * d + j, j_ok, D, BLOCK_B, BLOCK_K,
-                            BLOCK_D)  # fmt: skip
-            q += tl.load(qkv_b + h * d + j, mask=j_ok, other=0.0)[None, :]
-            k += tl.load(qkv_b + HD + h * d + j, mask=j_ok, other=0.0)[None, :]
-            v += tl.load(qkv_b + 2 * HD + h * d + j, mask=j_ok, other=0.0)[None, :]
-            pre = qkv_pre + rows[:, None] * (3 * HD) + h * d + j[None, :]
-            tl.store(pre, q, mask=out_ok)
-            tl.store(pre + HD, k, mask=out_ok)
-            tl.store(pre + 2 * HD, v, mask=out_ok)
-            if QK_ACT:
-                q = q * _sigmoid(q)
-                k = k * _sigmoid(k)
-            v = v * _sigmoid(v)
-            head = (rows[:, None] * H + h) * d + j[None, :]
-            tl.store(query + head, q, mask=out_ok)
-            tl.store(read_key + head, k, mask=out_ok)
-            tl.store(read_value + head, v, mask=out_ok)
-            tl.debug_barrier()  # the rows just stored are read back one sequence at a time below
-            last_row = tl.minimum(B, first_row + BLOCK_B)
-            for b in range(first_row, last_row):
-                own = (b * H + h) * d + j
-                q_b = tl.load(query + own, mask=j_ok, other=0.0)
-                cell_score = tl.sum(q_b * tl.load(read_key + own, mask=j_ok, other=0.0), 0) * scale
-                keep = 1.0
-                if HAS_PROBS_MASK:
-                    keep = tl.load(probs_mask + (b * H + h) * (S + 1))
-                acc = tl.load(read_value + own, mask=j_ok, other=0.0) * keep
-                running_max = cell_score
-                total = cell_score * 0.0 + 1.0
-                for s0 in range(0, S, BLOCK_S):
-                    s = s0 + tl.arange(0, BLOCK_S)
-                    s_ok = s < S
-                    slot = ((b * H + h) * S + s[:, None]) * d + j[None, :]
-                    slot_ok = s_ok[:, None] & j_ok[None, :]
-                    scores = tl.sum(tl.load(keys + slot, mask=slot_ok, other=0.0) * q_b[None, :], 1) * scale
-                    scores += tl.load(bias + b * S + s, mask=s_ok, other=float("-inf"))
-                    new_max = tl.maximum(running_max, tl.max(scores, 0))
-                    rescale = tl.exp(running_max - new_max)
-                    weights = tl.exp(scores - new_max)
-                    total = total * rescale + tl.sum(weights, 0)
+        split, splits = tl.program_id(2), tl.num_programs(2)
+        if (pid < H) | (split == 0):  # the GLU projections are not split by rows
+            if WRITE:
+                _write_rows(
+                    first_row, tl.minimum(B, first_row + BLOCK_B), (pid == 0) & (split == 0), w_out_pre, w_glu_pre,
+                    w_gate_pre, residual_rows, output_mask, written_mask, cell_mask, input_mask, an_w, an_b, cn_w,
+                    cn_b, in_w, in_b, raw_out, cell_out, gated_out, joined_out, normed_cell_out, normed_out, D, eps,
+                    OUTPUT_ACT, HAS_GLU, WRITE_GATE, True, HAS_OUTPUT_MASK, HAS_WRITTEN_MASK, HAS_CELL_MASK,
+                    HAS_INPUT_MASK, False, BLOCK_HIDDEN,
+                )  # fmt: skip
+                normed, prev_raw = normed_out, raw_out
+                tl.debug_barrier()  # the rows just stored are what the projections below read
+            if pid < H:  # head h: the cell's query, key and value, then its attention over the window
+                h = pid
+                j = tl.arange(0, BLOCK_D)
+                j_ok = j < d
+                out_ok = row_ok[:, None] & j_ok[None, :]
+                q = _rows_times(normed, D, qkv_w, 1, D, rows, row_ok, h * d + j, j_ok, D, BLOCK_B, BLOCK_K, BLOCK_D)
+                k = _rows_times(normed, D, qkv_w, 1, D, rows, row_ok, HD + h * d + j, j_ok, D, BLOCK_B, BLOCK_K,
+                                BLOCK_D)  # fmt: skip
+                v = _rows_times(normed, D, qkv_w, 1, D, rows, row_ok, 2 * HD + h * d + j, j_ok, D, BLOCK_B, BLOCK_K,
+                                BLOCK_D)  # fmt: skip
+                q += tl.load(qkv_b + h * d + j, mask=j_ok, other=0.0)[None, :]
+                k += tl.load(qkv_b + HD + h * d + j, mask=j_ok, other=0.0)[None, :]
+                v += tl.load(qkv_b + 2 * HD + h * d + j, mask=j_ok, other=0.0)[None, :]
+                pre = qkv_pre + rows[:, None] * (3 * HD) + h * d + j[None, :]
+                tl.store(pre, q, mask=out_ok)
+                tl.store(pre + HD, k, mask=out_ok)
+                tl.store(pre + 2 * HD, v, mask=out_ok)
+                if QK_ACT:
+                    q = q * _sigmoid(q)
+                    k = k * _sigmoid(k)
+                v = v * _sigmoid(v)
+                head = (rows[:, None] * H + h) * d + j[None, :]
+                tl.store(query + head, q, mask=out_ok)
+                tl.store(read_key + head, k, mask=out_ok)
+                tl.store(read_value + head, v, mask=out_ok)
+                tl.debug_barrier()  # the rows just stored are read back one sequence at a time below
+                last_row = tl.minimum(B, first_row + BLOCK_B)
+                for b in range(first_row + split, last_row, splits):
+                    own = (b * H + h) * d + j
+                    q_b = tl.load(query + own, mask=j_ok, other=0.0)
+                    cell_score = tl.sum(q_b * tl.load(read_key + own, mask=j_ok, other=0.0), 0) * scale
+                    keep = 1.0
                     if HAS_PROBS_MASK:
-                        weights *= tl.load(probs_mask + (b * H + h) * (S + 1) + 1 + s, mask=s_ok, other=0.0)
-                    slot_values = tl.load(values + slot, mask=slot_ok, other=0.0)
-                    acc = acc * rescale + tl.sum(weights[:, None] * slot_values, 0)
-                    running_max = new_max
-                tl.store(attended + b * HD + h * d + j, acc / total, mask=j_ok)
-        else:  # a block of columns of a GLU projection: the attention GLU of `normed`, the cell GLU of `prev_raw`
-            block = pid - H
-            glu_blocks = 0
-            if HAS_GLU:
-                glu_blocks = tl.cdiv(2 * D, BLOCK_N)
-            cols = tl.arange(0, BLOCK_N)
-            # (names assigned in both branches of `pid < H` must keep one shape: nothing here reuses `out_ok`)
-            if block < glu_blocks:
-                cols += block * BLOCK_N
-                col_ok = cols < 2 * D
-                acc = _rows_times(normed, D, ag_w, 1, D, rows, row_ok, cols, col_ok, D, BLOCK_B, BLOCK_K, BLOCK_N)
-                acc += tl.load(ag_b + cols, mask=col_ok, other=0.0)[None, :]
-                tl.store(glu_pre + rows[:, None] * (2 * D) + cols[None, :], acc,
-                         mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
-            elif HAS_GATE:
-                cols += (block - glu_blocks) * BLOCK_N
-                col_ok = cols < 2 * D
-                acc = _rows_times(prev_raw, D, cg_w, 1, D, rows, row_ok, cols, col_ok, D, BLOCK_B, BLOCK_K, BLOCK_N)
-                acc += tl.load(cg_b + cols, mask=col_ok, other=0.0)[None, :]
-                tl.store(gate_pre + rows[:, None] * (2 * D) + cols[None, :], acc,
-                         mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+                        keep = tl.load(probs_mask + (b * H + h) * (S + 1))
+                    acc = tl.load(read_value + own, mask=j_ok, other=0.0) * keep
+                    running_max = cell_score
+                    total = cell_score * 0.0 + 1.0
+                    for s0 in range(0, S, BLOCK_S):
+                        s = s0 + tl.arange(0, BLOCK_S)
+                        s_ok = s < S
+                        slot = ((b * H + h) * S + s[:, None]) * d + j[None, :]
+                        slot_ok = s_ok[:, None] & j_ok[None, :]
+                        scores = tl.sum(tl.load(keys + slot, mask=slot_ok, other=0.0) * q_b[None, :], 1) * scale
+                        scores += tl.load(bias + b * S + s, mask=s_ok, other=float("-inf"))
+                        new_max = tl.maximum(running_max, tl.max(scores, 0))
+                        rescale = tl.exp(running_max - new_max)
+                        weights = tl.exp(scores - new_max)
+                        total = total * rescale + tl.sum(weights, 0)
+                        if HAS_PROBS_MASK:
+                            weights *= tl.load(probs_mask + (b * H + h) * (S + 1) + 1 + s, mask=s_ok, other=0.0)
+                        slot_values = tl.load(values + slot, mask=slot_ok, other=0.0)
+                        acc = acc * rescale + tl.sum(weights[:, None] * slot_values, 0)
+                        running_max = new_max
+                    tl.store(attended + b * HD + h * d + j, acc / total, mask=j_ok)
+            else:  # a block of columns of a GLU projection: the attention GLU of `normed`, the cell GLU of `prev_raw`
+                block = pid - H
+                glu_blocks = 0
+                if HAS_GLU:
+                    glu_blocks = tl.cdiv(2 * D, BLOCK_N)
+                cols = tl.arange(0, BLOCK_N)
+                # (names assigned in both branches of `pid < H` must keep one shape: nothing here reuses `out_ok`)
+                if block < glu_blocks:
+                    cols += block * BLOCK_N
+                    col_ok = cols < 2 * D
+                    acc = _rows_times(normed, D, ag_w, 1, D, rows, row_ok, cols, col_ok, D, BLOCK_B, BLOCK_K, BLOCK_N)
+                    acc += tl.load(ag_b + cols, mask=col_ok, other=0.0)[None, :]
+                    tl.store(glu_pre + rows[:, None] * (2 * D) + cols[None, :], acc,
+                             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+                elif HAS_GATE:
+                    cols += (block - glu_blocks) * BLOCK_N
+                    col_ok = cols < 2 * D
+                    acc = _rows_times(prev_raw, D, cg_w, 1, D, rows, row_ok, cols, col_ok, D, BLOCK_B, BLOCK_K,
+                                      BLOCK_N)  # fmt: skip
+                    acc += tl.load(cg_b + cols, mask=col_ok, other=0.0)[None, :]
+                    tl.store(gate_pre + rows[:, None] * (2 * D) + cols[None, :], acc,
+                             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
     @triton.jit
     def _output_kernel(attended, o_w, o_b, shift, out_pre, B, D, HD, HAS_SHIFT: tl.constexpr,
@@ -408,17 +416,18 @@ if TRITON_AVAILABLE:
         the products below read: every program computes it for its rows, one program of each row block keeps the
         rest. A launch fewer a step, for a few row-wise sums repeated in every program."""
         h = tl.program_id(0)
+        split, splits = tl.program_id(2), tl.num_programs(2)
         first_row = tl.program_id(1) * BLOCK_B
         rows = first_row + tl.arange(0, BLOCK_B)
         row_ok = rows < B
         HD = H * d
         _write_grad_rows(
-            first_row, tl.minimum(B, first_row + BLOCK_B), h == 0, grad_cells, grad_raw_cells, grad_normed_next,
-            grad_prev_raw_next, next_input_mask, read_cell, in_w, out_pre, glu_pre, gate_pre, raw, residual_rows,
-            output_mask, written_mask, cell_mask, an_w, an_b, cn_w, grad_input_norm_out, grad_update_out,
-            grad_gate_pre_out, grad_written_out, grad_glu_pre_out, grad_out_pre, grad_cells, grad_raw_cells, D,
-            eps, LAST, False, NEXT_GATE, OUTPUT_ACT, HAS_GLU, HAS_GATE, HAS_OUTPUT_MASK, HAS_WRITTEN_MASK,
-            HAS_CELL_MASK, HAS_INPUT_MASK, BLOCK_HIDDEN,
+            first_row, tl.minimum(B, first_row + BLOCK_B), (h == 0) & (split == 0), grad_cells, grad_raw_cells,
+            grad_normed_next, grad_prev_raw_next, next_input_mask, read_cell, in_w, out_pre, glu_pre, gate_pre, raw,
+            residual_rows, output_mask, written_mask, cell_mask, an_w, an_b, cn_w, grad_input_norm_out,
+            grad_update_out, grad_gate_pre_out, grad_written_out, grad_glu_pre_out, grad_out_pre, grad_cells,
+            grad_raw_cells, D, eps, LAST, False, NEXT_GATE, OUTPUT_ACT, HAS_GLU, HAS_GATE, HAS_OUTPUT_MASK,
+            HAS_WRITTEN_MASK, HAS_CELL_MASK, HAS_INPUT_MASK, BLOCK_HIDDEN,
         )  # fmt: skip
         tl.debug_barrier()  # the rows just stored are what the products below read
         j = tl.arange(0, BLOCK_D)
@@ -430,7 +439,7 @@ if TRITON_AVAILABLE:
         tl.store(grad_attended + head, grad_head, mask=row_ok[:, None] & j_ok[None, :])
         tl.debug_barrier()
         last_row = tl.minimum(B, first_row + BLOCK_B)
-        for b in range(first_row, last_row):
+        for b in range(first_row + split, last_row, splits):  # split over programs by rows, as in `_project_kernel`
             own = (b * H + h) * d + j
             q = tl.load(query + own, mask=j_ok, other=0.0)
             cell_key = tl.load(read_key + own, mask=j_ok, other=0.0)
@@ -548,7 +557,7 @@ if TRITON_AVAILABLE:
         block_rows = _block_rows(batch_size)
         glu_blocks = triton.cdiv(2 * hidden, BLOCK_N)
         programs = num_heads + glu_blocks * has_glu + glu_blocks * has_gate
-        grid = (programs, triton.cdiv(batch_size, block_rows))
+        grid = (programs, triton.cdiv(batch_size, block_rows), min(ROW_SPLITS, batch_size))
         wrap_triton(_project_kernel)[grid](
             normed, prev_raw, qkv_w, qkv_b, ag_w, ag_b, cg_w, cg_b, keys, values, bias, probs_mask,
             qkv_pre, query, read_key, read_value, attended, glu_pre, gate_pre,
@@ -655,7 +664,8 @@ if TRITON_AVAILABLE:
         batch_size, num_heads, num_slots, head_dim = keys.shape
         hidden = grad_out_pre.shape[-1]
         block_rows = _block_rows(batch_size)
-        wrap_triton(_attention_grad_kernel)[(num_heads, triton.cdiv(batch_size, block_rows))](
+        grid = (num_heads, triton.cdiv(batch_size, block_rows), min(ROW_SPLITS, batch_size))
+        wrap_triton(_attention_grad_kernel)[grid](
             grad_out_pre, o_w, qkv_pre, query, read_key, read_value, attended, keys, values, bias, probs_mask,
             grad_read_keys, grad_read_values, grad_attended, grad_qkv_pre, grad_keys, grad_values,
             grad_cells, grad_raw_cells, grad_normed_next, grad_prev_raw_next, next_input_mask, read_cell, in_w,
