@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmark_kernels import KernelCounter, layouts_built_with_values
-from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification, triton_norm
+from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification, triton_norm, triton_rotary
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_testing import tiny_config
 
@@ -48,11 +48,14 @@ def test_the_triton_scan_launches_four_kernels_per_window_and_layer(causal):
 
 
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
-def test_the_opt_in_triton_norm_replaces_every_normalisation(monkeypatch):
-    """Switched on, every normalisation of a step is one kernel forward and one backward (counted on meta)."""
-    plain = count_training_step(RANForMaskedLM, 61, scan_implementation="triton").counts
-    monkeypatch.setattr(triton_norm, "ENABLED", True)
+def test_the_triton_norm_and_rotary_replace_their_pytorch_ops(monkeypatch):
+    """Every normalisation and rotary embedding of a step is one kernel forward and one backward (counted on meta,
+    which stands in for CUDA); switched off, the PyTorch ops run instead."""
     fused = count_training_step(RANForMaskedLM, 61, scan_implementation="triton").counts
+    monkeypatch.setattr(triton_norm, "ENABLED", False)
+    monkeypatch.setattr(triton_rotary, "ENABLED", False)
+    plain = count_training_step(RANForMaskedLM, 61, scan_implementation="triton").counts
+    assert fused["ran_hf::rotate_pairs"] == 4 * 2 and "ran_hf::rotate_pairs" not in plain  # q and k, 2 layers, 2 ways
     assert fused["ran_hf::norm_forward"] == fused["ran_hf::norm_backward"] > 0
     assert sum(fused.values()) < sum(plain.values())
     assert fused["aten::rsqrt"] < plain["aten::rsqrt"]

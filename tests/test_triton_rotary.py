@@ -54,10 +54,10 @@ def test_triton_rotary_refuses_rotations_that_do_not_fit():
         triton_rotate_pairs(states, torch.randn(4, 4, 2, device=DEVICE))
 
 
-def test_the_pytorch_rotary_is_used_unless_switched_on(monkeypatch):
-    """Off by default (checked compiled on no GPU yet); on, only on CUDA and the meta device."""
+def test_the_triton_rotary_runs_on_cuda_unless_switched_off(monkeypatch):
+    """On CUDA (and the meta device, which stands in for it) by default; never on the CPU; off when switched off."""
     meta_states = torch.empty(2, 3, 5, 8, device="meta")
-    assert not triton_rotary.triton_rotary_applies(meta_states)
-    monkeypatch.setattr(triton_rotary, "ENABLED", True)
     assert triton_rotary.triton_rotary_applies(meta_states)
     assert not triton_rotary.triton_rotary_applies(torch.empty(2, 3, 5, 8))
+    monkeypatch.setattr(triton_rotary, "ENABLED", False)
+    assert not triton_rotary.triton_rotary_applies(meta_states)

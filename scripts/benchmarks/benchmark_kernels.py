@@ -225,9 +225,9 @@ def main():
         "--gpu_memory_gib", type=float, default=80, help="memory-review chunks as on a GPU this large (0: a CPU's)"
     )
     parser.add_argument(
-        "--token_kernels",
+        "--pytorch_token_ops",
         action="store_true",
-        help="count with the (opt-in) Triton normalisation and rotary embedding switched on",
+        help="count with the Triton normalisation and rotary embedding switched off (their PyTorch ops instead)",
     )
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/kernels"))
     args = parser.parse_args()
@@ -238,7 +238,7 @@ def main():
             parser.error(f"--shapes takes BATCHxLENGTH with LENGTH a multiple of --window_size, got {shape!r}")
         shapes.append((int(batch), int(length)))
 
-    triton_norm.ENABLED = triton_rotary.ENABLED = args.token_kernels
+    triton_norm.ENABLED = triton_rotary.ENABLED = not args.pytorch_token_ops
     info = machine_info("meta")
     print(machine_line(info))
     results = []
@@ -267,7 +267,7 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine_info": info, "command": command, "settings": {**vars(args), "output_dir": str(args.output_dir)},
               "assumptions": assumptions, "results": results}  # fmt: skip
-    name = "kernels_meta_token_kernels" if args.token_kernels else "kernels_meta"
+    name = "kernels_meta_pytorch_token_ops" if args.pytorch_token_ops else "kernels_meta"
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
     markdown = f"# Kernels per MLM training step\n\n`{command}`\n\n{machine_line(info)}, {info['date']}\n\n"
     (args.output_dir / f"{name}.md").write_text(f"{markdown}```\n{table}\n```\n\n{assumptions}\n")

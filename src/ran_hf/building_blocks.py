@@ -2,8 +2,8 @@
 `RANLayerNorm`, langml's), unit vectors, the gated linear unit, the interleaved rotary embedding and the row
 gather every layout uses.
 
-On CUDA the normalisations and the rotary embedding can run as one Triton kernel each way (`triton_norm.py`,
-`triton_rotary.py`, opt-in).
+On CUDA the normalisations and the rotary embedding run as one Triton kernel each way (`triton_norm.py`,
+`triton_rotary.py`; their `ENABLED` switches them off).
 """
 
 import torch
