@@ -228,6 +228,14 @@ class RANConfig(PreTrainedConfig):
             checkpoints are tied) and to `False` for causal models: trained from scratch, a tied causal RAN can merge
             the embeddings of tokens that play the same role (two key digits reached a cosine of 0.99) and then never
             tell them apart again. Set when the config is built: a config whose `is_causal` changes later keeps it.
+        cutoffs (`list[int]`, *optional*):
+            Causal LM only: adaptive input embeddings and an adaptive softmax (the official `RanNetForAdaptiveLM`).
+            The vocabulary is cut at these increasing ids into a head cluster and tail clusters; None (default) keeps
+            the token embedding and the LM head. The softmax shares the clusters' embeddings and projections, and its
+            input is a swish output mapping after dropout, as in `rannet`. See `ran_hf.adaptive_softmax`.
+        div_val (`int`, *optional*, defaults to 1):
+            With `cutoffs`: cluster i embeds its ids in `hidden_size // div_val**i` dimensions. With 1, as in the
+            official layers, there is one embedding and one tied softmax over the whole vocabulary, whatever `cutoffs`.
 
     Example:
 
@@ -278,6 +286,8 @@ class RANConfig(PreTrainedConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool | None = None
+    cutoffs: list[int] | None = None
+    div_val: int = 1
 
     def __post_init__(self, **kwargs):
         if self.tie_word_embeddings is None:
@@ -399,6 +409,7 @@ class RANConfig(PreTrainedConfig):
         if self.initializer_range < 0:
             raise ValueError(f"`initializer_range` (a standard deviation) must be >= 0, got {self.initializer_range}.")
         self._validate_token_ids()
+        self._validate_adaptive_softmax()
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -409,6 +420,31 @@ class RANConfig(PreTrainedConfig):
             raise ValueError(f"`head_dim` must be even (rotary embedding rotates pairs), got {self.head_dim}.")
         if self.rope_theta <= 0:
             raise ValueError(f"`rope_theta` must be > 0, got {self.rope_theta}.")
+
+    def _validate_adaptive_softmax(self) -> None:
+        if isinstance(self.div_val, bool) or not isinstance(self.div_val, int) or self.div_val < 1:
+            raise ValueError(f"`div_val` must be an int >= 1, got {self.div_val!r}.")
+        if self.cutoffs is None:
+            return
+        cutoffs = self.cutoffs
+        if not isinstance(cutoffs, list | tuple) or not all(type(c) is int for c in cutoffs):
+            raise ValueError(f"`cutoffs` must be a list of token ids (ints) or None, got {cutoffs!r}.")
+        if list(cutoffs) != sorted(set(cutoffs)) or (cutoffs and not 0 < cutoffs[0] <= cutoffs[-1] < self.vocab_size):
+            raise ValueError(
+                f"`cutoffs` must be strictly increasing ids in (0, vocab_size={self.vocab_size}), got {list(cutoffs)}."
+            )
+        if not self.is_causal:
+            raise ValueError(
+                "`cutoffs` (adaptive embeddings and softmax) belong to the causal LM: set `is_causal=True` "
+                "(RANForCausalLM), or leave `cutoffs` None."
+            )
+        smallest = self.hidden_size // self.div_val ** len(cutoffs)
+        if self.div_val > 1 and smallest < 1:
+            raise ValueError(
+                f"With `div_val={self.div_val}` the last of {len(cutoffs) + 1} clusters would embed its ids in "
+                f"hidden_size // div_val**{len(cutoffs)} = {smallest} dimensions: use fewer cutoffs or a smaller div_val."
+            )
+        self.cutoffs = list(cutoffs)
 
     def validate_if_changed(self) -> None:
         """Validate the RAN fields again if one was set since they were last validated (`model.config.window_size = 0`

@@ -45,9 +45,9 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging
 
-from .configuration_ran import RANConfig
+from .configuration_ran import OFFICIAL_LAYER_FIELDS, RANConfig
 from .folders import check_not_inputs, contents, lock_folder, recover_interrupted, releases_folder_locks, write_folder
-from .modeling_ran import RANForMaskedLM
+from .modeling_ran import RANForCausalLM, RANForMaskedLM
 from .tf_checkpoint import TFCheckpointReader
 
 logger = logging.get_logger(__name__)
@@ -251,6 +251,89 @@ def official_variable_name(name: str, num_layers: int) -> str | None:
     return "/".join([layer, parts[0]] + [_TRAINING_SCOPES[part] for part in parts[1:]])
 
 
+# `RanNetForAdaptiveLM` (saved by Keras `save_weights`; `rannet` names its variables nowhere else): layers with weights
+# are the adaptive embedding, the embedding norm, the RAN layers, the output mapping and the adaptive softmax. Names
+# here follow the official pattern, `rannet/<layer>/<weight>`, lower-cased from the Keras layer and weight names.
+_ADAPTIVE_EMBEDDING_WEIGHT = re.compile(r"^(embeddings|kernel)(-\d+)?$")
+_ADAPTIVE_SOFTMAX_WEIGHT = re.compile(r"^(bias(-\d+)?|kernel-cluster|bias-cluster)$")
+
+
+def is_adaptive_checkpoint(names, num_layers: int) -> bool:
+    """Whether the checkpoint holds a `RanNetForAdaptiveLM`: its output mapping is one Dense where the MLM head has a
+    Dense inside a block."""
+    mapping = f"layer_with_weights-{num_layers + 2}/kernel/.ATTRIBUTES/VARIABLE_VALUE"
+    return any(name == mapping or name.startswith(f"{PREFIX}/adaptive-embedding/") for name in names)
+
+
+def adaptive_variable_name(name: str, num_layers: int) -> str | None:
+    """`official_variable_name` for a `RanNetForAdaptiveLM` checkpoint."""
+    if name.startswith(PREFIX + "/"):
+        return name
+    match = _TRAINING_NAME.match(name)
+    if match is None:
+        return None
+    index, path = int(match.group(1)), match.group(2)
+    if index == 0:
+        return f"{PREFIX}/adaptive-embedding/{path}" if _ADAPTIVE_EMBEDDING_WEIGHT.match(path) else None
+    if index == num_layers + 2:
+        return f"{PREFIX}/output-mapping/{path}" if path in ("kernel", "bias") else None
+    if index == num_layers + 3:
+        return f"{PREFIX}/adaptive-softmax/{path}" if _ADAPTIVE_SOFTMAX_WEIGHT.match(path) else None
+    return official_variable_name(name, num_layers)
+
+
+def adaptive_clusters(shapes: dict[str, tuple[int, ...]], config: RANConfig, source: str) -> tuple[list[int], int]:
+    """`cutoffs` and `div_val` of an adaptive checkpoint, read from its embeddings' shapes (the constructor's
+    arguments are not in config.json): cluster i holds (ids, hidden_size // div_val**i)."""
+    embedding = f"{PREFIX}/adaptive-embedding"
+    if f"{embedding}/embeddings" in shapes:  # div_val 1: one embedding, one tied softmax; cutoffs change nothing
+        return [], 1
+    clusters = []
+    while f"{embedding}/embeddings-{len(clusters)}" in shapes:
+        clusters.append(shapes[f"{embedding}/embeddings-{len(clusters)}"])
+    if not clusters:
+        raise ValueError(f"{source}: no adaptive embedding ({embedding}/embeddings or embeddings-0)")
+    div_val = clusters[0][1] // clusters[1][1] if len(clusters) > 1 and clusters[1][1] else 2
+    cutoffs = [int(n) for n in np.cumsum([rows for rows, _ in clusters])[:-1]]
+    expected = [config.hidden_size // div_val**i for i in range(len(clusters))]
+    if [width for _, width in clusters] != expected or sum(rows for rows, _ in clusters) != config.vocab_size:
+        raise ValueError(
+            f"{source}: the adaptive embeddings have shapes {clusters}, which no `cutoffs`/`div_val` give for "
+            f"vocab_size={config.vocab_size} and embedding_size={config.hidden_size}"
+        )
+    return cutoffs, div_val
+
+
+def adaptive_config(config: RANConfig, cutoffs: list[int], div_val: int) -> RANConfig:
+    """The causal config of a converted `RanNetForAdaptiveLM`: the official layer, strictly causal (see
+    docs/adaptive-softmax.md for how its outputs relate to the official causal mode)."""
+    values = {key: value for key, value in config.to_dict().items() if key not in OFFICIAL_LAYER_FIELDS}
+    values.update(OFFICIAL_LAYER_FIELDS, is_causal=True, cutoffs=cutoffs, div_val=div_val, tie_word_embeddings=False)
+    return RANConfig.from_dict(values)
+
+
+def adaptive_variables(config: RANConfig) -> dict[str, tuple[int, ...]]:
+    """{official name: shape} of the adaptive embedding, output mapping and adaptive softmax."""
+    hidden = config.hidden_size
+    if config.div_val == 1:
+        return {
+            f"{PREFIX}/adaptive-embedding/embeddings": (config.vocab_size, hidden),
+            f"{PREFIX}/output-mapping/kernel": (hidden, hidden),
+            f"{PREFIX}/output-mapping/bias": (hidden,),
+            f"{PREFIX}/adaptive-softmax/bias": (config.vocab_size,),
+        }
+    bounds = [0, *config.cutoffs, config.vocab_size]
+    shapes = {f"{PREFIX}/output-mapping/kernel": (hidden, hidden), f"{PREFIX}/output-mapping/bias": (hidden,)}
+    for i in range(len(bounds) - 1):
+        rows, width = bounds[i + 1] - bounds[i], hidden // config.div_val**i
+        shapes[f"{PREFIX}/adaptive-embedding/embeddings-{i}"] = (rows, width)
+        shapes[f"{PREFIX}/adaptive-embedding/kernel-{i}"] = (width, hidden)
+        shapes[f"{PREFIX}/adaptive-softmax/bias-{i}"] = (rows,)
+    shapes[f"{PREFIX}/adaptive-softmax/kernel-cluster"] = (hidden, len(bounds) - 2)
+    shapes[f"{PREFIX}/adaptive-softmax/bias-cluster"] = (len(bounds) - 2,)
+    return shapes
+
+
 def expected_variables(config: RANConfig, memory_review: bool) -> dict[str, tuple[int, ...]]:
     """{official name: shape} of every variable a checkpoint for `config` holds."""
     hidden, inner, vocab = config.hidden_size, config.num_attention_heads * config.head_dim, config.vocab_size
@@ -295,22 +378,27 @@ def expected_variables(config: RANConfig, memory_review: bool) -> dict[str, tupl
             )
         else:
             shapes.update(norm(f"{layer}/output-layernorm"))
+    if config.cutoffs is not None:  # the adaptive LM: its own input embedding and output layers
+        del shapes[f"{PREFIX}/token-embedding/embeddings"]
+        return {**shapes, **adaptive_variables(config)}
     shapes.update(dense(f"{PREFIX}/mlm-hidden/dense"))
     shapes.update(norm(f"{PREFIX}/mlm-hidden/layernorm"))
     shapes[f"{PREFIX}/mlm-matching/bias"] = (vocab,)
     return shapes
 
 
-def read_checkpoint(prefix: str, config: RANConfig) -> tuple[dict[str, np.ndarray], bool]:
-    """Every variable of the checkpoint under its official name, checked against `config`; and whether the layers
-    have memory review."""
+def read_checkpoint(prefix: str, config: RANConfig) -> tuple[dict[str, np.ndarray], bool, RANConfig]:
+    """Every variable of the checkpoint under its official name, checked against `config`; whether the layers have
+    memory review; and the config (that of a causal adaptive LM when the checkpoint holds a `RanNetForAdaptiveLM`)."""
     reader = TFCheckpointReader(prefix)
     source = reader.index_path
+    adaptive = is_adaptive_checkpoint(reader.entries, config.num_hidden_layers)
+    rename = adaptive_variable_name if adaptive else official_variable_name
     renamed, unexpected = {}, []
     for name in sorted(reader.entries):
         if _BOOKKEEPING.search(name):
             continue
-        official = official_variable_name(name, config.num_hidden_layers)
+        official = rename(name, config.num_hidden_layers)
         if official is None:
             unexpected.append(name)
         elif official in renamed:
@@ -318,6 +406,9 @@ def read_checkpoint(prefix: str, config: RANConfig) -> tuple[dict[str, np.ndarra
         else:
             renamed[official] = name
     memory_review = f"{PREFIX}/ran-0/output-layernorm/gamma" not in renamed
+    if adaptive:
+        found = {official: reader.entries[name].shape for official, name in renamed.items()}
+        config = adaptive_config(config, *adaptive_clusters(found, config, source))
     shapes = expected_variables(config, memory_review)
     unexpected += [renamed[name] for name in sorted(set(renamed) - set(shapes))]
     missing = sorted(set(shapes) - set(renamed))
@@ -330,7 +421,8 @@ def read_checkpoint(prefix: str, config: RANConfig) -> tuple[dict[str, np.ndarra
     if unexpected:
         raise ValueError(
             f"{source}: unexpected variable(s) {', '.join(repr(name) for name in unexpected[:5])}"
-            f"{', ...' if len(unexpected) > 5 else ''}: not part of an official RAN masked-LM checkpoint for "
+            f"{', ...' if len(unexpected) > 5 else ''}: not part of an official RAN "
+            f"{'adaptive-LM' if adaptive else 'masked-LM'} checkpoint for "
             f"{config.num_hidden_layers} layer(s)"
         )
     variables = {}
@@ -344,7 +436,7 @@ def read_checkpoint(prefix: str, config: RANConfig) -> tuple[dict[str, np.ndarra
                 f"vocab_size={config.vocab_size})"
             )
         variables[official] = reader.read(name).astype(np.float32, copy=False)
-    return variables, memory_review
+    return variables, memory_review, config
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -352,7 +444,9 @@ def read_checkpoint(prefix: str, config: RANConfig) -> tuple[dict[str, np.ndarra
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def convert_variables(variables: dict[str, np.ndarray], model: RANForMaskedLM) -> dict[str, torch.Tensor]:
+def convert_variables(
+    variables: dict[str, np.ndarray], model: RANForMaskedLM | RANForCausalLM
+) -> dict[str, torch.Tensor]:
     """The state dict of `model` from official variables (Keras kernels are (in, out): transposed)."""
     config = model.config
 
@@ -369,11 +463,7 @@ def convert_variables(variables: dict[str, np.ndarray], model: RANForMaskedLM) -
     def norm(target, source):
         return {f"{target}.weight": tensor(f"{source}/gamma"), f"{target}.bias": tensor(f"{source}/beta")}
 
-    embeddings = tensor("token-embedding/embeddings")
-    state = {
-        "model.embeddings.word_embeddings.weight": embeddings,
-        **norm("model.embeddings.norm", "embedding-layernorm"),
-    }
+    state = norm("model.embeddings.norm", "embedding-layernorm")
     for i in range(config.num_hidden_layers):
         ours, theirs = f"model.layers.{i}", f"ran-{i}"
         # The official initial cell is LayerNorm(swish(U @ 0)) = the LayerNorm's beta; U and gamma never matter.
@@ -400,10 +490,35 @@ def convert_variables(variables: dict[str, np.ndarray], model: RANForMaskedLM) -
             state.update(norm(f"{review}.norm", f"{source}/layernorm"))
         else:
             state.update(norm(f"{ours}.output_norm", f"{theirs}/output-layernorm"))
+    if config.cutoffs is not None:
+        state.update(adaptive_state(tensor, linear, config))
+        return state
+    embeddings = tensor("token-embedding/embeddings")
+    state["model.embeddings.word_embeddings.weight"] = embeddings
     state.update(linear("head.dense", "mlm-hidden/dense"))
     state.update(norm("head.norm", "mlm-hidden/layernorm"))
     state["decoder.weight"] = embeddings  # tied
     state["decoder.bias"] = tensor("mlm-matching/bias")
+    return state
+
+
+def adaptive_state(tensor, linear, config: RANConfig) -> dict[str, torch.Tensor]:
+    """The adaptive embedding, output mapping and adaptive softmax (whose cluster embeddings and projections are the
+    embedding's own: the official model binds them, and so do we, by reading them)."""
+    embedding, softmax = "model.embeddings.word_embeddings", "decoder"
+    state = linear("head.dense", "output-mapping")
+    if config.div_val == 1:
+        state[f"{embedding}.clusters.0.weight"] = tensor("adaptive-embedding/embeddings")
+        state[f"{softmax}.biases.0"] = tensor("adaptive-softmax/bias")
+        return state
+    for i in range(len(config.cutoffs) + 1):
+        state[f"{embedding}.clusters.{i}.weight"] = tensor(f"adaptive-embedding/embeddings-{i}")
+        # official kernel-i is (cluster width, hidden): the projection's weight transposed
+        state[f"{embedding}.projections.{i}.weight"] = tensor(f"adaptive-embedding/kernel-{i}").T.contiguous()
+        state[f"{softmax}.biases.{i}"] = tensor(f"adaptive-softmax/bias-{i}")
+    if config.cutoffs:
+        state[f"{softmax}.tail_logits.weight"] = tensor("adaptive-softmax/kernel-cluster").T.contiguous()
+        state[f"{softmax}.tail_logits.bias"] = tensor("adaptive-softmax/bias-cluster")
     return state
 
 
@@ -520,16 +635,16 @@ def convert_rannet_checkpoint(
 
     # 1. Read and check everything.
     config = read_rannet_config(config_path)
-    variables, memory_review = read_checkpoint(prefix, config)
+    variables, memory_review, config = read_checkpoint(prefix, config)
     _, vocab_lines = read_vocab(vocab_path)
-    embedding_rows = variables[f"{PREFIX}/token-embedding/embeddings"].shape[0]
-    if vocab_lines != embedding_rows:
+    embedding = "the adaptive embedding" if config.cutoffs is not None else f"{PREFIX}/token-embedding/embeddings"
+    if vocab_lines != config.vocab_size:  # the embeddings' rows were checked against it
         raise ValueError(
-            f"{vocab_path}: the vocabulary has {vocab_lines} tokens, but {PREFIX}/token-embedding/embeddings in "
-            f"{prefix}.index has {embedding_rows} rows"
+            f"{vocab_path}: the vocabulary has {vocab_lines} tokens, but {embedding} in {prefix}.index has "
+            f"{config.vocab_size} rows"
         )
     config.memory_review = memory_review
-    model = RANForMaskedLM(config)
+    model = (RANForCausalLM if config.cutoffs is not None else RANForMaskedLM)(config)
     model.load_state_dict(convert_variables(variables, model), strict=True)
     model.eval()
     tokenizer = build_rannet_tokenizer(vocab_path)

@@ -46,6 +46,7 @@ from .building_blocks import (
     standard_normalize,
     unit_vectors,
 )
+from .adaptive_softmax import RANAdaptiveEmbedding, RANAdaptiveSoftmax, RANOutputMapping, adaptive_lm_loss
 from .configuration_ran import RANConfig
 from .scan_dropout import drop
 
@@ -939,7 +940,14 @@ class RANEmbeddings(nn.Module):
 
     def __init__(self, config: RANConfig):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        if config.cutoffs is not None:  # adaptive input embeddings, shared with the adaptive softmax
+            self.word_embeddings = RANAdaptiveEmbedding(
+                config.vocab_size, config.hidden_size, config.cutoffs, config.div_val
+            )
+        else:
+            self.word_embeddings = nn.Embedding(
+                config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+            )
         self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         if config.uses_token_shift:
@@ -1032,7 +1040,7 @@ class RANPreTrainedModel(PreTrainedModel):
         elif isinstance(module, RANTokenShift):
             init.zeros_(module.weight)
             init.zeros_(module.bias)
-        elif isinstance(module, RANLanguageModelBase) and module.decoder.bias is not None:
+        elif isinstance(module, RANLanguageModelBase) and getattr(module.decoder, "bias", None) is not None:
             init.zeros_(module.decoder.bias)
 
 
@@ -1599,12 +1607,19 @@ class RANLanguageModelBase(RANPreTrainedModel):
     def __init__(self, config: RANConfig):
         super().__init__(config)
         self.model = RANModel(config, add_pooling_layer=False)
-        self.head = RANPredictionHead(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        if config.cutoffs is not None:
+            # The official adaptive LM: dropout, a swish output mapping, and the adaptive softmax, which reads the
+            # adaptive embedding's clusters itself (always shared, whatever `tie_word_embeddings` says).
+            self._tied_weights_keys = {}
+            self.head = RANOutputMapping(config.hidden_size, config.hidden_dropout_prob)
+            self.decoder = RANAdaptiveSoftmax(config.vocab_size, config.hidden_size, config.cutoffs, config.div_val)
+        else:
+            self.head = RANPredictionHead(config)
+            self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
         self.post_init()
 
     def get_output_embeddings(self):
-        return self.decoder
+        return None if self.config.cutoffs is not None else self.decoder  # an adaptive softmax has no one matrix
 
     def set_output_embeddings(self, new_embeddings: nn.Linear):
         self.decoder = new_embeddings
@@ -1881,8 +1896,10 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         # RAN keeps a recurrent state, not per-token keys and values: forward() creates its own `RANCache`.
         return False
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
-        model_inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, inputs_embeds=None, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs
+        )
         if past_key_values is not None and past_key_values.get_seq_length() > 0:
             model_inputs.pop("initial_cell", None)  # read by the prompt's pass; the cache carries the cells since
         return model_inputs
@@ -1932,10 +1949,23 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.decoder(self.head(hidden_states[:, keep]))
+        if self.config.cutoffs is None:
+            logits = self.decoder(self.head(hidden_states[:, keep]))
+        elif labels is None:  # float32 log-probabilities of every id
+            logits = self.decoder(self.head(hidden_states[:, keep]), self.model.embeddings.word_embeddings)
+        else:
+            logits = None  # the adaptive softmax scores each label without building the whole distribution
 
         loss = None
-        if labels is not None:
+        if labels is not None and self.config.cutoffs is not None:
+            loss = adaptive_lm_loss(
+                self.decoder,
+                self.model.embeddings.word_embeddings,
+                self.head(hidden_states),
+                ignore_padding(labels, attention_mask),
+                **kwargs,
+            )
+        elif labels is not None:
             labels = ignore_padding(labels, attention_mask)
             # Position t predicts token t + 1, so the first label is never scored.
             scored = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[:, 1:]
