@@ -156,9 +156,11 @@ def layouts_built_with_values():
     build = RANWindowLayout.from_attention_mask
     reads = []
 
-    def from_attention_mask(attention_mask, config, past_lengths=None, input_checks=None):
+    def from_attention_mask(attention_mask, config, past_lengths=None, input_checks=None, **layout_inputs):
         if not attention_mask.is_meta:
-            return build(attention_mask, config, past_lengths, input_checks)
+            return build(attention_mask, config, past_lengths, input_checks, **layout_inputs)
+        if any(value is not None for value in layout_inputs.values()):
+            raise NotImplementedError(f"counting on meta builds the layout of a plain mask only, not {layout_inputs}")
         reads.append(attention_mask.shape)
         layout = build(torch.ones(attention_mask.shape, dtype=torch.bool), config, None)
         moved = {
