@@ -15,6 +15,7 @@ from transformers import AutoModelForMaskedLM
 from ran_hf import (
     RANForCausalLM,
     RANForMaskedLM,
+    RANForPrefixLM,
     RANForQuestionAnswering,
     RANForSequenceClassification,
     RANForTokenClassification,
@@ -86,6 +87,7 @@ HEADS = [
     pytest.param(RANForTokenClassification, {"num_labels": 4}, "logits", id="token-classification"),
     pytest.param(RANForQuestionAnswering, {}, "start_logits", id="question-answering"),
     pytest.param(RANForCausalLM, {"is_causal": True}, "logits", id="causal-lm"),
+    pytest.param(RANForPrefixLM, {}, "logits", id="prefix-lm"),
 ]
 
 

@@ -89,6 +89,7 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        initial_cell: torch.FloatTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RANCausalLMOutputWithPast:
         r"""
@@ -99,6 +100,9 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
             token t + 1, as in causal LMs); labels of source tokens, -100 and padding are ignored.
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
         device = (input_ids if input_ids is not None else inputs_embeds).device
@@ -117,6 +121,7 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             token_type_ids=token_type_ids,
+            initial_cell=initial_cell,
             return_dict=True,
             label_checks=label_checks,
             **kwargs,
