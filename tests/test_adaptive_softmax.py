@@ -9,6 +9,7 @@ parts, not with rannet's.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,10 @@ from transformers import AutoModelForCausalLM
 
 from ran_hf import RANConfig, RANForCausalLM, convert_rannet_checkpoint
 from ran_hf.adaptive_softmax import RANAdaptiveSoftmax
+from ran_hf.tf_checkpoint import TFCheckpointReader
 from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
 from remote_code import run_without_ran_hf
+from tf_checkpoint_writer import write_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rannet"
 ADAPTIVE = ["adaptive_l2_d16_w6_div2", "adaptive_l1_d16_w4_div1"]
@@ -37,6 +40,8 @@ def converted(tmp_path_factory):
 def test_converted_adaptive_parts_match_rannet(name, converted):
     model = AutoModelForCausalLM.from_pretrained(converted[name]).eval()
     assert type(model) is RANForCausalLM and model.config.is_causal
+    card = (converted[name] / "README.md").read_text()
+    assert "pipeline_tag: text-generation" in card and "cutoffs / div_val" in card
     official = json.loads((FIXTURES / name / "adaptive.json").read_text())
     if official["div_val"] == 1:  # rannet's div_val 1 layers ignore cutoffs: one tied softmax
         assert (model.config.cutoffs, model.config.div_val) == ([], 1)
@@ -174,3 +179,33 @@ def test_bad_adaptive_configs_are_named(overrides, message):
     values = {**dict(vocab_size=61, hidden_size=16, num_attention_heads=2, head_dim=8, is_causal=True), **overrides}
     with pytest.raises(ValueError, match=message):
         RANConfig(**values)
+
+
+SOFTMAX_BIAS = "layer_with_weights-5/bias-2/.ATTRIBUTES/VARIABLE_VALUE"
+TAIL_EMBEDDING = "layer_with_weights-0/embeddings-2/.ATTRIBUTES/VARIABLE_VALUE"
+BAD_CHECKPOINTS = [
+    pytest.param(lambda tensors: tensors.pop(SOFTMAX_BIAS), "adaptive-softmax/bias-2' is missing", id="missing-bias"),
+    pytest.param(
+        lambda tensors: tensors.update({TAIL_EMBEDDING: np.zeros((18, 3), np.float32)}),
+        "no `cutoffs`/`div_val` give",
+        id="inconsistent-widths",
+    ),
+    pytest.param(
+        lambda tensors: tensors.update({"layer_with_weights-5/kernel-3/.ATTRIBUTES/VARIABLE_VALUE": np.zeros(2)}),
+        "unexpected variable.*kernel-3.*adaptive-LM checkpoint",
+        id="unknown-variable",
+    ),
+]
+
+
+@pytest.mark.parametrize("damage,message", BAD_CHECKPOINTS)
+def test_bad_adaptive_checkpoints_are_named(damage, message, tmp_path):
+    folder = tmp_path / "rannet"
+    shutil.copytree(FIXTURES / "adaptive_l2_d16_w6_div2", folder)
+    reader = TFCheckpointReader(folder / "model.weights")
+    tensors = {name: reader.read(name) for name in reader.entries if not name.startswith("_CHECKPOINTABLE")}
+    damage(tensors)
+    write_checkpoint(folder / "model.weights", tensors)
+    with pytest.raises(ValueError, match=message):
+        convert_rannet_checkpoint(folder, tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()

@@ -527,6 +527,7 @@ def adaptive_state(tensor, linear, config: RANConfig) -> dict[str, torch.Tensor]
 # --------------------------------------------------------------------------------------------------------------------
 
 MODEL_CARD = "rannet-v3-en-base.md"
+ADAPTIVE_MODEL_CARD = "rannet-adaptive-lm.md"  # a converted RanNetForAdaptiveLM
 
 
 def find_checkpoint_prefix(folder: Path) -> str:
@@ -561,7 +562,8 @@ def file_digest(path: Path) -> str:
 
 def model_card(config: RANConfig, rannet_dir: Path, source_files: list[Path]) -> str:
     """The packaged model card, followed by what this conversion read and wrote."""
-    card = resources.files("ran_hf").joinpath("model_cards").joinpath(MODEL_CARD).read_text(encoding="utf-8")
+    name = ADAPTIVE_MODEL_CARD if config.cutoffs is not None else MODEL_CARD
+    card = resources.files("ran_hf").joinpath("model_cards").joinpath(name).read_text(encoding="utf-8")
     rows = [
         ("layers", config.num_hidden_layers),
         ("hidden size", config.hidden_size),
@@ -571,6 +573,8 @@ def model_card(config: RANConfig, rannet_dir: Path, source_files: list[Path]) ->
         ("memory review", config.memory_review),
         ("vocabulary", config.vocab_size),
     ]
+    if config.cutoffs is not None:
+        rows += [("adaptive softmax: cutoffs / div_val", f"{config.cutoffs} / {config.div_val}")]
     lines = [
         "",
         "## This conversion",
