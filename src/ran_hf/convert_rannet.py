@@ -11,7 +11,9 @@ too, as `RanNet.export_checkpoint` would rename them.
 
 * `config.json`, `model.safetensors` and the model code: a `RANForMaskedLM` (encoder and MLM head) saved with
   `save_pretrained`. Other heads (`AutoModelForSequenceClassification`, `AutoModelForTokenClassification`) load the
-  encoder from it and start their own layers fresh, as they do in `rannet`.
+  encoder from it and start their own layers fresh, as they do in `rannet`. A `RanNetForAdaptiveLM` checkpoint
+  (Keras `save_weights`, recognised by its output mapping) becomes a causal `RANForCausalLM` with `cutoffs` and
+  `div_val` read from its embeddings' shapes (docs/adaptive-softmax.md).
 * `tokenizer.json` and `tokenizer_config.json`: the fast-tokenizer equivalent of `rannet.RanNetWordPieceTokenizer`
   (BERT normalisation with lower-casing and accent stripping, BERT pre-tokenisation, WordPiece with `##`
   continuations), which gives `rannet`'s ids. Like `rannet`, and like the data the released model was pretrained on,
