@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from huggingface_hub import ModelCard
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
@@ -196,7 +197,8 @@ def test_run_classification_with_lora_saves_an_adapter_that_reloads(checkpoints,
     assert adapter_config["r"] == 4 and set(adapter_config["target_modules"]) == set(RAN_LORA_TARGET_MODULES)
     assert set(adapter_config["modules_to_save"]) >= {"pooler", "classifier"}
     card = (output_dir / "README.md").read_text()
-    assert "LoRA adapter" in card and "PeftModel.from_pretrained" in card and "library_name: \"peft\"" in card
+    assert "LoRA adapter" in card and "PeftModel.from_pretrained" in card
+    assert ModelCard.load(output_dir / "README.md").data.library_name == "peft"
 
     labels = results["labels"]
     base = AutoModelForSequenceClassification.from_pretrained(

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from huggingface_hub import ModelCard
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -300,6 +301,10 @@ def test_run_mlm_from_scratch_then_continued(topic_files, tokenizer_dir, tmp_pat
     assert f"| eval_loss | {eval_results['eval_loss']:.4g} |" in card
     assert "trust_remote_code=True" in card and "2306.06843" in card
     assert "$" not in card  # every placeholder filled
+    metadata = ModelCard.load(first / "README.md").data  # what the Hub reads: metrics as a model-index
+    scored = {entry.metric_type: entry.metric_value for entry in metadata.eval_results}
+    assert scored["loss"] == pytest.approx(eval_results["eval_loss"]) and "runtime" not in scored
+    assert metadata.pipeline_tag == "fill-mask" and metadata.base_model is None
 
     continued = run_mlm.main(
         ["--model_name_or_path", str(first), "--output_dir", str(tmp_path / "continued")]
@@ -308,7 +313,8 @@ def test_run_mlm_from_scratch_then_continued(topic_files, tokenizer_dir, tmp_pat
         + QUIET
     )
     assert continued["train"]["train_samples"] == 24  # one example per document
-    assert f"fine-tuned from `{first}`" in (tmp_path / "continued" / "README.md").read_text()
+    continued_card = (tmp_path / "continued" / "README.md").read_text()
+    assert "fine-tuned from a model trained locally (`mlm`)" in continued_card and str(tmp_path) not in continued_card
 
 
 def test_run_clm_then_perplexity_over_a_stream(topic_files, tokenizer_dir, tmp_path):
