@@ -63,6 +63,7 @@ def test_trains_generates_titles_and_reports_rouge(data, tmp_path, kind, model_c
     assert config["architectures"] == [model_class.__name__]
     sep = AutoTokenizer.from_pretrained(data / "tokenizer").sep_token_id
     assert config["eos_token_id"] == sep  # [SEP]: generation stops at the end of the title
+    assert "summarisation-style generation" in (tmp_path / kind / "README.md").read_text()  # the model card
 
 
 @pytest.mark.parametrize(

@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> dict:
             for prediction, reference in zip(predictions, references):
                 out.write(json.dumps({"prediction": prediction, "reference": reference}) + "\n")
         results["eval"] = metrics
+    if training_args.push_to_hub:
+        trainer.push_to_hub(finetuned_from=model_args.model_name_or_path)
+    elif training_args.do_train:
+        trainer.create_model_card(finetuned_from=model_args.model_name_or_path)
     return results
 
 
