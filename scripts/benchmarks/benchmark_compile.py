@@ -23,24 +23,13 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import machine_info, machine_line, sized_ran_config
 
 
 def build_model(args, device):
-    from ran_hf import RANConfig, RANModel
+    from ran_hf import RANModel
 
-    config = RANConfig(
-        vocab_size=1000,
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        head_dim=args.hidden_size // args.num_heads,
-        window_size=args.window_size,
-        min_window_size=max(1, args.window_size // 4),
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        scan_implementation=args.scan,
-    )
+    config = sized_ran_config(args, min_window_size=max(1, args.window_size // 4), scan_implementation=args.scan)
     torch.manual_seed(0)
     return RANModel(config).to(device)
 

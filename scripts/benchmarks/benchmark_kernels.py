@@ -33,10 +33,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import TRAINING_DROPOUT, machine_info, machine_line, sized_ran_config
 
 from ran_hf import RANConfig, RANForMaskedLM, triton_norm, triton_rotary
 from ran_hf.modeling_ran import RANMemoryReview, RANWindowLayout
@@ -83,6 +84,24 @@ class KernelCounter(TorchDispatchMode):
         return outputs
 
 
+class FusedAttentionAsOnGPU(TorchFunctionMode):
+    """`scaled_dot_product_attention` as CUDA runs it, one fused kernel each way (the H200 profiles show cuDNN's),
+    where the meta device would decompose it into a dozen ops: here the memory-efficient kernel, which takes any
+    additive mask and dropout (its meta kernels give its shapes, and its backward is one op too)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value, *rest = args
+        mask = kwargs.get("attn_mask", rest[0] if rest else None)
+        if mask is not None:  # the kernel takes the bias at full size, broadcast with strides
+            mask = mask.expand(*query.shape[:-1], key.shape[-2])
+        dropout, causal = kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False)
+        attention = torch.ops.aten._scaled_dot_product_efficient_attention
+        return attention(query, key, value, mask, True, dropout, causal, scale=kwargs.get("scale"))[0]
+
+
 class BlockAttentionLayer(nn.Module):
     def __init__(self, hidden, heads, block):
         super().__init__()
@@ -120,16 +139,8 @@ class BlockAttentionMLM(nn.Module):
 
 
 def ran_config(args, scan: str) -> RANConfig:
-    return RANConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        head_dim=args.hidden_size // args.num_heads,
-        window_size=args.window_size,
-        min_window_size=16,
-        scan_implementation=scan,
-    )
+    # Dropout as in training (the config's default), so that its masks are counted.
+    return sized_ran_config(args, min_window_size=16, scan_implementation=scan, **TRAINING_DROPOUT)
 
 
 @contextmanager
@@ -186,7 +197,8 @@ def count_step(model_name: str, args, batch: int, length: int) -> dict:
         ids = torch.randint(1, args.vocab_size, (batch, length))
     model.train()
     counter = KernelCounter()
-    with layouts_built_with_values() as layout_reads, memory_review_sized_for(args.gpu_memory_gib), counter:
+    with layouts_built_with_values() as layout_reads, memory_review_sized_for(args.gpu_memory_gib), counter, \
+            FusedAttentionAsOnGPU():  # fmt: skip
         if model_name == "transformer":
             loss = model(ids, ids)
         else:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subprocess
+from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subprocess, sized_ran_config
 
 from ran_hf.cell_scan import RANScanInterface
 
@@ -46,20 +46,7 @@ VOCAB_SIZE = 1000
 
 
 def ran_config(args, window_size, **fields):
-    from ran_hf import RANConfig
-
-    return RANConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        head_dim=args.hidden_size // args.num_heads,
-        window_size=window_size,
-        min_window_size=min(16, window_size // 4),
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        **fields,
-    )
+    return sized_ran_config(args, window_size, VOCAB_SIZE, **fields)
 
 
 def scan_without_recurrence(self, cell, previous_raw, keys, values, layout):

@@ -13,6 +13,31 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+# RANConfig's default dropout, as a training step runs it (sized_ran_config turns dropout off).
+TRAINING_DROPOUT = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+
+
+def sized_ran_config(args, window_size: int | None = None, vocab_size: int | None = None, **fields):
+    """The `RANConfig` a benchmark's size flags give (`--hidden_size`, `--num_layers`, `--num_heads`,
+    `--window_size`, `--vocab_size` where the script has one, else 1000): head size hidden / heads, the shortest
+    window a quarter of the window and at most 16, dropout off. `fields` set any other field or override these."""
+    from ran_hf import RANConfig  # imported here: scripts that time their imports pay for it where they measure
+
+    window_size = window_size or args.window_size
+    sizes = {
+        "vocab_size": vocab_size or getattr(args, "vocab_size", 1000),
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "head_dim": args.hidden_size // args.num_heads,
+        "window_size": window_size,
+        "min_window_size": min(16, window_size // 4),
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
+    return RANConfig(**{**sizes, **fields})
+
+
 def machine_info(device: str = "cpu") -> dict:
     """CPU/GPU, library versions and the git revision: printed first and saved with every result."""
     import transformers

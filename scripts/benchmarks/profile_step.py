@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import TRAINING_DROPOUT, machine_info, machine_line, sized_ran_config
 
 from benchmark_kernels import BlockAttentionMLM
-from ran_hf import RANConfig, RANForMaskedLM, triton_norm, triton_rotary
+from ran_hf import RANForMaskedLM, triton_norm, triton_rotary
 
 
 def main():
@@ -54,11 +54,7 @@ def main():
             model = BlockAttentionMLM(args.vocab_size, args.hidden_size, args.num_layers, args.num_heads,
                                       args.window_size)  # fmt: skip
         else:
-            config = RANConfig(
-                vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                num_attention_heads=args.num_heads, head_dim=args.hidden_size // args.num_heads,
-                window_size=args.window_size, min_window_size=16, scan_implementation=scan,
-            )  # fmt: skip
+            config = sized_ran_config(args, min_window_size=16, scan_implementation=scan, **TRAINING_DROPOUT)
             model = RANForMaskedLM(config)
         model = model.to(device).train()
         ids = torch.randint(1, args.vocab_size, (batch, length), device=device)
