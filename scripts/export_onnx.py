@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import ran_hf
+from argument_checks import in_range
 from ran_hf.folders import check_not_inputs
 
 
@@ -81,9 +82,16 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model_dir", required=True, help="a folder saved with save_pretrained")
     parser.add_argument("--output", required=True, help="the .onnx file to write (replaced if it exists)")
-    parser.add_argument("--opset_version", type=int, default=None, help="ONNX opset (the exporter's default if unset)")
-    parser.add_argument("--batch_size", type=int, default=3, help="rows of each check batch")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed absolute difference")
+    parser.add_argument(
+        "--opset_version",
+        type=in_range(int, at_least=1),
+        default=None,
+        help="ONNX opset (the exporter's default if unset)",
+    )
+    parser.add_argument("--batch_size", type=in_range(int, at_least=1), default=3, help="rows of each check batch")
+    parser.add_argument(
+        "--tolerance", type=in_range(float, at_least=0), default=1e-4, help="largest allowed absolute difference"
+    )
     args = parser.parse_args(argv)
     try:
         check_output(args.model_dir, args.output)

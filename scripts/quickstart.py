@@ -14,19 +14,23 @@ import time
 from pathlib import Path
 
 import torch
-from train_tokenizer import TokenizerArguments, build_tokenizer
+from argument_checks import in_range
+from train_tokenizer import SPECIAL_TOKENS, TokenizerArguments, build_tokenizer
 from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline, set_seed
 
 from ran_hf import RANConfig, RANForMaskedLM
+
+
+MIN_WINDOW_SIZE = 8
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--text_file", type=Path, default=Path(__file__).resolve().parents[1] / "README.md")
     parser.add_argument("--output_dir", type=Path, default=Path("outputs/quickstart"))
-    parser.add_argument("--vocab_size", type=int, default=1000)
-    parser.add_argument("--window_size", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab_size", type=in_range(int, above=len(SPECIAL_TOKENS)), default=1000)
+    parser.add_argument("--window_size", type=in_range(int, above=MIN_WINDOW_SIZE), default=64)
+    parser.add_argument("--seed", type=in_range(int, at_least=0, below=2**32), default=0)
     args = parser.parse_args()
     if not args.text_file.is_file():
         parser.error(f"--text_file {args.text_file} does not exist")
@@ -45,7 +49,7 @@ def main():
         num_attention_heads=4,
         head_dim=16,
         window_size=args.window_size,
-        min_window_size=8,
+        min_window_size=MIN_WINDOW_SIZE,
         pad_token_id=tokenizer.pad_token_id,
     )
     model = RANForMaskedLM(config).eval()

@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 from datasets import get_dataset_split_names, load_dataset
-from transformers import HfArgumentParser
 
 import train_tokenizer
+from argument_checks import check_ranges, parse_arguments
+from ran_hf import RANConfig
 
 # The example scripts it runs, each in its task folder (in the style of Transformers' examples/pytorch/<task>/).
 HERE = Path(__file__).resolve().parent
@@ -192,38 +193,104 @@ class PipelineArguments:
             "huggingface/tokenizers issue 1794)."
         },
     )
-    vocab_size: int = field(default=8000, metadata={"help": "Tokenizer vocabulary (WordPiece, lower-cased)."})
-    hidden_size: int = field(default=64, metadata={"help": "Model width."})
-    num_hidden_layers: int = field(default=2, metadata={"help": "RAN layers."})
-    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads (head size = width / heads)."})
-    window_size: int = field(default=64, metadata={"help": "Tokens per window."})
+    vocab_size: int = field(
+        default=8000, metadata={"at_least": 6, "help": "Tokenizer vocabulary (WordPiece, lower-cased)."}
+    )
+    hidden_size: int = field(default=64, metadata={"at_least": 1, "help": "Model width."})
+    num_hidden_layers: int = field(default=2, metadata={"at_least": 1, "help": "RAN layers."})
+    num_attention_heads: int = field(
+        default=4, metadata={"at_least": 1, "help": "Attention heads (head size = width / heads)."}
+    )
+    window_size: int = field(default=64, metadata={"at_least": 2, "help": "Tokens per window."})
     dropout: float = field(
         default=0.0,
         metadata={
+            "at_least": 0,
+            "below": 1,
             "help": "Hidden and attention dropout. The paper uses 0.1; a small RAN trained for minutes learns much "
             "faster without (its pooler takes a max over all token states, where dropout noise competes with sparse "
-            "evidence)."
+            "evidence).",
         },
     )
-    max_seq_length: int = field(default=4096, metadata={"help": "Documents are cut to this many tokens."})
-    mlm_epochs: float = field(default=2.0, metadata={"help": "Epochs of masked-language-model pretraining."})
-    mlm_learning_rate: float = field(default=1e-3, metadata={"help": "Pretraining learning rate."})
-    epochs: float = field(default=6.0, metadata={"help": "Epochs of fine-tuning."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Fine-tuning learning rate."})
-    batch_size: int = field(default=8, metadata={"help": "Documents per batch, pretraining and fine-tuning."})
-    seed: int = field(default=0, metadata={"help": "Seed for data generation, initialisation and training."})
+    max_seq_length: int = field(
+        default=4096, metadata={"at_least": 1, "help": "Documents are cut to this many tokens."}
+    )
+    mlm_epochs: float = field(
+        default=2.0, metadata={"above": 0, "help": "Epochs of masked-language-model pretraining."}
+    )
+    mlm_learning_rate: float = field(default=1e-3, metadata={"above": 0, "help": "Pretraining learning rate."})
+    epochs: float = field(default=6.0, metadata={"above": 0, "help": "Epochs of fine-tuning."})
+    learning_rate: float = field(default=1e-3, metadata={"above": 0, "help": "Fine-tuning learning rate."})
+    batch_size: int = field(
+        default=8, metadata={"at_least": 1, "help": "Documents per batch, pretraining and fine-tuning."}
+    )
+    seed: int = field(
+        default=0,
+        metadata={
+            "at_least": 0,
+            "below": 4294967296,
+            "help": "Seed for data generation, initialisation and training.",
+        },
+    )
     torch_threads: int = field(
         default=1,
-        metadata={"help": "CPU threads; a small model is fastest on one (0: PyTorch's default, all cores)."},
+        metadata={
+            "at_least": 0,
+            "help": "CPU threads; a small model is fastest on one (0: PyTorch's default, all cores).",
+        },
     )
     report_to: str = field(default="none", metadata={"help": "Experiment tracker for Trainer (`none`, `wandb`, ...)."})
+
+    def __post_init__(self):
+        """What the steps would find wrong only after the tokenizer was trained and the model pretrained."""
+        check_ranges(self)  # first: the checks below combine flags
+        for flag in ("train_file", "validation_file", "test_file"):
+            path = getattr(self, flag)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"--{flag} {path} does not exist or is not a file.")
+        if self.dataset_name is None and self.train_file is None:
+            self.document_counts()
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"--hidden_size ({self.hidden_size}) must be a multiple of --num_attention_heads "
+                f"({self.num_attention_heads}): each head gets hidden_size / num_attention_heads dimensions."
+            )
+        try:
+            RANConfig(**self.model_fields())
+        except ValueError as error:
+            raise ValueError(
+                f"--hidden_size, --num_attention_heads and --window_size give no valid model: {error}"
+            ) from None
+
+    def model_fields(self) -> dict:
+        """The RANConfig fields of the model the pipeline pretrains (its --config_overrides)."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "head_dim": self.hidden_size // self.num_attention_heads,
+            "window_size": self.window_size,
+            "min_window_size": max(1, self.window_size // 8),
+            "hidden_dropout_prob": self.dropout,
+            "attention_probs_dropout_prob": self.dropout,
+        }
+
+    def document_counts(self) -> dict[str, int]:
+        """--synthetic_documents as {split: count}."""
+        counts = self.synthetic_documents.split(",")
+        if len(counts) != 3 or not all(count.strip().isdigit() and int(count) > 0 for count in counts):
+            raise ValueError(
+                f"--synthetic_documents must be three positive counts, train,validation,test (e.g. 600,150,150), "
+                f"got {self.synthetic_documents!r}."
+            )
+        return dict(zip(("train", "validation", "test"), map(int, counts)))
 
 
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, stream=sys.stdout
     )
-    (args,) = HfArgumentParser(PipelineArguments).parse_args_into_dataclasses(args=argv)
+    (args,) = parse_arguments(PipelineArguments, argv)
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     start = time.perf_counter()
@@ -240,42 +307,25 @@ def main(argv: list[str] | None = None) -> dict:
         )
     overwrite = ["--overwrite_output_dir"] if args.overwrite_output_dir else []
 
-    # 1. Data: the user's, or generated
-    if args.dataset_name is None and args.train_file is None:
-        sizes = dict(zip(("train", "validation", "test"), map(int, args.synthetic_documents.split(","))))
-        data = {
-            split: str(path) for split, path in write_topic_documents(output_dir / "data", sizes, args.seed).items()
-        }
-        logger.info(f"Wrote synthetic topic documents to {output_dir / 'data'}")
+    # 1. Data: the user's, or generated (written once every step's flags are checked)
+    synthetic = args.dataset_name is None and args.train_file is None
+    if synthetic:
+        data = {split: str(output_dir / "data" / f"{split}.jsonl") for split in args.document_counts()}
     if args.dataset_name:
         source = ["--dataset_name", args.dataset_name]
         source += ["--dataset_config_name", args.dataset_config_name] if args.dataset_config_name else []
         mlm_source = source
+        available = get_dataset_split_names(args.dataset_name, args.dataset_config_name)
+        has = {split: split in available for split in data}
     else:
         source = [arg for split, path in data.items() if path for arg in (f"--{split}_file", path)]
         mlm_source = ["--train_file", data["train"]]  # 5% of it held out to report the masked-LM perplexity
+        has = {split: bool(data[split]) for split in data}
     common = ["--seed", str(args.seed), "--report_to", args.report_to, "--save_strategy", "no", *overwrite]
-
-    # 2. Tokenizer, on the training texts (a Hub dataset: first exported to a file)
     tokenizer_dir = args.tokenizer_name or str(output_dir / "tokenizer")
-    if args.tokenizer_name is None:
-        tokenizer_files = [data["train"]] if not args.dataset_name else [export_texts(args, output_dir / "data")]
-        train_tokenizer.main(
-            ["--train_files", *tokenizer_files, "--text_column_name", args.text_column_name]
-            + ["--vocab_size", str(args.vocab_size), "--output_dir", tokenizer_dir]
-            + ["--overwrite_output_dir"]  # no earlier models were trained with it (checked above), or replacing them
-        )
-
-    # 3. Masked-language-model pretraining from scratch, on the training texts
-    head_dim = args.hidden_size // args.num_attention_heads
-    overrides = (
-        f"hidden_size={args.hidden_size},num_hidden_layers={args.num_hidden_layers},"
-        f"num_attention_heads={args.num_attention_heads},head_dim={head_dim},window_size={args.window_size},"
-        f"min_window_size={max(1, args.window_size // 8)},hidden_dropout_prob={args.dropout},"
-        f"attention_probs_dropout_prob={args.dropout}"
-    )
-    mlm_dir = output_dir / "mlm"
-    mlm = run_mlm.main(
+    overrides = ",".join(f"{name}={value}" for name, value in args.model_fields().items())
+    mlm_dir, classifier_dir = output_dir / "mlm", output_dir / "classifier"
+    mlm_argv = (
         mlm_source
         + ["--tokenizer_name", tokenizer_dir, "--config_overrides", overrides]
         + ["--text_column_name", args.text_column_name, "--max_seq_length", "512"]
@@ -285,40 +335,41 @@ def main(argv: list[str] | None = None) -> dict:
         + ["--per_device_train_batch_size", str(args.batch_size), "--logging_steps", "20"]
         + common
     )
-
-    # 4. Fine-tuning on classification, evaluation and test predictions
-    classifier_dir = output_dir / "classifier"
-    if args.dataset_name:
-        available = get_dataset_split_names(args.dataset_name, args.dataset_config_name)
-        has = {split: split in available for split in data}
-    else:
-        has = {split: bool(data[split]) for split in data}
-    classification = run_classification.main(
+    classification_argv = (
         source
         + ["--model_name_or_path", str(mlm_dir), "--text_column_name", args.text_column_name]
         + ["--label_column_name", args.label_column_name, "--max_seq_length", str(args.max_seq_length)]
         + ["--do_train"]
         + (["--do_eval"] if has["validation"] else [])
         + (["--do_predict"] if has["test"] else [])
-        + [
-            "--output_dir",
-            str(classifier_dir),
-            "--run_name",
-            f"ran-{output_dir.name}",
-            "--num_train_epochs",
-            str(args.epochs),
-        ]
+        + ["--output_dir", str(classifier_dir), "--run_name", f"ran-{output_dir.name}"]
+        + ["--num_train_epochs", str(args.epochs)]
         + ["--learning_rate", str(args.learning_rate), "--warmup_steps", "0.1", "--weight_decay", "0.01"]
-        + [
-            "--per_device_train_batch_size",
-            str(args.batch_size),
-            "--train_sampling_strategy",
-            "group_by_length",
-            "--logging_steps",
-            "20",
-        ]
+        + ["--per_device_train_batch_size", str(args.batch_size), "--train_sampling_strategy", "group_by_length"]
+        + ["--logging_steps", "20"]
         + common
     )
+    # Every step's flags (--report_to, say), parsed and checked now, not after the tokenizer and the pretraining
+    for script, step_argv in ((run_mlm, mlm_argv), (run_classification, classification_argv)):
+        parse_arguments((script.ModelArguments, script.DataTrainingArguments, script.RANTrainingArguments), step_argv)
+    if synthetic:
+        write_topic_documents(output_dir / "data", args.document_counts(), args.seed)
+        logger.info(f"Wrote synthetic topic documents to {output_dir / 'data'}")
+
+    # 2. Tokenizer, on the training texts (a Hub dataset: first exported to a file)
+    if args.tokenizer_name is None:
+        tokenizer_files = [data["train"]] if not args.dataset_name else [export_texts(args, output_dir / "data")]
+        train_tokenizer.main(
+            ["--train_files", *tokenizer_files, "--text_column_name", args.text_column_name]
+            + ["--vocab_size", str(args.vocab_size), "--output_dir", tokenizer_dir]
+            + ["--overwrite_output_dir"]  # no earlier models were trained with it (checked above), or replacing them
+        )
+
+    # 3. Masked-language-model pretraining from scratch, on the training texts
+    mlm = run_mlm.main(mlm_argv)
+
+    # 4. Fine-tuning on classification, evaluation and test predictions
+    classification = run_classification.main(classification_argv)
 
     # 5. Report
     wall_time = time.perf_counter() - start

@@ -14,14 +14,19 @@ import sys
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import HfArgumentParser, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from ran_hf.data import check_columns, read_conll, read_records
+from argument_checks import parse_arguments
+from ran_hf.data import check_columns, read_conll, read_records, split_before_whitespace
 from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# The trainer reads texts in pieces of at most this many characters: it holds some 90 bytes per character of the
+# texts it is reading (a few hundred at once), and a 20 MB line read whole took 1.8 GB. Cut before whitespace, pieces
+# hold the words the whole texts hold.
+TRAINING_PIECE_CHARACTERS = 1 << 14
 
 
 @dataclass
@@ -30,7 +35,9 @@ class TokenizerArguments:
     output_dir: str = field(metadata={"help": "Folder to save the tokenizer to."})
     model: str = field(default="wordpiece", metadata={"help": "`wordpiece` (BERT-style) or `bpe` (byte-level)."})
     vocab_size: int = field(default=8000, metadata={"help": "Size of the vocabulary, special tokens included."})
-    min_frequency: int = field(default=2, metadata={"help": "Least frequent pair or piece still merged."})
+    min_frequency: int = field(
+        default=2, metadata={"at_least": 0, "help": "Least frequent pair or piece still merged."}
+    )
     lowercase: bool = field(default=True, metadata={"help": "WordPiece only: lower-case and strip accents."})
     text_column_name: str = field(default="text", metadata={"help": "Column with the text in jsonl / csv files."})
     conll: bool = field(default=False, metadata={"help": "Read the files as CoNLL: the words of the first column."})
@@ -42,9 +49,12 @@ class TokenizerArguments:
             "replaced by one of another vocabulary would read every text wrongly."
         },
     )
-    max_documents: int | None = field(default=None, metadata={"help": "Read at most this many documents per file."})
+    max_documents: int | None = field(
+        default=None, metadata={"at_least": 1, "help": "Read at most this many documents per file."}
+    )
     model_max_length: int | None = field(
-        default=None, metadata={"help": "Length the tokenizer reports; RAN has no limit, so leave it unset."}
+        default=None,
+        metadata={"at_least": 1, "help": "Length the tokenizer reports; RAN has no limit, so leave it unset."},
     )
 
     def __post_init__(self):
@@ -88,7 +98,8 @@ def build_tokenizer(args: TokenizerArguments, texts: list[str]) -> PreTrainedTok
             special_tokens=SPECIAL_TOKENS,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
-    backend.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    pieces = (piece for text in texts for piece in split_before_whitespace(text, TRAINING_PIECE_CHARACTERS))
+    backend.train_from_iterator(pieces, trainer=trainer)
     cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
     backend.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -128,7 +139,7 @@ def main(argv: list[str] | None = None) -> PreTrainedTokenizerFast:
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, stream=sys.stdout
     )
-    (args,) = HfArgumentParser(TokenizerArguments).parse_args_into_dataclasses(args=argv)
+    (args,) = parse_arguments(TokenizerArguments, argv)
     check_output_dir(args)
 
     texts = read_texts(args)

@@ -21,13 +21,13 @@ from pathlib import Path
 import datasets
 import torch
 import transformers
+from argument_checks import TRAINING_ARGUMENT_RANGES, check_ranges, parse_arguments  # noqa: F401 (scripts import it)
 from datasets import Dataset, DatasetDict, load_dataset
 from model_cards import write_model_card
 from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig,
     AutoTokenizer,
-    HfArgumentParser,
     PreTrainedTokenizerBase,
     Trainer,
     TrainerCallback,
@@ -114,10 +114,11 @@ class RANTrainingArguments(TrainingArguments):
     warmup_steps: float = field(
         default=0.1,
         metadata={
+            "at_least": 0,
             "help": "Linear warmup from 0 to --learning_rate: a number of steps, or a fraction in [0, 1) of all steps "
             "(default 0.1; Transformers' default is 0). Trained at the full rate from the first step, a RAN's cell "
             "write and memory review can lock onto what they happen to pick first, and its memory then never "
-            "learns (docs/memory.md, cause 7)."
+            "learns (docs/memory.md, cause 7).",
         },
     )
 
@@ -133,16 +134,16 @@ class RANTrainingArguments(TrainingArguments):
     max_nonfinite_steps: int = field(
         default=3,
         metadata={
+            "at_least": 1,
             "help": "Stop the run, before anything more is saved or pushed, when this many optimizer steps in a row "
             "had a NaN or infinite loss or gradient norm (a step that fp16's loss scaler skipped does not count: "
-            "the scaler recovers from those). A diverged run does not recover; its weights soon are NaN too."
+            "the scaler recovers from those). A diverged run does not recover; its weights soon are NaN too.",
         },
     )
 
     def __post_init__(self):
         super().__post_init__()
-        if self.max_nonfinite_steps < 1:
-            raise ValueError(f"--max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}.")
+        check_ranges(self, TRAINING_ARGUMENT_RANGES)
 
 
 @dataclass
@@ -190,8 +191,10 @@ class ModelArguments:
             "and saved with the adapter. 0: no LoRA."
         },
     )
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling: the update is (alpha / r) B A."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the input of the LoRA adapters."})
+    lora_alpha: int = field(default=16, metadata={"above": 0, "help": "LoRA scaling: the update is (alpha / r) B A."})
+    lora_dropout: float = field(
+        default=0.0, metadata={"at_least": 0, "below": 1, "help": "Dropout on the input of the LoRA adapters."}
+    )
     lora_target_modules: list[str] = field(
         default_factory=lambda: list(RAN_LORA_TARGET_MODULES),
         metadata={
@@ -225,8 +228,10 @@ class ModelArguments:
         if self.lora_r < 0:
             raise ValueError(f"--lora_r must be 0 (no LoRA) or a positive rank, got {self.lora_r}.")
         if self.lora_r > 0 and self.model_name_or_path is None:
-            raise ValueError("--lora_r adapts a trained model: pass --model_name_or_path (a model from scratch has "
-                             "random weights for the adapters to adapt, and they would not be saved).")
+            raise ValueError(
+                "--lora_r adapts a trained model: pass --model_name_or_path (a model from scratch has "
+                "random weights for the adapters to adapt, and they would not be saved)."
+            )
         if self.sentence_transformers_pooling is not None:
             if self.sentence_transformers_pooling not in SENTENCE_POOLINGS:
                 raise ValueError(
@@ -241,15 +246,6 @@ class ModelArguments:
 
 
 # ---- arguments, logging and distributed settings ----------------------------------------------------------------
-
-
-def parse_arguments(dataclass_types, argv: list[str] | None = None):
-    """Command-line flags, or a single `.json` file holding them, into the given dataclasses."""
-    parser = HfArgumentParser(dataclass_types)
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
 
 
 def setup_logging(training_args: transformers.TrainingArguments, script_logger: logging.Logger) -> None:
@@ -612,15 +608,21 @@ def cut_for_tokenizer(tokenizer: PreTrainedTokenizerBase, texts: list[str], max_
     """
     from_left = tokenizer.truncation_side == "left"
     needed = max_length + 16
+    # Text without whitespace (a 50 MB run of one "word") gives few tokens however much of it is read (WordPiece: one
+    # [UNK]), and read whole it took 3.3 GB and 150 s: parts grow to at most 256 characters a token kept.
+    longest = 256 * needed
     cut_texts = []
     for text in texts:
         characters = 16 * needed
         while len(text) > characters:
             part = cut_at_whitespace(text, characters, from_left)
-            if len(tokenizer(part, add_special_tokens=False, return_attention_mask=False)["input_ids"]) >= needed:
+            if (
+                characters >= longest
+                or len(tokenizer(part, add_special_tokens=False, return_attention_mask=False)["input_ids"]) >= needed
+            ):
                 text = part
                 break
-            characters *= 4
+            characters = min(4 * characters, longest)
         cut_texts.append(text)
     return cut_texts
 

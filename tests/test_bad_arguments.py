@@ -5,11 +5,24 @@
 - inputs that used to cost memory in proportion to their longest line, now read in pieces.
 """
 
+import random
+import sys
+
+import evaluate_perplexity
+import lm_data
 import pytest
+import run_classification
+import run_clm
+import run_mlm
+import run_ner
+import run_pipeline
 import torch
+import train_tokenizer
+from training_utils import cut_for_tokenizer
 from transformers import DynamicCache
 
 from ran_hf import RANCache, RANConfig, RANForCausalLM
+from ran_hf.data import split_before_whitespace
 
 
 def tiny_causal_lm(**overrides) -> RANForCausalLM:
@@ -97,3 +110,257 @@ def test_a_valid_change_runs_and_a_fix_is_seen(tokens):
     model.config.window_size = 4  # a valid value: the model runs with windows of 4
     with torch.no_grad():
         assert model(tokens).logits.shape == (2, 13, 50)
+
+
+# ---- script flags out of range: refused when parsed, naming the flag ------------------------------------------------
+
+NO_FILE = "not-read.txt"  # the flags are refused before any file is opened
+SCRATCH = ["--tokenizer_name", "not-read", "--do_train"]
+
+
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        # Transformers' own training flags, unchecked there (a zero batch or step divided by zero or looped)
+        (run_clm, ["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be at least 1, got 0"),
+        (run_clm, ["--gradient_accumulation_steps", "0"], r"--gradient_accumulation_steps must be at least 1, got 0"),
+        (run_clm, ["--learning_rate", "-1"], r"--learning_rate must be more than 0, got -1"),
+        (run_clm, ["--learning_rate", "nan"], r"--learning_rate must be a finite number, got nan"),
+        (run_clm, ["--adam_beta1", "1.5"], r"--adam_beta1 must be at least 0 and less than 1, got 1.5"),
+        (run_clm, ["--save_steps", "0"], r"--save_steps must be more than 0, got 0"),
+        (run_clm, ["--seed", "-1"], r"--seed must be at least 0 and less than 4294967296, got -1"),
+        (run_clm, ["--max_nonfinite_steps", "0"], r"--max_nonfinite_steps must be at least 1, got 0"),
+        # the scripts' own
+        (run_clm, ["--block_size", "1"], r"--block_size must be at least 2, got 1"),
+        (run_clm, ["--preprocessing_num_workers", "0"], r"--preprocessing_num_workers must be at least 1, got 0"),
+        (run_mlm, ["--mlm_probability", "0"], r"--mlm_probability must be more than 0 and less than 1, got 0"),
+        (run_mlm, ["--pad_to_multiple_of", "0"], r"--pad_to_multiple_of must be at least 1, got 0"),
+        (run_classification, ["--max_seq_length", "0"], r"--max_seq_length must be at least 1, got 0"),
+        (run_classification, ["--multi_label_threshold", "1.5"], r"--multi_label_threshold must be more than 0 and"),
+        (run_ner, ["--preprocessing_num_workers", "-2"], r"--preprocessing_num_workers must be at least 1, got -2"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else None,
+)
+def test_training_script_flags_out_of_range(script, argv, message, tmp_path):
+    flags = SCRATCH + ["--train_file", NO_FILE, "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(ValueError, match=message):
+        script.main(flags + argv)
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_flags_out_of_range(tmp_path):
+    base = [
+        "--model_name_or_path",
+        "not-read",
+        "--train_file",
+        NO_FILE,
+        "--output_dir",
+        str(tmp_path),
+        "--lora_r",
+        "4",
+    ]
+    with pytest.raises(ValueError, match=r"--lora_dropout must be at least 0 and less than 1, got 1.0"):
+        run_classification.main([*base, "--lora_dropout", "1.0"])
+    with pytest.raises(ValueError, match=r"--lora_alpha must be more than 0, got 0"):
+        run_classification.main([*base, "--lora_alpha", "0"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--min_frequency", "-1"], r"--min_frequency must be at least 0, got -1"),
+        (["--max_documents", "0"], r"--max_documents must be at least 1, got 0"),
+        (["--model_max_length", "0"], r"--model_max_length must be at least 1, got 0"),
+    ],
+)
+def test_tokenizer_flags_out_of_range(argv, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        train_tokenizer.main(["--train_files", NO_FILE, "--output_dir", str(tmp_path / "tok"), *argv])
+    assert not (tmp_path / "tok").exists()
+
+
+def test_perplexity_chunk_length_out_of_range():
+    with pytest.raises(ValueError, match=r"--chunk_length must be at least 2, got 1"):
+        evaluate_perplexity.main(["--model_name_or_path", "not-read", "--text_file", NO_FILE, "--chunk_length", "1"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num_queries", "0"], r"--num_queries must be at least 1, got 0"),
+        (["--max_seq_length", "1"], r"--max_seq_length must be at least 2, got 1"),
+        (["--per_device_train_batch_size", "0"], r"--per_device_train_batch_size must be at least 1, got 0"),
+    ],
+)
+def test_embedding_flags_out_of_range(argv, message, tmp_path):
+    pytest.importorskip("sentence_transformers")
+    import train_embeddings
+
+    files = ["--train_file", NO_FILE, "--test_file", NO_FILE, "--tokenizer_name", "not-read"]
+    with pytest.raises(ValueError, match=message):
+        train_embeddings.main([*files, "--output_dir", str(tmp_path / "out"), *argv])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch_size", "0"], r"--batch_size must be at least 1, got 0"),
+        (["--dropout", "nan"], r"--dropout must be a finite number, got nan"),
+        (["--dropout", "1"], r"--dropout must be at least 0 and less than 1, got 1.0"),
+        (["--window_size", "1"], r"--window_size must be at least 2, got 1"),
+        (["--mlm_epochs", "0"], r"--mlm_epochs must be more than 0, got 0.0"),
+        (["--vocab_size", "5"], r"--vocab_size must be at least 6, got 5"),
+        (["--num_attention_heads", "3"], r"--hidden_size \(64\) must be a multiple of --num_attention_heads \(3\)"),
+        (["--hidden_size", "12", "--num_attention_heads", "4"], r"give no valid model: `head_dim` must be even"),
+        (["--synthetic_documents", "600,0,150"], r"--synthetic_documents must be three positive counts"),
+        (["--train_file", NO_FILE], rf"--train_file {NO_FILE} does not exist"),
+        # a flag only the fine-tuning step reads: refused before the tokenizer is trained and the MLM pretrained
+        (["--learning_rate", "-0.1"], r"--learning_rate must be more than 0, got -0.1"),
+    ],
+)
+def test_pipeline_checks_every_flag_before_its_first_step(argv, message, tmp_path):
+    """`run_pipeline.py` used to find these only after training the tokenizer and pretraining the model."""
+    with pytest.raises(ValueError, match=message):
+        run_pipeline.main(["--output_dir", str(tmp_path / "pipeline"), *argv])
+    assert not (tmp_path / "pipeline").exists()  # no data written, no tokenizer trained
+
+
+def test_pipeline_checks_its_steps_flags_before_its_first_step(tmp_path, monkeypatch):
+    """A flag the pipeline passes on, refused by a later step's own parser, stops it before the first step."""
+    real_parse = run_pipeline.parse_arguments
+    seen = []
+
+    def parse_and_refuse_fine_tuning(types, argv):
+        seen.append(argv)
+        if "--model_name_or_path" in argv:
+            raise ValueError("refused by the fine-tuning step")
+        return real_parse(types, argv)
+
+    monkeypatch.setattr(run_pipeline, "parse_arguments", parse_and_refuse_fine_tuning)
+    with pytest.raises(ValueError, match="refused by the fine-tuning step"):
+        run_pipeline.main(["--output_dir", str(tmp_path / "pipeline")])
+    assert not (tmp_path / "pipeline").exists()
+    assert len(seen) == 3  # the pipeline's, the MLM step's, the fine-tuning step's
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch_size", "0"], "argument --batch_size: must be at least 1, got 0"),
+        (["--tolerance", "nan"], "argument --tolerance: must be a finite number, got nan"),
+        (["--opset_version", "0"], "argument --opset_version: must be at least 1, got 0"),
+        (["--batch_size", "two"], "argument --batch_size: invalid int value: 'two'"),
+    ],
+)
+def test_export_flags_out_of_range(argv, message, tmp_path, capsys):
+    import export_onnx
+
+    with pytest.raises(SystemExit):
+        export_onnx.main(["--model_dir", str(tmp_path), "--output", str(tmp_path / "model.onnx"), *argv])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--window_size", "8"], "argument --window_size: must be more than 8, got 8"),
+        (["--vocab_size", "5"], "argument --vocab_size: must be more than 5, got 5"),
+    ],
+)
+def test_quickstart_flags_out_of_range(argv, message, monkeypatch, capsys):
+    import quickstart
+
+    monkeypatch.setattr(sys, "argv", ["quickstart.py", *argv])
+    with pytest.raises(SystemExit):
+        quickstart.main()
+    assert message in capsys.readouterr().err
+
+
+# ---- bounded memory: long lines read in pieces ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """A WordPiece and a byte-level BPE tokenizer, trained on a few lines."""
+    lines = [f"the {word} reads long documents , window by window ; it's {index} times" for index, word in
+             enumerate(["model", "network", "reader", "cell", "memory"] * 20)]  # fmt: skip
+    built = {}
+    for kind in ("wordpiece", "bpe"):
+        arguments = train_tokenizer.TokenizerArguments(train_files=[], output_dir="", model=kind, vocab_size=300)
+        built[kind] = train_tokenizer.build_tokenizer(arguments, lines)
+    return built
+
+
+def long_line(characters: int) -> str:
+    words = ["the", "model", "reads", "documents,", "window", "by", "window;", "it's", "42", "times", "  "]
+    rng = random.Random(0)
+    text = " ".join(rng.choice(words) for _ in range(characters // 4))
+    return text[:characters].strip()
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe"])
+def test_a_long_line_tokenized_in_pieces_gives_the_whole_lines_tokens(tokenizers, kind, monkeypatch):
+    tokenizer = tokenizers[kind]
+    text = long_line(300_000)
+    read = []
+    real_call = type(tokenizer).__call__
+
+    def counting_call(self, texts, *args, **kwargs):
+        read.append(sum(map(len, texts)) if isinstance(texts, list) else len(texts))
+        return real_call(self, texts, *args, **kwargs)
+
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(type(tokenizer), "__call__", counting_call)
+    (pieces,) = lm_data.token_ids(tokenizer, [text])
+    assert pieces.tolist() == whole
+    assert max(read[1:]) <= lm_data.CALL_CHARACTERS < len(text)  # read[0]: the special-token probe, if any
+    (wrapped,) = lm_data.token_ids(tokenizer, [text], special_tokens=True)
+    monkeypatch.undo()
+    assert wrapped.tolist() == tokenizer(text)["input_ids"]
+
+
+def test_pieces_are_cut_before_whitespace_and_bounded():
+    text = long_line(200_000) + " " + "x" * 70_000  # a run longer than a piece, without whitespace
+    pieces = split_before_whitespace(text, characters=1 << 14)
+    assert "".join(pieces) == text
+    assert max(map(len, pieces)) <= 1 << 14
+    assert all(piece[0].isspace() for piece in pieces[1:] if not piece.startswith("x"))
+
+
+def test_a_document_without_whitespace_is_cut_before_tokenizing(tokenizers, monkeypatch):
+    """A 50 MB document without whitespace took 3.3 GB and 150 s to keep 256 tokens: it was tokenized whole."""
+    tokenizer = tokenizers["wordpiece"]
+    text = "abcdefghij" * 500_000  # 5 MB, one "word"
+    longest = []
+    real_call = type(tokenizer).__call__
+
+    def measuring_call(self, texts, *args, **kwargs):
+        longest.append(max(map(len, texts)) if isinstance(texts, list) else len(texts))
+        return real_call(self, texts, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", measuring_call)
+    (cut,) = cut_for_tokenizer(tokenizer, [text], max_length=256)
+    assert len(cut) <= 256 * (256 + 16) < len(text)
+    assert max(longest) <= len(cut)
+    monkeypatch.undo()
+    assert tokenizer(cut, truncation=True, max_length=256)["input_ids"] == tokenizer(text[:100_000])["input_ids"]
+
+
+def test_the_tokenizer_trainer_reads_a_long_line_in_pieces(monkeypatch, tmp_path):
+    """The trainer held a 20 MB line read whole at 1.8 GB; it now reads pieces of TRAINING_PIECE_CHARACTERS."""
+    text = long_line(100_000)
+    read = []
+    real_train = train_tokenizer.Tokenizer.train_from_iterator
+
+    def recording_train(self, iterator, *args, **kwargs):
+        pieces = list(iterator)
+        read.extend(pieces)
+        return real_train(self, pieces, *args, **kwargs)
+
+    monkeypatch.setattr(train_tokenizer.Tokenizer, "train_from_iterator", recording_train)
+    (tmp_path / "line.txt").write_text(text + "\n", encoding="utf-8")
+    train_tokenizer.main(
+        ["--train_files", str(tmp_path / "line.txt"), "--vocab_size", "100", "--output_dir", str(tmp_path / "tok")]
+    )
+    assert "".join(read) == text and max(map(len, read)) <= train_tokenizer.TRAINING_PIECE_CHARACTERS

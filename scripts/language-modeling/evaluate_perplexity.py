@@ -32,16 +32,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import ran_hf  # noqa: F401  (registers RAN with the Auto classes)
 from ran_hf.data import read_lines
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
-from lm_data import end_of_text_id  # noqa: E402
+from argument_checks import parse_arguments  # noqa: E402
+from lm_data import end_of_text_id, token_ids  # noqa: E402
 from training_utils import check_tokenizer_matches_config  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ class PerplexityArguments:
     text_file: str = field(metadata={"help": "Text to score (.txt or .txt.gz), one line per paragraph."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's own."})
     mode: str = field(default="stream", metadata={"help": "`stream` (recurrent, whole text) or `chunks`."})
-    chunk_length: int = field(default=1024, metadata={"help": "Tokens fed per forward pass."})
+    chunk_length: int = field(default=1024, metadata={"at_least": 2, "help": "Tokens fed per forward pass."})
     max_tokens: int | None = field(default=None, metadata={"help": "Score only the first this many tokens."})
     output_file: str | None = field(default=None, metadata={"help": "Write the results here as JSON."})
     trust_remote_code: bool = field(
@@ -63,8 +65,6 @@ class PerplexityArguments:
     def __post_init__(self):
         if self.mode not in ("stream", "chunks"):
             raise ValueError(f"--mode must be `stream` or `chunks`, got {self.mode!r}.")
-        if self.chunk_length < 2:
-            raise ValueError(f"--chunk_length must be at least 2, got {self.chunk_length}.")
         if self.max_tokens is not None and self.max_tokens < 2:  # the first token is never scored
             raise ValueError(f"--max_tokens must be at least 2 (leave it out to score all), got {self.max_tokens}.")
 
@@ -75,10 +75,9 @@ def read_stream(path: str, tokenizer) -> tuple[torch.Tensor, int]:
     lines = [line.strip() for line in read_lines(path) if line.strip()]  # bytes that are not UTF-8: file and line
     if not lines:
         raise ValueError(f"{path} holds no text.")
-    encoded = tokenizer(lines, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    ids = [token for line_ids in encoded for token in [*line_ids, end_id]]
+    ids = np.concatenate([np.append(line_ids, end_id) for line_ids in token_ids(tokenizer, lines)])  # in pieces
     num_words = sum(len(line.split()) + 1 for line in lines)
-    return torch.tensor([ids]), num_words
+    return torch.from_numpy(ids.astype(np.int64))[None], num_words
 
 
 @torch.no_grad()
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, stream=sys.stdout
     )
-    (args,) = HfArgumentParser(PerplexityArguments).parse_args_into_dataclasses(args=argv)
+    (args,) = parse_arguments(PerplexityArguments, argv)
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or args.model_name_or_path)
     config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)

@@ -14,6 +14,8 @@ from transformers import PreTrainedTokenizerBase
 
 from training_utils import ModelArguments, load_splits
 
+from ran_hf.data import split_before_whitespace
+
 logger = logging.getLogger(__name__)
 
 
@@ -46,10 +48,54 @@ def load_text_datasets(model_args: ModelArguments, data_args) -> DatasetDict:
     return kept
 
 
-def group_into_blocks(examples: dict[str, list[list]], block_size: int) -> dict[str, list[list]]:
+# Long texts are tokenized in pieces (`ran_hf.data.split_before_whitespace`), and at most CALL_CHARACTERS characters
+# of them go to the tokenizer in one call: a fast tokenizer holds some 150 bytes per character of what it reads at once.
+CALL_CHARACTERS = 1 << 18
+
+
+def token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], special_tokens: bool = False) -> list[np.ndarray]:
+    """The token ids of each text (int32), its special tokens around it with `special_tokens`, read in pieces
+    (`split_before_whitespace`) so that memory follows the piece size, not the longest text."""
+    pieces, owners = [], []
+    for index, text in enumerate(texts):
+        for piece in split_before_whitespace(text):
+            pieces.append(piece)
+            owners.append(index)
+    parts = [[] for _ in texts]
+    start = 0
+    while start < len(pieces):
+        end, size = start + 1, len(pieces[start])
+        while end < len(pieces) and size + len(pieces[end]) <= CALL_CHARACTERS:
+            size += len(pieces[end])
+            end += 1
+        encoded = tokenizer(pieces[start:end], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        for owner, ids in zip(owners[start:end], encoded):
+            parts[owner].append(np.asarray(ids, dtype=np.int32))
+        start = end
+    before, after = special_tokens_around(tokenizer) if special_tokens else ([], [])
+    return [np.concatenate([np.asarray(before, np.int32), *owned, np.asarray(after, np.int32)]) for owned in parts]
+
+
+def special_tokens_around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The special tokens `tokenizer(text)` puts before and after a text's own tokens ([CLS] and [SEP], say)."""
+    probe = "end of text"
+    bare = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    wrapped = tokenizer(probe)["input_ids"]
+    for start in range(len(wrapped) - len(bare) + 1):
+        if wrapped[start : start + len(bare)] == bare:
+            return wrapped[:start], wrapped[start + len(bare) :]
+    raise ValueError(
+        f"The tokenizer ({type(tokenizer).__name__}) changes a text's tokens when it adds special tokens."
+    )
+
+
+def group_into_blocks(examples: dict[str, list], block_size: int) -> dict[str, list[np.ndarray]]:
     """Concatenate tokenized documents and cut the stream into blocks of `block_size` (the last may be shorter:
-    RAN needs no fixed length and the collator pads it)."""
-    concatenated = {key: [item for row in values for item in row] for key, values in examples.items()}
+    RAN needs no fixed length and the collator pads it). Rows are read and written as int32 arrays (map over a
+    dataset `with_format("numpy")`): as Python lists, a long document's tokens would take 36 bytes each."""
+    concatenated = {
+        key: np.concatenate([np.asarray(row, dtype=np.int32) for row in values]) for key, values in examples.items()
+    }
     total = len(next(iter(concatenated.values())))
     return {
         key: [values[start : start + block_size] for start in range(0, total, block_size)]

@@ -22,7 +22,6 @@ end-of-text token its EOS, and `config.json` and `generation_config.json` carry 
 so `generate()` and `pipeline("text-generation")` stop at the end of a text.
 """
 
-import itertools
 import logging
 import math
 import sys
@@ -41,6 +40,7 @@ from lm_data import (  # noqa: E402
     interleave_streams,
     load_text_datasets,
     prepare_for_generation,
+    token_ids,
 )
 from training_utils import (  # noqa: E402
     ModelArguments,
@@ -79,7 +79,11 @@ class DataTrainingArguments:
         default=5, metadata={"help": "Percentage of training documents held out when there is no validation split."}
     )
     block_size: int = field(
-        default=1024, metadata={"help": "Tokens per training example (per chunk of a stream with --stream_training)."}
+        default=1024,
+        metadata={
+            "at_least": 2,
+            "help": "Tokens per training example (per chunk of a stream with --stream_training).",
+        },
     )
     stream_training: bool = field(
         default=False,
@@ -88,15 +92,15 @@ class DataTrainingArguments:
             "chunk to chunk and truncating backpropagation at chunk boundaries. Single process only."
         },
     )
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"at_least": 1, "help": "Processes for tokenization."}
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training blocks."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many validation blocks."})
 
     def __post_init__(self):
         if self.dataset_name is None and self.train_file is None and self.validation_file is None:
             raise ValueError("Give --dataset_name or --train_file / --validation_file.")
-        if self.block_size < 2:
-            raise ValueError(f"--block_size must be at least 2, got {self.block_size}.")
         check_data_limits(self)
 
 
@@ -142,9 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     prepare_for_generation(model, tokenizer)
 
     # Preprocessing
-    def tokenize(examples):
-        encoded = tokenizer(examples["text"], add_special_tokens=False, return_attention_mask=False)
-        return {"input_ids": [ids + [end_id] for ids in encoded["input_ids"]]}
+    def tokenize(examples):  # in pieces: a long line costs the memory of a piece, not of the line
+        return {"input_ids": [np.append(ids, end_id) for ids in token_ids(tokenizer, examples["text"])]}
 
     with training_args.main_process_first(desc="tokenization"):
         tokenized = raw_datasets.map(
@@ -154,17 +157,21 @@ def main(argv: list[str] | None = None) -> dict:
             remove_columns=["text"],
             desc="Tokenizing",
         )
-        lm_datasets = tokenized.map(
-            group_into_blocks,
-            batched=True,
-            fn_kwargs={"block_size": data_args.block_size},
-            num_proc=data_args.preprocessing_num_workers,
-            desc=f"Grouping into blocks of {data_args.block_size}",
+        lm_datasets = (
+            tokenized.with_format("numpy")
+            .map(
+                group_into_blocks,
+                batched=True,
+                fn_kwargs={"block_size": data_args.block_size},
+                num_proc=data_args.preprocessing_num_workers,
+                desc=f"Grouping into blocks of {data_args.block_size}",
+            )
+            .with_format(None)
         )
     train_dataset = eval_dataset = None
     if training_args.do_train and data_args.stream_training:
         num_streams = training_args.per_device_train_batch_size
-        stream = np.fromiter(itertools.chain.from_iterable(tokenized["train"]["input_ids"]), dtype=np.int64)
+        stream = np.concatenate(list(tokenized["train"].with_format("numpy")["input_ids"])).astype(np.int64)
         train_dataset = interleave_streams(stream, num_streams, data_args.block_size)
         if data_args.max_train_samples is not None:  # whole batches: every stream stops at the same chunk
             kept = min(len(train_dataset), data_args.max_train_samples) // num_streams * num_streams

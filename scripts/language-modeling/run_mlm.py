@@ -30,7 +30,7 @@ from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
-from lm_data import group_into_blocks, load_text_datasets  # noqa: E402
+from lm_data import group_into_blocks, load_text_datasets, token_ids  # noqa: E402
 from training_utils import (  # noqa: E402
     ModelArguments,
     ParameterChecksumCallback,
@@ -68,25 +68,23 @@ class DataTrainingArguments:
     validation_split_percentage: int = field(
         default=5, metadata={"help": "Percentage of training documents held out when there is no validation split."}
     )
-    max_seq_length: int = field(default=1024, metadata={"help": "Tokens per training example (block)."})
+    max_seq_length: int = field(default=1024, metadata={"at_least": 2, "help": "Tokens per training example (block)."})
     line_by_line: bool = field(
         default=False, metadata={"help": "One document per example (truncated to max_seq_length), no concatenation."}
     )
-    mlm_probability: float = field(default=0.15, metadata={"help": "Share of tokens to mask."})
+    mlm_probability: float = field(default=0.15, metadata={"above": 0, "below": 1, "help": "Share of tokens to mask."})
     pad_to_multiple_of: int | None = field(
-        default=None, metadata={"help": "Pad batches to a multiple of this length."}
+        default=None, metadata={"at_least": 1, "help": "Pad batches to a multiple of this length."}
     )
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"at_least": 1, "help": "Processes for tokenization."}
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training examples."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many validation examples."})
 
     def __post_init__(self):
         if self.dataset_name is None and self.train_file is None and self.validation_file is None:
             raise ValueError("Give --dataset_name or --train_file / --validation_file.")
-        if not 0.0 < self.mlm_probability < 1.0:
-            raise ValueError(f"--mlm_probability must be in (0, 1), got {self.mlm_probability}.")
-        if self.max_seq_length < 2:
-            raise ValueError(f"--max_seq_length must be at least 2, got {self.max_seq_length}.")
         check_data_limits(self)
 
 
@@ -119,14 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
     # Preprocessing
     def tokenize(examples):
         texts = examples["text"]
-        if data_args.line_by_line:  # truncated: cut long documents first, to tokenize only what is kept
-            texts = cut_for_tokenizer(tokenizer, texts, data_args.max_seq_length)
-        return tokenizer(
-            texts,
-            truncation=data_args.line_by_line,
-            max_length=data_args.max_seq_length if data_args.line_by_line else None,
-            return_attention_mask=False,
-        )
+        if not data_args.line_by_line:  # in pieces: a long line costs the memory of a piece, not of the line
+            return {"input_ids": token_ids(tokenizer, texts, special_tokens=True)}
+        # truncated: cut long documents first, to tokenize only what is kept
+        texts = cut_for_tokenizer(tokenizer, texts, data_args.max_seq_length)
+        return tokenizer(texts, truncation=True, max_length=data_args.max_seq_length, return_attention_mask=False)
 
     with training_args.main_process_first(desc="tokenization"):
         tokenized = raw_datasets.map(
@@ -137,12 +132,16 @@ def main(argv: list[str] | None = None) -> dict:
             desc="Tokenizing",
         )
         if not data_args.line_by_line:
-            tokenized = tokenized.map(
-                group_into_blocks,
-                batched=True,
-                fn_kwargs={"block_size": data_args.max_seq_length},
-                num_proc=data_args.preprocessing_num_workers,
-                desc=f"Grouping into blocks of {data_args.max_seq_length}",
+            tokenized = (
+                tokenized.with_format("numpy")
+                .map(
+                    group_into_blocks,
+                    batched=True,
+                    fn_kwargs={"block_size": data_args.max_seq_length},
+                    num_proc=data_args.preprocessing_num_workers,
+                    desc=f"Grouping into blocks of {data_args.max_seq_length}",
+                )
+                .with_format(None)
             )
     train_dataset = eval_dataset = None
     if training_args.do_train:

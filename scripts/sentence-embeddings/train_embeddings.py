@@ -41,7 +41,7 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from sentence_transformers.sentence_transformer.modules import Pooling
-from transformers import AutoTokenizer, BertConfig, BertModel, HfArgumentParser, set_seed
+from transformers import AutoTokenizer, BertConfig, BertModel, set_seed
 
 from ran_hf import RANConfig, RANModel
 from ran_hf.data import read_records
@@ -49,7 +49,9 @@ from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_fol
 from ran_hf.sentence_embeddings import SENTENCE_POOLINGS, ran_sentence_transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the machine line of the benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the flags' ranges
 
+from argument_checks import TRAINING_ARGUMENT_RANGES, check_ranges, parse_arguments  # noqa: E402
 from benchmark_utils import machine_info, machine_line  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -76,8 +78,12 @@ class ModelArguments:
         metadata={"help": f"RAN pooling choices to train, each from the same start: {', '.join(SENTENCE_POOLINGS)}."},
     )
     baseline: bool = field(default=True, metadata={"help": "Also train the BERT-512 baseline (from scratch)."})
-    baseline_max_length: int = field(default=512, metadata={"help": "The baseline reads at most this many tokens."})
-    max_seq_length: int = field(default=4096, metadata={"help": "RAN reads at most this many tokens per document."})
+    baseline_max_length: int = field(
+        default=512, metadata={"at_least": 2, "help": "The baseline reads at most this many tokens."}
+    )
+    max_seq_length: int = field(
+        default=4096, metadata={"at_least": 2, "help": "RAN reads at most this many tokens per document."}
+    )
 
     def __post_init__(self):
         if self.tokenizer_name is None and self.model_name_or_path is None:
@@ -97,9 +103,13 @@ class DataTrainingArguments:
         default=True,
         metadata={"help": "Drop everything up to the first blank line (20 Newsgroups' From/Subject/... headers)."},
     )
-    num_train_pairs: int = field(default=2000, metadata={"help": "Training pairs (documents sharing a label)."})
-    num_queries: int = field(default=200, metadata={"help": "Held-out documents used as queries."})
-    num_corpus: int = field(default=1000, metadata={"help": "Other held-out documents forming the corpus."})
+    num_train_pairs: int = field(
+        default=2000, metadata={"at_least": 1, "help": "Training pairs (documents sharing a label)."}
+    )
+    num_queries: int = field(default=200, metadata={"at_least": 1, "help": "Held-out documents used as queries."})
+    num_corpus: int = field(
+        default=1000, metadata={"at_least": 1, "help": "Other held-out documents forming the corpus."}
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Run into an --output_dir that holds a previous run: its models and results are replaced."},
@@ -311,10 +321,11 @@ def check_output_dir(output_dir: Path, model_args: ModelArguments, data_args: Da
 
 @releases_folder_locks
 def main(argv: list[str] | None = None) -> dict:
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, SentenceTransformerTrainingArguments))
-    if argv is None:
-        argv = sys.argv[1:]
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    argv = sys.argv[1:] if argv is None else argv
+    model_args, data_args, training_args = parse_arguments(
+        (ModelArguments, DataTrainingArguments, SentenceTransformerTrainingArguments), argv
+    )
+    check_ranges(training_args, TRAINING_ARGUMENT_RANGES)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
     set_seed(training_args.seed)

@@ -73,12 +73,18 @@ class DataTrainingArguments:
     label_column_name: str = field(default="label", metadata={"help": "Column with the label, or list of labels."})
     max_seq_length: int = field(
         default=4096,
-        metadata={"help": "Documents are truncated to this many tokens. RAN's memory grows linearly with length."},
+        metadata={
+            "at_least": 1,
+            "help": "Documents are truncated to this many tokens. RAN's memory grows linearly with length.",
+        },
     )
     multi_label_threshold: float = field(
-        default=0.5, metadata={"help": "Multi-label: a class is predicted when its sigmoid reaches this."}
+        default=0.5,
+        metadata={"above": 0, "below": 1, "help": "Multi-label: a class is predicted when its sigmoid reaches this."},
     )
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"at_least": 1, "help": "Processes for tokenization."}
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training documents."})
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N validation documents."}
@@ -88,8 +94,6 @@ class DataTrainingArguments:
     def __post_init__(self):
         if self.dataset_name is None and not (self.train_file or self.validation_file or self.test_file):
             raise ValueError("Give --dataset_name or --train_file / --validation_file / --test_file.")
-        if self.max_seq_length < 1:
-            raise ValueError(f"--max_seq_length must be positive, got {self.max_seq_length}.")
         check_data_limits(self)
 
     @property

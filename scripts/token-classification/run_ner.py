@@ -83,7 +83,9 @@ class DataTrainingArguments:
     return_entity_level_metrics: bool = field(
         default=False, metadata={"help": "Also report precision, recall and F1 of every entity type."}
     )
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"at_least": 1, "help": "Processes for tokenization."}
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training sentences."})
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N validation sentences."}
