@@ -35,7 +35,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
-from .cache_ran import RANCache, RANCacheLayer
+from .cache_ran import RANCache, RANCacheLayer, check_cache
 from .cell_scan import ALL_SCAN_FUNCTIONS
 from .building_blocks import (
     RANGatedLinearUnit,
@@ -1252,7 +1252,10 @@ def validate_ran_inputs(
     device; none under `torch.compile` / `torch.export`. Returns (batch_size, sequence_length) and the checks.
     """
     shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
-    config._validate_salient_cells()  # a field that may be set on a trained model, after its config was checked
+    if torch.compiler.is_compiling():
+        config._validate_salient_cells()  # what compiled code checks; an eager forward checks every field
+    else:
+        config.validate_if_changed()  # fields set on a built model (`model.config.window_size = 0`) checked again
     if attention_mask is not None and tuple(attention_mask.shape) not in (
         shape,
         (shape[0], past_positions + shape[1]),
@@ -1440,6 +1443,7 @@ class RANModel(RANPreTrainedModel):
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
+        check_cache(past_key_values, self.config)
         if self.gradient_checkpointing and self.training and use_cache and past_key_values is None:
             # A checkpointed layer runs twice; the second run would update a fresh cache again.
             logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
