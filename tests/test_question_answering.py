@@ -148,8 +148,10 @@ def marker_document(words: list[str], marker: str, at: int, length: int, rng: ra
 
 
 def test_the_pipeline_answers_from_a_document_of_thousands_of_tokens(make_config, wordpiece_tokenizer, tmp_path):
-    """A tiny model trained on short documents to point at a marker word finds it through a saved folder's pipeline
-    in a document of 4,000 words (over 4,000 tokens, one forward pass), near the document's end."""
+    """A tiny model trained on short documents to point at a marker word finds it through a saved folder's pipeline;
+    in a document of 4,000 words (over 4,000 tokens, one forward pass) the pipeline returns exactly the span the
+    model's own logits score best, at the right characters (whether 30 steps generalise to 4,000 words is the
+    model's business, not the pipeline's)."""
     tokenizer = wordpiece_tokenizer
     marker, *words = single_token_words(tokenizer, 200, seed=0)
     torch.manual_seed(0)
@@ -169,19 +171,35 @@ def test_the_pipeline_answers_from_a_document_of_thousands_of_tokens(make_config
         optimizer.zero_grad()
     model.eval().save_pretrained(tmp_path / "qa")
     tokenizer.save_pretrained(tmp_path / "qa")
-
     answer_finder = pipeline("extractive-question-answering", model=str(tmp_path / "qa"))
-    context, start = marker_document(words, marker, 3_900, 4_000, random.Random(1))
-    assert len(answer_finder.tokenizer(MARKER_QUESTION, context)["input_ids"]) > 4_000
-    result = answer_finder(question=MARKER_QUESTION, context=context)
-    assert result["answer"] == marker == context[result["start"] : result["end"]]
-    assert result["start"] == start
-    assert 0 < result["score"] <= 1
 
+    found = 0
+    for seed in range(5):  # documents like the training ones: the trained model points at the marker
+        context, start = marker_document(words, marker, random.Random(seed).randrange(40), 40, random.Random(seed))
+        result = answer_finder(question=MARKER_QUESTION, context=context)
+        found += result["answer"] == marker and result["start"] == start
+    assert found >= 4
+
+    context, _ = marker_document(words, marker, 3_900, 4_000, random.Random(1))
+    encoded = tokenizer(MARKER_QUESTION, context, return_tensors="pt", return_offsets_mapping=True)
+    offsets = encoded.pop("offset_mapping")[0]
+    assert encoded["input_ids"].shape[1] > 4_000
+    with torch.no_grad():
+        logits = answer_finder.model(**encoded)
+    in_context = torch.tensor([sequence == 1 for sequence in encoded.sequence_ids(0)])
+    start_probs, end_probs = (
+        scores[0].masked_fill(~in_context, -torch.inf).softmax(-1)
+        for scores in (logits.start_logits, logits.end_logits)
+    )
+    spans = torch.triu(start_probs[:, None] * end_probs[None, :]).tril(4)  # start <= end, at most 5 tokens
+    best = int(spans.argmax())
+    first, last = divmod(best, spans.shape[1])
     top = answer_finder(question=MARKER_QUESTION, context=context, top_k=3, max_answer_len=5)
-    assert len(top) == 3 and top[0]["answer"] == marker
+    assert len(top) == 3 and top[0]["start"] == int(offsets[first][0]) and top[0]["end"] == int(offsets[last][1])
+    assert top[0]["score"] == pytest.approx(spans.max().item(), rel=1e-4)
     assert [answer["score"] for answer in top] == sorted((answer["score"] for answer in top), reverse=True)
     for answer in top:
+        assert 0 < answer["score"] <= 1
         assert answer["answer"] == context[answer["start"] : answer["end"]]
         assert len(answer_finder.tokenizer(answer["answer"], add_special_tokens=False)["input_ids"]) <= 5
 
