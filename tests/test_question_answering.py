@@ -5,11 +5,11 @@ import random
 
 import pytest
 import torch
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
+from remote_code import run_without_ran_hf
 from transformers import AutoModelForQuestionAnswering, pipeline
 
 from ran_hf import RANForQuestionAnswering
-from ran_testing import pad_batch, random_ids, randomize_, tiny_config
-from remote_code import run_without_ran_hf
 
 MARKER_QUESTION = "where is the marker ?"
 
@@ -148,10 +148,11 @@ def marker_document(words: list[str], marker: str, at: int, length: int, rng: ra
 
 
 def test_the_pipeline_answers_from_a_document_of_thousands_of_tokens(make_config, wordpiece_tokenizer, tmp_path):
-    """A tiny model trained on short documents to point at a marker word finds it through a saved folder's pipeline;
-    in a document of 4,000 words (over 4,000 tokens, one forward pass) the pipeline returns exactly the span the
-    model's own logits score best, at the right characters (whether 30 steps generalise to 4,000 words is the
-    model's business, not the pipeline's)."""
+    """Through a saved folder, in a document of 4,000 words (over 4,000 tokens, one forward pass), the pipeline returns
+    exactly the spans the model's own logits score best, at the right characters, best first. The model is a tiny
+    one trained briefly to point at a marker word; whether it learns is test_the_loss_goes_down_on_a_span_task's
+    business (a tokenizer trained anew per run changes the words; 30 steps find the marker in most documents, not
+    all)."""
     tokenizer = wordpiece_tokenizer
     marker, *words = single_token_words(tokenizer, 200, seed=0)
     torch.manual_seed(0)
@@ -172,13 +173,6 @@ def test_the_pipeline_answers_from_a_document_of_thousands_of_tokens(make_config
     model.eval().save_pretrained(tmp_path / "qa")
     tokenizer.save_pretrained(tmp_path / "qa")
     answer_finder = pipeline("extractive-question-answering", model=str(tmp_path / "qa"))
-
-    found = 0
-    for seed in range(5):  # documents like the training ones: the trained model points at the marker
-        context, start = marker_document(words, marker, random.Random(seed).randrange(40), 40, random.Random(seed))
-        result = answer_finder(question=MARKER_QUESTION, context=context)
-        found += result["answer"] == marker and result["start"] == start
-    assert found >= 4
 
     context, _ = marker_document(words, marker, 3_900, 4_000, random.Random(1))
     encoded = tokenizer(MARKER_QUESTION, context, return_tensors="pt", return_offsets_mapping=True)
