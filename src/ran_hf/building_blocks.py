@@ -2,14 +2,15 @@
 `RANLayerNorm`, langml's), unit vectors, the gated linear unit, the interleaved rotary embedding and the row
 gather every layout uses.
 
-On CUDA the normalisations and the rotary embedding run as one Triton kernel each way (`triton_norm.py`,
-`triton_rotary.py`; their `ENABLED` switches them off).
+On CUDA the normalisations, the gated linear unit and the rotary embedding run as one Triton kernel each way
+(`triton_norm.py`, `triton_glu.py`, `triton_rotary.py`; their `ENABLED` switches them off).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .triton_glu import triton_glu, triton_glu_applies
 from .triton_norm import TritonNorm, triton_norm_applies
 from .triton_rotary import triton_rotary_applies, triton_rotate_pairs
 
@@ -66,7 +67,10 @@ class RANGatedLinearUnit(nn.Module):
         self.proj = nn.Linear(hidden_size, 2 * hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        value, gate = self.proj(hidden_states).chunk(2, dim=-1)
+        projected = self.proj(hidden_states)  # (..., 2 D)
+        if triton_glu_applies(projected):  # one kernel each way instead of two and four ops
+            return triton_glu(projected)
+        value, gate = projected.chunk(2, dim=-1)
         return value * torch.sigmoid(gate)
 
 

@@ -1,0 +1,84 @@
+"""The Triton gated linear unit (triton_glu.py) equals RAN's PyTorch one (`RANGatedLinearUnit`): outputs and the
+gradients of the input, weight and bias, for row counts and widths that do and do not fill a program's block, float32
+and float16. On a CPU the kernels run in Triton's interpreter; on CUDA compiled, and `RANGatedLinearUnit` then uses
+them."""
+
+import pytest
+import torch
+
+from ran_hf import triton_glu
+from ran_hf.building_blocks import RANGatedLinearUnit
+from ran_hf.triton_scan import TRITON_AVAILABLE
+
+pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((3, 7, 24), id="3x7x24"),
+        pytest.param((40, 16), id="40x16-rows-fill-programs"),
+        pytest.param((1, 5), id="1x5-one-row"),
+        pytest.param((2, 3, triton_glu.BLOCK_COLUMNS + 3), id="columns-past-one-block"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_triton_glu_equals_the_pytorch_glu(shape, dtype, monkeypatch):
+    generator = torch.Generator().manual_seed(sum(shape))
+    glu = RANGatedLinearUnit(shape[-1])
+    with torch.no_grad():  # gates far from 0 too, where sigmoid saturates
+        glu.proj.weight.copy_(torch.randn(glu.proj.weight.shape, generator=generator))
+        glu.proj.bias.copy_(torch.randn(glu.proj.bias.shape, generator=generator))
+    glu = glu.to(DEVICE, dtype)
+    x = torch.randn(shape, generator=generator).to(DEVICE, dtype)
+    probe = torch.randn(shape, generator=generator).to(DEVICE, dtype)
+
+    def run(use_triton):  # the module's own dispatch, told where the kernel applies (on a CPU: nowhere)
+        monkeypatch.setattr("ran_hf.building_blocks.triton_glu_applies", lambda projected: use_triton)
+        leaf = x.clone().requires_grad_()
+        glu.zero_grad()
+        out = glu(leaf)
+        (out.float() * probe.float()).sum().backward()
+        return out.detach(), [leaf.grad, glu.proj.weight.grad, glu.proj.bias.grad]
+
+    expected, expected_grads = run(False)
+    actual, actual_grads = run(True)
+    assert actual.dtype == expected.dtype == dtype and actual.shape == expected.shape
+    # float16: the PyTorch ops round the sigmoid before the product, the kernel rounds once (2 ulp = 4e-3 apart)
+    atol, rtol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-3, 4e-3)
+    assert torch.allclose(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    for got, want in zip(actual_grads, expected_grads):
+        assert got.dtype == want.dtype
+        assert torch.allclose(got.float(), want.float(), atol=atol * max(1.0, want.abs().max().item()), rtol=rtol)
+
+
+def test_triton_glu_refuses_an_odd_width():
+    with pytest.raises(ValueError, match="even width"):
+        triton_glu.triton_glu(torch.randn(3, 5, device=DEVICE))
+
+
+def test_the_triton_glu_runs_on_cuda_unless_switched_off(monkeypatch):
+    """On CUDA (and the meta device, which stands in for it) by default; never on the CPU; off when switched off;
+    on meta it is one op each way in place of the PyTorch ops."""
+    meta = torch.empty(2, 3, 16, device="meta")
+    assert triton_glu.triton_glu_applies(meta)
+    assert not triton_glu.triton_glu_applies(torch.empty(2, 3, 16))
+    with torch.device("meta"):
+        glu = RANGatedLinearUnit(8)
+        x = torch.empty(2, 3, 8, requires_grad=True)
+    seen = []
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        out = glu(x)
+        out.sum().backward()
+    assert out.shape == (2, 3, 8) and x.grad.shape == x.shape
+    assert seen.count("ran_hf::glu_forward") == seen.count("ran_hf::glu_backward") == 1
+    assert "aten::sigmoid" not in seen and "aten::sigmoid_backward" not in seen
+    monkeypatch.setattr(triton_glu, "ENABLED", False)
+    assert not triton_glu.triton_glu_applies(meta)
