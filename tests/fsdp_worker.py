@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ran_hf import RANConfig, RANForCausalLM, RANForMaskedLM, RANForSequenceClassification
-from ran_hf.modeling_ran import RANLayer
+from ran_hf.ran_layer import RANLayer
 
 HEADS = {
     "masked-lm": RANForMaskedLM,

@@ -12,7 +12,7 @@ from ran_hf import (
     RANForSequenceClassification,
     RANForTokenClassification,
     RANModel,
-    modeling_ran,
+    ran_model,
 )
 from ran_hf.cell_scan import ALL_SCAN_FUNCTIONS, RANScanInterface, reference_cell_scan
 
@@ -83,8 +83,8 @@ def test_memory_review_weights_read_only_the_cells_a_token_may_read(make_config,
 def test_sdpa_returns_memory_weights_and_warns_about_window_weights(make_config, caplog):
     model = RANModel._from_config(make_config(), attn_implementation="sdpa").eval()
     ids, mask = batch()
-    modeling_ran.logger.warning_once.cache_clear()  # a warning given once per process may have been given already
-    with caplog.at_level(logging.WARNING, logger="ran_hf.modeling_ran"):
+    ran_model.logger.warning_once.cache_clear()  # a warning given once per process may have been given already
+    with caplog.at_level(logging.WARNING, logger="ran_hf.ran_model"):
         outputs = model(ids, attention_mask=mask, output_attentions=True)
     assert outputs.attentions is None
     assert len(outputs.memory_attentions) == model.config.num_hidden_layers

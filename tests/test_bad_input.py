@@ -16,7 +16,7 @@ from ran_hf import (
     RANForSequenceClassification,
     RANForTokenClassification,
     RANModel,
-    modeling_ran,
+    ran_model,
 )
 
 HEADS = [
@@ -235,7 +235,7 @@ def test_a_labelled_forward_validates_its_inputs_once(make_config, input_ids, he
     """Heads check their labels' shape themselves and leave the inputs' values to one check in `RANModel`."""
     model_class, overrides = head
     model = model_class(make_config(**overrides)).eval()
-    with mock.patch.object(modeling_ran, "validate_ran_inputs", wraps=modeling_ran.validate_ran_inputs) as validate:
+    with mock.patch.object(ran_model, "validate_ran_inputs", wraps=ran_model.validate_ran_inputs) as validate:
         model(input_ids=input_ids, labels=labels)
     assert validate.call_count == 1
 

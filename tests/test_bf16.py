@@ -15,7 +15,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from ran_hf import RANForCausalLM, RANModel
-from ran_hf.modeling_ran import RANLayerNorm
+from ran_hf.building_blocks import RANLayerNorm
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmarks"))

@@ -12,9 +12,9 @@ import pytest
 import torch
 from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
 
-from ran_hf import RANForCausalLM, RANModel, modeling_ran
+from ran_hf import RANForCausalLM, RANModel, memory_review
 from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
-from ran_hf.modeling_ran import RANMemoryReview
+from ran_hf.memory_review import RANMemoryReview
 
 TOLERANCE = 1e-5
 WHOLE = 10**9  # a chunk longer than any test sequence: the unchunked review
@@ -107,7 +107,7 @@ def test_recomputed_chunks_reuse_their_dropout(overrides, monkeypatch):
 
     recomputed, recomputed_gradients = gradients()
     # The same chunks, kept whole for the backward pass instead of recomputed: the same RNG draws, in order.
-    monkeypatch.setattr(modeling_ran, "checkpoint", lambda function, *args, **kwargs: function(*args))
+    monkeypatch.setattr(memory_review, "checkpoint", lambda function, *args, **kwargs: function(*args))
     kept, kept_gradients = gradients()
     assert_close(recomputed.last_hidden_state, kept.last_hidden_state, "token states")
     for name, gradient in kept_gradients.items():

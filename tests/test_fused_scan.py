@@ -11,8 +11,9 @@ from transformers.utils import logging as transformers_logging
 
 from ran_hf import RANCache, RANForCausalLM, RANModel
 from ran_hf.cell_scan import fused_cell_scan, fused_scan_unsupported, reference_cell_scan
-from ran_hf import building_blocks, modeling_ran
-from ran_hf.modeling_ran import RANLayer, RANWindowLayout
+from ran_hf import building_blocks, ran_layer
+from ran_hf.ran_layer import RANLayer
+from ran_hf.window_layout import RANWindowLayout
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
 TOLERANCE = 1e-5
@@ -130,7 +131,7 @@ def test_fused_scan_equals_the_reference_in_float64(overrides, lengths, past_len
         centred = states - states.mean(-1, keepdim=True)
         return centred * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
 
-    monkeypatch.setattr(modeling_ran, "standard_normalize", standard_normalize)
+    monkeypatch.setattr(ran_layer, "standard_normalize", standard_normalize)
     monkeypatch.setattr(building_blocks, "standard_normalize", standard_normalize)
     layer, inputs, layout = layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float64)
     assert_scans_agree(layer, inputs, layout, 1e-10)

@@ -11,7 +11,7 @@ from lm_data import interleave_streams
 from test_scripts import QUIET, from_scratch, tokenizer_dir, topic_files  # noqa: F401 (fixtures)
 
 from ran_hf import RANForCausalLM
-from ran_hf.modeling_ran import RANMemoryReview
+from ran_hf.memory_review import RANMemoryReview
 
 
 def test_streams_are_interleaved_so_each_row_continues_itself():

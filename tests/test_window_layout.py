@@ -3,7 +3,7 @@
 import torch
 
 from ran_hf import RANConfig
-from ran_hf.modeling_ran import RANWindowLayout
+from ran_hf.window_layout import RANWindowLayout
 
 
 def layout_of(lengths, padded_length, past_lengths=None, **config_fields):

@@ -29,7 +29,8 @@ from benchmark_utils import machine_info, machine_line
 
 from ran_hf import RANConfig
 from ran_hf.cell_scan import ALL_SCAN_FUNCTIONS
-from ran_hf.modeling_ran import RANLayer, RANWindowLayout
+from ran_hf.ran_layer import RANLayer
+from ran_hf.window_layout import RANWindowLayout
 
 # (name, hidden size, heads, window, lengths of the sequences in the batch)
 CASES = [

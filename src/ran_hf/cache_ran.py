@@ -82,6 +82,34 @@ class RANCacheLayer:
     def is_initialized(self) -> bool:
         return self.cell is not None
 
+    def update_cell(self, cells, raw_cells, finished_here: torch.Tensor, start: tuple) -> None:
+        """Keep the cell after each row's last window finished in this pass (`finished_here` (B,) of the pass's
+        (N, B, D) `cells`), and its raw cell; a row that finished none keeps the `start` (cell, raw cell) it read."""
+        last = (finished_here - 1).clamp(min=0)
+        rows = torch.arange(last.shape[0], device=last.device)
+        has_finished = (finished_here > 0)[:, None]
+        self.cell = torch.where(has_finished, cells[last, rows], start[0]) if cells.numel() else start[0]
+        self.previous_raw_cell = (
+            torch.where(has_finished, raw_cells[last, rows], start[1]) if raw_cells.numel() else start[1]
+        )
+
+    def update_cell_states(self, cell_states: torch.Tensor) -> None:
+        self.cell_states = cell_states
+
+    def update_salient(self, cell_states: torch.Tensor, windows: torch.Tensor) -> None:
+        self.salient_cell_states, self.salient_windows = cell_states, windows
+
+    def update_tail(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.tail_keys, self.tail_values = keys, values
+
+    def update_last_token(self, last_token: torch.Tensor) -> None:
+        self.last_token = last_token
+
+    @property
+    def tail(self) -> torch.Tensor | None:
+        """(B, P, 2, H, d) the cached tail's keys and values, stacked as the layer's projections are."""
+        return None if self.tail_keys is None else torch.stack([self.tail_keys, self.tail_values], 2)
+
     def tensors(self) -> dict:
         names = (
             "cell", "previous_raw_cell", "cell_states", "salient_cell_states", "salient_windows", "last_token",

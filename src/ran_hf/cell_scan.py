@@ -24,14 +24,15 @@ from transformers.utils.generic import GeneralInterface
 
 from .building_blocks import RANLayerNorm, gather_rows
 from .fused_scan import FusedCellScan, ScanPlan, window_maxima
-from .scan_op import cell_scan_op
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
+from .scan_op import cell_scan_op
 from .triton_scan import BUILD_FAILURES, KERNEL_BUILD_ERRORS, TRITON_KERNELS, triton_scan_unsupported
+from .window_layout import RANWindowLayout
 
 logger = logging.get_logger(__name__)
 
 
-def step_major(keys: torch.Tensor, values: torch.Tensor, layout: "RANWindowLayout"):
+def step_major(keys: torch.Tensor, values: torch.Tensor, layout: RANWindowLayout):
     """The window slots each scan step reads, (N, B, H, S, d) keys and values and their (N, B, S) mask.
 
     A sequence that has run out of windows reads its first one with every slot masked (its results are never
@@ -46,12 +47,12 @@ def step_major(keys: torch.Tensor, values: torch.Tensor, layout: "RANWindowLayou
 
 
 def reference_cell_scan(
-    layer: "RANLayer",
+    layer: nn.Module,  # a RANLayer
     cell: torch.Tensor,
     previous_raw: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    layout: "RANWindowLayout",
+    layout: RANWindowLayout,
 ):
     """Window by window, the cell attends over itself and its window's tokens, then is updated (paper eq. 5-7).
 
@@ -166,12 +167,12 @@ def exportable_cell_scan(layer, cell, previous_raw, keys, values, layout):
 
 
 def fused_cell_scan(
-    layer: "RANLayer",
+    layer: nn.Module,  # a RANLayer
     cell: torch.Tensor,
     previous_raw: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    layout: "RANWindowLayout",
+    layout: RANWindowLayout,
     kernels=None,
 ):
     """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py).
@@ -187,12 +188,12 @@ def fused_cell_scan(
 
 
 def triton_cell_scan(
-    layer: "RANLayer",
+    layer: nn.Module,  # a RANLayer
     cell: torch.Tensor,
     previous_raw: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    layout: "RANWindowLayout",
+    layout: RANWindowLayout,
 ):
     """`reference_cell_scan`'s results from Triton kernels, three launches per window each way (triton_scan.py).
 
@@ -213,12 +214,12 @@ def triton_cell_scan(
 
 
 def auto_cell_scan(
-    layer: "RANLayer",
+    layer: nn.Module,  # a RANLayer
     cell: torch.Tensor,
     previous_raw: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    layout: "RANWindowLayout",
+    layout: RANWindowLayout,
 ):
     """The default: the Triton scan on a CUDA device where Triton is installed, the reference scan elsewhere (on a
     CPU the reference is as fast as any other for a whole model, and it is the one the tests are written from)."""
@@ -337,3 +338,13 @@ class RANScanInterface(GeneralInterface):
 
 
 ALL_SCAN_FUNCTIONS = RANScanInterface()
+
+
+def scan_function(name: str):
+    """The cell scan registered under `name` in `ALL_SCAN_FUNCTIONS`."""
+    if name not in ALL_SCAN_FUNCTIONS:
+        raise ValueError(
+            f"`config.scan_implementation` is {name!r}, which is not a registered cell scan; registered: "
+            f"{sorted(ALL_SCAN_FUNCTIONS)}. Add one with `ran_hf.cell_scan.RANScanInterface.register(name, function)`."
+        )
+    return ALL_SCAN_FUNCTIONS[name]

@@ -16,13 +16,9 @@ from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_ran import RANConfig
-from .modeling_ran import (
-    RANCausalLMOutputWithPast,
-    RANLanguageModelBase,
-    check_token_labels,
-    input_batch_shape,
-    scored_token_loss,
-)
+from .input_checks import check_token_labels, input_batch_shape, scored_token_loss
+from .modeling_ran import RANLanguageModelBase
+from .outputs_ran import RANCausalLMOutputWithPast
 
 logger = logging.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """RAN's normalisation as one Triton kernel forward and one backward (on CUDA, where Triton is installed).
 
-`standard_normalize` and `RANLayerNorm` (modeling_ran.py) are seven to nine PyTorch ops forward and more backward,
+`standard_normalize` and `RANLayerNorm` (building_blocks.py) are seven to nine PyTorch ops forward and more backward,
 each a kernel that reads and writes every token state; there are five or six of them per layer. Here the forward
 is one kernel per block of rows: y = weight * (x - mean(x)) / sqrt(mean(x^2) + eps) + bias, in float32 whatever x
 is. The backward is one kernel that writes the input's gradient and, per block of rows, partial sums of the weight's

@@ -1,0 +1,118 @@
+"""A causal layer's memory bookkeeping: which cells a pass can review (cached ones first), which of them each token
+may read, the salient older cells a bounded memory keeps in reach, and what the cache keeps for the next pass.
+
+The memory review itself (memory_review.py) only sees ranges: each token reads cells [first, limit) of its row,
+plus, with `memory_salient_cells`, the salient ones its window's row of a table allows.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cache_ran import RANCacheLayer
+from .configuration_ran import RANConfig
+from .memory_review import salient_cells
+from .window_layout import RANWindowLayout
+
+# (..., 2 D) cell keys and values -> (...) each cell's learned prior (`RANMemoryReview.cell_salience`)
+Salience = Callable[[torch.Tensor], torch.Tensor]
+
+
+def reviewable_cells(cells: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None, bounded: bool):
+    """(B, C, 2 D) memory-review keys and values of every sequence's cells, cached ones first, and (B,) the window
+    number of each row's cell 0: cell c of row b is that of window `first_cell[b] + c`.
+
+    `cells` (B, N, 2 D) are this pass's cells, projected: with a cache, a decoding step costs the same at any
+    context length. A cache holds every finished window's cell, or with a `bounded` memory (`memory_review_cells=M`)
+    the last M at most (right-aligned: the last cached cell of every row is that of its last finished window).
+    """
+    first_cell = torch.zeros_like(layout.first_window)
+    if cache is None or cache.cell_states is None:
+        return cells, first_cell
+    cached = cache.cell_states
+    if bounded:
+        first_cell = layout.first_window - cached.shape[1]
+        room = layout.num_steps
+    else:
+        room = max(0, layout.cell_capacity - cached.shape[1])
+    # The packed windows are exactly this pass's cells: window k is cell `window_number[k]` of its sequence.
+    sequence, number = layout.window_sequence, layout.window_number
+    slots = (sequence, layout.first_window[sequence] - first_cell[sequence] + number)
+    # Out of place: inductor (torch 2.13, CPU) miscompiled the in-place writes into a zeros buffer when decoding
+    # with two or more layers, giving a layer the cells of the next one.
+    room = cells.new_zeros(layout.batch_size, room, cells.shape[-1])
+    return torch.cat([cached, room], dim=1).index_put(slots, cells[sequence, number]), first_cell
+
+
+def salient_pool(cells: torch.Tensor, first_cell: torch.Tensor, cache: RANCacheLayer | None):
+    """With `memory_salient_cells`: the cells a salient one is chosen from, as (B, S, 2 D) cached salient cells
+    (none without a cache) to append to `cells`, and (B, C + S) the window of each of `cells` and of them."""
+    windows = first_cell[:, None] + torch.arange(cells.shape[1], device=cells.device)  # (B, C)
+    if cache is None or cache.salient_cell_states is None:
+        return cells[:, :0], windows
+    return cache.salient_cell_states, torch.cat([windows, cache.salient_windows], dim=1)
+
+
+def chosen_salient(salience: Salience, config: RANConfig, all_cells, windows, reading_windows) -> torch.Tensor:
+    """(B, R, C) which of `all_cells` (written by `windows`) each of the `reading_windows` keeps as salient."""
+    return salient_cells(
+        salience(all_cells), windows, reading_windows, config.memory_review_cells, config.memory_salient_cells
+    )
+
+
+def causal_reading(config: RANConfig, salience: Salience, cells, first_cell, initial_cell, layout, pool=None):
+    """What each token of a causal layer reads: a token in window w reads the cells of windows 0 .. w - 1 (w - M ..
+    w - 1 with `memory_review_cells=M`, then the `memory_salient_cells` most salient older ones), and with
+    `review_initial_cell` the layer's starting cell before them.
+
+    `initial_cell` (B, 2 D) is the starting cell's key and value; `pool` comes from `salient_pool`. Returns the cells
+    (B, C', 2 D) to review, (B, L) each token's limit and first readable cell (None: from 0), and the salient table
+    and each token's row of it (None without salient cells).
+    """
+    readable_cells = layout.token_window - first_cell[:, None]  # (B, L)
+    first_readable, salient = None, None
+    if config.memory_review_cells is not None:
+        oldest = (layout.token_window - config.memory_review_cells).clamp(min=0)
+        first_readable = oldest - first_cell[:, None]
+    if pool is not None:  # cached salient cells go last, out of every token's range
+        cells = torch.cat([cells, pool[0]], dim=1)
+        reading = layout.first_window[:, None] + torch.arange(layout.num_steps, device=cells.device)  # (B, R)
+        rows = (layout.token_window - layout.first_window[:, None]).clamp(0, layout.num_steps - 1)
+        salient = chosen_salient(salience, config, cells, pool[1], reading), rows
+    if config.uses_review_initial_cell:
+        cells = torch.cat([initial_cell[:, None], cells], dim=1)  # (B, 1 + C, 2 D)
+        readable_cells = readable_cells + 1  # ... and the initial cell before them
+        first_readable = None if first_readable is None else first_readable + 1
+        salient = None if salient is None else (F.pad(salient[0], (1, 0)), salient[1])
+    return cells, readable_cells, first_readable, salient
+
+
+def remember(config: RANConfig, salience: Salience, cache: RANCacheLayer, layout: RANWindowLayout, cell_states,
+             first_cell, pool=None) -> None:  # fmt: skip
+    """Cache the cells memory review may read again: every finished window's, or the last `memory_review_cells`
+    (right-aligned) and, with `memory_salient_cells`, the salient older ones the next window reads."""
+    finished_windows = layout.finished_windows
+    if config.memory_review_cells is None:
+        kept = layout.most_finished_windows
+        finished = torch.arange(kept, device=cell_states.device)[None, :] < finished_windows[:, None]
+        cache.update_cell_states(cell_states[:, :kept] * finished[..., None])
+        return
+    bound = min(config.memory_review_cells, layout.most_finished_windows)
+    window = finished_windows[:, None] - bound + torch.arange(bound, device=cell_states.device)  # (B, M)
+    index = (window - first_cell[:, None]).clamp(min=0)[..., None].expand(-1, -1, cell_states.shape[-1])
+    cache.update_cell_states(cell_states.gather(1, index) * (window >= 0)[..., None])
+    if pool is None:
+        return
+    # The salient cells the next window reads beyond its range, oldest first; slots not yet filled hold zeros and
+    # window -1.
+    all_cells, windows = torch.cat([cell_states, pool[0]], dim=1), pool[1]
+    kept = config.memory_salient_cells
+    if all_cells.shape[1] < kept:
+        all_cells = F.pad(all_cells, (0, 0, 0, kept - all_cells.shape[1]))
+        windows = F.pad(windows, (0, kept - windows.shape[1]), value=-1)
+    keep = chosen_salient(salience, config, all_cells, windows, finished_windows[:, None])[:, 0]  # (B, C + S)
+    order = torch.where(keep, windows, torch.iinfo(windows.dtype).max).argsort(dim=-1, stable=True)[:, :kept]
+    valid = keep.gather(1, order)
+    chosen = all_cells.gather(1, order[..., None].expand(-1, -1, all_cells.shape[-1]))
+    cache.update_salient(chosen * valid[..., None], torch.where(valid, windows.gather(1, order), -1))

@@ -1,0 +1,350 @@
+"""Input and label checks of the RAN models, and the loss preludes the heads share.
+
+Shapes and dtypes are checked at once, before any work. Values (token ids in the vocabulary, finite embeddings, a
+0/1 mask, a head's label range) are gathered as `InputChecks`: tensors still on the device that the window layout
+reads with its own sizes, in the forward pass's one host synchronisation, before anything is embedded.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .configuration_ran import RANConfig
+
+
+def input_batch_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int) -> tuple:
+    """(batch_size, sequence_length) of the inputs, checking only what needs no look at their values."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+    if input_ids is not None:
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"`input_ids` must have shape (batch_size, sequence_length), got {tuple(input_ids.shape)}."
+            )
+        if input_ids.dtype not in (torch.long, torch.int):
+            # The embedding takes int64 / int32 only: name the dtype instead of failing inside it.
+            raise ValueError(f"`input_ids` must hold integer token ids (int64 or int32), got dtype {input_ids.dtype}.")
+        shape = tuple(input_ids.shape)
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
+            raise ValueError(
+                f"`inputs_embeds` must have shape (batch_size, sequence_length, {hidden_size}), "
+                f"got {tuple(inputs_embeds.shape)}."
+            )
+        shape = tuple(inputs_embeds.shape[:2])
+    if shape[0] == 0:
+        raise ValueError("Got a batch of 0 sequences: RAN needs at least one sequence.")
+    if shape[1] == 0:
+        raise ValueError("Got sequences of length 0: RAN needs at least one token per batch.")
+    return shape
+
+
+def check_exportable(past_key_values, use_cache) -> None:
+    """Refuse, naming the fix, the exports that cannot give a correct graph, before any tracing fails deep inside.
+
+    `torch.export` and ONNX's dynamo exporter trace a window layout whose sizes follow from the input's shape and
+    a cell scan that is one `scan` operator (ONNX `Scan`), so the graph takes any batch size and length.
+    """
+    if torch.onnx.is_in_onnx_export() and not torch.compiler.is_exporting():
+        raise NotImplementedError(
+            "The TorchScript-based ONNX exporter would record one fixed number of windows. Export a RAN with "
+            "`torch.onnx.export(..., dynamo=True)`, or `ran_hf.export_onnx(model, path)`."
+        )
+    if not torch.compiler.is_exporting():
+        return
+    if past_key_values is not None or use_cache:
+        raise NotImplementedError(
+            "An exported RAN reads whole texts: export a causal model with `use_cache=False` (a graph that carries the "
+            "recurrent cache from call to call is not supported)."
+        )
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "Export a RAN under `torch.no_grad()` (`ran_hf.export_onnx` does): with gradients enabled, ONNX's exporter "
+            "runs the cell scan's `scan` operator in its autograd form, which it cannot convert."
+        )
+
+
+class InputChecks(NamedTuple):
+    """The values of a forward's inputs (and a head's labels) to check, still on the device: the window layout
+    reads them with its sizes, in the forward's one host synchronisation, and `judge` then raises on a bad one."""
+
+    values: torch.Tensor  # (k,) long
+    judge: Callable[[list], None]
+
+
+def check_token_type_ids(token_type_ids, batch_shape: tuple, attention_mask, config: RANConfig, label_checks=None):
+    """A prefix LM's segments: shape and dtype now; whether every real token's type is 0 (source) or 1 (target),
+    the source first, is returned as `InputChecks` (joined with a head's `label_checks`) to be read with the
+    inputs' checks."""
+    if config.is_causal:
+        raise ValueError(
+            "`token_type_ids` mark the source (0) and target (1) of a prefix LM, whose source reads itself both ways; "
+            "a causal model (`is_causal=True`) reads every token causally: pass no `token_type_ids`."
+        )
+    if not torch.is_tensor(token_type_ids) or tuple(token_type_ids.shape) != batch_shape:
+        shape = tuple(token_type_ids.shape) if torch.is_tensor(token_type_ids) else type(token_type_ids)
+        raise ValueError(f"`token_type_ids` must have the inputs' shape {batch_shape}, got {shape}.")
+    if token_type_ids.is_floating_point() or token_type_ids.is_complex():
+        raise ValueError(
+            f"`token_type_ids` must hold integers (0 source, 1 target), got dtype {token_type_ids.dtype}."
+        )
+    types = token_type_ids.long()
+    real = torch.ones_like(types, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    real = real.to(types.device)
+    is_target = (types == 1) & real
+    unknown = (~is_target & (types != 0) & real).any()
+    source_after_target = (torch.cummax(is_target.long(), dim=-1).values.bool() & (types == 0) & real).any()
+
+    def judge(found: list) -> None:
+        if found[0]:
+            raise ValueError("`token_type_ids` holds a value other than 0 (source) and 1 (target) at a real token.")
+        if found[1]:
+            raise ValueError(
+                "`token_type_ids` puts a source token (0) after a target token (1): a prefix LM's text is its source, "
+                "then its target."
+            )
+        if label_checks is not None:
+            label_checks.judge(found[2:])
+
+    values = torch.stack([unknown, source_after_target]).long()
+    if label_checks is not None:
+        values = torch.cat([values, label_checks.values.to(values.device)])
+    return InputChecks(values, judge)
+
+
+def validate_ran_inputs(
+    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_checks=None
+) -> tuple[tuple[int, int], InputChecks | None]:
+    """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN.
+
+    Shapes are checked now. The values (token ids in the vocabulary, finite embeddings, a 0/1 mask, a head's label
+    range) are returned as `InputChecks`, which the window layout reads with its sizes before any other work on the
+    device; none under `torch.compile` / `torch.export`. Returns (batch_size, sequence_length) and the checks.
+    """
+    shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
+    if torch.compiler.is_compiling():
+        config._validate_salient_cells()  # what compiled code checks; an eager forward checks every field
+    else:
+        config.validate_if_changed()  # fields set on a built model (`model.config.window_size = 0`) checked again
+    if attention_mask is not None and tuple(attention_mask.shape) not in (
+        shape,
+        (shape[0], past_positions + shape[1]),
+    ):
+        raise ValueError(
+            f"`attention_mask` must have the shape of the inputs {shape}"
+            + (f" or of the whole text so far {(shape[0], past_positions + shape[1])}" if past_positions else "")
+            + f", got {tuple(attention_mask.shape)}."
+        )
+
+    if torch.compiler.is_compiling():
+        # Compiled or exported: a value check would read the device inside the graph (a break, or an export that
+        # fails on a data-dependent branch); the eager call of the same model checks them.
+        return shape, None
+    if input_ids is not None:
+        checks = [input_ids.min(), input_ids.max()]
+    else:
+        # One NaN spreads through the window attention and the cells to every later token of its sequence.
+        checks = [(~torch.isfinite(inputs_embeds)).any()]
+    not_binary = None
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        # Anything but 0/1 is read as "real token" where nonzero: an additive mask (0 / -10000) would be inverted.
+        not_binary = (attention_mask != 0) & (attention_mask != 1)
+        checks.append(not_binary.any().to(checks[0].device))
+    if label_checks is not None:  # a head's labels, read in the same synchronisation
+        checks.extend(label_checks.values.to(checks[0].device).unbind())
+
+    def judge(found: list) -> None:
+        if label_checks is not None:
+            own = len(found) - len(label_checks.values)
+            label_checks.judge(found[own:])
+            found = found[:own]
+        if input_ids is not None:
+            low, high = found[:2]
+            if low < 0 or high >= config.vocab_size:
+                raise ValueError(
+                    f"`input_ids` holds token id {low if low < 0 else high}, outside the vocabulary "
+                    f"[0, {config.vocab_size - 1}]."
+                )
+        elif found[0]:
+            raise ValueError("`inputs_embeds` holds NaN or infinite values.")
+        if not_binary is not None and found[-1]:
+            value = attention_mask[not_binary][0].item()
+            raise ValueError(
+                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got {value}. An additive mask "
+                "(0 for tokens, a large negative number for padding) must be turned into 0/1 first: `(mask == 0)`."
+            )
+
+    return shape, InputChecks(torch.stack([check.long() for check in checks]), judge)
+
+
+def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_positions: int) -> InputChecks | None:
+    """A starting cell's shape and dtype now, before any work; whether it is finite is returned as `InputChecks`,
+    read with the inputs' checks (none under `torch.compile` / `torch.export`)."""
+    if not torch.is_tensor(initial_cell):
+        raise ValueError(
+            f"`initial_cell` must be a tensor of shape (batch_size, hidden_size), got {type(initial_cell)}."
+        )
+    expected = (batch_shape[0], hidden_size)
+    if tuple(initial_cell.shape) != expected:
+        raise ValueError(
+            f"`initial_cell` must have shape (batch_size, hidden_size) = {expected}, one cell per sequence, got "
+            f"{tuple(initial_cell.shape)}."
+        )
+    if not initial_cell.is_floating_point():
+        raise ValueError(
+            f"`initial_cell` must hold floating-point values (a cell such as an earlier call's `last_cell`), got dtype "
+            f"{initial_cell.dtype}."
+        )
+    if past_positions:
+        raise ValueError(
+            f"`initial_cell` starts a text, but `past_key_values` already holds {past_positions} token(s) whose cells "
+            "continue it: pass `initial_cell` with the first call only."
+        )
+    if torch.compiler.is_compiling():
+        return None
+
+    def judge(found: list) -> None:
+        if found[0]:
+            raise ValueError("`initial_cell` holds NaN or infinite values.")
+
+    return InputChecks((~torch.isfinite(initial_cell)).any().long()[None], judge)
+
+
+def joined_checks(*checks: InputChecks | None) -> InputChecks | None:
+    """Several `InputChecks` read in one synchronisation; each judge sees its own values."""
+    checks = [check for check in checks if check is not None]
+    if len(checks) <= 1:
+        return checks[0] if checks else None
+    sizes = [len(check.values) for check in checks]
+
+    def judge(found: list) -> None:
+        start = 0
+        for check, size in zip(checks, sizes):
+            check.judge(found[start : start + size])
+            start += size
+
+    device = checks[0].values.device
+    return InputChecks(torch.cat([check.values.to(device) for check in checks]), judge)
+
+
+def ignore_padding(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Token labels at padding positions never count, whatever the caller put there."""
+    if attention_mask is None:
+        return labels
+    return labels.masked_fill(~attention_mask.bool().to(labels.device), -100)
+
+
+def loss_of_nothing(logits: torch.Tensor) -> torch.Tensor:
+    """The loss of a batch with no label to score (all -100, or only padding): 0 instead of the NaN a mean over no
+    element gives, still attached to the graph so that `backward()` runs."""
+    return logits.new_zeros(()) + logits.sum() * 0.0  # + 0.0: never a negative zero
+
+
+def scored_token_loss(loss_function, logits, labels, scored, **kwargs) -> torch.Tensor:
+    """A token head's loss without reading the device to find a batch with nothing to score: unless the caller
+    (Trainer) counts the items itself, `num_items_in_batch` is the number of scored labels, at least 1, so the loss
+    is the mean over scored tokens, and 0 with zero gradients where there are none (not the NaN of an empty mean)."""
+    if kwargs.get("num_items_in_batch") is None:
+        kwargs["num_items_in_batch"] = (scored != -100).sum().clamp(min=1)
+    return loss_function(logits, labels, **kwargs)
+
+
+def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: int, name: str) -> InputChecks:
+    """Shape and dtype now; the values' range is returned, to be read with the base model's input checks."""
+    if tuple(labels.shape) != batch_shape:
+        raise ValueError(f"`labels` must have shape {batch_shape} (one {name} per token), got {tuple(labels.shape)}.")
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(f"`labels` must hold integer {name}s, got dtype {labels.dtype}.")
+    scored = labels.masked_fill(labels == -100, 0)
+
+    def judge(found: list) -> None:
+        low, high = found
+        if low < 0 or high >= num_classes:
+            raise ValueError(
+                f"`labels` holds a {name} outside [0, {num_classes - 1}] (use -100 to ignore a position)."
+            )
+
+    return InputChecks(torch.stack([scored.min(), scored.max()]).long(), judge)
+
+
+def check_sequence_labels(labels: torch.Tensor, batch_size: int, attention_mask, config: RANConfig, found: dict):
+    """A sequence classifier's labels, for the configured (or inferred, as Transformers does) problem type: shapes and dtypes
+    now; their values returned as `InputChecks`, read with the inputs' (one host synchronisation), whose judge
+    raises on a bad one and fills `found`: whether every row has a token, whether every label is ignored."""
+    num_labels, problem_type = config.num_labels, config.problem_type
+    if problem_type is None:
+        if num_labels == 1:
+            problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem_type = "single_label_classification"
+        else:
+            problem_type = "multi_label_classification"
+    if labels.dim() == 0 or labels.shape[0] != batch_size:
+        raise ValueError(f"`labels` must have one row per example ({batch_size}), got shape {tuple(labels.shape)}.")
+    if problem_type == "single_label_classification":
+        if labels.is_floating_point() or labels.dim() != 1:
+            raise ValueError(
+                f"Single-label classification needs integer labels of shape ({batch_size},), got "
+                f"{labels.dtype} of shape {tuple(labels.shape)}."
+            )
+        scored = labels.masked_fill(labels == -100, 0)
+        ignored = labels == -100
+        if attention_mask is not None:  # rows of padding alone are left out of the loss as well
+            ignored = ignored | ~attention_mask.bool().any(-1).to(labels.device)
+        values = [scored.min(), scored.max(), ignored.all()]
+    elif problem_type == "multi_label_classification":
+        if tuple(labels.shape) != (batch_size, num_labels):
+            raise ValueError(
+                f"Multi-label classification needs labels of shape ({batch_size}, {num_labels}), "
+                f"got {tuple(labels.shape)}."
+            )
+        labels = labels.float()
+        outside = ~((labels >= 0) & (labels <= 1))  # NaN fails too
+        values = [outside.any()]
+    else:
+        if labels.numel() != batch_size * num_labels:
+            raise ValueError(
+                f"Regression needs {num_labels} target(s) per example, got labels of shape {tuple(labels.shape)}."
+            )
+        labels = labels.float()
+        values = [(~torch.isfinite(labels)).any()]
+    device = values[0].device
+    every_row = torch.ones((), dtype=torch.bool, device=device)
+    if attention_mask is not None:
+        every_row = attention_mask.bool().any(-1).all()
+    values.append(every_row)
+
+    def judge(read: list) -> None:
+        *checked, every_row_has_tokens = read
+        found.update(every_row_has_tokens=bool(every_row_has_tokens), nothing_scored=False)
+        if problem_type == "single_label_classification":
+            low, high, nothing_scored = checked
+            found["nothing_scored"] = bool(nothing_scored)
+            if low < 0 or high >= num_labels:
+                raise ValueError(f"`labels` holds a class outside [0, {num_labels - 1}].")
+        elif problem_type == "multi_label_classification" and checked[0]:
+            shown = labels[outside][0].item()  # read only on the way to the error
+            raise ValueError(
+                f"Multi-label classification needs targets in [0, 1] (1: the class applies), got {shown}."
+            )
+        elif problem_type == "regression" and checked[0]:
+            raise ValueError("Regression targets hold NaN or infinite values.")
+
+    return labels, InputChecks(torch.stack([value.long().to(device) for value in values]), judge)
+
+
+def answer_positions_on_text(positions: torch.Tensor, attention_mask, batch_size: int, length: int, name: str):
+    """Answer positions as Transformers' span loss reads them, with those on padding moved to `length`: like one past
+    the end of the input, an answer on padding is ignored (the loss clamps positions to [0, length], ignores length)."""
+    if positions.is_floating_point() or positions.dtype == torch.bool or positions.numel() != batch_size:
+        raise ValueError(
+            f"`{name}` must hold one integer token index per example ({batch_size}), got {positions.dtype} of "
+            f"shape {tuple(positions.shape)}."
+        )
+    positions = positions.reshape(batch_size).clamp(0, length)
+    if attention_mask is None:
+        return positions
+    on_text = F.pad(attention_mask.bool(), (0, 1)).to(positions.device).gather(1, positions[:, None]).squeeze(1)
+    return positions.masked_fill(~on_text, length)

@@ -1,0 +1,184 @@
+"""Memory review: every token attends over the cells its sequence's windows wrote (`RANMemoryReview`), and the
+choice of the salient older cells a bounded causal memory keeps in reach (`salient_cells`)."""
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers.activations import ACT2FN
+
+from .building_blocks import RANGatedLinearUnit, RANLayerNorm, unit_vectors
+from .configuration_ran import RANConfig
+
+
+def salient_cells(salience, windows, reading_windows, recent: int, kept: int) -> torch.Tensor:
+    """Which cells each reading window keeps beyond its recent ones (`memory_salient_cells`): (B, R, C) booleans.
+
+    salience (B, C) the cells' learned prior; windows (B, C) the window each cell was written by (-1: an empty slot);
+    reading_windows (B, R). Window w keeps, among the cells of windows before `w - recent`, the `kept` most salient.
+    Ties go to the older window: a total order, so that a cache holding only the past's salient cells keeps exactly
+    what one forward pass over the whole text does.
+    """
+    by_window = windows.argsort(dim=-1, stable=True)
+    order = by_window.gather(-1, salience.gather(-1, by_window).argsort(dim=-1, descending=True, stable=True))
+    ordered_windows = windows.gather(-1, order)[:, None, :]  # (B, 1, C), most salient first
+    older = (ordered_windows >= 0) & (ordered_windows < reading_windows[..., None] - recent)  # (B, R, C)
+    keep = older & (older.cumsum(-1) <= kept)
+    return torch.zeros_like(keep).scatter(-1, order[:, None, :].expand_as(keep), keep)
+
+
+class RANMemoryReview(nn.Module):
+    """Single-head attention of every token over the cells of its sequence's windows, with a gated residual.
+
+    Official layer: LayerNorm(review + GLU(query)). With `config.residual_stream`, the norm comes first and the
+    token states pass through: states + review + GLU(query), queries read from LayerNorm(states). With
+    `config.review_qk_norm`, a cell's score is the scaled cosine of the un-activated query and key projections;
+    without `config.memory_value_activation`, values and output projection are not activated.
+
+    Tokens are reviewed in chunks: their scores over the cells form a (tokens x windows) matrix, which for a whole
+    long document would grow with the square of its length.
+    """
+
+    # The most scores one chunk holds (batch x tokens x cells): 2^18, 1 MiB in float32. A chunk's working set then
+    # stays the same however many cells a document or a carried stream has accumulated: 1,024 tokens of one
+    # sequence against 256 cells, 67 against the 3,907 cells of a million-token document (windows of 256). With
+    # 2^20, stream training's peak grew by 6% until the stream held 256 cells (benchmark_memory.py). A class
+    # constant, not a config field: it trades speed for memory and never changes the outputs (beyond float
+    # rounding), so checkpoints need not carry it.
+    max_chunk_scores = 2**18
+    # On CUDA: a chunk's float32 scores take at most 1/64 of the device's memory (1.25 GB, 312M scores on an 80 GB
+    # card: 2 x 32K tokens against their 128 cells are one chunk); the softmax keeps a few such tensors at once.
+    device_memory_share = 64
+
+    def __init__(self, config: RANConfig):
+        super().__init__()
+        hidden_size = config.hidden_size
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.kv_proj = nn.Linear(hidden_size, 2 * hidden_size)
+        self.o_proj = nn.Linear(hidden_size, hidden_size)
+        self.glu = RANGatedLinearUnit(hidden_size)
+        self.norm = RANLayerNorm(hidden_size, config.layer_norm_eps)
+        self.act = ACT2FN[config.hidden_act]
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.attention_dropout = config.attention_probs_dropout_prob
+        self.residual_stream = config.uses_residual_stream
+        self.qk_norm = config.uses_review_qk_norm
+        self.value_act = self.act if config.uses_memory_value_activation else nn.Identity()
+        self.reads_initial_cell = config.uses_review_initial_cell  # cell 0 is the starting cell, always in reach
+        if config.uses_review_salience:  # a learned prior of every cell, `salience . key`; zero at initialisation
+            self.salience = nn.Parameter(torch.zeros(hidden_size))
+        # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
+        self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
+
+    def chunk_length(self, batch_size: int, num_cells: int, device: torch.device | None = None) -> int:
+        """Tokens per chunk, so that a chunk holds at most `max_chunk_scores` scores; on a CUDA device at most
+        1/`device_memory_share` of its memory in float32 scores (one chunk for every document that fits: each chunk
+        is a few dozen kernel launches, and a GPU's memory is there to be used)."""
+        budget = self.max_chunk_scores
+        if device is not None and device.type == "cuda":
+            memory = torch.cuda.get_device_properties(device).total_memory  # cached: no synchronisation
+            budget = max(budget, memory // (4 * self.device_memory_share))
+        return max(1, budget // max(1, batch_size * num_cells))
+
+    def project_cells(self, cells: torch.Tensor) -> torch.Tensor:
+        """(..., D) cells -> (..., 2 D) their keys and values; a cache keeps these, not the cells."""
+        key, value = self.kv_proj(cells).chunk(2, dim=-1)
+        key = unit_vectors(key) if self.qk_norm else self.act(key)
+        return torch.cat([key, self.value_act(value)], dim=-1)
+
+    def cell_salience(self, cell_states: torch.Tensor) -> torch.Tensor:
+        """(..., 2 D) cell keys and values from `project_cells` -> (...) their learned prior, what every token's score
+        of the cell includes (`config.review_salience`). In float32 even under autocast: its gradient sums over every
+        token and cell, and cancels; in bfloat16 it was 1.9% off (the rest of the model: at most 1.2%)."""
+        key = cell_states[..., : cell_states.shape[-1] // 2]
+        with nullcontext() if key.is_meta else torch.autocast(key.device.type, enabled=False):
+            return key.float() @ self.salience.float()
+
+    def forward(
+        self,
+        token_states: torch.Tensor,
+        cell_states: torch.Tensor,
+        readable_cells: torch.Tensor,
+        output_attentions: bool = False,
+        first_readable: torch.Tensor | None = None,
+        salient: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; readable_cells (B, L): each token
+        # reads cells [0, readable_cells), or [first_readable, readable_cells) with a bounded memory
+        # (`memory_review_cells`; the starting cell stays in reach). `salient`, with `memory_salient_cells`: a
+        # (B, R, C) table of the further cells each of R reading windows may read, and (B, L) each token's row of
+        # it. Returns the reviewed states (B, L, D) and, with `output_attentions`, the review weights (B, L, C),
+        # which then exist whole.
+        batch_size, length = token_states.shape[:2]
+        # Compiled: one chunk, so that a new length or number of cells needs no new graph (memory O(tokens x cells)).
+        num_cells = cell_states.shape[1]
+        chunk_size = (
+            length if torch.compiler.is_compiling() else self.chunk_length(batch_size, num_cells, token_states.device)
+        )
+        salient_table, salient_rows = (None, None) if salient is None else salient
+        if length <= chunk_size:
+            reviewed, weights = self.review_chunk(
+                token_states, cell_states, readable_cells, first_readable, salient_table, salient_rows
+            )
+            return reviewed, weights if output_attentions else None
+        # With several chunks, each one's backward recomputes it (same dropout mask: checkpoint restores the RNG
+        # state) so that training keeps (chunk x windows) probabilities for one chunk at a time, not for them all.
+        # The tokens are split, not sliced: the backward of a split is one concatenation, where each slice's would
+        # write a full-size zero gradient.
+        recompute = torch.is_grad_enabled()
+        num_chunks = -(-length // chunk_size)
+
+        def split(tensor):
+            return [None] * num_chunks if tensor is None else tensor.split(chunk_size, dim=1)
+
+        reviewed, weights = [], []
+        per_chunk = zip(*(split(tensor) for tensor in (token_states, readable_cells, first_readable, salient_rows)))
+        for tokens, readable, first, rows in per_chunk:
+            inputs = (tokens, cell_states, readable, first, salient_table, rows)
+            if recompute:
+                states, probs = checkpoint(self.review_chunk, *inputs, use_reentrant=False)
+            else:
+                states, probs = self.review_chunk(*inputs)
+            reviewed.append(states)
+            if output_attentions:  # kept only when asked for: all chunks' weights together are (tokens x cells)
+                weights.append(probs)
+        weights = torch.cat(weights, dim=1) if output_attentions else None
+        return torch.cat(reviewed, dim=1), weights
+
+    def review_chunk(self, token_states, cell_states, *readable) -> torch.Tensor:
+        if self.residual_stream:
+            review, probs = self.review(self.norm(token_states), cell_states, *readable)
+            return token_states + review, probs
+        review, probs = self.review(token_states, cell_states, *readable)
+        return self.norm(review), probs
+
+    def review(
+        self, token_states, cell_states, readable_cells, first_readable=None, salient_table=None, salient_rows=None
+    ):
+        projected = self.q_proj(token_states)  # (B, l, D)
+        query = self.act(projected)
+        key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
+        # Few keys (one per window) and many queries: plain matmuls beat fused attention kernels here, whose
+        # CPU backward is tuned for long key sequences.
+        scoring_query = unit_vectors(projected) if self.qk_norm else query
+        scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
+        if hasattr(self, "salience"):
+            scores = scores + self.cell_salience(cell_states)[:, None, :]  # float32 from here on
+        # A token that may read no cell (a causal first window, an all-padding row) gets no review; its row is
+        # unmasked only to keep the softmax finite, then zeroed.
+        readable = readable_cells[..., None] > 0  # (B, l, 1)
+        limit = torch.where(readable, readable_cells[..., None], key.shape[1])  # (B, l, 1)
+        cell_index = torch.arange(key.shape[1], device=key.device)
+        hidden = cell_index >= limit  # (B, l, C): cells the token may not read
+        if first_readable is not None:  # a bounded memory: older cells are out of reach
+            hidden = hidden | ((cell_index < first_readable[..., None]) & (cell_index >= int(self.reads_initial_cell)))
+        if salient_table is not None:  # ... but the salient ones among them are kept
+            index = salient_rows[..., None].expand(-1, -1, salient_table.shape[-1])
+            hidden = hidden & ~salient_table.gather(1, index)
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
+        review = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype) @ value  # (B, l, D)
+        review = self.dropout(self.value_act(self.o_proj(review)))
+        return review + self.glu(query), probs

@@ -1,0 +1,114 @@
+"""The RAN models' outputs: Transformers' output classes, plus the memory-review weights and the cells."""
+
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_outputs import (
+    CausalLMOutputWithPast,
+    MaskedLMOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.utils import ModelOutput
+
+from .cache_ran import RANCache
+
+
+@dataclass
+class RANModelOutput(ModelOutput):
+    """
+    Outputs of [`RANModel`].
+
+    Args:
+        last_hidden_state (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`):
+            Token states of the last layer; zeros at padding positions.
+        pooler_output (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            Document representation: the cell transform of the pooled cell plus the max-pooled token states
+            (`None` when the model was built with `add_pooling_layer=False`).
+        pooled_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`):
+            The last layer's cells pooled as `config.cell_pooling` says.
+        last_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`):
+            The cell after the last window of the last layer.
+        cells (`torch.FloatTensor` of shape `(batch_size, num_windows, hidden_size)`):
+            The raw cell written by every window of the last layer; zeros past a sequence's own windows.
+        cells_mask (`torch.BoolTensor` of shape `(batch_size, num_windows)`):
+            Which entries of `cells` belong to a real window.
+        hidden_states (`tuple(torch.FloatTensor)`, *optional*, returned when `output_hidden_states=True`):
+            The embedding output and the token states after every layer, each `(batch_size, sequence_length,
+            hidden_size)`.
+        attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's window attention weights, each `(batch_size, num_heads, sequence_length, 1 + window_slots)`:
+            what each token read in its window, the cell it reads first (index 0), then the window's slots (the
+            enrichment tokens, then its own tokens; zeros where a slot is empty, masked or in the future). Eager
+            attention only.
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, each `(batch_size, sequence_length, num_cells)`: how much each token
+            read of each window's cell. Causal models with `review_initial_cell` put the layer's starting cell at
+            index 0 (window w's cell at w + 1); a token reads only earlier windows' cells, and a token that may read
+            none (or padding) has all zeros. Any attention implementation.
+        past_key_values (`RANCache`, *optional*, returned when `use_cache=True`):
+            Causal models: the recurrent state after these tokens, to continue the text with.
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    pooler_output: torch.FloatTensor | None = None
+    pooled_cell: torch.FloatTensor | None = None
+    last_cell: torch.FloatTensor | None = None
+    cells: torch.FloatTensor | None = None
+    cells_mask: torch.BoolTensor | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+    past_key_values: RANCache | None = None
+
+
+@dataclass
+class RANMaskedLMOutput(MaskedLMOutput):
+    """
+    [`MaskedLMOutput`] with the memory-review weights.
+
+    Args:
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+    """
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class RANSequenceClassifierOutput(SequenceClassifierOutput):
+    """
+    [`SequenceClassifierOutput`] with the memory-review weights.
+
+    Args:
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+    """
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class RANTokenClassifierOutput(TokenClassifierOutput):
+    """
+    [`TokenClassifierOutput`] with the memory-review weights.
+
+    Args:
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+    """
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class RANCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """
+    [`CausalLMOutputWithPast`] with the memory-review weights.
+
+    Args:
+        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+    """
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None

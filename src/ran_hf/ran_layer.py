@@ -1,0 +1,282 @@
+"""The RAN layer (Li et al., ACL 2023), computed in three phases over all windows of a batch.
+
+A layer reads a sequence in windows. Each window attends over itself and a global perception cell; the cell written
+by window i is read by window i + 1, and at the end every token reviews the cells of all windows. `RANLayer.forward`
+reads as its phases: per-token projections for all windows at once, the cell scan (the one sequential step,
+cell_scan.py), and one batched attention call for the tokens of every window, then the memory review
+(memory_review.py; a causal layer's bookkeeping in causal_memory.py).
+
+Shapes: B batch, L padded length, T real tokens in the batch, K windows in the batch, N windows of the longest
+sequence, S slots of a window (enrichment tokens + the longest window), H heads, d head size, D hidden size.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .building_blocks import (
+    RANGatedLinearUnit,
+    RANLayerNorm,
+    apply_interleaved_rotary,
+    gather_rows,
+    standard_normalize,
+)
+from .cache_ran import RANCacheLayer
+from .causal_memory import causal_reading, remember, reviewable_cells, salient_pool
+from .cell_scan import scan_function
+from .configuration_ran import RANConfig
+from .memory_review import RANMemoryReview
+from .scan_dropout import drop
+from .window_layout import RANWindowLayout
+
+
+def eager_window_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """Softmax attention in plain matmuls, the one implementation that can return its weights.
+
+    query (K, H, Q, d), key and value (K, H, X, d), attention_mask additive (K, 1, Q or 1, X). Returns the output as
+    (K, Q, H, d), like every attention function of Transformers, and the weights (K, H, Q, X).
+    """
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling + attention_mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    attended = torch.matmul(F.dropout(weights, p=dropout, training=module.training), value)
+    return attended.transpose(1, 2).contiguous(), weights
+
+
+class RANLayer(GradientCheckpointingLayer):
+    """One RAN layer over all windows of a batch (bidirectional, or causal when `config.is_causal`)."""
+
+    def __init__(self, config: RANConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.residual_stream, self.cell_input_residual = config.uses_residual_stream, config.uses_cell_input_residual
+        hidden_size, inner_size, eps = (
+            config.hidden_size,
+            config.num_attention_heads * config.head_dim,
+            config.layer_norm_eps,
+        )
+
+        # A starting cell where one is read: the encoder's first layer (later layers continue from the cell of the
+        # layer below), and every layer of a causal model (the cell below has read the future). No parameter
+        # exists that gets no gradient, so distributed training needs no unused-parameter search for it.
+        if config.is_causal or layer_idx == 0:
+            self.initial_cell = nn.Parameter(torch.zeros(hidden_size))
+        self.input_norm = RANLayerNorm(hidden_size, eps)
+        self.qkv_proj = nn.Linear(hidden_size, 3 * inner_size)
+        self.o_proj = nn.Linear(inner_size, hidden_size)
+        self.attention_glu = RANGatedLinearUnit(hidden_size)
+        if not self.residual_stream or self.cell_input_residual:
+            self.attention_norm = RANLayerNorm(hidden_size, eps)
+        if config.use_cell_residual:
+            self.cell_glu = RANGatedLinearUnit(hidden_size)
+            self.cell_norm = RANLayerNorm(hidden_size, eps)
+        if config.memory_review:
+            self.memory_review = RANMemoryReview(config)
+        elif not self.residual_stream:
+            self.output_norm = RANLayerNorm(hidden_size, eps)
+
+        self.act = ACT2FN[config.hidden_act]
+        self.qk_activation = config.uses_attention_qk_activation
+        self.written_act = self.act if config.uses_memory_value_activation else nn.Identity()
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.attention_dropout = config.attention_probs_dropout_prob
+        self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
+
+    # ---- shared per-position maths -------------------------------------------------------------------------------
+
+    def normalize_input(self, states: torch.Tensor) -> torch.Tensor:
+        """Concat-LayerNorm of tokens and cells alike; the result feeds both the projections and the residual GLU."""
+        return self.dropout(self.input_norm(states))
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., 3, H, d) queries, keys and values; the values activated, and the queries and keys with
+        `config.attention_qk_activation`."""
+        qkv = self.qkv_proj(normed).unflatten(-1, (3, self.num_heads, self.head_dim))
+        if self.qk_activation:
+            return self.act(qkv)
+        query_key, value = qkv.split([2, 1], dim=-3)
+        return torch.cat([query_key, self.act(value)], dim=-3)
+
+    def attention_output(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """Output projection plus the gated residual of the attention's normalised input: (..., H * d) -> (..., D)."""
+        return self.dropout(self.act(self.o_proj(attended))) + self.attention_glu(normed)
+
+    def finish_attention(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The official post-norm ending: attention output, then the two normalisations -> standardised (..., D)."""
+        output = self.attention_norm(self.attention_output(attended, normed))
+        return self.dropout(standard_normalize(output, self.config.layer_norm_eps))
+
+    def write_cell(self, attended: torch.Tensor, normed_cell: torch.Tensor, output_mask=None, written_mask=None):
+        """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D); the masks are the scan's dropout
+        (scan_dropout.py), None where nothing is dropped.
+
+        Without `cell_input_residual` the cell is what its attention read from the window: the gated residual of
+        the cell's own input would add a term that is the same for every text in the first window and drowns it.
+        With it (and the official activation of what the cell writes), this is `finish_attention` for the cell.
+        """
+        written = drop(self.written_act(self.o_proj(attended)), output_mask)
+        if self.cell_input_residual:
+            written = self.attention_norm(written + self.attention_glu(normed_cell))
+        return drop(standard_normalize(written, self.config.layer_norm_eps), written_mask)
+
+    # ---- phase 1 ---------------------------------------------------------------------------------------------------
+
+    def project_windows(self, normed_tokens: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None):
+        """Queries, keys and values of every token in every window slot, rotary applied (slot s is position s + 1).
+
+        Slots holding cached tokens take their keys and values from the cache. Queries exist only for slots whose
+        output is needed (new, non-enrichment tokens): (K, H, Q, d). Also returns the un-rotated keys and values of
+        the new tokens, from which the cache keeps its tail.
+        """
+        qkv = self.project(normed_tokens)  # (T, 3, H, d)
+        new_kv = qkv[:, 1:]  # (T, 2, H, d)
+        tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
+        key, value = gather_rows(layout.sources(new_kv, tail), layout.window_slots).permute(2, 0, 3, 1, 4)
+        query = gather_rows(layout.sources(qkv[:, 0]), layout.query_index).transpose(1, 2)  # (K, H, Q, d)
+        if self.config.use_rotary:
+            rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2, 2)
+            query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
+            key = apply_interleaved_rotary(key, rotations)
+        # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
+        return query, key, value, new_kv if cache is not None else None
+
+    # ---- phase 3 ---------------------------------------------------------------------------------------------------
+
+    def attend_windows(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions):
+        """Token attention of all windows in one call: window k's keys are its read cell followed by its slots.
+
+        Packed windows are a batch of K sequences, so any of Transformers' attention functions runs them
+        (`config._attn_implementation`). Returns the attended values (T, H * d) and, with `output_attentions` and
+        an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None.
+        """
+        key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
+        value = torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
+        attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
+        attended, weights = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.head_dim**-0.5,
+        )  # (K, Q, H, d)
+        if weights is not None and output_attentions:
+            # The returned weights stay in the graph, as returned hidden states do: the output is recomputed from
+            # them, so that gradients with respect to the attention weights exist.
+            weights = layout.weights_per_token(weights)  # (B, H, L, 1 + S)
+            dropped = F.dropout(layout.weights_per_window(weights), self.attention_dropout, self.training)
+            attended = torch.matmul(dropped, value).transpose(1, 2)
+        return layout.from_windows(attended.flatten(-2)), weights  # (T, H * d)
+
+    def review_memory(self, token_states, raw_cells, initial_cell, layout, cache=None, output_attentions=False):
+        """Every token reads the cells of its sequence: all of them in the encoder; a prefix LM's token those of the
+        source's windows and of its own window and those before it; a causal token those of earlier windows
+        (causal_memory.py). Returns the reviewed token states (T, D), with `output_attentions` the review weights
+        (B, L, C) (zeros at padding), and what the cache keeps: the cells (B, C, 2 D), the window number of each
+        row's first (B,), and the salient pool.
+        """
+        config, review = self.config, self.memory_review
+        cells = review.project_cells(raw_cells.transpose(0, 1))  # (B, N, 2 D): only this pass's cells
+        cells, first_cell = reviewable_cells(cells, layout, cache, bounded=config.memory_review_cells is not None)
+        read_cells, first_readable, salient, pool = cells, None, None, None
+        if config.is_causal:
+            pool = salient_pool(cells, first_cell, cache) if config.memory_salient_cells is not None else None
+            initial = review.project_cells(initial_cell) if config.uses_review_initial_cell else None
+            read_cells, readable_cells, first_readable, salient = causal_reading(
+                config, review.cell_salience, cells, first_cell, initial, layout, pool
+            )
+        elif layout.source_windows is not None:
+            # Prefix LM: a cell reads the source only, but how many windows follow it is the target's length.
+            readable_cells = torch.maximum(layout.token_window + 1, layout.source_windows[:, None])
+        else:
+            readable_cells = layout.num_windows[:, None].expand_as(layout.token_window)  # (B, L): all of them
+        # Ranges per token, (B, L), not a (B, L, C) mask: the review builds the mask one chunk of tokens at a time.
+        reviewed, weights = review(
+            layout.to_padded(token_states), read_cells, readable_cells, output_attentions, first_readable, salient
+        )
+        if weights is not None:
+            weights = weights * layout.to_padded(weights.new_ones(layout.token_index.numel(), 1))  # none at padding
+        return layout.from_padded(reviewed), weights, (cells, first_cell, pool)
+
+    def update_cache(self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, new_kv, memory):
+        """Keep what the next pass needs: the cell after the last finished window, the cells memory review may read
+        again, and the unfinished tail."""
+        cache.update_cell(cells, raw_cells, layout.finished_windows - layout.first_window, start)
+        if self.config.memory_review:
+            cell_states, first_cell, pool = memory
+            remember(self.config, self.memory_review.cell_salience, cache, layout, cell_states, first_cell, pool)
+        cache.update_tail(*layout.sources(new_kv, cache.tail)[layout.next_tail].unbind(2))
+
+    # ---- the layer -------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        token_states: torch.Tensor,
+        cell: torch.Tensor | None,
+        layout: RANWindowLayout,
+        cache: RANCacheLayer | None = None,
+        output_attentions: bool = False,
+    ):
+        """token_states (T, D) new real tokens; cell (B, D) the cell each sequence's first window reads, or None for
+        the layer's own learned starting cell (read here, inside the layer, so that a sharded parameter is gathered).
+
+        With a `cache` (causal continuation) the scan starts from the cached cell and the cache is updated in place.
+        Returns token states (T, D), raw cells (N, B, D) of this pass's windows, each sequence's last cell (B, D)
+        (the starting one for a row of padding only) and, with `output_attentions`, every token's window attention
+        weights (B, H, L, 1 + S) (None unless the attention implementation gives them) and memory-review weights
+        (B, L, C).
+        """
+        initial_cell = None
+        if hasattr(self, "initial_cell"):
+            initial_cell = self.dropout(self.initial_cell[None].expand(layout.batch_size, -1))
+        start_cell = initial_cell if cell is None else cell
+        start_previous = torch.zeros_like(start_cell)
+        if cache is not None and cache.is_initialized:
+            start_cell, start_previous = cache.cell, cache.previous_raw_cell
+        if layout.num_steps == 0:  # padding only: nothing to read, nothing to write
+            return token_states, token_states.new_zeros(0, *start_cell.shape), start_cell, None, None
+        normed_tokens = self.normalize_input(token_states)  # (T, D)
+
+        # 1. Everything that does not depend on the cell, for all windows at once.
+        query, key, value, new_kv = self.project_windows(normed_tokens, layout, cache)  # (K, H, S, d) each
+
+        # 2. The cell scan: the only sequential step.
+        scan = scan_function(self.config.scan_implementation)
+        read_keys, read_values, raw_cells, cells = scan(
+            self, start_cell, start_previous, key, value, layout.for_cell_scan()
+        )
+
+        # 3. Token attention of all windows in one batched call, then the per-token tail.
+        read_key, read_value = layout.per_sequence(read_keys), layout.per_sequence(read_values)
+        attended, attention_weights = self.attend_windows(
+            query, key, value, read_key, read_value, layout, output_attentions
+        )  # (T, H * d)
+        if self.residual_stream:
+            token_states = token_states + self.attention_output(attended, normed_tokens)  # (T, D)
+        else:
+            token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
+        review_weights, memory = None, None
+        if self.config.memory_review:
+            token_states, review_weights, memory = self.review_memory(
+                token_states, raw_cells, initial_cell, layout, cache, output_attentions
+            )
+        elif not self.residual_stream:
+            token_states = self.output_norm(token_states)
+        if cache is not None:
+            self.update_cache(cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv, memory)
+        return token_states, raw_cells, layout.last_cells(cells, start_cell), attention_weights, review_weights

@@ -1,0 +1,333 @@
+"""The bare RAN model: embeddings, the RAN layers over one window layout, and the official pooler (`RANModel`), with
+the pretrained-model base every head shares (`RANPreTrainedModel`).
+
+`RANModel` builds the window layout once per forward pass (window_layout.py), in the same host synchronisation as the
+inputs' value checks (input_checks.py), and runs the layers (ran_layer.py) over it. The heads are in modeling_ran.py.
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, auto_docstring, logging
+from transformers.utils.generic import can_return_tuple
+
+from .adaptive_softmax import RANAdaptiveEmbedding
+from .building_blocks import RANGatedLinearUnit, RANLayerNorm
+from .cache_ran import RANCache, RANCacheLayer, check_cache
+from .configuration_ran import RANConfig
+from .input_checks import (
+    check_exportable,
+    check_initial_cell,
+    check_token_type_ids,
+    input_batch_shape,
+    joined_checks,
+    validate_ran_inputs,
+)
+from .memory_review import RANMemoryReview
+from .outputs_ran import RANModelOutput
+from .ran_layer import RANLayer
+from .window_layout import RANWindowLayout
+
+logger = logging.get_logger(__name__)
+
+
+class RANTokenShift(nn.Linear):
+    """The projection of a token's predecessor that `config.token_shift` adds to it; zero at initialisation, so that
+    a model starts as one without it."""
+
+
+class RANEmbeddings(nn.Module):
+    """Token embedding, LayerNorm and dropout. RAN has no position embedding: positions enter as rotary, per window."""
+
+    def __init__(self, config: RANConfig):
+        super().__init__()
+        if config.cutoffs is not None:  # adaptive input embeddings, shared with the adaptive softmax
+            self.word_embeddings = RANAdaptiveEmbedding(
+                config.vocab_size, config.hidden_size, config.cutoffs, config.div_val
+            )
+        else:
+            self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        if config.uses_token_shift:
+            self.token_shift = RANTokenShift(config.hidden_size, config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None):
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        return self.dropout(self.norm(inputs_embeds))
+
+    def shift_tokens(self, token_states: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None):
+        """(T, D) new tokens' embeddings -> each plus the projection of its predecessor's (`config.token_shift`).
+
+        A row's first new token reads the last token of the cached text, or nothing (zeros) at the start; the cache
+        then keeps each row's last token for the next pass.
+        """
+        rows = layout.token_index // layout.padded_length  # (T,) each token's sequence
+        first = torch.ones_like(rows, dtype=torch.bool)
+        first[1:] = rows[1:] != rows[:-1]
+        previous = F.pad(token_states[:-1], (0, 0, 1, 0))  # (T, D): the token before, in the flat order
+        carried = None if cache is None else cache.last_token
+        start = token_states.new_zeros(layout.batch_size, token_states.shape[-1]) if carried is None else carried
+        previous = torch.where(first[:, None], start[rows], previous)
+        if cache is not None:
+            last = torch.ones_like(first)
+            last[:-1] = first[1:]
+            kept = start.index_put((rows[last],), token_states[last])  # rows without new tokens keep theirs
+            cache.update_last_token(kept)
+        return token_states + self.token_shift(previous)
+
+
+class RANPooler(nn.Module):
+    """The official "cell transform" (paper eq. 10-11): GLU(swish(Dense(pooled cell))) + Dense(pooled tokens).
+
+    Tokens are max-pooled as in the paper, or mean-pooled with `config.token_pooling="mean"`.
+    """
+
+    def __init__(self, config: RANConfig):
+        super().__init__()
+        self.pool_tokens = masked_max if config.token_pooling == "max" else masked_mean
+        self.cell_dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.cell_glu = RANGatedLinearUnit(config.hidden_size)
+        self.token_dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, pooled_cell: torch.Tensor, token_states: torch.Tensor, attention_mask: torch.Tensor):
+        cell = self.cell_glu(self.dropout(self.act(self.cell_dense(pooled_cell))))  # (B, D)
+        return cell + self.token_dense(self.pool_tokens(token_states, attention_mask.bool()))  # (B, D)
+
+
+def masked_max(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max over axis 1 of (B, X, D) where mask (B, X) is True; 0 for rows with nothing to pool."""
+    filled = states.masked_fill(~mask[..., None], torch.finfo(states.dtype).min)
+    return torch.where(mask.any(1)[:, None], filled.amax(1), torch.zeros_like(filled[:, 0]))
+
+
+def masked_mean(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over axis 1 of (B, X, D) where mask (B, X) is True; 0 for rows with nothing to pool."""
+    total = (states * mask[..., None]).sum(1)
+    return total / mask.sum(1, keepdim=True).clamp(min=1)
+
+
+@auto_docstring
+class RANPreTrainedModel(PreTrainedModel):
+    config: RANConfig
+    config_class = RANConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["RANLayer"]
+    # Window attention runs through Transformers' attention functions: eager (returns weights) and SDPA (default).
+    # Flex attention is not claimed: on CPU it has no backward and its compiled forward crashed here. The memory
+    # review and the cell scan keep their own small matmuls: one key per window, or one query per step.
+    _supports_sdpa = True
+    # The cell scan runs window after window through the whole sequence: it cannot be split across ranks by length.
+    _supports_context_parallel = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module):
+        super()._init_weights(module)
+        if isinstance(module, RANLayer) and hasattr(module, "initial_cell"):
+            # Not zero (what the official initialiser amounts to): the cell is standardised on reading, and a zero
+            # vector's standardisation has gradient 1 / sqrt(eps) ~ 3e3 (its memory-review key, a unit vector of
+            # zero, far more). At initialisation that gradient was 100-1e8 times all the others together, so
+            # clipping by the global norm left every other weight almost no update. Converted checkpoints load theirs.
+            init.normal_(module.initial_cell, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, RANMemoryReview) and hasattr(module, "salience"):
+            init.zeros_(module.salience)  # no cell is preferred before training says which are worth reading
+        elif isinstance(module, RANTokenShift):
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
+
+
+@contextmanager
+def checkpointing_off(layer: RANLayer, when: bool):
+    """Run `layer` without gradient checkpointing when it reads or updates a cache: recomputed in the backward pass,
+    it would read the cache it had already updated. Training through a cache in chunks then costs full activations."""
+    if not (when and layer.gradient_checkpointing):
+        yield
+        return
+    logger.warning_once("RAN layers that read or update a cache run without gradient checkpointing.")
+    layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        layer.gradient_checkpointing = True
+
+
+@auto_docstring(
+    custom_intro="The bare RAN encoder (or causal decoder when `config.is_causal`): embeddings, RAN layers, optional "
+    "pooler (the official cell transform)."
+)
+class RANModel(RANPreTrainedModel):
+    def __init__(self, config: RANConfig, add_pooling_layer: bool = True):
+        r"""
+        add_pooling_layer (`bool`, *optional*, defaults to `True`):
+            Whether to build the pooler (the official cell transform) that gives `pooler_output`.
+        """
+        super().__init__(config)
+        self.embeddings = RANEmbeddings(config)
+        self.layers = nn.ModuleList([RANLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)])
+        # A residual stream is normalised once, after the last layer; official layers end in their own norm.
+        self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps) if config.uses_residual_stream else None
+        self.pooler = RANPooler(config) if add_pooling_layer else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    @can_return_tuple
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        past_key_values: RANCache | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        initial_cell: torch.FloatTensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> RANModelOutput:
+        r"""
+        input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`):
+            Token ids. Padding may sit on either side; it never changes what a sequence computes.
+        attention_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`, *optional*):
+            1 for real tokens, 0 for padding. Defaults to all ones.
+        inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
+            Token embeddings to use instead of `input_ids`.
+        past_key_values (`RANCache`, *optional*):
+            Causal models only: the recurrent state after the tokens read so far; the inputs continue them.
+        use_cache (`bool`, *optional*):
+            Causal models only: return the recurrent state (a new `RANCache` when none was passed).
+        output_attentions (`bool`, *optional*):
+            Also return every layer's memory-review weights and, with `attn_implementation="eager"`, its window
+            attention weights.
+        output_hidden_states (`bool`, *optional*):
+            Also return the embedding output and every layer's token states.
+        token_type_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Prefix LM (`rannet`'s seq2seq mask, UniLM): 0 for the source, 1 for the target that follows it. In every
+            window, source tokens read each other both ways and target tokens read the source and earlier targets;
+            cells read the source only. See docs/seq2seq.md. None: no prefix mask.
+        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+            The cell each sequence's first window reads in the first layer, instead of the layer's learned starting
+            cell (`rannet`'s `with_cell=True`): e.g. the `last_cell` of the text before, to continue a document. As in
+            `rannet`, only the first layer reads it; later encoder layers start from the cell of the layer below, and
+            later causal layers from their own learned cell. Used as given (no dropout); `rannet` replaces a batch of
+            all-zero cells with its learned one, here pass None for that. Causal models: with the first call only
+            (a cache carries the cells after it); memory review's starting cell stays the learned one.
+        """
+        check_exportable(past_key_values, use_cache)
+        if (past_key_values is not None or use_cache) and not self.config.is_causal:
+            raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
+        check_cache(past_key_values, self.config)
+        if self.gradient_checkpointing and self.training and use_cache and past_key_values is None:
+            # A checkpointed layer runs twice; the second run would update a fresh cache again.
+            logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
+            use_cache = False
+        past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
+        # A head's labels (`check_token_labels`, ...) are read with the inputs: one host synchronisation for all.
+        label_checks = kwargs.pop("label_checks", None)
+        if initial_cell is not None:  # read with the inputs' checks too
+            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
+            cell_checks = check_initial_cell(initial_cell, batch_shape, self.config.hidden_size, past_positions)
+            label_checks = joined_checks(label_checks, cell_checks)
+        if token_type_ids is not None:  # read with the inputs' checks too
+            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
+            label_checks = check_token_type_ids(token_type_ids, batch_shape, attention_mask, self.config, label_checks)
+        (batch_size, padded_length), input_checks = validate_ran_inputs(
+            self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_checks
+        )
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        if output_attentions and self.config._attn_implementation != "eager":
+            logger.warning_once(
+                f"`output_attentions=True` returns window attention weights only with the eager attention; this model "
+                f"runs {self.config._attn_implementation!r}, so `attentions` is None (`memory_attentions` are "
+                'returned). Load it with `attn_implementation="eager"` to get both.'
+            )
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        if attention_mask is None:
+            attention_mask = torch.ones(batch_size, padded_length, dtype=torch.bool, device=device)
+        attention_mask = attention_mask[:, -padded_length:]  # generate() passes the mask of the whole text so far
+        if use_cache and past_key_values is None:
+            past_key_values = RANCache(self.config)
+        past_lengths = None if past_key_values is None else past_key_values.past_lengths(batch_size, device)
+        # The layout's sizes and the inputs' checks in one host synchronisation, before any token is embedded.
+        layout = RANWindowLayout.from_attention_mask(
+            attention_mask, self.config, past_lengths, input_checks, token_type_ids=token_type_ids
+        )
+        embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
+
+        token_states = layout.from_padded(embeddings)  # (T, D)
+        if self.config.uses_token_shift:
+            first_cache = past_key_values.layers[0] if past_key_values is not None else None
+            token_states = self.embeddings.shift_tokens(token_states, layout, first_cache)
+        if initial_cell is not None:
+            initial_cell = initial_cell.to(device=embeddings.device, dtype=embeddings.dtype)
+        cell = initial_cell  # None: the first layer starts from its own learned cell
+        all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        all_memory_attentions = () if output_attentions and self.config.memory_review else None
+        for layer in self.layers:
+            if output_hidden_states:
+                # The returned states stay in the graph: the layer reads its tokens back from them.
+                all_hidden_states += (layout.to_padded(token_states),)
+                token_states = layout.from_padded(all_hidden_states[-1])
+            if self.config.is_causal and layer.layer_idx > 0:
+                cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
+            layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
+            with checkpointing_off(layer, when=layer_cache is not None and self.training):
+                token_states, raw_cells, cell, attention_weights, review_weights = layer(
+                    token_states, cell, layout=layout, cache=layer_cache, output_attentions=output_attentions
+                )
+            if output_attentions:
+                all_attentions = None if attention_weights is None else all_attentions + (attention_weights,)
+                if self.config.memory_review:
+                    all_memory_attentions += (review_weights,)
+
+        if past_key_values is not None:
+            past_key_values.advance(layout.lengths, padded_length)
+        if self.norm is not None:
+            token_states = self.norm(token_states)
+        last_hidden_state = layout.to_padded(token_states)
+        if output_hidden_states:
+            all_hidden_states += (last_hidden_state,)
+        cells = raw_cells.transpose(0, 1)  # (B, N, D)
+        cells_mask = torch.arange(cells.shape[1], device=cells.device)[None, :] < layout.num_windows[:, None]
+        cells = cells * cells_mask[..., None]
+        if self.config.cell_pooling == "last":
+            pooled_cell = cell
+        elif self.config.cell_pooling == "mean":
+            pooled_cell = masked_mean(cells, cells_mask)
+        else:
+            pooled_cell = masked_max(cells, cells_mask)
+        pooler_output = self.pooler(pooled_cell, last_hidden_state, attention_mask) if self.pooler else None
+
+        return RANModelOutput(
+            last_hidden_state=last_hidden_state,
+            pooler_output=pooler_output,
+            pooled_cell=pooled_cell,
+            last_cell=cell,
+            cells=cells,
+            cells_mask=cells_mask,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+            memory_attentions=all_memory_attentions,
+            past_key_values=past_key_values,
+        )
