@@ -1,12 +1,15 @@
 """What a GPU would launch, counted on the meta device (scripts/benchmarks/benchmark_kernels.py): the Triton scan is
 four kernels per window and layer plus three per scan, and a training forward of a token head reads the device once
-(the window layout's sizes, its inputs' checks and its labels' range together)."""
+(the window layout's sizes, its inputs' checks and its labels' range together). The count's bytes: per model part,
+backward ops included, and as a GPU moves them (dropout fused, broadcasts read once, no bytes for allocations)."""
 
 import pytest
 import torch
+from torch import nn
 
-from benchmark_kernels import KernelCounter, layouts_built_with_values
-from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification, triton_norm, triton_rotary
+from benchmark_kernels import FusedOpsAsOnGPU, KernelCounter, footprint, layouts_built_with_values
+
+from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification, triton_glu, triton_norm, triton_rotary
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_testing import tiny_config
 
@@ -48,17 +51,97 @@ def test_the_triton_scan_launches_four_kernels_per_window_and_layer(causal):
 
 
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
-def test_the_triton_norm_and_rotary_replace_their_pytorch_ops(monkeypatch):
-    """Every normalisation and rotary embedding of a step is one kernel forward and one backward (counted on meta,
-    which stands in for CUDA); switched off, the PyTorch ops run instead."""
-    fused = count_training_step(RANForMaskedLM, 61, scan_implementation="triton").counts
-    monkeypatch.setattr(triton_norm, "ENABLED", False)
-    monkeypatch.setattr(triton_rotary, "ENABLED", False)
-    plain = count_training_step(RANForMaskedLM, 61, scan_implementation="triton").counts
-    assert fused["ran_hf::rotate_pairs"] == 4 * 2 and "ran_hf::rotate_pairs" not in plain  # q and k, 2 layers, 2 ways
-    assert fused["ran_hf::norm_forward"] == fused["ran_hf::norm_backward"] > 0
-    assert sum(fused.values()) < sum(plain.values())
-    assert fused["aten::rsqrt"] < plain["aten::rsqrt"]
+def test_the_triton_norm_glu_and_rotary_replace_their_pytorch_ops(monkeypatch):
+    """Every normalisation, token-wise gated linear unit and rotary embedding of a step is one kernel forward and one
+    backward (counted on meta, which stands in for CUDA); switched off, the PyTorch ops run instead."""
+    fused = count_training_step(RANForMaskedLM, 61, scan_implementation="triton")
+    for module in (triton_norm, triton_glu, triton_rotary):
+        monkeypatch.setattr(module, "ENABLED", False)
+    plain = count_training_step(RANForMaskedLM, 61, scan_implementation="triton")
+    fused_counts, plain_counts = fused.counts, plain.counts
+    assert fused_counts["ran_hf::rotate_pairs"] == 4 * 2 and "ran_hf::rotate_pairs" not in plain_counts  # q, k
+    assert fused_counts["ran_hf::norm_forward"] == fused_counts["ran_hf::norm_backward"] > 0
+    # the attention's gated residual and the memory review's, in each of 2 layers (the cell's is in the scan)
+    assert fused_counts["ran_hf::glu_forward"] == fused_counts["ran_hf::glu_backward"] == 2 * 2
+    assert "ran_hf::glu_forward" not in plain_counts
+    assert fused_counts["aten::sigmoid"] < plain_counts["aten::sigmoid"]
+    assert sum(fused_counts.values()) < sum(plain_counts.values())
+    assert fused_counts["aten::rsqrt"] < plain_counts["aten::rsqrt"]
+    assert fused.other_bytes < plain.other_bytes
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.act, self.layers = nn.Linear(4, 4), nn.SiLU(), nn.ModuleList([nn.Tanh(), nn.Tanh()])
+
+    def forward(self, x):
+        x = self.act(self.first(x))
+        for layer in self.layers:
+            x = layer(x)
+        return self.total(x)
+
+    def total(self, x):
+        return (x * 2).sum()
+
+
+def test_bytes_are_counted_per_model_part_forward_and_backward():
+    """A part is a module (layer numbers folded) and the function its forward called; a backward op counts for the
+    part whose forward made its autograd node. Float32 (8, 4): 128 bytes a tensor."""
+    with torch.device("meta"):
+        model, x = Toy(), torch.empty(8, 4)
+    counter = KernelCounter(model)
+    with counter:
+        model(x).backward()
+    assert counter.bytes_by_part == {
+        "act": 2 * 128 + 3 * 128,  # silu reads x, writes; its backward reads the gradient and x, writes
+        "layers.*": 2 * (2 * 128 + 3 * 128),  # tanh, twice
+        "Toy (total)": (128 + 128) + (4 + 128) + (128 + 4),  # x * 2, its gradient (from a broadcast: 4), the sum
+        "first": 128 + 16,  # the bias's gradient, a sum over rows (the products are FLOPs, not bytes)
+        "(outside the model)": 4,  # the loss's gradient of ones
+    }
+    assert sum(counter.bytes_by_op.values()) == counter.other_bytes == sum(counter.bytes_by_part.values())
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+def test_a_ran_step_leaves_no_bytes_unattributed():
+    with torch.device("meta"):
+        model = RANForMaskedLM(tiny_config(scan_implementation="triton")).train()
+        ids = torch.randint(1, 61, (2, 37))
+    counter = KernelCounter(model)
+    with layouts_built_with_values(), counter:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+    parts = counter.bytes_by_part
+    assert parts["model.layers.*.attention_glu (triton_glu)"] > 0 and parts["model.layers.* (project_windows)"] > 0
+    assert sum(moved for part, moved in parts.items() if part.startswith("(")) < 1e-3 * counter.other_bytes
+
+
+def test_dropout_is_counted_as_the_fused_kernel_a_gpu_runs():
+    """One kernel each way that writes (and reads back) a boolean mask, not meta's mask of floats, scale and product;
+    outside training, nothing."""
+    with torch.device("meta"):
+        dropout, x = nn.Dropout(0.1), torch.empty(8, 4, requires_grad=True)
+    counter = KernelCounter()
+    with counter, FusedOpsAsOnGPU():
+        dropout(x).sum().backward()
+    assert counter.counts["aten::native_dropout"] == counter.counts["aten::native_dropout_backward"] == 1
+    assert "aten::bernoulli_" not in counter.counts and "aten::mul" not in counter.counts
+    counter = KernelCounter()
+    with counter, FusedOpsAsOnGPU():
+        dropout.eval()(x)
+    assert not counter.counts
+
+
+def test_bytes_count_a_broadcast_axis_once_and_an_allocation_not_at_all():
+    with torch.device("meta"):
+        row = torch.empty(1, 1000)
+        assert footprint(row.expand(64, 1000)) == footprint(row) == 4000
+        assert footprint(torch.empty(64, 1000)[:, :10]) == 64 * 10 * 4
+        counter = KernelCounter()
+        with counter:
+            torch.empty(64, 1000).new_zeros(3, 5)
+            torch.empty(6, 4).view(24)
+    assert counter.other_bytes == 3 * 5 * 4  # the zeros written, not the tensor that gave their dtype
 
 
 def test_a_decoded_token_reads_the_device_once(monkeypatch):

@@ -10,13 +10,19 @@ weights runs on the `meta` device, which holds shapes and no data, so the full s
 `torch.library.triton_op` is one op, one launch). Memory review is chunked as on a CUDA device of
 `--gpu_memory_gib` (80: an H100). Host reads (`.item()`, `.tolist()`) are counted as synchronisations; the
 window layout, whose sizes the meta device cannot hold, is built on the CPU inside the count (its one read of the
-sizes and the input checks is counted as a synchronisation). Views and allocations (`empty`, `empty_strided`) launch nothing and
-are not counted. Each scan is counted alone, and the ops of the Triton scan's kernels (`ran_hf::scan_*`) are
-reported per window and layer.
+sizes and the input checks is counted as a synchronisation). Views and allocations (`empty`, `empty_strided`) launch
+nothing and are not counted. Each scan is counted alone, and the ops of the Triton scan's kernels (`ran_hf::scan_*`)
+are reported per window and layer.
+
+Ops run as CUDA runs them where meta would decompose them: `scaled_dot_product_attention` and training dropout are
+one fused kernel each way. The bytes of an op are those of its tensors (a broadcast axis once; only the output of an
+op that writes without reading, such as `new_zeros`), summed per operator and per model part (a module, layer
+numbers folded, and the function its forward called), the backward's with the forward's that made them: the
+`--breakdown` largest of each are printed and written.
 
 The baseline is the same-size transformer encoder most long-document users would train instead: pre-norm layers
 whose attention is exact within non-overlapping 256-token blocks (one `scaled_dot_product_attention` call over all
-blocks), GELU MLP of 4x width, tied MLM head.
+blocks), GELU MLP of 4x width, tied MLM head, no dropout (RAN counts its training dropout, 0.1).
 
 A projected H100 step time is printed from stated assumptions (launch cost, matmul and memory rates): it is a
 projection, labelled so, not a measurement. Writes `benchmarks/kernels/kernels_meta.json` and `.md`.
@@ -24,7 +30,10 @@ projection, labelled so, not a measurement. Writes `benchmarks/kernels/kernels_m
 
 import argparse
 import dataclasses
+import inspect
 import json
+import math
+import re
 import sys
 from collections import Counter
 from contextlib import contextmanager
@@ -33,32 +42,109 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
 from benchmark_utils import TRAINING_DROPOUT, machine_info, machine_line, sized_ran_config
 
-from ran_hf import RANConfig, RANForMaskedLM, triton_norm, triton_rotary
-from ran_hf.modeling_ran import RANMemoryReview, RANWindowLayout
+from ran_hf import RANConfig, RANForMaskedLM, triton_glu, triton_norm, triton_rotary
+from ran_hf.memory_review import RANMemoryReview
+from ran_hf.window_layout import RANWindowLayout
 
-NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh"}
+# Allocations and aliases (`_unsafe_view` is a view that the schema does not mark as one) launch nothing.
+NOT_LAUNCHED = {
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh", "aten::_unsafe_view"
+}  # fmt: skip
+# Ops that only write their output: their tensor argument gives a shape and dtype, or is overwritten unread.
+WRITE_ONLY = {
+    "aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::zeros_like", "aten::ones_like", "aten::full_like",
+    "aten::fill_", "aten::zero_",
+}  # fmt: skip
 # Projection assumptions (H100 SXM, bf16), stated in every result file.
 LAUNCH_SECONDS = 5e-6
 MATMUL_FLOPS = 700e12
 MEMORY_BYTES_PER_SECOND = 3.0e12
+TORCH_FILES = str(Path(torch.__file__).parent)
+TOP = 15  # operators and model parts listed by the bytes they move
+
+
+def footprint(tensor: torch.Tensor) -> int:
+    """The bytes a kernel reads or writes of `tensor`: a broadcast (stride-0) axis once, not once per index."""
+    if not tensor.numel():
+        return 0
+    return math.prod(size for size, stride in zip(tensor.shape, tensor.stride()) if stride) * tensor.element_size()
 
 
 class KernelCounter(TorchDispatchMode):
     """Counts the operators that launch a kernel, by name; sums the FLOPs of matrix products and the bytes that
-    the other operators read and write."""
+    the other operators read and write, by operator and, given the `model`, by the part of it that runs them.
 
-    def __init__(self):
+    A part is a module's name with layer numbers folded, and the function its `forward` called that ran the op
+    (`model.layers.* (attend_windows)`; `model.layers.*.attention_glu` where the op is the forward's own). A forward
+    op belongs to the innermost module running; a backward op to the part whose forward made its autograd node
+    (found by the node's sequence number, which the forward op that made it reads as the last one handed out).
+    """
+
+    def __init__(self, model: nn.Module | None = None):
         super().__init__()
         self.counts: Counter = Counter()
         self.matmul_flops = 0
         self.other_bytes = 0
         self.host_syncs = 0
+        self.bytes_by_op: Counter = Counter()
+        self.bytes_by_part: Counter = Counter()
+        self.model = model
+        self._running: list[tuple] = []  # (part, forward's code) of the modules running, innermost last
+        self._node_parts: dict[int, str] = {}  # autograd node sequence number -> the part whose forward made it
+        self._hooks = []
+
+    def __enter__(self):
+        if self.model is not None:
+            # Global hooks: the fused and Triton scans refuse modules with hooks of their own (they read weights).
+            parts = {
+                module: (re.sub(r"\.\d+(?=\.|$)", ".*", name) or type(module).__name__,
+                         inspect.unwrap(type(module).forward).__code__)  # (the layers' forward is wrapped)
+                for name, module in self.model.named_modules()
+            }  # fmt: skip
+
+            def started(module, _):
+                self._running.append(parts.get(module))  # None: a module of another model
+
+            def finished(*_):
+                self._running.pop()  # (and returns None: a hook's result would replace the module's output)
+
+            self._hooks = [
+                register_module_forward_pre_hook(started),
+                register_module_forward_hook(finished, always_call=True),
+            ]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        return super().__exit__(*exc)
+
+    def part(self) -> str:
+        running = next((module for module in reversed(self._running) if module is not None), None)
+        if running is not None:  # a forward (or a checkpoint's recomputation in the backward)
+            part, forward = running
+            frame, called = sys._getframe(2), None  # from the caller of __torch_dispatch__ outwards
+            while frame is not None and frame.f_code is not forward:
+                code = frame.f_code  # neither torch's Python wrappers, this script's modes nor autograd functions
+                if TORCH_FILES not in code.co_filename and code.co_name not in ("__torch_function__", "forward"):
+                    called = code.co_name
+                frame = frame.f_back
+            if frame is not None and called is not None:
+                part = f"{part} ({called})"
+            self._node_parts.setdefault(torch._C._autograd._get_sequence_nr() - 1, part)
+            return part
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return "(outside the model)"
+        return self._node_parts.get(node._sequence_nr(), f"({node.name()})")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
@@ -71,26 +157,43 @@ class KernelCounter(TorchDispatchMode):
             self.host_syncs += 1
             self.counts[name] += 1
             return 0 if name == "aten::_local_scalar_dense" else torch.zeros(args[0].shape, dtype=args[0].dtype)
+        part = self.part()
         outputs = func(*args, **(kwargs or {}))
         if name in NOT_LAUNCHED or func.is_view:
             return outputs
         self.counts[name] += 1
-        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, outputs)) if isinstance(t, torch.Tensor)]
+        moving = outputs if name in WRITE_ONLY else (args, kwargs, outputs)
+        tensors = [t for t in torch.utils._pytree.tree_leaves(moving) if isinstance(t, torch.Tensor)]
         if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"):
             first, second = (t for t in tensors[-3:-1]) if name in ("aten::mm", "aten::bmm") else tensors[-3:-1]
             self.matmul_flops += 2 * first.numel() * second.shape[-1]
         else:
-            self.other_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            moved = sum(footprint(t) for t in tensors)
+            self.other_bytes += moved
+            self.bytes_by_op[name] += moved
+            self.bytes_by_part[part] += moved
         return outputs
 
 
-class FusedAttentionAsOnGPU(TorchFunctionMode):
-    """`scaled_dot_product_attention` as CUDA runs it, one fused kernel each way (the H200 profiles show cuDNN's),
-    where the meta device would decompose it into a dozen ops: here the memory-efficient kernel, which takes any
-    additive mask and dropout (its meta kernels give its shapes, and its backward is one op too)."""
+class FusedOpsAsOnGPU(TorchFunctionMode):
+    """Ops as CUDA runs them, one fused kernel each way, where the meta device would decompose them:
+
+    - `scaled_dot_product_attention` (the H200 profiles show cuDNN's; a dozen ops on meta): here the memory-efficient
+      kernel, which takes any additive mask and dropout (its meta kernels give its shapes, and its backward is one op
+      too);
+    - training dropout: `native_dropout`, which writes the output and a boolean mask (its backward reads that mask),
+      where meta draws a mask of the input's dtype, scales it and multiplies, three ops.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is F.dropout:
+            drop = inspect.signature(F.dropout).bind(*args, **kwargs)
+            drop.apply_defaults()
+            states, rate, training, inplace = drop.args
+            if training and 0 < rate < 1 and not inplace and states.numel():  # ATen's test for the fused kernel
+                return torch.native_dropout(states, rate, True)[0]
+            return func(*args, **kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         query, key, value, *rest = args
@@ -196,9 +299,9 @@ def count_step(model_name: str, args, batch: int, length: int) -> dict:
             model = RANForMaskedLM(ran_config(args, model_name.removeprefix("ran-")))
         ids = torch.randint(1, args.vocab_size, (batch, length))
     model.train()
-    counter = KernelCounter()
+    counter = KernelCounter(model)
     with layouts_built_with_values() as layout_reads, memory_review_sized_for(args.gpu_memory_gib), counter, \
-            FusedAttentionAsOnGPU():  # fmt: skip
+            FusedOpsAsOnGPU():  # fmt: skip
         if model_name == "transformer":
             loss = model(ids, ids)
         else:
@@ -223,7 +326,18 @@ def count_step(model_name: str, args, batch: int, length: int) -> dict:
         "other_gbytes_float32": counter.other_bytes / 1e9,
         "projected_h100_seconds": projected,
         "top_ops": counter.counts.most_common(12),
+        "top_bytes": [(name, moved / 1e9) for name, moved in counter.bytes_by_op.most_common(TOP)],
+        "top_parts": [(part, moved / 1e9) for part, moved in counter.bytes_by_part.most_common(TOP)],
     }
+
+
+def bytes_breakdown(result: dict, rows: int) -> str:
+    """The operators and the model parts moving the most bytes, side by side."""
+    lines = [f"{result['model']} {result['shape']}: {result['other_gbytes_float32']:.1f} GB"]
+    lines.append(f"  {'operator':<56}{'GB':>7}    {'model part':<48}{'GB':>7}")
+    for (op, op_gb), (part, part_gb) in zip(result["top_bytes"][:rows], result["top_parts"][:rows]):
+        lines.append(f"  {op:<56}{op_gb:>7.1f}    {part:<48}{part_gb:>7.1f}")
+    return "\n".join(lines)
 
 
 def main():
@@ -241,7 +355,11 @@ def main():
     parser.add_argument(
         "--pytorch_token_ops",
         action="store_true",
-        help="count with the Triton normalisation and rotary embedding switched off (their PyTorch ops instead)",
+        help="count with the Triton normalisation, gated linear unit and rotary embedding switched off (their "
+        "PyTorch ops instead)",
+    )
+    parser.add_argument(
+        "--breakdown", type=int, default=8, help="print and write the N operators and model parts moving most bytes"
     )
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/kernels"))
     args = parser.parse_args()
@@ -252,7 +370,9 @@ def main():
             parser.error(f"--shapes takes BATCHxLENGTH with LENGTH a multiple of --window_size, got {shape!r}")
         shapes.append((int(batch), int(length)))
 
-    triton_norm.ENABLED = triton_rotary.ENABLED = not args.pytorch_token_ops
+    if args.breakdown < 0 or args.breakdown > TOP:
+        parser.error(f"--breakdown takes 0 to {TOP} (the operators and parts kept per result), got {args.breakdown}")
+    triton_norm.ENABLED = triton_glu.ENABLED = triton_rotary.ENABLED = not args.pytorch_token_ops
     info = machine_info("meta")
     print(machine_line(info))
     results = []
@@ -260,17 +380,25 @@ def main():
         for name in tqdm(args.models, desc=f"{batch}x{length}", leave=False):
             results.append(count_step(name, args, batch, length))
     header = f"{'model':<15}{'shape':>9}{'kernels':>10}{'scan/window/layer':>19}{'matmul TFLOP':>14}"
-    header += f"{'other GB fp32':>15}{'projected H100 s':>18}"
+    header += f"{'other GB fp32':>15}{'projected H100 s':>18}{'x transformer':>15}"
     lines = [header]
+    transformer = {r["shape"]: r for r in results if r["model"] == "transformer"}
     for r in results:
         per_window = r["triton_scan_kernels_per_window_and_layer"]
         per_window = "" if per_window is None else f"{per_window:.1f}"
+        baseline = transformer.get(r["shape"])  # bytes and projected time against the transformer's
+        ratios = "" if baseline is None else (
+            f"{r['other_gbytes_float32'] / baseline['other_gbytes_float32']:.2f} / "
+            f"{r['projected_h100_seconds'] / baseline['projected_h100_seconds']:.2f}"
+        )  # fmt: skip
         lines.append(
             f"{r['model']:<15}{r['shape']:>9}{r['kernels']:>10,}{per_window:>19}{r['matmul_tflop']:>14.2f}"
-            f"{r['other_gbytes_float32']:>15.1f}{r['projected_h100_seconds']:>18.3f}"
+            f"{r['other_gbytes_float32']:>15.1f}{r['projected_h100_seconds']:>18.3f}{ratios:>15}"
         )
     table = "\n".join(lines)
     print(table)
+    breakdown = "\n\n".join(bytes_breakdown(r, args.breakdown) for r in results) if args.breakdown else ""
+    print(breakdown)
     assumptions = (
         f"Projection, not a measurement: {LAUNCH_SECONDS * 1e6:.0f} us per launch + matmul FLOPs at "
         f"{MATMUL_FLOPS / 1e12:.0f} TFLOP/s + other ops' bytes (halved for bf16) at "
@@ -284,7 +412,11 @@ def main():
     name = "kernels_meta_pytorch_token_ops" if args.pytorch_token_ops else "kernels_meta"
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
     markdown = f"# Kernels per MLM training step\n\n`{command}`\n\n{machine_line(info)}, {info['date']}\n\n"
-    (args.output_dir / f"{name}.md").write_text(f"{markdown}```\n{table}\n```\n\n{assumptions}\n")
+    markdown += f"```\n{table}\n```\n\n{assumptions} x transformer: GB / projected time against the transformer's.\n"
+    if breakdown:
+        markdown += f"\n## Where the bytes go\n\nThe {args.breakdown} operators and model parts that move the most "
+        markdown += f"non-matmul bytes (GB, float32), forward and backward together.\n\n```\n{breakdown}\n```\n"
+    (args.output_dir / f"{name}.md").write_text(markdown)
     print(f"wrote {args.output_dir}/{name}.json and .md")
 
 

@@ -5,8 +5,9 @@
 
 One masked-LM training step (bf16 autocast, forward with labels, backward) of a `RANForMaskedLM` with random
 weights, BERT-base shape by default, profiled with `torch.profiler` after two warm-up steps. Models: `ran-SCAN`
-(any `scan_implementation`), `ran-SCAN+pytorch-token-ops` (the normalisations and rotary embedding as PyTorch ops, not Triton kernels), and
-`transformer`, the same-size windowed transformer of benchmark_kernels.py (block attention, no dropout). Prints, per
+(any `scan_implementation`), `ran-SCAN+pytorch-token-ops` (the normalisations, gated linear units and rotary
+embedding as PyTorch ops, not Triton kernels), and `transformer`, the same-size windowed transformer of
+benchmark_kernels.py (block attention, no dropout). Prints, per
 model, the step's wall time (between synchronisations, the median of `--repeats` steps), the number of CUDA kernels
 launched, and the kernels that take the most time. Writes `profile_<model>_<shape>.txt` tables and one JSON.
 """
@@ -24,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmark_utils import TRAINING_DROPOUT, machine_info, machine_line, sized_ran_config
 
 from benchmark_kernels import BlockAttentionMLM
-from ran_hf import RANForMaskedLM, triton_norm, triton_rotary
+from ran_hf import RANForMaskedLM, triton_glu, triton_norm, triton_rotary
 
 
 def main():
@@ -49,7 +50,7 @@ def main():
     results = []
     for name in args.models:
         scan, _, options = name.removeprefix("ran-").partition("+")
-        triton_norm.ENABLED = triton_rotary.ENABLED = options != "pytorch-token-ops"
+        triton_norm.ENABLED = triton_glu.ENABLED = triton_rotary.ENABLED = options != "pytorch-token-ops"
         if name == "transformer":
             model = BlockAttentionMLM(args.vocab_size, args.hidden_size, args.num_layers, args.num_heads,
                                       args.window_size)  # fmt: skip
