@@ -48,6 +48,30 @@ def test_triton_rotary_equals_the_pytorch_rotary(kind, head_dim, dtype):
     assert torch.allclose(actual_grad.float(), expected_grad.float(), atol=tolerance)
 
 
+def test_triton_rotary_reads_states_and_gradients_through_their_strides():
+    """As the layer rotates its keys: a permuted view of the gathered (K, S, 2, H, d) windows in, and the gradient
+    a slice of the concatenation with the cell's key; neither is copied to be contiguous first."""
+    generator = torch.Generator().manual_seed(0)
+    windows, heads, slots, head_dim = 3, 2, 7, 8
+    rotations = rotations_for("keys", windows, heads, slots, head_dim, generator)
+    gathered = torch.randn(windows, slots, 2, heads, head_dim, generator=generator).to(DEVICE)
+    cell_key = torch.randn(windows, heads, 1, head_dim, generator=generator).to(DEVICE)
+    probe = torch.randn(windows, heads, 1 + slots, head_dim, generator=generator).to(DEVICE)
+
+    def run(rotate):
+        leaf = gathered.clone().requires_grad_()
+        key = leaf.permute(2, 0, 3, 1, 4)[0]  # (K, H, S, d), strided
+        out = rotate(key, rotations)
+        (torch.cat([cell_key, out], dim=2) * probe).sum().backward()
+        return out.detach(), leaf.grad
+
+    expected, expected_grad = run(apply_interleaved_rotary)
+    actual, actual_grad = run(triton_rotate_pairs)
+    assert actual.is_contiguous()
+    assert torch.allclose(actual, expected, atol=1e-5)
+    assert torch.allclose(actual_grad, expected_grad, atol=1e-5)
+
+
 def test_triton_rotary_refuses_rotations_that_do_not_fit():
     states = torch.randn(2, 3, 5, 8, device=DEVICE)
     with pytest.raises(ValueError, match="do not broadcast"):

@@ -5,9 +5,12 @@ four products, their sums, a stack, a cast back) and twenty backward, each a ker
 query or key; it runs on the queries and on the keys of every layer. Here the rotation of a row of pairs,
 (x, y) -> (x cos - y sin, x sin + y cos), is one kernel computed in float32 whatever the states' dtype; its gradient
 is the inverse rotation, the same kernel with the sines negated. Each launch is a `torch.library.triton_op` (one op
-for `torch.compile`, export and a dispatch counter).
+for `torch.compile`, export and a dispatch counter). The states are read through their strides: the layer's keys are
+a permuted view of the gathered windows and their gradients slices of a concatenation, which a contiguous copy
+would read and write once more each way.
 
-Shapes: states (A, B, C, d); the rotations' cosines and sines (A, B, C, d / 2, 2), broadcast from any of A, B, C.
+Shapes: states (A, B, C, d), any strides; the rotations' cosines and sines (A, B, C, d / 2, 2), broadcast from any of
+A, B, C; the output (A, B, C, d) contiguous.
 """
 
 import torch
@@ -29,8 +32,9 @@ ENABLED = True
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _rotate_pairs_kernel(states, rotations, out, R, B, C, half, stride_a, stride_b, stride_c,
-                             INVERSE: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    def _rotate_pairs_kernel(states, rotations, out, R, B, C, half, stride_a, stride_b, stride_c, states_a, states_b,
+                             states_c, states_d, INVERSE: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_HALF: tl.constexpr):  # fmt: skip
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         pairs = tl.arange(0, BLOCK_HALF)
         ok = (rows < R)[:, None] & (pairs < half)[None, :]
@@ -42,28 +46,29 @@ if TRITON_AVAILABLE:
         sin = tl.load(rotations + angle + 1, mask=ok, other=0.0).to(tl.float32)
         if INVERSE:  # the transpose of a rotation: the gradient of the forward's
             sin = -sin
+        source = (a * states_a + b * states_b + c * states_c)[:, None] + 2 * pairs[None, :] * states_d
+        x = tl.load(states + source, mask=ok, other=0.0).to(tl.float32)
+        y = tl.load(states + source + states_d, mask=ok, other=0.0).to(tl.float32)
         element = rows[:, None] * (2 * half) + 2 * pairs[None, :]
-        x = tl.load(states + element, mask=ok, other=0.0).to(tl.float32)
-        y = tl.load(states + element + 1, mask=ok, other=0.0).to(tl.float32)
         tl.store(out + element, (x * cos - y * sin).to(out.dtype.element_ty), mask=ok)
         tl.store(out + element + 1, (x * sin + y * cos).to(out.dtype.element_ty), mask=ok)
 
     @triton_op("ran_hf::rotate_pairs", mutates_args={})
     def rotate_pairs(states: torch.Tensor, rotations: torch.Tensor, inverse: bool) -> torch.Tensor:
-        """`states` (A, B, C, d) contiguous, each pair (x_2i, x_2i+1) rotated by `rotations` (A, B, C, d / 2, 2),
-        whose last two axes are contiguous and whose first three may be broadcast (stride 0)."""
+        """`states` (A, B, C, d) of any strides, each pair (x_2i, x_2i+1) rotated by `rotations` (A, B, C, d / 2, 2),
+        whose last two axes are contiguous and whose first three may be broadcast (stride 0); the output contiguous."""
         num_a, num_b, num_c, head_dim = states.shape
-        out = torch.empty_like(states)
+        out = states.new_empty(states.shape)
         rows = num_a * num_b * num_c
         stride_a, stride_b, stride_c = rotations.stride()[:3]
         wrap_triton(_rotate_pairs_kernel)[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
-            states, rotations, out, rows, num_b, num_c, head_dim // 2, stride_a, stride_b, stride_c,
+            states, rotations, out, rows, num_b, num_c, head_dim // 2, stride_a, stride_b, stride_c, *states.stride(),
             INVERSE=inverse, ROWS=ROWS_PER_PROGRAM, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         )  # fmt: skip
         return out
 
     def _on_meta(states, rotations, inverse):  # shape checks and kernel counts without a GPU
-        return torch.empty_like(states)
+        return states.new_empty(states.shape)
 
     try:
         rotate_pairs.register_kernel("meta")(_on_meta)
@@ -74,7 +79,7 @@ if TRITON_AVAILABLE:
         ctx.rotations, ctx.inverse = inputs[1], inputs[2]
 
     def _backward(ctx, grad_out):
-        return rotate_pairs(grad_out.contiguous(), ctx.rotations, not ctx.inverse), None, None
+        return rotate_pairs(grad_out, ctx.rotations, not ctx.inverse), None, None
 
     rotate_pairs.register_autograd(_backward, setup_context=_setup_context)
 
@@ -96,7 +101,7 @@ def triton_rotate_pairs(states: torch.Tensor, rotations: torch.Tensor) -> torch.
     if rotations.stride()[-2:] != (2, 1):
         rotations = rotations.contiguous()
     rotations = rotations.expand(*shape, *rotations.shape[-2:])
-    return rotate_pairs(states.reshape(shape + states.shape[-1:]).contiguous(), rotations, False).view(states.shape)
+    return rotate_pairs(states.reshape(shape + states.shape[-1:]), rotations, False).view(states.shape)
 
 
 def triton_rotary_applies(states: torch.Tensor) -> bool:
