@@ -5,19 +5,22 @@
     python scripts/train_tokenizer.py --train_files ../shared/data/conll2003/train.txt --conll --output_dir tok
 
 Files are read with `ran_hf.data` (plain text one document per line, jsonl / jsonl.gz / csv with a text column, or
-CoNLL with `--conll`). The saved folder loads with `AutoTokenizer.from_pretrained`. Special tokens, in id order:
-[PAD] [UNK] [CLS] [SEP] [MASK]; a single text becomes `[CLS] text [SEP]`, a pair `[CLS] a [SEP] b [SEP]`.
+CoNLL with `--conll`), through `datasets` into Arrow; `--max_documents N` reads only the first N of each file. The
+saved folder loads with `AutoTokenizer.from_pretrained`. Special tokens, in id order: [PAD] [UNK] [CLS] [SEP] [MASK];
+a single text becomes `[CLS] text [SEP]`, a pair `[CLS] a [SEP] b [SEP]`.
 """
 
 import logging
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from datasets import Dataset, concatenate_datasets
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from argument_checks import parse_arguments
-from ran_hf.data import check_columns, read_conll, read_records, split_before_whitespace
+from ran_hf.data import check_columns, check_texts, load_records, read_conll, read_records, split_before_whitespace
 from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 
 logger = logging.getLogger(__name__)
@@ -64,21 +67,29 @@ class TokenizerArguments:
             raise ValueError(f"--vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens.")
 
 
-def read_texts(args: TokenizerArguments) -> list[str]:
-    texts = []
+def read_texts(args: TokenizerArguments) -> Dataset:
+    """The documents of --train_files, as column "text". With --max_documents only the first documents of each file
+    are read (`ran_hf.data.read_records`); otherwise a file goes through `datasets` into Arrow
+    (`ran_hf.data.load_records`), so that its texts are held on disk, not as Python strings. A null or blank text is
+    an error naming the file and line, not the word "None" in the vocabulary."""
+    column = args.text_column_name
+    parts = []
     for path in args.train_files:
         if args.conll:
-            documents = [" ".join(sentence["tokens"]) for sentence in read_conll(path)]
+            sentences = read_conll(path)[: args.max_documents]
+            parts.append(Dataset.from_dict({"text": [" ".join(sentence["tokens"]) for sentence in sentences]}))
+        elif args.max_documents is not None:
+            records = read_records(path, text_columns=[column], limit=args.max_documents)
+            check_columns(records, [column], str(path))
+            parts.append(Dataset.from_dict({"text": [record[column] for record in records]}))
         else:
-            # a null or blank text is an error naming the file and line, not the word "None" in the vocabulary
-            records = read_records(path, text_columns=[args.text_column_name])
-            check_columns(records, [args.text_column_name], str(path))
-            documents = [record[args.text_column_name] for record in records]
-        texts.extend(documents[: args.max_documents])
-    return texts
+            documents = load_records(path, [column])
+            check_texts(documents, [column], str(path), path)
+            parts.append(documents.rename_column(column, "text") if column != "text" else documents)
+    return concatenate_datasets(parts)
 
 
-def build_tokenizer(args: TokenizerArguments, texts: list[str]) -> PreTrainedTokenizerFast:
+def build_tokenizer(args: TokenizerArguments, texts: Iterable[str]) -> PreTrainedTokenizerFast:
     if args.model == "wordpiece":
         backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         backend.normalizer = normalizers.BertNormalizer(lowercase=args.lowercase, strip_accents=args.lowercase)
@@ -142,8 +153,9 @@ def main(argv: list[str] | None = None) -> PreTrainedTokenizerFast:
     (args,) = parse_arguments(TokenizerArguments, argv)
     check_output_dir(args)
 
-    texts = read_texts(args)
-    logger.info(f"Training a {args.model} tokenizer (vocabulary {args.vocab_size}) on {len(texts):,} documents")
+    documents = read_texts(args)
+    logger.info(f"Training a {args.model} tokenizer (vocabulary {args.vocab_size}) on {len(documents):,} documents")
+    texts = (text for batch in documents.iter(batch_size=1000) for text in batch["text"])
     tokenizer = build_tokenizer(args, texts)
     if tokenizer.pad_token_id != 0:
         raise RuntimeError(f"[PAD] got id {tokenizer.pad_token_id}; RAN configs expect 0.")

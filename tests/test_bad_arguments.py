@@ -18,7 +18,7 @@ import run_ner
 import run_pipeline
 import torch
 import train_tokenizer
-from training_utils import cut_for_tokenizer
+from data_loading import cut_for_tokenizer
 from transformers import DynamicCache
 
 from ran_hf import RANCache, RANConfig, RANForCausalLM

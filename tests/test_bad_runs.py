@@ -22,8 +22,8 @@ import run_pipeline
 import torch
 import train_embeddings
 import train_tokenizer
+from ran_trainer import TrainingDivergedError
 from safetensors.torch import load_file, save_file
-from training_utils import TrainingDivergedError
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from ran_hf import RANConfig, RANForSequenceClassification, RANForTokenClassification

@@ -18,7 +18,8 @@ SCRIPTS = ROOT / "scripts"  # conftest.py puts its folders on sys.path
 
 import run_pipeline
 import train_tokenizer
-from training_utils import missing_from_checkpoint, parameter_checksum
+from checkpoints import missing_from_checkpoint
+from ran_trainer import parameter_checksum
 
 TINY_OVERRIDES = "hidden_size=16,num_attention_heads=2,head_dim=8,window_size=16,min_window_size=4"
 STEPS = 3

@@ -39,13 +39,10 @@ import run_mlm
 import run_ner
 import run_pipeline
 import train_tokenizer
-from training_utils import (
-    RANTrainingArguments,
-    cut_for_tokenizer,
-    missing_from_checkpoint,
-    parameter_checksum,
-    prepare_output_dir,
-)
+from checkpoints import missing_from_checkpoint, prepare_output_dir
+from data_loading import cut_for_tokenizer
+from ran_trainer import parameter_checksum
+from training_utils import RANTrainingArguments
 
 # Windows of 16 tokens, so that every test document spans several; no dropout, so that runs are reproducible.
 TINY_OVERRIDES = (

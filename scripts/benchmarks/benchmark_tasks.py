@@ -206,7 +206,7 @@ def tokenize_documents(tokenizer, texts: list[str], max_length: int) -> list[lis
 
 
 def prepare_classification(name: str, args: BenchmarkArguments, tokenizer) -> dict:
-    from ran_hf.data import read_records
+    from ran_hf.data import load_records, read_records
 
     data = Path(args.data_dir)
     if name == "probe":
@@ -239,18 +239,23 @@ def prepare_classification(name: str, args: BenchmarkArguments, tokenizer) -> di
         about = f"20 Newsgroups bydate, stratified subsets train {len(train)} / test {len(test)}"
     else:  # eurlex
         rng = random.Random(0)
-        train = read_records(data / "eurlex57k" / "train.jsonl.gz")
-        test = read_records(data / "eurlex57k" / "test.jsonl.gz")
-        rng.shuffle(train)
-        rng.shuffle(test)
+        splits = {
+            split: load_records(data / "eurlex57k" / f"{split}.jsonl.gz", ["text", "label"])
+            for split in ("train", "test")
+        }
+        labels = {split: dataset["label"] for split, dataset in splits.items()}
         counts = {}
-        for record in train:
-            for label in record["label"]:
+        for row in labels["train"]:
+            for label in row:
                 counts[label] = counts.get(label, 0) + 1
         label_names = sorted(counts, key=lambda label: (-counts[label], label))[: args.eurlex_labels]
         kept = set(label_names)
-        train = [r for r in train if kept & set(r["label"])][: args.train_documents]
-        test = [r for r in test if kept & set(r["label"])][: args.test_documents]
+        chosen = {}
+        for split, limit in (("train", args.train_documents), ("test", args.test_documents)):
+            order = list(range(len(splits[split])))
+            rng.shuffle(order)  # the order shuffling the records themselves gave: it depends on their number only
+            chosen[split] = splits[split].select([i for i in order if kept & set(labels[split][i])][:limit]).to_list()
+        train, test = chosen["train"], chosen["test"]
         encode = lambda record: [float(label in record["label"]) for label in label_names]  # noqa: E731
         about = (
             f"EURLEX-57K, the {len(label_names)} most frequent labels, documents with at least one of them: "
@@ -326,8 +331,8 @@ def training_texts(args: BenchmarkArguments) -> list[str]:
 
     data = Path(args.data_dir)
     texts = [r["text"] for r in read_records(data / "hyperpartisan" / "train.jsonl")]
-    texts += [r["text"] for r in read_records(data / "20newsgroups" / "train.jsonl.gz")[:4000]]
-    texts += [r["text"] for r in read_records(data / "eurlex57k" / "train.jsonl.gz")[:4000]]
+    texts += [r["text"] for r in read_records(data / "20newsgroups" / "train.jsonl.gz", limit=4000)]
+    texts += [r["text"] for r in read_records(data / "eurlex57k" / "train.jsonl.gz", limit=4000)]
     texts += [" ".join(s["tokens"]) for s in read_conll(data / "conll2003" / "train.txt")]
     texts += (data / "wikitext-2" / "valid.txt").read_text(encoding="utf-8").replace("<unk>", "[UNK]").splitlines()
     return texts
@@ -454,13 +459,12 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
     import transformers
 
     from ran_hf import RANForCausalLM, RANForSequenceClassification, RANForTokenClassification
-    from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
 
     tagging = task["problem_type"] == "token_classification"
     if task_name == "lm":
         official = name == "ran-causal-official"
         # The official causal model is built from the official (post-norm) layer.
-        layer_fields = {**OFFICIAL_LAYER_FIELDS, "scan_implementation": OFFICIAL_CAUSAL_SCAN} if official else {}
+        layer_fields = {"layer_design": "official", "scan_implementation": OFFICIAL_CAUSAL_SCAN} if official else {}
         config = ran_config(args, task, "ran", args.lm_window_size, is_causal=True, **layer_fields)
         model = RANForCausalLM(config)
         if official:

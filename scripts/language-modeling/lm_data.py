@@ -2,7 +2,8 @@
 their text datasets, the cutting of a token stream into blocks, the token that ends a document, and the
 special tokens a causal LM is saved with so that it generates as it was trained.
 
-What every example script shares (arguments, output folder, checkpoints, model card) is `../training_utils.py`.
+What every example script shares (arguments, data, output folder, checkpoints, trainer, model card) sits one folder
+up: `../training_utils.py` and its siblings.
 """
 
 import logging
@@ -12,7 +13,8 @@ from datasets import Dataset, DatasetDict
 from tokenizers import processors
 from transformers import PreTrainedTokenizerBase
 
-from training_utils import ModelArguments, load_splits
+from data_loading import check_split_texts, load_splits
+from training_utils import ModelArguments
 
 from ran_hf.data import split_before_whitespace
 
@@ -26,12 +28,19 @@ def load_text_datasets(model_args: ModelArguments, data_args) -> DatasetDict:
     """
     column = data_args.text_column_name
     files = {"train": data_args.train_file, "validation": data_args.validation_file}
-    # Local files: a null or blank text is an error naming its line. Hub corpora (WikiText, say) hold empty rows
-    # between paragraphs by design: those are dropped, and counted.
-    text_columns = (column,) if data_args.dataset_name is None else ()
     splits = load_splits(
-        model_args, data_args.dataset_name, data_args.dataset_config_name, files, [column], text_columns=text_columns
+        data_args.dataset_name,
+        data_args.dataset_config_name,
+        files,
+        [column],
+        text_columns=(column,),
+        cache_dir=model_args.cache_dir,
+        token=model_args.token,
     )
+    # Local files: a null or blank text is an error naming its line. Hub corpora (WikiText, say) hold empty rows
+    # between paragraphs by design: those are dropped below, and counted.
+    if data_args.dataset_name is None:
+        check_split_texts(splits, [column], data_args)
     if "validation" not in splits and "train" in splits and data_args.validation_split_percentage > 0:
         held_out = splits["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=0)
         splits = DatasetDict(train=held_out["train"], validation=held_out["test"])

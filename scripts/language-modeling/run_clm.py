@@ -34,6 +34,8 @@ from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
+from checkpoints import prepare_output_dir  # noqa: E402
+from data_loading import check_data_limits, describe_source  # noqa: E402
 from lm_data import (  # noqa: E402
     end_of_text_id,
     group_into_blocks,
@@ -42,20 +44,16 @@ from lm_data import (  # noqa: E402
     prepare_for_generation,
     token_ids,
 )
+from ran_trainer import ParameterChecksumCallback, RANTrainer  # noqa: E402
 from training_utils import (  # noqa: E402
     ModelArguments,
-    ParameterChecksumCallback,
-    RANTrainer,
     RANTrainingArguments,
-    check_data_limits,
     check_training_length,
     configure_data_parallelism,
-    describe_source,
     load_config,
     load_model,
     load_tokenizer,
     parse_arguments,
-    prepare_output_dir,
     setup_logging,
 )
 

@@ -30,22 +30,19 @@ from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
+from checkpoints import prepare_output_dir  # noqa: E402
+from data_loading import check_data_limits, cut_for_tokenizer, describe_source  # noqa: E402
 from lm_data import group_into_blocks, load_text_datasets, token_ids  # noqa: E402
+from ran_trainer import ParameterChecksumCallback, RANTrainer  # noqa: E402
 from training_utils import (  # noqa: E402
     ModelArguments,
-    ParameterChecksumCallback,
-    RANTrainer,
     RANTrainingArguments,
-    check_data_limits,
     check_training_length,
     configure_data_parallelism,
-    cut_for_tokenizer,
-    describe_source,
     load_config,
     load_model,
     load_tokenizer,
     parse_arguments,
-    prepare_output_dir,
     setup_logging,
 )
 

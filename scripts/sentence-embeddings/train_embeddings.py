@@ -44,7 +44,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from transformers import AutoTokenizer, BertConfig, BertModel, set_seed
 
 from ran_hf import RANConfig, RANModel
-from ran_hf.data import read_records
+from ran_hf.data import load_records
 from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 from ran_hf.sentence_embeddings import SENTENCE_POOLINGS, ran_sentence_transformer
 
@@ -123,20 +123,21 @@ def read_documents(path: str, data_args: DataTrainingArguments) -> list[tuple[st
     """(text, labels) for every document with a non-blank text and a label; a label list becomes a set of labels.
     The others (a null or blank text, a null label or an empty list) are skipped and counted in the log."""
     documents, without_text, without_label = [], 0, 0
-    for record in read_records(path):
-        text, label = record[data_args.text_column_name], record[data_args.label_column_name]
-        if not isinstance(text, str):  # null: not the word "None"
-            text = "" if text is None else str(text)
-        if data_args.strip_headers and "\n\n" in text:
-            text = text.split("\n\n", 1)[1]
-        items = label if isinstance(label, list) else [label]
-        labels = frozenset(str(item) for item in items if item is not None and item != "")
-        if not text.strip():
-            without_text += 1
-        elif not labels:
-            without_label += 1
-        else:
-            documents.append((text.strip(), labels))
+    columns = [data_args.text_column_name, data_args.label_column_name]
+    for batch in load_records(path, columns).iter(batch_size=1000):
+        for text, label in zip(*(batch[column] for column in columns)):
+            if not isinstance(text, str):  # null: not the word "None"
+                text = "" if text is None else str(text)
+            if data_args.strip_headers and "\n\n" in text:
+                text = text.split("\n\n", 1)[1]
+            items = label if isinstance(label, list) else [label]
+            labels = frozenset(str(item) for item in items if item is not None and item != "")
+            if not text.strip():
+                without_text += 1
+            elif not labels:
+                without_label += 1
+            else:
+                documents.append((text.strip(), labels))
     if without_text or without_label:
         logger.warning(
             f"{path}: skipped {without_text:,} documents without text (null or blank"

@@ -33,9 +33,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, DataCollat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
+from checkpoints import prepare_output_dir  # noqa: E402
+from ran_trainer import RANTrainer  # noqa: E402
 from training_utils import (  # noqa: E402
     ModelArguments,
-    RANTrainer,
     RANTrainingArguments,
     check_training_length,
     configure_data_parallelism,
@@ -43,7 +44,6 @@ from training_utils import (  # noqa: E402
     load_model,
     load_tokenizer,
     parse_arguments,
-    prepare_output_dir,
     setup_logging,
 )
 

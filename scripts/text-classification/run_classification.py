@@ -11,8 +11,10 @@ documents read whole (up to `--max_seq_length`, 4096 tokens by default, not 512)
 Data: `--dataset_name` (Hub) or `--train_file` / `--validation_file` / `--test_file` in jsonl, jsonl.gz, csv or tsv,
 with the text in `--text_column_name` and the label in `--label_column_name`. A label is a string, an int or a boolean
 (single-label), or a list of them (multi-label: EURLEX-57K's EUROVOC ids); the task and the classes are read off the
-data, and unknown, missing or mixed labels stop the script before training. A test file without the label column is
-only predicted. Hub `ClassLabel` features keep their names and order.
+whole splits (`--max_train_samples` keeps the first documents of a split, not fewer classes), and unknown, missing or
+mixed labels stop the script before training. A test file without the label column is only predicted. Hub
+`ClassLabel` features keep their names and order. Files are read through `datasets` into Arrow and cached
+(`scripts/data_loading.py`).
 
 Metrics (computed here with NumPy, since `evaluate.load("accuracy")` needs the Hub): single-label `accuracy` and
 `macro_f1`; multi-label `micro_f1`, `macro_f1` and exact-match `accuracy`, a class counting as predicted when its
@@ -33,22 +35,25 @@ from ran_hf.data import ClassificationLabels, UnknownLabelsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
-from training_utils import (  # noqa: E402
-    ModelArguments,
-    ParameterChecksumCallback,
-    RANTrainer,
-    RANTrainingArguments,
+from checkpoints import prepare_output_dir  # noqa: E402
+from data_loading import (  # noqa: E402
     check_data_limits,
-    check_training_length,
-    configure_data_parallelism,
+    check_split_texts,
     cut_for_tokenizer,
     describe_source,
+    first_examples,
+    load_splits,
+)
+from ran_trainer import ParameterChecksumCallback, RANTrainer  # noqa: E402
+from training_utils import (  # noqa: E402
+    ModelArguments,
+    RANTrainingArguments,
+    check_training_length,
+    configure_data_parallelism,
     load_config,
     load_model,
-    load_splits,
     load_tokenizer,
     parse_arguments,
-    prepare_output_dir,
     setup_logging,
     trained_labels,
 )
@@ -182,17 +187,20 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = prepare_output_dir(training_args, model_args, data_args)
     set_seed(training_args.seed)
 
-    # Data: read, check the columns, then infer and check the labels of every split that has them
+    # Data: every split read whole, its labels inferred and checked over the whole split (a run with
+    # --max_*_samples has the classes of a full run), then the first --max_*_samples documents kept and their texts
+    # checked (a null or blank text is an error, not the word "None")
     label_column = data_args.label_column_name
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
     raw_datasets = load_splits(
-        model_args,
         data_args.dataset_name,
         data_args.dataset_config_name,
         files,
         data_args.text_columns,
         optional_columns=(label_column,),
-        text_columns=tuple(data_args.text_columns),  # a null or blank text is an error, not the word "None"
+        text_columns=tuple(data_args.text_columns),
+        cache_dir=model_args.cache_dir,
+        token=model_args.token,
     )
     for split, needed in (
         ("train", training_args.do_train),
@@ -205,13 +213,6 @@ def main(argv: list[str] | None = None) -> dict:
             )
         if needed and split != "test" and label_column not in raw_datasets[split].column_names:
             raise ValueError(f"The {split} split has no label column {label_column!r}.")
-    for split, limit in (
-        ("train", data_args.max_train_samples),
-        ("validation", data_args.max_eval_samples),
-        ("test", data_args.max_predict_samples),
-    ):
-        if split in raw_datasets and limit is not None:
-            raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
 
     label_values, class_names = {}, None
     for split, dataset in raw_datasets.items():
@@ -233,6 +234,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"{'Multi' if labels.multi_label else 'Single'}-label classification with {len(labels.names)} classes: "
         f"{list(labels.names[:10])}{' ...' if len(labels.names) > 10 else ''}"
     )
+    limits = {
+        "train": data_args.max_train_samples,
+        "validation": data_args.max_eval_samples,
+        "test": data_args.max_predict_samples,
+    }
+    raw_datasets = first_examples(raw_datasets, limits)
+    check_split_texts(raw_datasets, data_args.text_columns, data_args)
 
     # Tokenizer, config and model
     tokenizer = load_tokenizer(model_args)
@@ -265,10 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
                 remove_columns=dataset.column_names,
                 desc=f"Tokenizing {split}",
             )
-            if split in label_values:
-                processed[split] = processed[split].add_column(
-                    "labels", [labels.encode(v) for v in label_values[split]]
-                )
+            if split in label_values:  # the labels of the split's first documents, which it now holds
+                kept = label_values[split][: len(dataset)]
+                processed[split] = processed[split].add_column("labels", [labels.encode(v) for v in kept])
     for split, dataset in processed.items():
         lengths = [len(ids) for ids in dataset["input_ids"]]
         truncated = sum(length == data_args.max_seq_length for length in lengths)

@@ -24,40 +24,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import evaluate
-from datasets import ClassLabel, Dataset, DatasetDict, List
+from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
 from transformers import (
     AutoModelForTokenClassification,
     DataCollatorForTokenClassification,
     set_seed,
 )
 
-from ran_hf.data import (
-    TagLabels,
-    UnknownLabelsError,
-    check_columns,
-    check_text,
-    file_format,
-    read_conll,
-    read_records,
-)
+from ran_hf.data import TagLabels, UnknownLabelsError, check_text, file_format, load_records, read_conll
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
+from checkpoints import prepare_output_dir  # noqa: E402
+from data_loading import check_data_limits, describe_source, first_examples, load_splits  # noqa: E402
+from ran_trainer import ParameterChecksumCallback, RANTrainer  # noqa: E402
 from training_utils import (  # noqa: E402
     ModelArguments,
-    ParameterChecksumCallback,
-    RANTrainer,
     RANTrainingArguments,
-    check_data_limits,
     check_training_length,
     configure_data_parallelism,
-    describe_source,
     load_config,
     load_model,
-    load_splits,
     load_tokenizer,
     parse_arguments,
-    prepare_output_dir,
     setup_logging,
     trained_labels,
 )
@@ -147,51 +136,73 @@ def warn_about_cut_words(split: str, dataset: Dataset, max_seq_length: int) -> N
 
 
 def load_sentences(model_args: ModelArguments, data_args: DataTrainingArguments) -> DatasetDict:
-    """Splits with columns "tokens" and "ner_tags" (tag names, not ids), from the Hub, jsonl or CoNLL files."""
+    """Every split whole, with columns "tokens" and "ner_tags" (tag names, not ids), from the Hub, jsonl or CoNLL
+    files. Every sentence is checked (`check_sentences`), not only those --max_*_samples keeps: the tags of whole
+    splits make the tag set."""
     tokens_column, tags_column = data_args.tokens_column_name, data_args.tags_column_name
-    sentences = {}  # split -> (words of every sentence, tags of every sentence)
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
     if data_args.dataset_name is not None:
         splits = load_splits(
-            model_args, data_args.dataset_name, data_args.dataset_config_name, {}, [tokens_column, tags_column]
+            data_args.dataset_name,
+            data_args.dataset_config_name,
+            {},
+            [tokens_column, tags_column],
+            cache_dir=model_args.cache_dir,
+            token=model_args.token,
         )
-        for split, dataset in splits.items():
-            feature = dataset.features[tags_column]
-            tags = dataset[tags_column]
-            if isinstance(feature, List) and isinstance(feature.feature, ClassLabel):
-                tags = [[feature.feature.int2str(tag) for tag in row] for row in tags]
-            sentences[split] = (dataset[tokens_column], tags)
     else:
-        files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-        for split, path in files.items():
-            if path is None:
-                continue
-            if file_format(path) == "jsonl":
-                records = read_records(path)
-                check_columns(records, [tokens_column, tags_column], str(path))
-                sentences[split] = ([r[tokens_column] for r in records], [r[tags_column] for r in records])
-            else:
-                records = read_conll(path)
-                sentences[split] = ([r["tokens"] for r in records], [r["ner_tags"] for r in records])
-    for split, (words, tags) in sentences.items():
-        for index, (sentence_words, sentence_tags) in enumerate(zip(words, tags)):
-            where = f"{split} sentence {index + 1}"
-            for column, values in ((tokens_column, sentence_words), (tags_column, sentence_tags)):
-                if not isinstance(values, list | tuple) or not values:
-                    raise ValueError(f"{where}: column {column!r} must be a non-empty list, got {values!r}.")
-                for value in values:
-                    if column == tags_column and isinstance(value, int) and not isinstance(value, bool):
-                        raise ValueError(
-                            f"{where}: column {column!r} holds tag ids ({values!r}); a jsonl file must give tag names "
-                            "(B-PER, I-PER, O, ...), since ids alone do not say which tag they are."
-                        )
-                    check_text(value, where, column)
-            if len(sentence_words) != len(sentence_tags):
-                raise ValueError(
-                    f"{split} sentence {index + 1} has {len(sentence_words)} tokens but {len(sentence_tags)} tags."
+        splits = DatasetDict(
+            {
+                split: load_records(path, [tokens_column, tags_column], cache_dir=model_args.cache_dir)
+                if file_format(path) == "jsonl"
+                else Dataset.from_list(read_conll(path)).rename_columns(
+                    {"tokens": tokens_column, "ner_tags": tags_column}
                 )
-    return DatasetDict(
-        {split: Dataset.from_dict({"tokens": words, "ner_tags": tags}) for split, (words, tags) in sentences.items()}
-    )
+                for split, path in files.items()
+                if path is not None
+            }
+        )
+    sentences = DatasetDict()
+    for split, dataset in splits.items():
+        dataset = dataset.select_columns([tokens_column, tags_column])
+        feature = dataset.features[tags_column]
+        if isinstance(feature, List) and isinstance(feature.feature, ClassLabel):  # Hub data: ids of named tags
+            names = feature.feature
+            dataset = dataset.map(
+                lambda batch, names=names: {tags_column: [names.int2str(row) for row in batch[tags_column]]},
+                batched=True,
+                features=Features({**dataset.features, tags_column: List(Value("string"))}),
+                desc=f"Tag names of {split}",
+            )
+        dataset = dataset.rename_columns({tokens_column: "tokens", tags_column: "ner_tags"})
+        dataset.map(
+            check_sentences,
+            batched=True,
+            with_indices=True,
+            fn_kwargs={"split": split, "tokens_column": tokens_column, "tags_column": tags_column},
+            desc=f"Checking the sentences of {split}",
+        )
+        sentences[split] = dataset
+    return sentences
+
+
+def check_sentences(batch: dict, indices: list[int], split: str, tokens_column: str, tags_column: str) -> None:
+    """Words and tags are non-empty lists of the same length, of non-blank strings: tag names, not ids (a batched map,
+    naming the split and the sentence)."""
+    for index, words, tags in zip(indices, batch["tokens"], batch["ner_tags"]):
+        where = f"{split} sentence {index + 1}"
+        for column, values in ((tokens_column, words), (tags_column, tags)):
+            if not isinstance(values, list | tuple) or not values:
+                raise ValueError(f"{where}: column {column!r} must be a non-empty list, got {values!r}.")
+            for value in values:
+                if column == tags_column and isinstance(value, int) and not isinstance(value, bool):
+                    raise ValueError(
+                        f"{where}: column {column!r} holds tag ids ({values!r}); a jsonl file must give tag names "
+                        "(B-PER, I-PER, O, ...), since ids alone do not say which tag they are."
+                    )
+                check_text(value, where, column)
+        if len(words) != len(tags):
+            raise ValueError(f"{where} has {len(words)} tokens but {len(tags)} tags.")
 
 
 def load_seqeval():
@@ -266,15 +277,15 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(
                 f"The {split} split is needed (--do_{'eval' if split == 'validation' else split}) but missing."
             )
-    for split, limit in (
-        ("train", data_args.max_train_samples),
-        ("validation", data_args.max_eval_samples),
-        ("test", data_args.max_predict_samples),
-    ):
-        if split in raw_datasets and limit is not None:
-            raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
+    # The tags of whole splits (a run with --max_*_samples has the tags of a full run), then the first sentences
     tags = choose_tags({split: dataset["ner_tags"] for split, dataset in raw_datasets.items()}, model_args)
     logger.info(f"{len(tags.names)} tags: {list(tags.names)}")
+    limits = {
+        "train": data_args.max_train_samples,
+        "validation": data_args.max_eval_samples,
+        "test": data_args.max_predict_samples,
+    }
+    raw_datasets = first_examples(raw_datasets, limits)
 
     # Tokenizer, config and model
     tokenizer = load_tokenizer(model_args)

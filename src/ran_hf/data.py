@@ -8,6 +8,13 @@ Formats, chosen by the file name:
 * CoNLL (`read_conll`): one token per line, whitespace-separated columns (token first, tag last), a blank line between
   sentences, `-DOCSTART-` lines ignored: CoNLL-2003's four columns, or two.
 
+Two ways in. `load_records` reads a file with `datasets.load_dataset` into Arrow, memory-mapped from the `datasets`
+cache (EURLEX-57K's training split: a few seconds and a few hundred MiB the first time, a fraction of a second after;
+benchmarks/data_loading_cpu.md), and `check_texts` checks its texts as a batched map. `read_records` /
+`iter_records` read record by record in Python, and stop after the first `limit` records. They are also the
+diagnosis: where Arrow fails, or a check finds a bad value, the file is read again this way up to the bad record, so
+that every error names the file and line, as Arrow's own errors do not.
+
 Every reader raises `ValueError` naming the file (and line) for an empty file, a malformed line, bytes that are not
 UTF-8, or (with `text_columns`) a text that is null, empty or blank. Labels go through
 `ClassificationLabels.from_splits` / `TagLabels.from_splits`, which reject missing, mixed or unseen labels.
@@ -16,12 +23,21 @@ UTF-8, or (with `text_columns`) a text that is null, empty or blank. Labels go t
 import csv
 import gzip
 import io
+import itertools
 import json
+import logging
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+
+from datasets import Dataset, Features, LargeList, List, Value, load_dataset
+from datasets.exceptions import DatasetGenerationError
+from pyarrow import ArrowException
+
+logger = logging.getLogger(__name__)
 
 DOCSTART = "-DOCSTART-"
 
@@ -88,14 +104,14 @@ def check_text(value, where: str, column: str) -> None:
     raise ValueError(f"{where}: column {column!r} holds {kind}. Every example needs a text; remove or fix it.")
 
 
-def read_jsonl(path: str | Path, text_columns: Iterable[str] = ()) -> list[dict]:
+def jsonl_records(path: str | Path, text_columns: Iterable[str] = ()) -> Iterator[dict]:
     """One JSON object per non-blank line; the `text_columns` it holds must be non-blank strings."""
     text_columns = tuple(text_columns)
-    records = []
+    first = True
     for line_number, line in enumerate(read_lines(path), start=1):
         if not line.strip():
             continue
-        if not records and line.lstrip().startswith("["):
+        if first and line.lstrip().startswith("["):
             raise ValueError(
                 f"{path}, line {line_number}: expected a JSON object, got the start of a JSON array. This reader "
                 f"takes JSON Lines, one object per line: convert the array with `jq -c '.[]' {Path(path).name}`."
@@ -109,8 +125,8 @@ def read_jsonl(path: str | Path, text_columns: Iterable[str] = ()) -> list[dict]
         for column in text_columns:
             if column in record:
                 check_text(record[column], f"{path}, line {line_number}", column)
-        records.append(record)
-    return records
+        first = False
+        yield record
 
 
 class _LineCounter:
@@ -129,7 +145,18 @@ class _LineCounter:
         return line
 
 
-def read_delimited(path: str | Path, delimiter: str, text_columns: Iterable[str] = ()) -> list[dict]:
+@contextmanager
+def long_csv_fields():
+    """Lets the csv module read fields as long as a document is (its default limit, 128 KB, is shorter than many)."""
+    limit = csv.field_size_limit()
+    csv.field_size_limit(sys.maxsize)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(limit)
+
+
+def delimited_records(path: str | Path, delimiter: str, text_columns: Iterable[str] = ()) -> Iterator[dict]:
     """A CSV or TSV file whose first row names the columns; the `text_columns` it has must not be blank.
 
     Quoting is strict (a quote left open or text after a closing quote is an error, reported at the line where the
@@ -138,16 +165,14 @@ def read_delimited(path: str | Path, delimiter: str, text_columns: Iterable[str]
     text_columns = tuple(text_columns)
     lines = _LineCounter(read_lines(path))
     reader = csv.reader(lines, delimiter=delimiter, strict=True)
-    limit = csv.field_size_limit()
-    csv.field_size_limit(sys.maxsize)  # the default, 128 KB, is shorter than many long documents
-    try:
-        header, records = None, []
+    with long_csv_fields():
+        header = None
         while True:
             start = lines.line_number + 1
             try:
                 row = next(reader)
             except StopIteration:
-                break
+                return
             except csv.Error as error:
                 kind = "CSV" if delimiter == "," else "TSV"
                 raise ValueError(f"{path}, line {start}: not valid {kind} ({error}).") from None
@@ -164,30 +189,142 @@ def read_delimited(path: str | Path, delimiter: str, text_columns: Iterable[str]
             for column in text_columns:
                 if column in record:
                     check_text(record[column], f"{path}, line {start}", column)
-            records.append(record)
-    finally:
-        csv.field_size_limit(limit)
-    return records
+            yield record
 
 
-def read_text(path: str | Path) -> list[dict]:
-    """Plain text: every non-blank line is one record `{"text": line}`."""
-    return [{"text": line.strip()} for line in read_lines(path) if line.strip()]
+def text_records(path: str | Path) -> Iterator[dict]:
+    """Plain text: every non-blank line is one record `{"text": line}`, stripped."""
+    return ({"text": line.strip()} for line in read_lines(path) if line.strip())
 
 
-def read_records(path: str | Path, text_columns: Iterable[str] = ()) -> list[dict]:
-    """The records of a jsonl / csv / tsv / text file (see the module docstring); an empty file is an error, and so
-    is a null, empty or blank value in one of `text_columns`."""
+def iter_records(path: str | Path, text_columns: Iterable[str] = (), limit: int | None = None) -> Iterator[dict]:
+    """The records of a jsonl / csv / tsv / text file one at a time (see the module docstring), checked as they are
+    read: a null, empty or blank value in one of `text_columns` is an error naming the file and line. With `limit`,
+    reading stops after that many records: the rest of the file is never read."""
     kind = file_format(path)
     if kind == "jsonl":
-        records = read_jsonl(path, text_columns)
+        records = jsonl_records(path, text_columns)
     elif kind in ("csv", "tsv"):
-        records = read_delimited(path, "," if kind == "csv" else "\t", text_columns)
+        records = delimited_records(path, "," if kind == "csv" else "\t", text_columns)
     else:
-        records = read_text(path)
+        records = text_records(path)
+    with closing(records):  # stopping early closes the file (and restores the csv module's field limit) at once
+        yield from itertools.islice(records, limit)
+
+
+def read_records(path: str | Path, text_columns: Iterable[str] = (), limit: int | None = None) -> list[dict]:
+    """The records of a jsonl / csv / tsv / text file (`iter_records`, at most `limit`) as a list; an empty file is an
+    error."""
+    records = list(iter_records(path, text_columns, limit))
     if not records:
         raise ValueError(f"{path} holds no examples (the file is empty or blank).")
     return records
+
+
+# `datasets` reads CSV with pandas. Its Python engine with this dialect is as strict about quoting as
+# `delimited_records`, where the C engine would read `"a" b` as `a b`.
+csv.register_dialect("ran_hf-csv", delimiter=",", strict=True)
+csv.register_dialect("ran_hf-tsv", delimiter="\t", strict=True)
+
+
+def load_records(
+    path: str | Path,
+    columns: Sequence[str] = (),
+    optional_columns: Sequence[str] = (),
+    text_columns: Iterable[str] = (),
+    cache_dir: str | None = None,
+) -> Dataset:
+    """A jsonl / csv / tsv / text file as a `datasets.Dataset` with `columns` and those of `optional_columns` that its
+    first record holds (a test file without labels, say), read by `datasets.load_dataset` ("json", "csv" or "text")
+    into Arrow and memory-mapped from the `datasets` cache (`cache_dir`, else its default), which makes a second read
+    of the same file almost free.
+
+    The records hold what `read_records` would give: CSV fields stay strings ("NA" and "" included), plain text keeps
+    its non-blank lines, stripped. Every record must hold every kept column, each column one kind of value
+    (`check_columns`). Texts are checked by `check_texts`, so that a script checks only those it uses; `text_columns`
+    are checked here only where Arrow cannot read the file. A first record that is not a JSON object (a JSON array,
+    say), a missing column, mixed kinds, and what Arrow cannot read (bytes that are not UTF-8, a broken line) are
+    named by this module's reader, with the file and line. A file that reader takes but Arrow cannot (values of one
+    column that Arrow cannot unify) is read record by record instead, with a warning.
+    """
+    path = Path(path)
+    first = next(iter_records(path), None)  # datasets would take a JSON array, or a single object, as records
+    if first is None:
+        raise ValueError(f"{path} holds no examples (the file is empty or blank).")
+    kept = list(dict.fromkeys([*columns, *(column for column in optional_columns if column in first)]))
+    check_columns([first], kept, str(path))
+    try:
+        dataset = arrow_records(path, first, cache_dir).select_columns(kept)
+        for column in kept:  # pyarrow's JSON reader takes bytes that are not UTF-8 into its strings
+            dataset.data.column(column).validate(full=True)
+    except (DatasetGenerationError, ArrowException, ValueError, csv.Error) as error:
+        check_columns(iter_records(path, text_columns), kept, str(path))  # names the bad record, if there is one
+        logger.warning(f"{path}: Arrow cannot read it ({type(error).__name__}); reading it record by record instead.")
+        records = read_records(path)
+        return Dataset.from_dict({column: [record[column] for record in records] for column in kept})
+    # A record without a kept column holds null there, and a column of several kinds is not a plain Arrow type:
+    # the reader names the record (a null that the file itself holds passes, for the label checks to name).
+    nulls = any(dataset.data.column(column).null_count for column in kept)
+    if nulls or not all(isinstance(dataset.features[column], Value | List | LargeList | dict) for column in kept):
+        check_columns(iter_records(path), kept, str(path))
+    return dataset
+
+
+def arrow_records(path: Path, first: dict, cache_dir: str | None) -> Dataset:
+    """`datasets.load_dataset` of one file, read as `iter_records` reads it (`first` is its first record)."""
+    kind = file_format(path)
+    options = {}
+    if kind in ("csv", "tsv"):
+        options = {
+            "features": Features(dict.fromkeys(first, Value("string"))),  # strings, as csv.reader gives them
+            "keep_default_na": False,
+            "na_filter": False,
+            "dialect": f"ran_hf-{kind}",
+            "engine": "python",
+            "encoding": "utf-8-sig",
+        }
+    elif kind == "text":
+        options = {"encoding": "utf-8-sig"}
+    builder = {"jsonl": "json", "csv": "csv", "tsv": "csv", "text": "text"}[kind]
+    with long_csv_fields():
+        dataset = load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir, **options)
+    if kind == "text":
+        dataset = dataset.map(
+            lambda batch: {"text": [line.strip() for line in batch["text"] if line.strip()]},
+            batched=True,
+            remove_columns=["text"],
+            desc="Dropping blank lines",
+        )
+    return dataset
+
+
+def check_texts(
+    dataset: Dataset,
+    text_columns: Iterable[str],
+    source: str,
+    path: str | Path | None = None,
+) -> None:
+    """Every value of `text_columns` must be a non-blank string (`check_text`), checked as a batched map.
+
+    A bad value is named as `source`, example N, or, with `path` (the file whose first records `dataset` holds, in
+    order), by the file's reader, with its line.
+    """
+    text_columns = list(text_columns)
+
+    def check(batch, indices):
+        for column in text_columns:
+            for index, value in zip(indices, batch[column]):
+                try:
+                    check_text(value, f"{source}, example {index + 1}", column)
+                except ValueError:
+                    if path is not None:
+                        read_records(path, text_columns, limit=index + 1)  # raises, naming the line
+                    raise
+
+    if text_columns:
+        dataset.select_columns(text_columns).map(
+            check, batched=True, with_indices=True, desc=f"Checking the texts of {source}"
+        )
 
 
 def split_before_whitespace(text: str, characters: int = 1 << 16) -> list[str]:
@@ -260,10 +397,11 @@ def value_kind(value) -> str | None:
     return "object" if isinstance(value, dict) else "string"
 
 
-def check_columns(records: Sequence[Mapping], columns: Iterable[str], source: str) -> None:
+def check_columns(records: Iterable[Mapping], columns: Iterable[str], source: str) -> None:
     """Every record must hold every one of `columns`, each column one kind of value (all strings, all lists, ...).
 
     Names the first record that breaks the rule and what it holds, instead of the error a table library would give.
+    `records` may be an iterator (`iter_records`): they are read once, and none is kept.
     """
     columns = list(columns)
     first_of_kind = {}  # column -> (kind, record number) of its first non-null value
@@ -445,13 +583,13 @@ __all__ = [
     "UnknownLabelsError",
     "check_columns",
     "check_text",
+    "check_texts",
     "file_format",
+    "iter_records",
+    "load_records",
     "open_text",
     "read_conll",
-    "read_delimited",
-    "read_jsonl",
     "read_lines",
     "read_records",
-    "read_text",
     "split_before_whitespace",
 ]
