@@ -1,7 +1,7 @@
 """The Triton gated linear unit (triton_glu.py) equals RAN's PyTorch one (`RANGatedLinearUnit`): outputs and the
-gradients of the input, weight and bias, for row counts and widths that do and do not fill a program's block, float32
-and float16. On a CPU the kernels run in Triton's interpreter; on CUDA compiled, and `RANGatedLinearUnit` then uses
-them."""
+gradients of the input, weight, bias and the residual added to it, for row counts and widths that do and do not fill a
+program's block, float32 and float16. On a CPU the kernels run in Triton's interpreter; on CUDA compiled, and
+`RANGatedLinearUnit` then uses them."""
 
 import pytest
 import torch
@@ -24,7 +24,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
-def test_triton_glu_equals_the_pytorch_glu(shape, dtype, monkeypatch):
+@pytest.mark.parametrize(
+    "residual",
+    [None, "same", "broadcast"],
+    ids=["no-residual", "residual-in-the-kernel", "broadcast-residual-added-after"],
+)
+def test_triton_glu_equals_the_pytorch_glu(shape, dtype, residual, monkeypatch):
     generator = torch.Generator().manual_seed(sum(shape))
     glu = RANGatedLinearUnit(shape[-1])
     with torch.no_grad():  # gates far from 0 too, where sigmoid saturates
@@ -33,14 +38,18 @@ def test_triton_glu_equals_the_pytorch_glu(shape, dtype, monkeypatch):
     glu = glu.to(DEVICE, dtype)
     x = torch.randn(shape, generator=generator).to(DEVICE, dtype)
     probe = torch.randn(shape, generator=generator).to(DEVICE, dtype)
+    other = {None: None, "same": shape, "broadcast": shape[-1:]}[residual]
+    other = None if other is None else torch.randn(other, generator=generator).to(DEVICE, dtype)
 
     def run(use_triton):  # the module's own dispatch, told where the kernel applies (on a CPU: nowhere)
         monkeypatch.setattr("ran_hf.building_blocks.triton_glu_applies", lambda projected: use_triton)
         leaf = x.clone().requires_grad_()
+        other_leaf = None if other is None else other.clone().requires_grad_()
         glu.zero_grad()
-        out = glu(leaf)
+        out = glu(leaf, None if other_leaf is None else other_leaf * 2)  # the residual is another op's output
         (out.float() * probe.float()).sum().backward()
-        return out.detach(), [leaf.grad, glu.proj.weight.grad, glu.proj.bias.grad]
+        grads = [leaf.grad, glu.proj.weight.grad, glu.proj.bias.grad]
+        return out.detach(), grads + ([] if other_leaf is None else [other_leaf.grad])
 
     expected, expected_grads = run(False)
     actual, actual_grads = run(True)
@@ -60,13 +69,13 @@ def test_triton_glu_refuses_an_odd_width():
 
 def test_the_triton_glu_runs_on_cuda_unless_switched_off(monkeypatch):
     """On CUDA (and the meta device, which stands in for it) by default; never on the CPU; off when switched off;
-    on meta it is one op each way in place of the PyTorch ops."""
+    on meta it is one op each way in place of the PyTorch ops, the residual's sum included."""
     meta = torch.empty(2, 3, 16, device="meta")
     assert triton_glu.triton_glu_applies(meta)
     assert not triton_glu.triton_glu_applies(torch.empty(2, 3, 16))
     with torch.device("meta"):
         glu = RANGatedLinearUnit(8)
-        x = torch.empty(2, 3, 8, requires_grad=True)
+        x, residual = torch.empty(2, 3, 8, requires_grad=True), torch.empty(2, 3, 8, requires_grad=True)
     seen = []
 
     class Ops(torch.utils._python_dispatch.TorchDispatchMode):
@@ -75,10 +84,10 @@ def test_the_triton_glu_runs_on_cuda_unless_switched_off(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     with Ops():
-        out = glu(x)
+        out = glu(x, residual)
         out.sum().backward()
-    assert out.shape == (2, 3, 8) and x.grad.shape == x.shape
+    assert out.shape == (2, 3, 8) and x.grad.shape == residual.grad.shape == x.shape
     assert seen.count("ran_hf::glu_forward") == seen.count("ran_hf::glu_backward") == 1
-    assert "aten::sigmoid" not in seen and "aten::sigmoid_backward" not in seen
+    assert not {"aten::sigmoid", "aten::sigmoid_backward", "aten::mul", "aten::add"} & set(seen)
     monkeypatch.setattr(triton_glu, "ENABLED", False)
     assert not triton_glu.triton_glu_applies(meta)

@@ -60,18 +60,20 @@ class RANLayerNorm(nn.Module):
 
 
 class RANGatedLinearUnit(nn.Module):
-    """GLU(x) = (A x + a) * sigmoid(G x + g), with A and G fused into one projection."""
+    """GLU(x) = (A x + a) * sigmoid(G x + g), with A and G fused into one projection; `residual` + GLU(x) where a
+    residual is given (one kernel on CUDA, where the sum would be another)."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.proj = nn.Linear(hidden_size, 2 * hidden_size)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         projected = self.proj(hidden_states)  # (..., 2 D)
-        if triton_glu_applies(projected):  # one kernel each way instead of two and four ops
-            return triton_glu(projected)
+        if triton_glu_applies(projected):  # one kernel each way instead of two (three with the sum) and four ops
+            return triton_glu(projected, residual)
         value, gate = projected.chunk(2, dim=-1)
-        return value * torch.sigmoid(gate)
+        gated = value * torch.sigmoid(gate)
+        return gated if residual is None else residual + gated
 
 
 def rotary_rotations(num_positions: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,12 @@ and written once as the output; backward reads it and the output's gradient once
 gradient once: 8 token-state passes where the PyTorch ops make 18. Computed in float32 whatever the dtype. Each
 launch is a `torch.library.triton_op` (one op for `torch.compile`, export and a dispatch counter).
 
-Shapes: projected (R, 2 D) rows of [value, gate] as `nn.Linear(D, 2 D)` writes them; output (R, D).
+The layer adds the unit to another branch (`dropout(act(o_proj(x))) + GLU(normed)`): given that branch as
+`residual`, the forward kernel adds it too, and the sum's own kernel (3 passes) is gone; its gradient is the output's.
+Dropout stays a PyTorch op before it: on CUDA `nn.Dropout` draws its mask in ATen's fused kernel, whose random
+stream a Triton kernel cannot reproduce, and a mask drawn another way would drop other units for the same seed.
+
+Shapes: projected (R, 2 D) rows of [value, gate] as `nn.Linear(D, 2 D)` writes them; residual and output (R, D).
 """
 
 import torch
@@ -30,7 +35,8 @@ ENABLED = True
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _glu_forward_kernel(projected, out, R, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _glu_forward_kernel(projected, residual, out, R, D, RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK: tl.constexpr):  # fmt: skip
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # R x 2 D may pass 2^31
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = (rows < R)[:, None] & (columns < D)[None, :]
@@ -38,7 +44,10 @@ if TRITON_AVAILABLE:
         value = tl.load(projected + value_at, mask=ok, other=0.0).to(tl.float32)
         gate = tl.load(projected + value_at + D, mask=ok, other=0.0).to(tl.float32)
         gated = value / (1.0 + tl.exp(-gate))
-        tl.store(out + rows[:, None] * D + columns[None, :], gated.to(out.dtype.element_ty), mask=ok)
+        out_at = rows[:, None] * D + columns[None, :]
+        if RESIDUAL:
+            gated += tl.load(residual + out_at, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + out_at, gated.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _glu_backward_kernel(projected, grad_out, grad_projected, R, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -60,13 +69,15 @@ if TRITON_AVAILABLE:
         return (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(width, BLOCK_COLUMNS))
 
     @triton_op("ran_hf::glu_forward", mutates_args={})
-    def glu_forward(projected: torch.Tensor) -> torch.Tensor:
-        """(R, 2 D) contiguous rows of [value, gate] -> (R, D) value * sigmoid(gate)."""
+    def glu_forward(projected: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """(R, 2 D) contiguous rows of [value, gate] -> (R, D) value * sigmoid(gate), plus `residual` (R, D)
+        (contiguous, of the same dtype) where given."""
         rows, width = projected.shape[0], projected.shape[1] // 2
         out = projected.new_empty(rows, width)
         wrap_triton(_glu_forward_kernel)[_grid(rows, width)](
-            projected, out, rows, width, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_COLUMNS
-        )
+            projected, projected if residual is None else residual, out, rows, width, RESIDUAL=residual is not None,
+            ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_COLUMNS,
+        )  # fmt: skip
         return out
 
     @triton_op("ran_hf::glu_backward", mutates_args={})
@@ -81,7 +92,7 @@ if TRITON_AVAILABLE:
 
     # The meta device (shape checks and kernel counts without a GPU) runs no kernel.
     for _op, _on_meta in (
-        (glu_forward, lambda projected: projected.new_empty(projected.shape[0], projected.shape[1] // 2)),
+        (glu_forward, lambda projected, residual: projected.new_empty(projected.shape[0], projected.shape[1] // 2)),
         (glu_backward, lambda projected, grad_out: torch.empty_like(projected)),
     ):
         try:
@@ -91,21 +102,29 @@ if TRITON_AVAILABLE:
 
     def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[0])
+        ctx.has_residual = inputs[1] is not None
 
     def _backward(ctx, grad_out):
         (projected,) = ctx.saved_tensors
-        return glu_backward(projected, grad_out.contiguous())
+        grad_residual = grad_out if ctx.has_residual else None  # the output's gradient, as it is
+        return glu_backward(projected, grad_out.contiguous()), grad_residual
 
     glu_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def triton_glu(projected: torch.Tensor) -> torch.Tensor:
-    """value * sigmoid(gate) of `projected` (..., 2 D) = [value, gate], in one kernel: (..., D)."""
+def triton_glu(projected: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """value * sigmoid(gate) of `projected` (..., 2 D) = [value, gate], plus `residual` where given, in one kernel:
+    (..., D). A residual that would change the result's shape or dtype is added by PyTorch after the kernel."""
     if projected.shape[-1] % 2:
         raise ValueError(f"the gated linear unit takes [value, gate] of even width, got {projected.shape[-1]}")
     width = projected.shape[-1] // 2
+    shape = (*projected.shape[:-1], width)
     rows = projected.reshape(-1, 2 * width).contiguous()
-    return glu_forward(rows).view(*projected.shape[:-1], width)
+    if residual is not None and (residual.shape != shape or residual.dtype != projected.dtype):
+        return residual + glu_forward(rows, None).view(shape)
+    if residual is not None:
+        residual = residual.reshape(-1, width).contiguous()
+    return glu_forward(rows, residual).view(shape)
 
 
 def triton_glu_applies(projected: torch.Tensor) -> bool:
