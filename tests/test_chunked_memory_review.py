@@ -13,7 +13,6 @@ import torch
 from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
 
 from ran_hf import RANForCausalLM, RANModel, memory_review
-from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
 from ran_hf.memory_review import RANMemoryReview
 
 TOLERANCE = 1e-5
@@ -22,7 +21,7 @@ CONFIGS = [
     pytest.param({}, id="encoder"),
     pytest.param({"window_overlap": 2, "cell_pooling": "mean"}, id="encoder-overlap"),
     pytest.param({"is_causal": True}, id="causal"),
-    pytest.param({"is_causal": True, **OFFICIAL_LAYER_FIELDS}, id="causal-official-layer"),
+    pytest.param({"is_causal": True, "layer_design": "official"}, id="causal-official-layer"),
 ]
 
 

@@ -53,7 +53,6 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from benchmark_utils import machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
 from benchmark_tasks import OFFICIAL_CAUSAL_SCAN  # importing it registers the official causal scan
-from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
 
 PAD, KEY, QUESTION, FIRST_DIGIT = 0, 1, 2, 3  # digits are 3..12
 NUM_WORDS = 2000  # the most frequent words of the training text; the rest becomes <unk>, numbers become <num>
@@ -63,8 +62,8 @@ NUM_SYMBOLS = 64  # MQAR keys and values each come from their own 64 symbols
 # None: GPT-2
 MODELS = {
     "ran": {},
-    "ran-before": OFFICIAL_LAYER_FIELDS,
-    "ran-official-causal": OFFICIAL_LAYER_FIELDS | {"scan_implementation": OFFICIAL_CAUSAL_SCAN},
+    "ran-before": {"layer_design": "official"},
+    "ran-official-causal": {"layer_design": "official", "scan_implementation": OFFICIAL_CAUSAL_SCAN},
     "gpt2": None,
 }
 
@@ -106,9 +105,7 @@ def filler(stream: torch.Tensor, generator: torch.Generator, batch_size: int, le
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-def passkey_batch(
-    stream, generator, batch_size: int, length: int, depth: float | None = None, key_digits: int = 5
-):
+def passkey_batch(stream, generator, batch_size: int, length: int, depth: float | None = None, key_digits: int = 5):
     """Ids (B, length) and the answer digits (B, key_digits). The key lies at `depth` (0..1) of the text before the
     question, or anywhere when `depth` is None; the last `key_digits + 1` tokens are the question and the answer."""
     ids = filler(stream, generator, batch_size, length)
@@ -358,7 +355,7 @@ def evaluate_bounded_memory(model, eval_stream, context: int | None, args) -> di
         same_examples = torch.Generator().manual_seed(args.eval_seed)
         result["passkey_bounded"] = evaluate_passkey(model, eval_stream, same_examples, context, args)
         result["memory_review_cells"] = args.memory_review_cells
-        if args.memory_salient_cells and model.config.uses_review_salience:
+        if args.memory_salient_cells and model.config.layer_option("review_salience"):
             model.config.memory_salient_cells = args.memory_salient_cells
             same_examples = torch.Generator().manual_seed(args.eval_seed)
             result["passkey_salient"] = evaluate_passkey(model, eval_stream, same_examples, context, args)

@@ -35,7 +35,6 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from benchmark_utils import machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
-from ran_hf.configuration_ran import OFFICIAL_LAYER_FIELDS
 from ran_hf.building_blocks import apply_interleaved_rotary, rotary_rotations
 
 VOCAB_SIZE = 64
@@ -51,8 +50,8 @@ LATER = {"review_salience": False, "token_shift": False}
 # name -> the RAN fields that differ from the causal defaults (None: GPT-2). From the official layer, one change at a
 # time, to the causal RAN as it is; then the RAN without one of its changes.
 MODELS = {
-    "official-layer": OFFICIAL_LAYER_FIELDS,
-    "+residual-stream": OFFICIAL_LAYER_FIELDS | {"residual_stream": True},
+    "official-layer": {"layer_design": "official"},
+    "+residual-stream": {"layer_design": "official", "residual_stream": True},
     "+cell-written-by-attention": ACTIVATED | {"review_qk_norm": False},
     "+review-qk-norm": ACTIVATED,  # + cosine scores in memory review
     "+plain-projections": {"cell_max_pool": False, **LATER},  # + plain attention scores and a linear memory path
@@ -174,7 +173,7 @@ def probe_memory(model, length: int, key_range, examples: int = 1024) -> dict:
         write = (scores / layer.head_dim**0.5).softmax(1)  # (E, 1 + W, H)
         write_on_digit = write[rows, 1 + digit_position].amax(-1)  # (E,)
         review = outputs.memory_attentions[index][:, -1]  # (E, cells): the question's review
-        has_initial = model.config.uses_review_initial_cell
+        has_initial = model.config.layer_option("review_initial_cell")
         on_key_cell = review[:, int(has_initial)]
         on_initial = review[:, 0] if has_initial else torch.zeros_like(on_key_cell)
         result[f"layer {index}"] = {

@@ -165,25 +165,35 @@ def install_token_keys(model: RANForCausalLM) -> None:
     key projected from the cell: a query then meets, already at initialisation, the window that holds its own
     token. The cell still gives the value. An experiment for unpadded batches without a cache."""
     for layer in model.model.layers:
-        plain_review_memory = layer.review_memory
+        review = layer.memory_review
+        plain_project_cells = review.project_cells
 
-        def review_memory(token_states, cells, first_cell, initial_cell, layout, *rest, layer=layer,
-                          plain_review_memory=plain_review_memory):  # fmt: skip
-            review = layer.memory_review
+        def review_memory(token_states, raw_cells, initial_cell, layout, *rest, layer=layer, review=review,
+                          plain_project_cells=plain_project_cells):  # fmt: skip
             padded = layout.to_padded(token_states)  # (B, L, D)
             queries = unit_vectors(review.q_proj(review.norm(padded)))  # (B, L, D): as review scores them
-            windows = (layout.token_window - first_cell[:, None])[..., None].expand_as(queries)  # (B, L, D)
-            pooled = queries.new_zeros(cells.shape[0], cells.shape[1], queries.shape[-1])
-            keys = unit_vectors(pooled.scatter_add(1, windows, queries))  # (B, C, D)
-            cells = torch.cat([keys, cells[..., keys.shape[-1] :]], dim=-1)
-            return plain_review_memory(token_states, cells, first_cell, initial_cell, layout, *rest)
+            windows = layout.token_window[..., None].expand_as(queries)  # (B, L, D); without a cache cell c = window c
+
+            def project_cells(cells):
+                projected = plain_project_cells(cells)
+                if projected.dim() == 2:  # the starting cell keeps its own key
+                    return projected
+                pooled = queries.new_zeros(projected.shape[0], projected.shape[1], queries.shape[-1])
+                keys = unit_vectors(pooled.scatter_add(1, windows, queries))  # (B, C, D)
+                return torch.cat([keys, projected[..., keys.shape[-1] :]], dim=-1)
+
+            review.project_cells = project_cells
+            try:
+                return type(layer).review_memory(layer, token_states, raw_cells, initial_cell, layout, *rest)
+            finally:
+                del review.project_cells
 
         layer.review_memory = review_memory
 
 
 def install_oracle(model: RANForCausalLM) -> None:
     """Every layer's memory review reads, for a token with an oracle cell, that cell alone (`set_oracle`)."""
-    if model.config.uses_review_initial_cell:
+    if model.config.layer_option("review_initial_cell"):
         raise ValueError("the oracle restricts review to one cell: build the model with review_initial_cell=False")
     for layer in model.model.layers:
         review = layer.memory_review
@@ -230,7 +240,7 @@ def evaluate(model, layout: str, pairs: int, examples: int = 128) -> tuple[float
     accuracy = (logits.argmax(-1) == FIRST_VALUE + values).float().mean().item()
     on_pair_cell = []
     if is_ran:
-        offset = int(model.config.uses_review_initial_cell)
+        offset = int(model.config.layer_option("review_initial_cell"))
         rows = torch.arange(examples)[:, None]
         for weights in outputs.memory_attentions:  # (B, T, C)
             on_pair_cell.append(round(weights[rows, positions, windows + offset].mean().item(), 3))

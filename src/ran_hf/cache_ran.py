@@ -16,12 +16,15 @@ CACHE_SHAPE_FIELDS = (
     "window_overlap",
     "memory_review_cells",
     "memory_salient_cells",
-    "uses_token_shift",
 )
 
 
 def cache_shape(config) -> dict:
-    return {name: getattr(config, name) for name in CACHE_SHAPE_FIELDS}
+    # A first layer with token shift caches the last token read.
+    return {
+        **{name: getattr(config, name) for name in CACHE_SHAPE_FIELDS},
+        "token_shift": config.layer_option("token_shift"),
+    }
 
 
 def check_cache(past_key_values, config) -> None:

@@ -88,7 +88,7 @@ def reference_cell_scan(
     # Step-major views of every sequence's windows. `unbind` (not indexing inside the loop) keeps the backward pass
     # linear in the number of steps.
     step_keys, step_values, step_mask = step_major(keys, values, layout)
-    maxima = window_maxima(step_values, step_mask).unbind(0) if layer.config.uses_cell_max_pool else None
+    maxima = window_maxima(step_values, step_mask).unbind(0) if layer.config.layer_option("cell_max_pool") else None
     step_keys, step_values, step_mask = step_keys.unbind(0), step_values.unbind(0), step_mask.unbind(0)
     # Every window after a sequence's first has a cell residual; at step 0 only sequences continued from a cache.
     use_residual = layer.config.use_cell_residual
@@ -150,7 +150,7 @@ def exportable_cell_scan(layer, cell, previous_raw, keys, values, layout):
     # (N, B, 1): a row adds the cell residual of the window before from its second window on.
     continues = torch.arange(step_mask.shape[0], device=cell.device)[:, None, None] > 0
     per_step = [step_keys, step_values, step_mask, continues.expand(-1, cell.shape[0], 1)]
-    if layer.config.uses_cell_max_pool:
+    if layer.config.layer_option("cell_max_pool"):
         per_step.append(window_maxima(step_values, step_mask))
 
     def step(carry, inputs):
@@ -284,8 +284,8 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
         eps=config.layer_norm_eps,
         cell_input_residual=layer.cell_input_residual,
         use_cell_residual=config.use_cell_residual,
-        qk_activation=config.uses_attention_qk_activation,
-        output_activation=config.uses_memory_value_activation,
+        qk_activation=config.layer_option("attention_qk_activation"),
+        output_activation=config.layer_option("memory_value_activation"),
         first_step_residual=first_step_residual,
         keep_for_backward=torch.is_grad_enabled(),
         kernels=kernels,
@@ -304,7 +304,7 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
     weights = tuple(None if weight is None else weight.to(compute_dtype) for weight in weights)
     dropout = draw_scan_dropout(layer, num_steps, batch_size, step_keys.shape[-2], compute_dtype, cell.device)
     output_shift = None
-    if config.uses_cell_max_pool:  # the reference adds the maxima before `o_proj`: the same, by linearity
+    if config.layer_option("cell_max_pool"):  # the reference adds the maxima before `o_proj`: the same, by linearity
         maxima = window_maxima(step_values, step_mask).flatten(-2).to(compute_dtype)  # (N, B, H d)
         output_shift = torch.mm(maxima.flatten(0, 1), weights[4].t()).view(num_steps, batch_size, -1)
     inputs = (cell, previous_raw, step_keys, step_values)

@@ -11,23 +11,38 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# The fields that make the causal memory learnable (docs/memory.md), and their values in the official layer: pass
-# `**OFFICIAL_LAYER_FIELDS` to build a causal model from the official layer.
-OFFICIAL_LAYER_FIELDS = {
-    "residual_stream": False,
-    "cell_input_residual": True,
-    "review_qk_norm": False,
-    "review_initial_cell": True,
-    "attention_qk_activation": True,
-    "memory_value_activation": True,
-    "cell_max_pool": False,
-    "review_salience": False,
-    "token_shift": False,
+# The layer's two designs, as data: the value each gives every field that differs between them. "official" is the
+# layer of the paper and of its checkpoints; "learnable_memory" the causal layer whose memory learns to carry what a
+# later window needs (docs/memory.md). `layer_design` picks one (by default the encoder's is official, a causal
+# model's learnable); a field set on its own overrides it (an ablation). `RANConfig.layer_option` is the one lookup.
+LAYER_DESIGNS = {
+    "official": {
+        "residual_stream": False,
+        "cell_input_residual": True,
+        "review_qk_norm": False,
+        "review_initial_cell": True,
+        "attention_qk_activation": True,
+        "memory_value_activation": True,
+        "cell_max_pool": False,
+        "review_salience": False,
+        "token_shift": False,
+    },
+    "learnable_memory": {
+        "residual_stream": True,
+        "cell_input_residual": False,
+        "review_qk_norm": True,
+        "review_initial_cell": True,
+        "attention_qk_activation": False,
+        "memory_value_activation": False,
+        "cell_max_pool": True,
+        "review_salience": True,
+        "token_shift": True,
+    },
 }
-# Memory fields added after others were saved: a saved config that names the older fields but not one of these
+LAYER_DESIGN_FIELDS = tuple(LAYER_DESIGNS["official"])
+# Design fields added after others were saved: a saved config that names the older fields but not one of these
 # was trained without it.
 _LATER_MEMORY_FIELDS = ("cell_max_pool", "review_salience", "token_shift")
-_LEARNABLE_MEMORY_FIELDS = tuple(OFFICIAL_LAYER_FIELDS)
 _CELL_POOLINGS = ("last", "mean", "max")
 _TOKEN_POOLINGS = ("max", "mean")
 
@@ -72,6 +87,7 @@ def _generation_keywords() -> frozenset:
     """Generation settings that older configs carry; Transformers moves them to the generation config."""
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
     return frozenset(defaults()) if defaults is not None else frozenset()
+
 
 REMOTE_CODE_AUTO_MAP = {
     "AutoConfig": "configuration_ran.RANConfig",
@@ -139,6 +155,11 @@ class RANConfig(PreTrainedConfig):
         is_causal (`bool`, *optional*, defaults to `False`):
             Strictly causal mode for language modelling: tokens see the read cell and earlier tokens of their window,
             memory review sees only earlier windows' cells, and every layer starts from its own learned cell.
+        layer_design (`str`, *optional*):
+            Which layer design the fields below default to (`ran_hf.configuration_ran.LAYER_DESIGNS`): `"official"`,
+            the layer of the paper and of its checkpoints, or `"learnable_memory"`, the causal layer whose memory
+            learns to carry what a later window needs (docs/memory.md). Defaults to `"official"` for the encoder
+            and `"learnable_memory"` for causal models. Each field below set on its own overrides the design.
         residual_stream (`bool`, *optional*):
             Whether token states run through every layer on an identity path: the window attention and the memory
             review each read the states through a pre-norm and add their output to them (a final norm follows the last
@@ -266,6 +287,7 @@ class RANConfig(PreTrainedConfig):
     use_rotary: bool = True
     window_overlap: int = 0
     is_causal: bool = False
+    layer_design: str | None = None
     residual_stream: bool | None = None
     cell_input_residual: bool | None = None
     review_qk_norm: bool | None = None
@@ -311,14 +333,11 @@ class RANConfig(PreTrainedConfig):
         """Also names the memory design a config resolves to, so that a saved checkpoint keeps computing what it was
         trained to compute if the causal defaults change."""
         output = super().to_dict()
-        for name in _LEARNABLE_MEMORY_FIELDS:
-            if output.get(name) is None:
-                # `review_initial_cell` alone is no causal-vs-encoder default: True unless set (the encoder never
-                # reads it).
-                if name == "review_initial_cell":
-                    output[name] = self.review_initial_cell is not False
-                else:
-                    output[name] = getattr(self, f"uses_{name}")
+        resolved = {name: self.layer_option(name) for name in LAYER_DESIGN_FIELDS}
+        output.update(resolved)
+        # The design these values are, where they are one (else the default they override).
+        matching = [design for design, values in LAYER_DESIGNS.items() if values == resolved]
+        output["layer_design"] = self.layer_design or (matching[0] if matching else self.resolved_layer_design)
         return output
 
     def _warn_about_unknown_keywords(self, kwargs: dict) -> None:
@@ -398,7 +417,11 @@ class RANConfig(PreTrainedConfig):
         for name in ("memory_review", "use_cell_residual", "use_rotary", "is_causal", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
-        for name in _LEARNABLE_MEMORY_FIELDS:
+        if self.layer_design is not None and self.layer_design not in LAYER_DESIGNS:
+            raise ValueError(
+                f"`layer_design` must be one of {sorted(LAYER_DESIGNS)} or None, got {self.layer_design!r}."
+            )
+        for name in LAYER_DESIGN_FIELDS:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool or None, got {getattr(self, name)!r}.")
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
@@ -476,56 +499,27 @@ class RANConfig(PreTrainedConfig):
                 "`memory_salient_cells` keeps salient cells beyond the last `memory_review_cells` windows, but "
                 "`memory_review_cells` is None (every cell is reviewed already). Set both, or neither."
             )
-        if not self.uses_review_salience:
+        if not self.layer_option("review_salience"):
             raise ValueError(
                 "`memory_salient_cells` ranks cells by the learned prior of `review_salience`, which this config "
                 "turns off; a model trained without it has no ranking to keep cells by."
             )
 
-    # The fields that make the memory learnable default to the official layer for the encoder (checkpoints) and to
-    # the learnable design for causal models; resolved when read, so that switching `is_causal` follows. A saved
-    # config holds the resolved values (`to_dict`).
-    def _learnable_memory(self, name: str, learnable_value: bool) -> bool:
+    @property
+    def resolved_layer_design(self) -> str:
+        """`layer_design`, or where it is None the default: official for the encoder, learnable memory when causal."""
+        if self.layer_design is not None:
+            return self.layer_design
+        return "learnable_memory" if self.is_causal else "official"
+
+    def layer_option(self, name: str) -> bool:
+        """The value of a design field (`LAYER_DESIGNS`): the field's own where it is set, else its design's. Resolved
+        when read, so that switching `is_causal` or `layer_design` follows; a saved config holds the resolved values
+        (`to_dict`). `review_initial_cell` is read by causal models only."""
         value = getattr(self, name)
         if value is not None:
             return value
-        return learnable_value if self.is_causal else not learnable_value
-
-    @property
-    def uses_residual_stream(self) -> bool:
-        return self._learnable_memory("residual_stream", True)
-
-    @property
-    def uses_cell_input_residual(self) -> bool:
-        return self._learnable_memory("cell_input_residual", False)
-
-    @property
-    def uses_review_qk_norm(self) -> bool:
-        return self._learnable_memory("review_qk_norm", True)
-
-    @property
-    def uses_attention_qk_activation(self) -> bool:
-        return self._learnable_memory("attention_qk_activation", False)
-
-    @property
-    def uses_memory_value_activation(self) -> bool:
-        return self._learnable_memory("memory_value_activation", False)
-
-    @property
-    def uses_cell_max_pool(self) -> bool:
-        return self._learnable_memory("cell_max_pool", True)
-
-    @property
-    def uses_review_salience(self) -> bool:
-        return self._learnable_memory("review_salience", True)
-
-    @property
-    def uses_token_shift(self) -> bool:
-        return self._learnable_memory("token_shift", True)
-
-    @property
-    def uses_review_initial_cell(self) -> bool:
-        return self.is_causal and self.review_initial_cell is not False
+        return LAYER_DESIGNS[self.resolved_layer_design][name]
 
     def _validate_token_ids(self):
         """Special token ids must be ids of the vocabulary (None: no such token)."""

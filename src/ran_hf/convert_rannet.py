@@ -47,7 +47,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging
 
-from .configuration_ran import OFFICIAL_LAYER_FIELDS, RANConfig
+from .configuration_ran import LAYER_DESIGN_FIELDS, RANConfig
 from .folders import check_not_inputs, contents, lock_folder, recover_interrupted, releases_folder_locks, write_folder
 from .modeling_ran import RANForCausalLM, RANForMaskedLM
 from .tf_checkpoint import TFCheckpointReader
@@ -309,8 +309,9 @@ def adaptive_clusters(shapes: dict[str, tuple[int, ...]], config: RANConfig, sou
 def adaptive_config(config: RANConfig, cutoffs: list[int], div_val: int) -> RANConfig:
     """The causal config of a converted `RanNetForAdaptiveLM`: the official layer, strictly causal (see
     docs/adaptive-softmax.md for how its outputs relate to the official causal mode)."""
-    values = {key: value for key, value in config.to_dict().items() if key not in OFFICIAL_LAYER_FIELDS}
-    values.update(OFFICIAL_LAYER_FIELDS, is_causal=True, cutoffs=cutoffs, div_val=div_val, tie_word_embeddings=False)
+    design = {*LAYER_DESIGN_FIELDS, "layer_design"}
+    values = {key: value for key, value in config.to_dict().items() if key not in design}
+    values.update(layer_design="official", is_causal=True, cutoffs=cutoffs, div_val=div_val, tie_word_embeddings=False)
     return RANConfig.from_dict(values)
 
 

@@ -35,7 +35,9 @@ def target_labels(labels: torch.Tensor, token_type_ids: torch.Tensor, attention_
     return F.pad(labels[:, 1:], (0, 1), value=-100)
 
 
-def prefix_lm_features(tokenizer, source: str, target: str | None = None, max_source_length=None, max_target_length=None):
+def prefix_lm_features(
+    tokenizer, source: str, target: str | None = None, max_source_length=None, max_target_length=None
+):
     """`input_ids`, `token_type_ids` and (with a target) `labels` of one (source, target) pair, as `rannet`'s
     `Seq2SeqLMDataLoader` lays them out: the source as the tokenizer encodes it alone (`[CLS] source [SEP]`), then
     the target's tokens and an end of text (`[SEP]`, the tokenizer's `sep_token`), which `generate()` stops at.

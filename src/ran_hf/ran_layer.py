@@ -62,12 +62,9 @@ class RANLayer(GradientCheckpointingLayer):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.residual_stream, self.cell_input_residual = config.uses_residual_stream, config.uses_cell_input_residual
-        hidden_size, inner_size, eps = (
-            config.hidden_size,
-            config.num_attention_heads * config.head_dim,
-            config.layer_norm_eps,
-        )
+        self.residual_stream = config.layer_option("residual_stream")
+        self.cell_input_residual = config.layer_option("cell_input_residual")
+        hidden_size, inner_size, eps = config.hidden_size, self.num_heads * self.head_dim, config.layer_norm_eps
 
         # A starting cell where one is read: the encoder's first layer (later layers continue from the cell of the
         # layer below), and every layer of a causal model (the cell below has read the future). No parameter
@@ -89,8 +86,8 @@ class RANLayer(GradientCheckpointingLayer):
             self.output_norm = RANLayerNorm(hidden_size, eps)
 
         self.act = ACT2FN[config.hidden_act]
-        self.qk_activation = config.uses_attention_qk_activation
-        self.written_act = self.act if config.uses_memory_value_activation else nn.Identity()
+        self.qk_activation = config.layer_option("attention_qk_activation")
+        self.written_act = self.act if config.layer_option("memory_value_activation") else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
         self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
@@ -196,7 +193,7 @@ class RANLayer(GradientCheckpointingLayer):
         read_cells, first_readable, salient, pool = cells, None, None, None
         if config.is_causal:
             pool = salient_pool(cells, first_cell, cache) if config.memory_salient_cells is not None else None
-            initial = review.project_cells(initial_cell) if config.uses_review_initial_cell else None
+            initial = review.project_cells(initial_cell) if config.layer_option("review_initial_cell") else None
             read_cells, readable_cells, first_readable, salient = causal_reading(
                 config, review.cell_salience, cells, first_cell, initial, layout, pool
             )

@@ -138,7 +138,8 @@ def _backward(ctx, grad_read_keys, grad_read_values, grad_raw_cells, grad_cells)
     grads = [
         cell.new_zeros(shape) if grad is None else grad
         for grad, shape in zip(
-            (grad_read_keys, grad_read_values, grad_raw_cells, grad_cells), (read_shape, read_shape, cell_shape, cell_shape)
+            (grad_read_keys, grad_read_values, grad_raw_cells, grad_cells),
+            (read_shape, read_shape, cell_shape, cell_shape),
         )
     ]
     present = iter(present)

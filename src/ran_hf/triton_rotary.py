@@ -96,7 +96,9 @@ def triton_rotate_pairs(states: torch.Tensor, rotations: torch.Tensor) -> torch.
     except RuntimeError:
         fits = False
     if not fits or rotations.shape[-2:] != (states.shape[-1] // 2, 2) or rotations.dim() > 5:
-        raise ValueError(f"rotations of shape {tuple(rotations.shape)} do not broadcast to states {tuple(states.shape)}")
+        raise ValueError(
+            f"rotations of shape {tuple(rotations.shape)} do not broadcast to states {tuple(states.shape)}"
+        )
     rotations = rotations.reshape((1,) * (5 - rotations.dim()) + tuple(rotations.shape))
     if rotations.stride()[-2:] != (2, 1):
         rotations = rotations.contiguous()

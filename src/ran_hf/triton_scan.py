@@ -212,9 +212,7 @@ def triton_scan_backward(plan, state, weights, grads):
     def at(tensor, step):
         return absent() if tensor is None else tensor[step]
 
-    write_grad, attention_grad, input_grad = launchers(
-        cell, scan_write_grad, scan_attention_grad, scan_input_grad
-    )
+    write_grad, attention_grad, input_grad = launchers(cell, scan_write_grad, scan_attention_grad, scan_input_grad)
     for step in reversed(range(num_steps)):
         last, gate_on = step == num_steps - 1, step_has_gate(plan, step)
         attention_grad(  # the step's row-wise backward, then its attention's
