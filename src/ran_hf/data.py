@@ -241,8 +241,8 @@ def load_records(
 
     The records hold what `read_records` would give: CSV fields stay strings ("NA" and "" included), plain text keeps
     its non-blank lines, stripped. Every record must hold every kept column, each column one kind of value
-    (`check_columns`). Texts are checked by `check_texts`, so that a script checks only those it uses; `text_columns`
-    are checked here only where Arrow cannot read the file. A first record that is not a JSON object (a JSON array,
+    (`check_columns`). The `text_columns` are checked by `check_texts`, so that a script checks (and reads) only the
+    texts it uses; here, only where Arrow cannot read the file. A first record that is not a JSON object (a JSON array,
     say), a missing column, mixed kinds, and what Arrow cannot read (bytes that are not UTF-8, a broken line) are
     named by this module's reader, with the file and line. A file that reader takes but Arrow cannot (values of one
     column that Arrow cannot unify) is read record by record instead, with a warning.
@@ -253,10 +253,14 @@ def load_records(
         raise ValueError(f"{path} holds no examples (the file is empty or blank).")
     kept = list(dict.fromkeys([*columns, *(column for column in optional_columns if column in first)]))
     check_columns([first], kept, str(path))
+    text_columns = list(text_columns)
     try:
         dataset = arrow_records(path, first, cache_dir).select_columns(kept)
-        for column in kept:  # pyarrow's JSON reader takes bytes that are not UTF-8 into its strings
-            dataset.data.column(column).validate(full=True)
+        # pyarrow's JSON reader takes bytes that are not UTF-8 into its strings. The texts are validated where they
+        # are read (`check_texts`): reading a whole text column here would touch all of the file's pages.
+        for column in kept:
+            if column not in text_columns:
+                dataset.data.column(column).validate(full=True)
     except (DatasetGenerationError, ArrowException, ValueError, csv.Error) as error:
         check_columns(iter_records(path, text_columns), kept, str(path))  # names the bad record, if there is one
         logger.warning(f"{path}: Arrow cannot read it ({type(error).__name__}); reading it record by record instead.")
@@ -304,7 +308,8 @@ def check_texts(
     source: str,
     path: str | Path | None = None,
 ) -> None:
-    """Every value of `text_columns` must be a non-blank string (`check_text`), checked as a batched map.
+    """Every value of `text_columns` must be a non-blank string (`check_text`) of valid UTF-8, checked as a batched
+    map.
 
     A bad value is named as `source`, example N, or, with `path` (the file whose first records `dataset` holds, in
     order), by the file's reader, with its line.
@@ -312,14 +317,14 @@ def check_texts(
     text_columns = list(text_columns)
 
     def check(batch, indices):
-        for column in text_columns:
-            for index, value in zip(indices, batch[column]):
-                try:
+        try:
+            for column in text_columns:
+                for index, value in zip(indices, batch[column]):  # bytes that are not UTF-8 fail as they are read
                     check_text(value, f"{source}, example {index + 1}", column)
-                except ValueError:
-                    if path is not None:
-                        read_records(path, text_columns, limit=index + 1)  # raises, naming the line
-                    raise
+        except ValueError:
+            if path is not None:  # the records before this batch are fine: the reader stops at the bad one
+                read_records(path, text_columns, limit=indices[-1] + 1)
+            raise
 
     if text_columns:
         dataset.select_columns(text_columns).map(
