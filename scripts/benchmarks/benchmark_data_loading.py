@@ -26,6 +26,7 @@ Writes `benchmarks/data_loading_cpu.json` and `.md` (command, commit, date, mach
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -114,7 +115,8 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}`  ",
         f"Commit {info['git_sha']}, {info['date']}; {info['cpu']} x{info['threads']} threads, "
         f"{info['memory_gib']} GiB; Python {info['python']}, datasets {info['datasets']}, pyarrow {info['pyarrow']}, "
-        f"transformers {info['transformers']}, torch {info['torch']}.",
+        f"transformers {info['transformers']}, torch {info['torch']}. Load average {info['load_average']} (other work "
+        "on the machine slows the timings, not the memory figures).",
         "",
         f"Median of {report['repeats']} fresh processes each. `seconds`: the reading alone; `peak MiB`: the process's "
         "peak resident memory; `imports MiB`: resident once the imports are done (the same for every method).",
@@ -159,6 +161,7 @@ def main() -> None:
             int(Path("/proc/meminfo").read_text().split()[1]) / 2**20 if Path("/proc/meminfo").exists() else 0
         ),
     )
+    load_before = os.getloadavg()[0]  # other work on a shared machine slows the timings, not the memory figures
     results = []
     for method in args.methods:
         caches = ("first", "cached") if method in ARROW_METHODS else ("none",)
@@ -175,6 +178,7 @@ def main() -> None:
                 f"(imports {row['imports_mib']:,.0f} MiB)",
                 flush=True,
             )
+    info["load_average"] = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     command = "python scripts/benchmarks/benchmark_data_loading.py " + " ".join(sys.argv[1:])
     report = {
         "machine_info": info,
