@@ -16,6 +16,7 @@ from checkpoints import is_run_file, refuse_changed_config
 from model_cards import write_model_card
 from transformers import Trainer, TrainerCallback
 
+from ran_hf import RANConfig
 from ran_hf.folders import discard_set_aside, write_folder
 from ran_hf.sentence_embeddings import write_sentence_transformers_config
 
@@ -201,5 +202,8 @@ class RANTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def create_model_card(self, **kwargs) -> None:
-        if self.is_world_process_zero():
+        if not isinstance(self.accelerator.unwrap_model(self.model).config, RANConfig):
+            # A baseline trained for comparison (a GPT-2, say): Transformers' own card.
+            super().create_model_card(finetuned_from=kwargs.get("finetuned_from"))
+        elif self.is_world_process_zero():
             write_model_card(self, **{**self.card, **kwargs})

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from ran_hf import RANForCausalLM, RANForPrefixLM
 from ran_hf.convert_rannet import build_rannet_tokenizer
@@ -50,7 +50,9 @@ def arguments(data, output_dir, kind):
     ] + QUIET  # fmt: skip
 
 
-@pytest.mark.parametrize("kind, model_class", [("prefix", RANForPrefixLM), ("causal", RANForCausalLM)])
+@pytest.mark.parametrize(
+    "kind, model_class", [("prefix", RANForPrefixLM), ("causal", RANForCausalLM), ("gpt2", GPT2LMHeadModel)]
+)
 def test_trains_generates_titles_and_reports_rouge(data, tmp_path, kind, model_class):
     results = run_summarization.main(arguments(data, tmp_path / kind, kind))
     metrics = results["eval"]
@@ -63,7 +65,9 @@ def test_trains_generates_titles_and_reports_rouge(data, tmp_path, kind, model_c
     assert config["architectures"] == [model_class.__name__]
     sep = AutoTokenizer.from_pretrained(data / "tokenizer").sep_token_id
     assert config["eos_token_id"] == sep  # [SEP]: generation stops at the end of the title
-    assert "summarisation-style generation" in (tmp_path / kind / "README.md").read_text()  # the model card
+    card = (tmp_path / kind / "README.md").read_text()
+    # RAN's model card; the baseline gets Transformers' own
+    assert ("summarisation-style generation" in card) == (kind != "gpt2") and "model-index" in card
 
 
 @pytest.mark.parametrize(
@@ -85,3 +89,11 @@ def test_bad_flags_are_named(data, tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
         run_summarization.main(argv)
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_gpt2_baseline_is_trained_from_scratch_only(data, tmp_path):
+    argv = arguments(data, tmp_path / "bad", "gpt2")
+    at = argv.index("--config_overrides")
+    del argv[at : at + 2]
+    with pytest.raises(ValueError, match="--model_kind gpt2 trains the baseline from scratch"):
+        run_summarization.main(argv + ["--model_name_or_path", str(data / "tokenizer")])

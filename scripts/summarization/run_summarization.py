@@ -12,7 +12,10 @@ target's tokens, -100 over the source. `--model_kind` picks the model that reads
 
 * `prefix`: `RANForPrefixLM` (`AutoModelForSeq2SeqLM`), rannet's sequence-to-sequence RAN: the source is read both
   ways, the target causally (docs/seq2seq.md);
-* `causal`: `RANForCausalLM` (`AutoModelForCausalLM`) reading the same `source [SEP] target [SEP]` left to right.
+* `causal`: `RANForCausalLM` (`AutoModelForCausalLM`) reading the same `source [SEP] target [SEP]` left to right;
+* `gpt2`: the baseline, a GPT-2 of the same width, depth and heads (`--config_overrides` names them as RAN fields),
+  trained from scratch on the same text with a context of `max_source_length + max_target_length` positions and,
+  like the causal RAN, an LM head untied from the embedding.
 
 With `--title_from_first_line` the target is a text's first line and the source the rest (EURLEX-57K: an act's
 title, then its body); otherwise `--summary_column` names the target. Evaluation generates a target for every
@@ -29,7 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq, set_seed
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    DataCollatorForSeq2Seq,
+    GPT2Config,
+    GPT2LMHeadModel,
+    set_seed,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
@@ -52,13 +62,17 @@ from ran_hf.folders import releases_folder_locks  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-MODEL_KINDS = ("prefix", "causal")
+MODEL_KINDS = ("prefix", "causal", "gpt2")
 
 
 @dataclass
 class DataTrainingArguments:
     model_kind: str = field(
-        default="prefix", metadata={"help": "prefix: RANForPrefixLM; causal: RANForCausalLM on `source [SEP] target`."}
+        default="prefix",
+        metadata={
+            "help": "prefix: RANForPrefixLM; causal: RANForCausalLM on `source [SEP] target`; gpt2: a GPT-2 of the "
+            "same size on the same text (the baseline)."
+        },
     )
     train_file: str | None = field(default=None, metadata={"help": "Training data: .jsonl or .jsonl.gz."})
     validation_file: str | None = field(default=None, metadata={"help": "Validation data, same format."})
@@ -82,7 +96,9 @@ class DataTrainingArguments:
             raise ValueError("Give exactly one of --title_from_first_line and --summary_column.")
         for name in ("max_source_length", "max_target_length"):
             if getattr(self, name) < 3:
-                raise ValueError(f"--{name} must be at least 3 (a special token on each side), got {getattr(self, name)}.")
+                raise ValueError(
+                    f"--{name} must be at least 3 (a special token on each side), got {getattr(self, name)}."
+                )
         for name in ("max_train_samples", "max_eval_samples", "num_beams"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -138,7 +154,11 @@ def generate_targets(model, tokenizer, sources: list[str], data_args, batch_size
     predictions = []
     for start in range(0, len(sources), batch_size):
         features = [
-            {"input_ids": prefix_lm_features(tokenizer, source, max_source_length=data_args.max_source_length)["input_ids"]}
+            {
+                "input_ids": prefix_lm_features(tokenizer, source, max_source_length=data_args.max_source_length)[
+                    "input_ids"
+                ]
+            }
             for source in sources[start : start + batch_size]
         ]
         batch = tokenizer.pad(features, padding_side="left", return_tensors="pt").to(model.device)
@@ -155,6 +175,26 @@ def generate_targets(model, tokenizer, sources: list[str], data_args, batch_size
     return predictions
 
 
+def gpt2_like(config, context: int) -> GPT2LMHeadModel:
+    """A new GPT-2 with the RAN config's width, depth, heads, dropout and vocabulary: the baseline. Its context holds
+    the whole example (a GPT-2 cannot read past it; RAN has no such limit)."""
+    gpt2_config = GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=context,
+        n_embd=config.hidden_size,
+        n_layer=config.num_hidden_layers,
+        n_head=config.num_attention_heads,
+        resid_pdrop=config.hidden_dropout_prob,
+        embd_pdrop=config.hidden_dropout_prob,
+        attn_pdrop=config.attention_probs_dropout_prob,
+        bos_token_id=config.eos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        tie_word_embeddings=False,  # as the causal RAN's default
+    )
+    return GPT2LMHeadModel(gpt2_config)
+
+
 @releases_folder_locks
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, training_args = parse_arguments(
@@ -167,16 +207,22 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError("--do_train needs --train_file.")
     if training_args.do_eval and data_args.validation_file is None:
         raise ValueError("--do_eval needs --validation_file.")
+    if data_args.model_kind == "gpt2" and model_args.model_name_or_path is not None:
+        raise ValueError("--model_kind gpt2 trains the baseline from scratch: give no --model_name_or_path.")
     checkpoint = prepare_output_dir(training_args, model_args, data_args)
     set_seed(training_args.seed)
 
     tokenizer = load_tokenizer(model_args)
     if tokenizer.sep_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError("The tokenizer needs a `sep_token` (end of source and of target) and a `pad_token`.")
-    causal = data_args.model_kind == "causal"
+    causal = data_args.model_kind != "prefix"
     config = load_config(model_args, tokenizer, is_causal=causal)
     config.eos_token_id = tokenizer.sep_token_id
-    model = load_model(AutoModelForCausalLM if causal else AutoModelForSeq2SeqLM, model_args, config)
+    if data_args.model_kind == "gpt2":
+        model = gpt2_like(config, data_args.max_source_length + data_args.max_target_length)
+    else:
+        model = load_model(AutoModelForCausalLM if causal else AutoModelForSeq2SeqLM, model_args, config)
+    logger.info(f"{type(model).__name__}: {model.num_parameters():,} parameters")
     model.generation_config.eos_token_id = tokenizer.sep_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
