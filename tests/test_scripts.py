@@ -1018,6 +1018,33 @@ def test_a_null_text_is_not_trained_as_the_word_none(tokenizer_dir, tmp_path, to
         run_classification.main(classification_argv(tokenizer_dir, tmp_path, train))
 
 
+def test_max_samples_keep_the_first_documents_and_the_classes_of_the_whole_split(tokenizer_dir, tmp_path):
+    """The classes come from whole splits: with --max_train_samples 4 the first four documents hold two of the three
+    classes, and a validation document of the third is still scored, not refused. Only the kept texts are read and
+    checked: a null text after them does not stop the run."""
+    records = [{"text": f"words of document {i}", "label": "ab"[i % 2]} for i in range(4)]
+    records += [{"text": "a third kind", "label": "c"}, {"text": None, "label": "a"}]
+    train = write_jsonl(tmp_path / "train.jsonl", records)
+    validation = write_jsonl(tmp_path / "dev.jsonl", [{"text": "more words", "label": label} for label in "abc"])
+    argv = classification_argv(tokenizer_dir, tmp_path, train, validation, "--max_train_samples", "4")
+    results = run_classification.main(argv)
+    assert results["labels"] == ["a", "b", "c"]
+    assert results["train"]["train_samples"] == 4 and results["eval"]["eval_samples"] == 3
+    with pytest.raises(ValueError, match=r"train.jsonl, line 6: column 'text' holds null"):
+        run_classification.main(classification_argv(tokenizer_dir, tmp_path / "all", train, validation))
+
+
+def test_max_samples_keep_the_tags_of_the_whole_split(tokenizer_dir, tmp_path):
+    sentences = [{"tokens": ["Peter", "spoke"], "ner_tags": ["B-PER", "O"]}]
+    sentences += [{"tokens": ["Paris", "and", "Rome"], "ner_tags": ["B-LOC", "O", "B-LOC"]}]
+    train = write_jsonl(tmp_path / "train.jsonl", sentences)
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--train_file", str(train), "--do_train", "--do_eval"]
+    argv += ["--validation_file", str(train), "--max_steps", "1", "--max_train_samples", "1"]
+    results = run_ner.main(argv + QUIET)
+    assert results["labels"] == ["O", "B-LOC", "B-PER"]
+    assert results["train"]["train_samples"] == 1
+
+
 def test_a_null_text_in_a_hub_dataset(tokenizer_dir, tmp_path, topic_files):
     """Through `--dataset_name` the error names the split and the example."""
     dataset_dir = tmp_path / "dataset"
