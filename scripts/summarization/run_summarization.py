@@ -153,14 +153,11 @@ def generate_targets(model, tokenizer, sources: list[str], data_args, batch_size
     model.eval()
     predictions = []
     for start in range(0, len(sources), batch_size):
-        features = [
-            {
-                "input_ids": prefix_lm_features(tokenizer, source, max_source_length=data_args.max_source_length)[
-                    "input_ids"
-                ]
-            }
+        encoded = [
+            prefix_lm_features(tokenizer, source, max_source_length=data_args.max_source_length)
             for source in sources[start : start + batch_size]
         ]
+        features = [{"input_ids": example["input_ids"]} for example in encoded]  # the source alone, no segments
         batch = tokenizer.pad(features, padding_side="left", return_tensors="pt").to(model.device)
         output = model.generate(
             **batch,
