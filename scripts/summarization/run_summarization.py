@@ -259,7 +259,11 @@ def main(argv: list[str] | None = None) -> dict:
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()
-        metrics = {**train_result.metrics, "train_samples": len(train_pairs)}
+        metrics = {
+            **train_result.metrics,
+            "train_samples": len(train_pairs),
+            "model_parameters": model.num_parameters(),
+        }
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         results["train"] = metrics
