@@ -61,6 +61,7 @@ MODELS = {
     "ran": ({}, None),
     "ran-oracle": ({"review_initial_cell": False}, "oracle"),
     "ran-token-keys": ({}, "token-keys"),
+    "ran-associative": ({"associative_memory": True}, None),  # the change: keys bound to values per head
     "gpt2": None,
 }
 
@@ -77,6 +78,10 @@ EXPERIMENTS = {
     "packed/ran-oracle-p4": ("packed", "ran-oracle", 4),
     "no-filler/ran-token-keys": ("no-filler", "ran-token-keys", 8),  # a change the diagnosis points to
     "one-per-window/ran-token-keys": ("one-per-window", "ran-token-keys", 8),
+    "no-filler/ran-associative": ("no-filler", "ran-associative", 8),  # the associative memory (config field)
+    "one-per-window/ran-associative": ("one-per-window", "ran-associative", 8),
+    "packed/ran-associative": ("packed", "ran-associative", 8),
+    "packed/gpt2": ("packed", "gpt2", 8),
 }
 
 

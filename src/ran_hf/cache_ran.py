@@ -16,6 +16,7 @@ CACHE_SHAPE_FIELDS = (
     "window_overlap",
     "memory_review_cells",
     "memory_salient_cells",
+    "associative_memory",
 )
 
 
@@ -50,6 +51,17 @@ def check_cache(past_key_values, config) -> None:
         )
 
 
+def after_last_finished(steps: torch.Tensor, finished_here: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """(N, B, ...) per scan step -> (B, ...) each row's entry after its last window finished in this pass
+    (`finished_here` (B,) windows), or `start` for a row that finished none."""
+    if not steps.numel():
+        return start
+    last = (finished_here - 1).clamp(min=0)
+    rows = torch.arange(last.shape[0], device=last.device)
+    has_finished = (finished_here > 0).view(-1, *[1] * (start.dim() - 1))
+    return torch.where(has_finished, steps[last, rows], start)
+
+
 class RANCacheLayer:
     """What one causal RAN layer needs to continue a sequence.
 
@@ -65,7 +77,9 @@ class RANCacheLayer:
             the next one reads as its predecessor;
         tail_keys, tail_values (B, P, H, d): un-rotated keys and values of the tokens a later window still reads:
             the current window's tokens and, before them, the enrichment tokens of `window_overlap`
-            (P <= window_size - 1 + window_overlap, whatever the context length).
+            (P <= window_size - 1 + window_overlap, whatever the context length);
+        binding_state (B, H, d, d), tail_betas (B, P, H): with `config.associative_memory`, the memory's state after
+            the last finished window, and the write strengths of the tail's tokens (written when their window ends).
     """
 
     is_compileable = False
@@ -80,6 +94,8 @@ class RANCacheLayer:
         self.last_token = None
         self.tail_keys = None
         self.tail_values = None
+        self.binding_state = None
+        self.tail_betas = None
 
     @property
     def is_initialized(self) -> bool:
@@ -88,13 +104,14 @@ class RANCacheLayer:
     def update_cell(self, cells, raw_cells, finished_here: torch.Tensor, start: tuple) -> None:
         """Keep the cell after each row's last window finished in this pass (`finished_here` (B,) of the pass's
         (N, B, D) `cells`), and its raw cell; a row that finished none keeps the `start` (cell, raw cell) it read."""
-        last = (finished_here - 1).clamp(min=0)
-        rows = torch.arange(last.shape[0], device=last.device)
-        has_finished = (finished_here > 0)[:, None]
-        self.cell = torch.where(has_finished, cells[last, rows], start[0]) if cells.numel() else start[0]
-        self.previous_raw_cell = (
-            torch.where(has_finished, raw_cells[last, rows], start[1]) if raw_cells.numel() else start[1]
-        )
+        self.cell = after_last_finished(cells, finished_here, start[0])
+        self.previous_raw_cell = after_last_finished(raw_cells, finished_here, start[1])
+
+    def update_binding(self, states, finished_here: torch.Tensor, start: torch.Tensor, tail_betas) -> None:
+        """The associative memory after each row's last finished window (`states` (N, B, ...) after each scan step),
+        and the write strengths of the tail kept for the next pass."""
+        self.binding_state = after_last_finished(states, finished_here, start)
+        self.tail_betas = tail_betas
 
     def update_cell_states(self, cell_states: torch.Tensor) -> None:
         self.cell_states = cell_states
@@ -116,7 +133,7 @@ class RANCacheLayer:
     def tensors(self) -> dict:
         names = (
             "cell", "previous_raw_cell", "cell_states", "salient_cell_states", "salient_windows", "last_token",
-            "tail_keys", "tail_values",
+            "tail_keys", "tail_values", "binding_state", "tail_betas",
         )  # fmt: skip
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 

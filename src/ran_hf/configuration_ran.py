@@ -143,6 +143,12 @@ class RANConfig(PreTrainedConfig):
             `memory_review_cells + memory_salient_cells` cells per layer), and a cell that stood out, such as the
             one holding a key, stays readable however far back it lies. Can be set on a trained model. `None`
             (default): older cells are dropped.
+        associative_memory (`bool`, *optional*, defaults to `False`):
+            Causal models only: whether every layer also keeps an associative memory, a head_dim x head_dim matrix
+            per head into which each finished window binds its tokens' window-attention keys to their values by
+            the delta rule, and which every later token reads with its query (`ran_hf.associative_memory`). It keeps
+            apart what a cell mixes (several key-value pairs in one window), stays the same size at any length,
+            and adds `num_attention_heads * (hidden_size + 2)` parameters per layer.
         use_cell_residual (`bool`, *optional*, defaults to `True`):
             Whether a window's cell adds the gated raw cell of the window before it (paper eq. 7). `False` is the
             paper's "w/o residual connection" ablation: the cell is the window's raw output alone.
@@ -283,6 +289,7 @@ class RANConfig(PreTrainedConfig):
     memory_review: bool = True
     memory_review_cells: int | None = None
     memory_salient_cells: int | None = None
+    associative_memory: bool = False
     use_cell_residual: bool = True
     use_rotary: bool = True
     window_overlap: int = 0
@@ -407,6 +414,11 @@ class RANConfig(PreTrainedConfig):
                     "bidirectional encoder reviews every cell of its text. Set `is_causal=True` or leave it None."
                 )
         self._validate_salient_cells()
+        if self.associative_memory is True and not self.is_causal:
+            raise ValueError(
+                "`associative_memory` binds what earlier windows held for later tokens of a causal model; the "
+                "bidirectional encoder reads every window already. Set `is_causal=True` or leave it False."
+            )
         if self.cell_pooling not in _CELL_POOLINGS:
             raise ValueError(f"`cell_pooling` must be one of {_CELL_POOLINGS}, got {self.cell_pooling!r}.")
         if self.token_pooling not in _TOKEN_POOLINGS:
@@ -414,7 +426,8 @@ class RANConfig(PreTrainedConfig):
         if not isinstance(self.scan_implementation, str) or not self.scan_implementation:
             # Whether the name is registered is checked when a layer runs: scans may register after the config.
             raise ValueError(f"`scan_implementation` must be a cell-scan name, got {self.scan_implementation!r}.")
-        for name in ("memory_review", "use_cell_residual", "use_rotary", "is_causal", "tie_word_embeddings"):
+        switches = ("memory_review", "use_cell_residual", "use_rotary", "is_causal", "tie_word_embeddings")
+        for name in (*switches, "associative_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
         if self.layer_design is not None and self.layer_design not in LAYER_DESIGNS:

@@ -17,6 +17,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .associative_memory import RANAssociativeMemory
 from .building_blocks import (
     RANGatedLinearUnit,
     RANLayerNorm,
@@ -80,6 +81,8 @@ class RANLayer(GradientCheckpointingLayer):
         if config.use_cell_residual:
             self.cell_glu = RANGatedLinearUnit(hidden_size)
             self.cell_norm = RANLayerNorm(hidden_size, eps)
+        if config.associative_memory:
+            self.associative_memory = RANAssociativeMemory(config)
         if config.memory_review:
             self.memory_review = RANMemoryReview(config)
         elif not self.residual_stream:
@@ -136,19 +139,38 @@ class RANLayer(GradientCheckpointingLayer):
 
         Slots holding cached tokens take their keys and values from the cache. Queries exist only for slots whose
         output is needed (new, non-enrichment tokens): (K, H, Q, d). Also returns the un-rotated keys and values of
-        the new tokens, from which the cache keeps its tail.
+        the new tokens, from which the cache keeps its tail, and with `config.associative_memory` what each token
+        recalls from it (T, H * d): the memory is read with the same queries and written with the same keys.
         """
         qkv = self.project(normed_tokens)  # (T, 3, H, d)
         new_kv = qkv[:, 1:]  # (T, 2, H, d)
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
         key, value = gather_rows(layout.sources(new_kv, tail), layout.window_slots).permute(2, 0, 3, 1, 4)
         query = gather_rows(layout.sources(qkv[:, 0]), layout.query_index).transpose(1, 2)  # (K, H, Q, d)
+        recalled = None
+        if hasattr(self, "associative_memory"):
+            recalled = self.recall(query, key, value, normed_tokens, layout, cache)
         if self.config.use_rotary:
             rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2, 2)
             query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
             key = apply_interleaved_rotary(key, rotations)
         # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
-        return query, key, value, new_kv if cache is not None else None
+        return query, key, value, new_kv if cache is not None else None, recalled
+
+    def recall(self, query, key, value, normed_tokens, layout: RANWindowLayout, cache: RANCacheLayer | None):
+        """(T, H * d): what every token reads from the associative memory of the windows before its own; the cache
+        keeps the memory after the last finished window and the tail's write strengths."""
+        memory = self.associative_memory
+        new_betas, tail_betas = memory.betas(normed_tokens), None if cache is None else cache.tail_betas  # (T, H)
+        betas = gather_rows(layout.sources(new_betas, tail_betas), layout.window_slots)  # (K, S, H)
+        start = None if cache is None else cache.binding_state
+        if start is None:
+            start = query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
+        read, states = memory(query, key, value, betas, start, layout, self.config.window_overlap)
+        if cache is not None:
+            finished_here = layout.finished_windows - layout.first_window
+            cache.update_binding(states, finished_here, start, layout.sources(new_betas, tail_betas)[layout.next_tail])
+        return layout.from_windows(read.flatten(-2))
 
     # ---- phase 3 ---------------------------------------------------------------------------------------------------
 
@@ -250,7 +272,7 @@ class RANLayer(GradientCheckpointingLayer):
         normed_tokens = self.normalize_input(token_states)  # (T, D)
 
         # 1. Everything that does not depend on the cell, for all windows at once.
-        query, key, value, new_kv = self.project_windows(normed_tokens, layout, cache)  # (K, H, S, d) each
+        query, key, value, new_kv, recalled = self.project_windows(normed_tokens, layout, cache)  # (K, H, S, d)
 
         # 2. The cell scan: the only sequential step.
         scan = scan_function(self.config.scan_implementation)
@@ -263,6 +285,8 @@ class RANLayer(GradientCheckpointingLayer):
         attended, attention_weights = self.attend_windows(
             query, key, value, read_key, read_value, layout, output_attentions
         )  # (T, H * d)
+        if recalled is not None:  # the associative memory of the windows before, read with the same queries
+            attended = attended + recalled
         if self.residual_stream:
             token_states = token_states + self.attention_output(attended, normed_tokens)  # (T, D)
         else:

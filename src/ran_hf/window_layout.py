@@ -337,6 +337,14 @@ class RANWindowLayout:
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
         return mask.masked_fill(~visible, torch.finfo(dtype).min)
 
+    def own_slot_mask(self, overlap: int) -> torch.Tensor:
+        """(K, S) the slots that hold a window's own tokens: every real slot, but the `overlap` enrichment tokens that
+        windows after a sequence's first read from the window before."""
+        absolute_window = self.first_window[self.window_sequence] + self.window_number  # (K,)
+        first_own = torch.where(absolute_window > 0, overlap, 0)[:, None]  # (K, 1)
+        slots = torch.arange(self.num_slots, device=first_own.device)
+        return self.slot_mask & (slots >= first_own)
+
     def last_cells(self, cells: torch.Tensor, start_cell: torch.Tensor) -> torch.Tensor:
         """(N, B, D) cells of the scan steps -> (B, D) each sequence's last one, which starts the next layer; a row of
         padding only keeps the cell it started from. A prefix LM's is the cell after its source: the windows after

@@ -1,0 +1,119 @@
+"""The causal layer's associative memory (`config.associative_memory`): the chunked delta rule equals the
+token-by-token rule, tokens read only earlier windows, the cache stays flat and streaming equals one pass, and the
+encoder refuses it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ran_hf import RANCache, RANConfig, RANForCausalLM
+from ran_hf.associative_memory import delta_write
+from ran_testing import randomize_, tiny_config
+
+
+def token_by_token(state, keys, values, betas):
+    for t in range(keys.shape[-2]):
+        key, value, beta = keys[..., t, :], values[..., t, :], betas[..., t]
+        erased = state - beta[..., None, None] * key[..., :, None] * (key[..., None, :] @ state)
+        state = erased + beta[..., None, None] * key[..., :, None] * value[..., None, :]
+    return state
+
+
+def test_the_chunked_write_equals_the_delta_rule_token_by_token():
+    generator = torch.Generator().manual_seed(0)
+    state = torch.randn(2, 3, 8, 8, generator=generator, dtype=torch.float64)
+    keys = F.normalize(torch.randn(2, 3, 7, 8, generator=generator, dtype=torch.float64), dim=-1)
+    values = torch.randn(2, 3, 7, 8, generator=generator, dtype=torch.float64)
+    betas = torch.rand(2, 3, 7, generator=generator, dtype=torch.float64)
+    betas[..., 2] = 0  # a slot that writes nothing
+    torch.testing.assert_close(delta_write(state, keys, values, betas), token_by_token(state, keys, values, betas))
+
+
+def test_a_stored_binding_is_recalled_exactly():
+    """One write with beta 1 of unit key k and value v makes a read with query k return v, whatever was there."""
+    generator = torch.Generator().manual_seed(1)
+    keys = F.normalize(torch.randn(1, 1, 1, 8, generator=generator, dtype=torch.float64), dim=-1)
+    values = torch.randn(1, 1, 1, 8, generator=generator, dtype=torch.float64)
+    state = delta_write(torch.randn(1, 1, 8, 8, dtype=torch.float64), keys, values, torch.ones(1, 1, 1))
+    torch.testing.assert_close(keys @ state, values)
+
+
+def memory_model(seed=0, **overrides):
+    fields = {"is_causal": True, "associative_memory": True, **overrides}
+    return randomize_(RANForCausalLM(tiny_config(**fields)), seed=seed).eval()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"window_overlap": 1}, {"memory_review": False}], ids=str)
+def test_no_token_reads_a_later_one(overrides):
+    model = memory_model(**overrides)
+    ids = torch.randint(1, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    changed[:, 11:] = torch.randint(1, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before, after = model(ids).logits, model(changed).logits
+    torch.testing.assert_close(before[:, :11], after[:, :11], atol=1e-6, rtol=0)
+    assert (before[:, 12:] - after[:, 12:]).abs().max() > 1e-3
+
+
+def test_later_windows_read_the_memory():
+    """Turning the memory's read off changes the tokens of later windows only: the first window has nothing to read."""
+    model = memory_model()
+    window = model.config.window_size
+    ids = torch.randint(1, model.config.vocab_size, (2, 3 * window), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reading = model(ids).logits
+        for layer in model.model.layers:
+            layer.associative_memory.read_scale.zero_()
+        silent = model(ids).logits
+    torch.testing.assert_close(reading[:, :window], silent[:, :window], atol=1e-6, rtol=0)
+    assert (reading[:, window:] - silent[:, window:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("overrides", [{}, {"window_overlap": 2}, {"memory_review_cells": 1}], ids=str)
+def test_streaming_equals_one_pass_and_the_cache_stays_flat(overrides):
+    model = memory_model(3, **overrides)
+    ids = torch.randint(1, model.config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache, pieces, sizes = None, [], []
+        for start, end in ((0, 5), (5, 6), (6, 17), (17, 18), (18, 29)):
+            outputs = model(ids[:, start:end], past_key_values=cache, use_cache=True)
+            cache = outputs.past_key_values
+            pieces.append(outputs.logits)
+            sizes.append(cache.layers[0].binding_state.shape)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+    assert len(set(sizes)) == 1  # (B, H, d, d) whatever the length
+
+
+def test_a_left_padded_batch_reads_as_each_sequence_alone():
+    model = memory_model(4, window_overlap=1)
+    lengths, total = [17, 9], 17
+    ids = torch.zeros(2, total, dtype=torch.long)
+    mask = torch.zeros(2, total, dtype=torch.long)
+    sequences = [torch.randint(1, model.config.vocab_size, (n,)) for n in lengths]
+    for row, sequence in enumerate(sequences):
+        ids[row, total - len(sequence) :], mask[row, total - len(sequence) :] = sequence, 1
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).logits
+        for row, sequence in enumerate(sequences):
+            alone = model(sequence[None]).logits[0]
+            torch.testing.assert_close(batched[row, total - len(sequence) :], alone, atol=1e-5, rtol=0)
+
+
+def test_gradients_reach_the_write_strengths_and_the_memory_trains():
+    model = memory_model(5)
+    model.train()
+    ids = torch.randint(1, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(4))
+    model(ids, labels=ids).loss.backward()
+    memory = model.model.layers[0].associative_memory
+    assert memory.write_strength.weight.grad.abs().sum() > 0 and memory.read_scale.grad.abs().sum() > 0
+
+
+def test_the_encoder_refuses_it_and_a_cache_of_a_model_without_it_is_refused():
+    with pytest.raises(ValueError, match="`associative_memory` binds"):
+        RANConfig(associative_memory=True)
+    plain = RANForCausalLM(tiny_config(is_causal=True)).eval()
+    cache = plain(torch.ones(1, 5, dtype=torch.long), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="associative_memory"):
+        memory_model()(torch.ones(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    assert isinstance(cache, RANCache)
