@@ -105,6 +105,10 @@ def test_exports_that_cannot_be_right_are_refused_with_the_fix(tmp_path):
         torch.onnx.export(model, (input_ids,), kwargs={"use_cache": False}, dynamo=True)
     with pytest.raises(NotImplementedError, match="dynamo=True"):  # one fixed number of windows
         torch.onnx.export(RANModel(tiny_config()).eval(), (input_ids,), tmp_path / "ran.onnx", dynamo=False)
+    associative = RANForCausalLM(tiny_config(is_causal=True, num_hidden_layers=1, associative_memory=True)).eval()
+    with pytest.raises(Exception, match="export a model without it"):  # its write loop has one length per graph
+        with torch.no_grad():
+            torch.onnx.export(associative, (input_ids,), kwargs={"use_cache": False}, dynamo=True)
 
 
 def test_export_script_exports_a_saved_folder_and_checks_it(tmp_path, capsys):

@@ -185,4 +185,4 @@ class RANMemoryReview(nn.Module):
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype) @ value  # (B, l, D)
         review = self.dropout(self.value_act(self.o_proj(review)))
-        return review + self.glu(query), probs
+        return self.glu(query, residual=review), probs

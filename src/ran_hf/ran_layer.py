@@ -112,7 +112,8 @@ class RANLayer(GradientCheckpointingLayer):
 
     def attention_output(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """Output projection plus the gated residual of the attention's normalised input: (..., H * d) -> (..., D)."""
-        return self.dropout(self.act(self.o_proj(attended))) + self.attention_glu(normed)
+        # The sum inside the GLU's kernel (on CUDA): one pass over the token states fewer.
+        return self.attention_glu(normed, residual=self.dropout(self.act(self.o_proj(attended))))
 
     def finish_attention(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """The official post-norm ending: attention output, then the two normalisations -> standardised (..., D)."""
@@ -143,10 +144,10 @@ class RANLayer(GradientCheckpointingLayer):
         recalls from it (T, H * d): the memory is read with the same queries and written with the same keys.
         """
         qkv = self.project(normed_tokens)  # (T, 3, H, d)
-        new_kv = qkv[:, 1:]  # (T, 2, H, d)
+        new_query, new_kv = qkv.split([1, 2], dim=1)  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
         key, value = gather_rows(layout.sources(new_kv, tail), layout.window_slots).permute(2, 0, 3, 1, 4)
-        query = gather_rows(layout.sources(qkv[:, 0]), layout.query_index).transpose(1, 2)  # (K, H, Q, d)
+        query = gather_rows(layout.sources(new_query[:, 0]), layout.query_index).transpose(1, 2)  # (K, H, Q, d)
         recalled = None
         if hasattr(self, "associative_memory"):
             recalled = self.recall(query, key, value, normed_tokens, layout, cache)
@@ -160,6 +161,11 @@ class RANLayer(GradientCheckpointingLayer):
     def recall(self, query, key, value, normed_tokens, layout: RANWindowLayout, cache: RANCacheLayer | None):
         """(T, H * d): what every token reads from the associative memory of the windows before its own; the cache
         keeps the memory after the last finished window and the tail's write strengths."""
+        if torch.compiler.is_exporting():
+            raise NotImplementedError(
+                "`associative_memory` writes window after window in a Python loop, which an exported graph cannot "
+                "hold for any number of windows: export a model without it."
+            )
         memory = self.associative_memory
         new_betas, tail_betas = memory.betas(normed_tokens), None if cache is None else cache.tail_betas  # (T, H)
         betas = gather_rows(layout.sources(new_betas, tail_betas), layout.window_slots)  # (K, S, H)
