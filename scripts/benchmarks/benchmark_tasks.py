@@ -243,7 +243,7 @@ def prepare_classification(name: str, args: BenchmarkArguments, tokenizer) -> di
             split: load_records(data / "eurlex57k" / f"{split}.jsonl.gz", ["text", "label"])
             for split in ("train", "test")
         }
-        labels = {split: dataset["label"] for split, dataset in splits.items()}
+        labels = {split: dataset["label"][:] for split, dataset in splits.items()}  # lists, not row-by-row columns
         counts = {}
         for row in labels["train"]:
             for label in row:

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     for split, dataset in raw_datasets.items():
         if label_column not in dataset.column_names:
             continue
-        values = dataset[label_column]
+        values = dataset[label_column][:]  # a list: iterating the column itself would read it row by row
         feature = dataset.features[label_column]
         feature = feature.feature if isinstance(feature, List) else feature
         if isinstance(feature, ClassLabel):  # Hub data: ids of named classes

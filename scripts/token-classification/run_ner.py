@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"The {split} split is needed (--do_{'eval' if split == 'validation' else split}) but missing."
             )
     # The tags of whole splits (a run with --max_*_samples has the tags of a full run), then the first sentences
-    tags = choose_tags({split: dataset["ner_tags"] for split, dataset in raw_datasets.items()}, model_args)
+    tags = choose_tags({split: dataset["ner_tags"][:] for split, dataset in raw_datasets.items()}, model_args)
     logger.info(f"{len(tags.names)} tags: {list(tags.names)}")
     limits = {
         "train": data_args.max_train_samples,
