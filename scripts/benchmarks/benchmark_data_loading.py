@@ -63,13 +63,13 @@ def measure(method: str, path: str, first: int, cache_dir: str) -> dict:
         records = read_records(path, ["text"])
         check_columns(records, ["text", "label"], path)
         dataset = datasets.Dataset.from_dict({column: [r[column] for r in records] for column in ("text", "label")})
-        labels, rows = dataset["label"], len(dataset)
+        labels, rows = dataset["label"][:], len(dataset)
     elif method == "load_dataset":
         dataset = datasets.load_dataset("json", data_files=path, split="train", cache_dir=cache_dir)
-        labels, rows = dataset["label"], len(dataset)
+        labels, rows = dataset["label"][:], len(dataset)
     elif method in ("load_splits", "load_splits_cut"):
         splits = load_splits(None, None, files, ["text"], ("label",), ("text",), cache_dir=cache_dir)
-        labels = splits["train"]["label"]  # the classes come from the whole split
+        labels = splits["train"]["label"][:]  # the classes come from the whole split, read as run_classification does
         if method == "load_splits_cut":
             splits = first_examples(splits, {"train": first})
         check_split_texts(splits, ["text"], data_args)
@@ -183,7 +183,7 @@ def main() -> None:
     report = {
         "machine_info": info,
         "command": command.strip(),
-        "file": args.file,
+        "file": os.path.relpath(args.file, SCRIPTS.parent),
         "repeats": args.repeats,
         "results": results,
     }
