@@ -29,6 +29,7 @@ SCRIPT_FOLDERS = (
     "text-classification",
     "token-classification",
     "sentence-embeddings",
+    "summarization",
     "benchmarks",
 )
 sys.path[:0] = [str(SCRIPTS / folder) for folder in SCRIPT_FOLDERS]

@@ -16,6 +16,7 @@ import run_clm
 import run_mlm
 import run_ner
 import run_pipeline
+import run_summarization
 import torch
 import train_tokenizer
 from data_loading import cut_for_tokenizer
@@ -145,6 +146,24 @@ def test_training_script_flags_out_of_range(script, argv, message, tmp_path):
     flags = SCRATCH + ["--train_file", NO_FILE, "--output_dir", str(tmp_path / "out")]
     with pytest.raises(ValueError, match=message):
         script.main(flags + argv)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num_beams", "0"], r"--num_beams must be at least 1, got 0"),
+        (["--max_source_length", "2"], r"--max_source_length must be at least 3, got 2"),
+        (["--max_eval_samples", "0"], r"--max_eval_samples must be at least 1, got 0"),
+        (["--per_device_eval_batch_size", "0"], r"--per_device_eval_batch_size must be at least 1, got 0"),
+    ],
+)
+def test_summarization_flags_out_of_range(argv, message, tmp_path):
+    """Checked from the flags' declared ranges (`argument_checks.py`), as every other script's are."""
+    (tmp_path / "train.jsonl").touch()  # the script checks that its files exist as it parses
+    flags = [*SCRATCH, "--train_file", str(tmp_path / "train.jsonl"), "--title_from_first_line"]
+    with pytest.raises(ValueError, match=message):
+        run_summarization.main([*flags, "--output_dir", str(tmp_path / "out"), *argv])
     assert not (tmp_path / "out").exists()
 
 

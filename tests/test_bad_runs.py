@@ -19,6 +19,7 @@ import run_classification
 import run_clm
 import run_ner
 import run_pipeline
+import run_summarization
 import torch
 import train_embeddings
 import train_tokenizer
@@ -485,6 +486,49 @@ def test_stream_training_with_gradient_checkpointing(tokenizer_dir, topic_files,
     argv += ["--block_size", "32", "--gradient_checkpointing", "--max_steps", "1", *QUIET]
     with pytest.raises(ValueError, match=r"--stream_training carries .* drop --gradient_checkpointing"):
         run_clm.main(argv)
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        pytest.param(
+            [json.dumps([{"text": "a title\nits body"}])],
+            r"line 1: expected a JSON object, got the start of a JSON array",
+            id="json-array",  # was "AttributeError: 'list' object has no attribute 'get'"
+        ),
+        pytest.param(
+            ['{"text": "a title\\nits body"}', '{"text": '],
+            r"line 2: not valid JSON",
+            id="broken-line",  # was json's "Expecting value: line 2 column 1 (char 10)", naming no file
+        ),
+        pytest.param(
+            ['{"text": "a title\\nbody \\ud800 here"}'],
+            r"line 1: column 'text' holds a lone surrogate",
+            id="lone-surrogate",  # was the tokenizer's "TypeError: TextEncodeInput must be Union[...]"
+        ),
+        pytest.param(["7"], r"line 1: expected a JSON object, got int", id="not-an-object"),
+    ],
+)
+def test_summarization_data_that_is_not_json_lines_of_texts(tokenizer_dir, tmp_path, lines, message):
+    """`run_summarization.py` read its files with its own loop, and these failed deep inside json, a dict lookup or
+    the tokenizer; it now reads them as every other script does, naming the file and line."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    argv = ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", TINY_OVERRIDES, "--output_dir"]
+    argv += [str(tmp_path / "out"), "--train_file", str(path), "--title_from_first_line", "--do_train", *QUIET]
+    with pytest.raises(ValueError, match=rf"train.jsonl, {message}"):
+        run_summarization.main(argv)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_summarization_records_without_a_body_are_counted(tmp_path, caplog):
+    records = [{"text": "a title\nits body"}, {"text": "a title alone"}, {"text": "another title\nanother body"}]
+    path = write_jsonl(tmp_path / "train.jsonl", records)
+    data_args = run_summarization.DataTrainingArguments(train_file=str(path), title_from_first_line=True)
+    with caplog.at_level("WARNING"):
+        pairs = run_summarization.read_pairs(str(path), data_args, limit=None)
+    assert pairs == [("its body", "a title"), ("another body", "another title")]
+    assert "skipped 1 records whose source or target is blank; 2 kept" in caplog.text
 
 
 @pytest.mark.parametrize(

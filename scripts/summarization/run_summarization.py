@@ -23,7 +23,6 @@ validation example (greedy, or `--num_beams`) and reports ROUGE-1, ROUGE-2 and R
 package, stemmed), with the loss, and writes the generations to `generations.jsonl`.
 """
 
-import gzip
 import json
 import logging
 import math
@@ -58,6 +57,7 @@ from training_utils import (  # noqa: E402
 )
 
 from ran_hf import prefix_lm_features  # noqa: E402
+from ran_hf.data import iter_records  # noqa: E402
 from ran_hf.folders import releases_folder_locks  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -81,11 +81,22 @@ class DataTrainingArguments:
     title_from_first_line: bool = field(
         default=False, metadata={"help": "The target is the text's first line, the source the rest (EURLEX-57K)."}
     )
-    max_source_length: int = field(default=512, metadata={"help": "Source tokens kept, [CLS] and [SEP] included."})
-    max_target_length: int = field(default=64, metadata={"help": "Target tokens kept, the final [SEP] included."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many training examples."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep only this many validation examples."})
-    num_beams: int = field(default=1, metadata={"help": "Beams when generating for evaluation (1: greedy)."})
+    # At least 3: a special token on each side of at least one token of text.
+    max_source_length: int = field(
+        default=512, metadata={"at_least": 3, "help": "Source tokens kept, [CLS] and [SEP] included."}
+    )
+    max_target_length: int = field(
+        default=64, metadata={"at_least": 3, "help": "Target tokens kept, the final [SEP] included."}
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"at_least": 1, "help": "Keep only this many training examples."}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"at_least": 1, "help": "Keep only this many validation examples."}
+    )
+    num_beams: int = field(
+        default=1, metadata={"at_least": 1, "help": "Beams when generating for evaluation (1: greedy)."}
+    )
 
     def __post_init__(self):
         if self.model_kind not in MODEL_KINDS:
@@ -94,15 +105,6 @@ class DataTrainingArguments:
             raise ValueError("Give --train_file and/or --validation_file.")
         if self.title_from_first_line == (self.summary_column is not None):
             raise ValueError("Give exactly one of --title_from_first_line and --summary_column.")
-        for name in ("max_source_length", "max_target_length"):
-            if getattr(self, name) < 3:
-                raise ValueError(
-                    f"--{name} must be at least 3 (a special token on each side), got {getattr(self, name)}."
-                )
-        for name in ("max_train_samples", "max_eval_samples", "num_beams"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name} must be at least 1, got {value}.")
         for name in ("train_file", "validation_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
@@ -112,25 +114,29 @@ class DataTrainingArguments:
 
 
 def read_pairs(path: str, data_args: DataTrainingArguments, limit: int | None) -> list[tuple[str, str]]:
-    """(source, target) pairs of a jsonl(.gz) file; records with an empty source or target are skipped."""
-    pairs = []
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if limit is not None and len(pairs) >= limit:
-                break
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            column = data_args.text_column if data_args.title_from_first_line else data_args.summary_column
-            for name in {data_args.text_column, column}:
-                if not isinstance(record.get(name), str):
-                    raise ValueError(f"{path}, line {number}: no text field {name!r}.")
-            if data_args.title_from_first_line:
-                target, _, source = record[data_args.text_column].strip().partition("\n")
-            else:
-                source, target = record[data_args.text_column], record[data_args.summary_column]
-            if source.strip() and target.strip():
-                pairs.append((source.strip(), target.strip()))
+    """(source, target) pairs of a jsonl(.gz) file, read record by record (`ran_hf.data.iter_records`: a JSON array,
+    a broken line, a null, blank or non-text field, a lone surrogate are errors naming the file and line) until
+    `limit` pairs are kept. A record whose source or target is blank once split (a title without a body) is skipped
+    and counted in the log."""
+    column = data_args.text_column if data_args.title_from_first_line else data_args.summary_column
+    columns = list(dict.fromkeys([data_args.text_column, column]))
+    pairs, skipped = [], 0
+    for number, record in enumerate(iter_records(path, text_columns=columns), 1):
+        if limit is not None and len(pairs) >= limit:
+            break
+        missing = [name for name in columns if name not in record]
+        if missing:
+            raise ValueError(f"{path}, record {number}: no text field {missing[0]!r} (it has {sorted(record)}).")
+        if data_args.title_from_first_line:
+            target, _, source = record[data_args.text_column].strip().partition("\n")
+        else:
+            source, target = record[data_args.text_column], record[data_args.summary_column]
+        if source.strip() and target.strip():
+            pairs.append((source.strip(), target.strip()))
+        else:
+            skipped += 1
+    if skipped:
+        logger.warning(f"{path}: skipped {skipped:,} records whose source or target is blank; {len(pairs):,} kept.")
     if not pairs:
         raise ValueError(f"{path}: no (source, target) pair found.")
     return pairs
