@@ -1,5 +1,6 @@
 """The `Trainer` the example training scripts run: `RANTrainer` (RAN's model card, an atomic final save, a stop for
-runs that diverge) and the parameter checksum callback for checking data parallelism.
+runs that diverge), the stop itself as a mixin any `Trainer` takes (`StopsDivergedRuns`: `train_embeddings.py`'s
+sentence-transformers trainer), and the parameter checksum callback for checking data parallelism.
 
 Machinery shared by the example training scripts (`scripts/<task>/run_*.py`), which import it with `scripts/` on
 `sys.path`.
@@ -12,6 +13,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from checkpoints import is_run_file, refuse_changed_config
 from model_cards import write_model_card
 from transformers import Trainer, TrainerCallback
@@ -43,6 +45,16 @@ def first_nonfinite_weight(model: torch.nn.Module) -> str | None:
     return None
 
 
+def on_every_process(flag: torch.Tensor) -> bool:
+    """Whether the boolean `flag` holds on every process of a distributed run (one all-reduce of one number; just
+    `flag` in a single process). Every process must call it at the same point: a decision to stop made on one rank
+    alone would leave the others waiting for it in their next collective until the run's timeout."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = flag.to(torch.int32)  # gloo and NCCL reduce integers, not bools
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
 class DivergenceGuard:
     """Counts the optimizer steps in a row whose loss or gradient norm is NaN or infinite, and stops the run at
     `limit` of them.
@@ -50,6 +62,8 @@ class DivergenceGuard:
     The losses of a step's micro-batches are combined on the device; the step is read back once (one host read per
     optimizer step). A step that fp16's loss scaler skipped for infinite gradients does not count: the weights are
     untouched and the scaler lowers its scale. Its loss still counts, since the forward pass does not depend on it.
+    In a distributed run a step counts when it was non-finite on any process (each sees its own loss; without
+    gradient clipping no process sees a gradient norm), so that every process stops at the same step.
     """
 
     def __init__(self, limit: int):
@@ -65,17 +79,19 @@ class DivergenceGuard:
         self.step_losses_finite = finite if self.step_losses_finite is None else self.step_losses_finite & finite
         self.last_loss = loss
 
-    def end_step(self, global_step: int, grad_norm, step_skipped: bool) -> None:
-        """After the optimizer step `global_step` (and before anything is logged or saved for it)."""
+    def end_step(self, global_step: int, grad_norm, step_skipped: bool, device: torch.device) -> None:
+        """After the optimizer step `global_step` (and before anything is logged or saved for it); `device` is the
+        one this process trains on (where a distributed run reduces)."""
         if global_step == self.checked_step:  # the epoch's end repeats the last step's logging call
             return
         self.checked_step = global_step
-        finite = self.step_losses_finite
+        finite = torch.ones((), dtype=torch.bool, device=device)
+        if self.step_losses_finite is not None:
+            finite = finite & self.step_losses_finite.to(device)
         if grad_norm is not None and not step_skipped:
-            norm_finite = torch.isfinite(torch.as_tensor(grad_norm)).all()
-            finite = norm_finite if finite is None else finite & norm_finite.to(finite.device)
+            finite = finite & torch.isfinite(torch.as_tensor(grad_norm, device=device)).all()
         self.step_losses_finite = None
-        if finite is None or bool(finite):
+        if on_every_process(finite):
             self.bad_steps = []
             return
         self.bad_steps.append(global_step)
@@ -126,7 +142,47 @@ class ParameterChecksumCallback(TrainerCallback):
 # ---- the trainer --------------------------------------------------------------------------------------------------
 
 
-class RANTrainer(Trainer):
+class StopsDivergedRuns:
+    """A `Trainer` mixin (`class MyTrainer(StopsDivergedRuns, Trainer)`) that ends a diverged run after the optimizer
+    step that makes it so (`DivergenceGuard`), before that step is logged, checkpointed or saved, and refuses to save
+    weights that are NaN or infinite (`refuse_nonfinite_weights`, which the save must call). How many non-finite steps
+    in a row stop the run: `max_nonfinite_steps`, else the training arguments' `--max_nonfinite_steps`, else 3."""
+
+    def __init__(self, *args, max_nonfinite_steps: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        limit = max_nonfinite_steps or getattr(self.args, "max_nonfinite_steps", 3)
+        self.divergence_guard = DivergenceGuard(limit)
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.divergence_guard.add_loss(loss)
+        return loss
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs) -> None:
+        """Stops a diverged run (`DivergenceGuard`) after each optimizer step, before it is logged or saved."""
+        self.divergence_guard.end_step(
+            self.state.global_step,
+            grad_norm,
+            step_skipped=self.accelerator.optimizer_step_was_skipped,
+            device=self.accelerator.device,
+        )
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def refuse_nonfinite_weights(self, output_dir: str | None) -> None:
+        """Raise `TrainingDivergedError` when a weight holds NaN or infinite values (on any process: under FSDP each
+        checks its own shard, and all must stop together). Every process must call it, as every process saves."""
+        broken = first_nonfinite_weight(self.model)
+        if on_every_process(torch.tensor(broken is None, device=self.accelerator.device)):
+            return
+        weight = f"its weight {broken}" if broken is not None else "a weight of another process's shard"
+        raise TrainingDivergedError(
+            f"Refusing to save the model to {output_dir or self.args.output_dir}: {weight} holds NaN or infinite "
+            "values; the run diverged. Lower --learning_rate, lengthen --warmup_steps or set --max_grad_norm, and "
+            "start again or resume from an earlier checkpoint."
+        )
+
+
+class RANTrainer(StopsDivergedRuns, Trainer):
     """`Trainer` whose model card (written by `create_model_card`, and so by `push_to_hub`) is RAN's own.
 
     `card` holds what only the script knows: the task, the data, intended use and limitations (see `write_model_card`).
@@ -138,7 +194,6 @@ class RANTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.card = card or {}
         self.sentence_transformers_pooling = sentence_transformers_pooling
-        self.divergence_guard = DivergenceGuard(getattr(self.args, "max_nonfinite_steps", 3))
         if sentence_transformers_pooling == "cell_transform" and not any(
             name.rsplit(".", 1)[-1] == "pooler" for name, _ in self.model.named_modules()
         ):
@@ -151,27 +206,6 @@ class RANTrainer(Trainer):
         if isinstance(resume_from_checkpoint, str | Path):
             refuse_changed_config(resume_from_checkpoint, self.accelerator.unwrap_model(self.model).config)
         return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.divergence_guard.add_loss(loss)
-        return loss
-
-    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs) -> None:
-        """Stops a diverged run (`DivergenceGuard`) after each optimizer step, before it is logged or saved."""
-        self.divergence_guard.end_step(
-            self.state.global_step, grad_norm, step_skipped=self.accelerator.optimizer_step_was_skipped
-        )
-        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
-
-    def refuse_nonfinite_weights(self, output_dir: str | None) -> None:
-        broken = first_nonfinite_weight(self.model)
-        if broken is not None:
-            raise TrainingDivergedError(
-                f"Refusing to save the model to {output_dir or self.args.output_dir}: its weight {broken} holds NaN "
-                "or infinite values; the run diverged. Lower --learning_rate, lengthen --warmup_steps or set "
-                "--max_grad_norm, and start again or resume from an earlier checkpoint."
-            )
 
     def write_sentence_transformers_files(self, folder: str | Path) -> None:
         if self.sentence_transformers_pooling is not None:

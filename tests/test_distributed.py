@@ -117,3 +117,20 @@ def test_run_classification_on_two_processes_with_unused_parameters(data, tmp_pa
         for module in ("cell_glu.proj", "cell_norm")
         for tensor in ("weight", "bias")
     }
+
+
+def test_a_run_that_diverges_on_one_rank_stops_on_every_rank(data, tmp_path):
+    """Only rank 1's loss is NaN, and without gradient clipping no rank computes a gradient norm: rank 1 alone saw
+    the run diverge, stopped, and left rank 0 training on into a collective that rank 1 never joined (a hang until
+    the run's timeout, unless a launcher killed it). Now every rank stops at the same step with the same error, and
+    nothing is saved."""
+    argv = classification_argv(data, tmp_path) + ["--max_grad_norm", "0", "--max_steps", "6"]
+    completed = torchrun(str(ROOT / "tests" / "diverging_rank_worker.py"), argv)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode != 0
+    stopped = re.findall(
+        r"TrainingDivergedError: Training diverged: .* at (3 optimizer steps in a row, steps 1 to 3)", output
+    )
+    assert len(stopped) == 2, output[-3000:]  # one per rank
+    assert not (tmp_path / "model.safetensors").exists()
+    assert not list(tmp_path.glob("checkpoint-*"))
