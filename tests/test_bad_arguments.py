@@ -5,6 +5,7 @@
 - inputs that used to cost memory in proportion to their longest line, now read in pieces.
 """
 
+import json
 import random
 import sys
 
@@ -383,3 +384,22 @@ def test_the_tokenizer_trainer_reads_a_long_line_in_pieces(monkeypatch, tmp_path
         ["--train_files", str(tmp_path / "line.txt"), "--vocab_size", "100", "--output_dir", str(tmp_path / "tok")]
     )
     assert "".join(read) == text and max(map(len, read)) <= train_tokenizer.TRAINING_PIECE_CHARACTERS
+
+
+def test_embedding_documents_are_cut_to_what_the_models_read(tokenizers, tmp_path):
+    """`train_embeddings.py` tokenized every document whole (the token statistics, sentence-transformers before it
+    truncates): a long one-line document cost some 150 bytes a character. Now a text is cut to a part that still
+    gives more tokens than any model reads, and so gives the same first tokens."""
+    pytest.importorskip("sentence_transformers")
+    import train_embeddings
+
+    text = long_line(400_000)
+    path = tmp_path / "documents.jsonl"
+    path.write_text(json.dumps({"text": text, "label": "long"}) + "\n" + json.dumps({"text": "short", "label": "x"}))
+    data_args = train_embeddings.DataTrainingArguments(train_file=str(path), test_file=str(path), strip_headers=False)
+    tokenizer = tokenizers["wordpiece"]
+    (cut, labels), short = train_embeddings.read_documents(str(path), data_args, tokenizer, max_tokens=256)
+    assert labels == {"long"} and short == ("short", frozenset({"x"}))
+    assert len(cut) <= 256 * (256 + 16) < len(text)
+    first = tokenizer(cut, truncation=True, max_length=256)["input_ids"]
+    assert first == tokenizer(text[:50_000], truncation=True, max_length=256)["input_ids"]

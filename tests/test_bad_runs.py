@@ -187,6 +187,38 @@ def test_the_final_save_refuses_nan_weights(tokenizer_dir, topic_files, tmp_path
     assert not (output_dir / "checkpoint-1").exists()
 
 
+def embedding_argv(tokenizer_dir, topic_files, output_dir, *extra) -> list[str]:
+    """A tiny from-scratch `train_embeddings.py` run: one pooling, no baseline, held-out topics as queries and corpus."""
+    return [
+        "--tokenizer_name", str(tokenizer_dir), "--config_overrides", TINY_OVERRIDES + ",num_hidden_layers=1",
+        "--train_file", str(topic_files["train"]), "--test_file", str(topic_files["train"]), "--num_train_pairs", "32",
+        "--num_queries", "4", "--num_corpus", "12", "--poolings", "mean", "--no_baseline", "--max_seq_length", "64",
+        "--per_device_train_batch_size", "4", "--output_dir", str(output_dir), "--report_to", "none",
+        "--disable_tqdm", "true", *extra,
+    ]  # fmt: skip
+
+
+def test_a_diverging_embedding_run_stops_before_saving_anything(tokenizer_dir, topic_files, tmp_path):
+    """sentence-transformers' trainer has no such stop: at this learning rate it trained on NaN and saved a model of
+    NaN weights, exit 0."""
+    argv = embedding_argv(tokenizer_dir, topic_files, tmp_path / "out", "--learning_rate", "1e9")
+    with pytest.raises(TrainingDivergedError, match=r"NaN or infinite at 3 optimizer steps in a row"):
+        train_embeddings.main(argv + ["--max_grad_norm", "0"])
+    assert not list((tmp_path / "out").glob("ran-mean/*"))  # Trainer made the folder; nothing was saved in it
+
+
+def test_an_embedding_model_with_nan_weights_is_not_trained(tokenizer_dir, topic_files, tmp_path):
+    """It trained with a loss of 0 and saved the model, exit 0."""
+    model_dir = save_classifier(tokenizer_dir, tmp_path / "model", num_labels=6)
+    name = poison(model_dir / "model.safetensors", "embeddings")
+    argv = embedding_argv(tokenizer_dir, topic_files, tmp_path / "out")
+    at = argv.index("--config_overrides")
+    argv[at : at + 2] = ["--model_name_or_path", str(model_dir)]
+    with pytest.raises(ValueError, match=rf"model: its weight 0.model.{name.removeprefix('model.')} holds NaN"):
+        train_embeddings.main(argv)
+    assert not list((tmp_path / "out").glob("ran-mean/*"))  # Trainer made the folder; nothing was saved in it
+
+
 # ---- labels: a trained model's classes are its own -------------------------------------------------------------------
 
 TOPICS = ("astronomy", "cooking", "finance", "football", "medicine", "sailing")
@@ -486,6 +518,23 @@ def test_stream_training_with_gradient_checkpointing(tokenizer_dir, topic_files,
     argv += ["--block_size", "32", "--gradient_checkpointing", "--max_steps", "1", *QUIET]
     with pytest.raises(ValueError, match=r"--stream_training carries .* drop --gradient_checkpointing"):
         run_clm.main(argv)
+
+
+@pytest.mark.parametrize(
+    "num_queries, num_corpus, message",
+    [
+        pytest.param(6, 10, "after --num_queries 6 queries none is left for the corpus", id="no-corpus"),
+        pytest.param(2, 1, "no query shares a label with one of the 1 corpus documents", id="nothing-relevant"),
+    ],
+)
+def test_retrieval_without_a_corpus_or_a_relevant_document(num_queries, num_corpus, message):
+    """Both ended in a ZeroDivisionError after the evaluator dropped every query without a relevant document."""
+    documents = [(f"document {index}", frozenset([str(index)])) for index in range(6)]
+    data_args = train_embeddings.DataTrainingArguments(
+        train_file="unused", test_file="unused", num_queries=num_queries, num_corpus=num_corpus
+    )
+    with pytest.raises(ValueError, match=rf"--test_file holds 6 documents .*{message}"):
+        train_embeddings.retrieval_evaluator(documents, data_args, random.Random(0), batch_size=2)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, pipeline
 
 from ran_hf import RANForMaskedLM, RANForSequenceClassification
-from ran_hf.modeling_ran import masked_max, masked_mean
+from ran_hf.ran_model import masked_max, masked_mean
 from ran_hf.sentence_embeddings import (
     SENTENCE_POOLINGS,
     ran_sentence_transformer,

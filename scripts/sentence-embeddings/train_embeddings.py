@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the fl
 
 from argument_checks import TRAINING_ARGUMENT_RANGES, check_ranges, parse_arguments  # noqa: E402
 from benchmark_utils import machine_info, machine_line  # noqa: E402
+from data_loading import cut_for_tokenizer  # noqa: E402
+from ran_trainer import StopsDivergedRuns, first_nonfinite_weight  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +119,24 @@ class DataTrainingArguments:
     results_prefix: str | None = field(
         default=None, metadata={"help": "Also write PREFIX.json and PREFIX.md (e.g. benchmarks/embeddings_cpu)."}
     )
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata={
+            "at_least": 1,
+            "help": "Stop a model's training, before it is saved, when this many optimizer steps in a row had a NaN "
+            "or infinite loss or gradient norm (as the training scripts' flag of that name).",
+        },
+    )
 
 
-def read_documents(path: str, data_args: DataTrainingArguments) -> list[tuple[str, frozenset]]:
+def read_documents(
+    path: str, data_args: DataTrainingArguments, tokenizer=None, max_tokens: int | None = None
+) -> list[tuple[str, frozenset]]:
     """(text, labels) for every document with a non-blank text and a label; a label list becomes a set of labels.
-    The others (a null or blank text, a null label or an empty list) are skipped and counted in the log."""
+    The others (a null or blank text, a null label or an empty list) are skipped and counted in the log. With a
+    `tokenizer`, a text longer than `max_tokens` of its tokens is cut to a part that still gives more
+    (`cut_for_tokenizer`): no model reads further, and a fast tokenizer holds some 150 bytes per character of a text
+    it tokenizes whole, before it truncates."""
     documents, without_text, without_label = [], 0, 0
     columns = [data_args.text_column_name, data_args.label_column_name]
     for batch in load_records(path, columns).iter(batch_size=1000):
@@ -138,6 +153,9 @@ def read_documents(path: str, data_args: DataTrainingArguments) -> list[tuple[st
                 without_label += 1
             else:
                 documents.append((text.strip(), labels))
+    if tokenizer is not None:
+        texts = cut_for_tokenizer(tokenizer, [text for text, _ in documents], max_tokens)
+        documents = [(text, labels) for text, (_, labels) in zip(texts, documents)]
     if without_text or without_label:
         logger.warning(
             f"{path}: skipped {without_text:,} documents without text (null or blank"
@@ -187,6 +205,15 @@ def retrieval_evaluator(documents, data_args: DataTrainingArguments, rng: random
         f"q{q}": {f"d{d}" for d in corpus_ids if documents[q][1] & documents[d][1]}
         for q in order[: data_args.num_queries]
     }
+    if not corpus or not any(relevant.values()):
+        held_out = f"--test_file holds {len(documents):,} documents with a text and a label"
+        problem = (
+            f"{held_out}: after --num_queries {data_args.num_queries} queries none is left for the corpus"
+            if not corpus
+            else f"{held_out}, and no query shares a label with one of the {len(corpus):,} corpus documents"
+        )
+        fix = "Lower --num_queries" if not corpus else "Raise --num_corpus"
+        raise ValueError(f"{problem}, so retrieval cannot be scored. {fix} or give a larger --test_file.")
     return InformationRetrievalEvaluator(
         queries, corpus, relevant, ndcg_at_k=[10], map_at_k=[100], mrr_at_k=[10], accuracy_at_k=[1],
         precision_recall_at_k=[10], batch_size=batch_size, show_progress_bar=True, write_csv=False, name="heldout",
@@ -250,18 +277,29 @@ def count_parameters(model: SentenceTransformer) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
 
-def train_and_evaluate(name, model, train_dataset, evaluator, training_args, output_dir: Path) -> dict:
+class EmbeddingTrainer(StopsDivergedRuns, SentenceTransformerTrainer):
+    """sentence-transformers' trainer, stopped when training diverges (`ran_trainer.StopsDivergedRuns`)."""
+
+
+def train_and_evaluate(
+    name, model, train_dataset, evaluator, training_args, output_dir: Path, max_nonfinite_steps: int = 3
+) -> dict:
     logger.info(f"*** {name}: before training ***")
     before = retrieval_scores(model, evaluator)
     args = dataclasses.replace(training_args, output_dir=str(output_dir / name), save_strategy="no")
-    trainer = SentenceTransformerTrainer(
-        model=model, args=args, train_dataset=train_dataset, loss=MultipleNegativesRankingLoss(model)
+    trainer = EmbeddingTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        loss=MultipleNegativesRankingLoss(model),
+        max_nonfinite_steps=max_nonfinite_steps,
     )
     start = time.perf_counter()
     train_result = trainer.train()
     seconds = time.perf_counter() - start
     logger.info(f"*** {name}: after training ***")
     after = retrieval_scores(model, evaluator)
+    trainer.refuse_nonfinite_weights(str(output_dir / name))
     with write_folder(output_dir / name, "saving") as staging:
         model.save(str(staging))
     row = {
@@ -310,6 +348,9 @@ def check_output_dir(output_dir: Path, model_args: ModelArguments, data_args: Da
     inputs = [("--model_name_or_path", model_args.model_name_or_path), ("--tokenizer_name", model_args.tokenizer_name)]
     inputs += [("--train_file", data_args.train_file), ("--test_file", data_args.test_file)]
     check_not_inputs(output_dir, "--output_dir", inputs)
+    if data_args.results_prefix is not None:
+        for suffix in (".json", ".md"):
+            check_not_inputs(f"{data_args.results_prefix}{suffix}", f"--results_prefix's {suffix} file", inputs)
     lock_folder(output_dir)
     entries = contents(output_dir)
     if entries and not data_args.overwrite_output_dir:
@@ -334,10 +375,13 @@ def main(argv: list[str] | None = None) -> dict:
     check_output_dir(output_dir, model_args, data_args)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    # Data: training pairs from the train file, queries and corpus from the held-out file
+    # Data: training pairs from the train file, queries and corpus from the held-out file, each text cut to what the
+    # models read (the RAN's --max_seq_length, the baseline's --baseline_max_length)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
     rng = random.Random(training_args.seed)
-    train_documents = read_documents(data_args.train_file, data_args)
-    test_documents = read_documents(data_args.test_file, data_args)
+    read_tokens = max(model_args.max_seq_length, model_args.baseline_max_length if model_args.baseline else 0)
+    train_documents = read_documents(data_args.train_file, data_args, tokenizer, read_tokens)
+    test_documents = read_documents(data_args.test_file, data_args, tokenizer, read_tokens)
     train_dataset = training_pairs(train_documents, data_args.num_train_pairs, rng)
     evaluator = retrieval_evaluator(test_documents, data_args, rng, training_args.per_device_eval_batch_size)
     relevant_share = sum(len(evaluator.relevant_docs[q]) for q in evaluator.queries_ids) / (
@@ -349,8 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"corpus relevant to a query on average"
     )
 
-    # The RAN every pooling choice starts from, and the tokenizer all models share
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
+    # The RAN every pooling choice starts from; all models share the tokenizer
     start = starting_ran(model_args, tokenizer, output_dir / "ran-initial")
     ran_config = RANConfig.from_pretrained(start)
     lengths = [len(ids) for ids in tokenizer(evaluator.queries + evaluator.corpus)["input_ids"]]
@@ -362,14 +405,21 @@ def main(argv: list[str] | None = None) -> dict:
     logger.info(f"Held-out documents: {token_stats}")
 
     rows = []
+    trained_as = (training_args, output_dir, data_args.max_nonfinite_steps)
     for pooling in model_args.poolings:
         set_seed(training_args.seed)
         model = ran_sentence_transformer(start, pooling=pooling, max_seq_length=model_args.max_seq_length)
-        rows.append(train_and_evaluate(f"ran-{pooling}", model, train_dataset, evaluator, training_args, output_dir))
+        broken = first_nonfinite_weight(model)
+        if broken is not None:
+            raise ValueError(
+                f"--model_name_or_path {start}: its weight {broken} holds NaN or infinite values (a diverged or "
+                "damaged model); training it would give NaN. Use another checkpoint."
+            )
+        rows.append(train_and_evaluate(f"ran-{pooling}", model, train_dataset, evaluator, *trained_as))
     if model_args.baseline:
         set_seed(training_args.seed)
         model = baseline_bert(ran_config, tokenizer, model_args.baseline_max_length, output_dir / "bert-initial")
-        rows.append(train_and_evaluate("bert-mean", model, train_dataset, evaluator, training_args, output_dir))
+        rows.append(train_and_evaluate("bert-mean", model, train_dataset, evaluator, *trained_as))
 
     info = machine_info()
     setup = {
