@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import evaluate_perplexity
 import export_onnx
 import pytest
 import run_classification
@@ -144,6 +145,26 @@ def test_export_refuses_to_overwrite_a_file_of_its_model(saved_model, output):
 
 def test_export_check_allows_a_new_graph_beside_the_model(saved_model):
     export_onnx.check_output(str(saved_model), str(saved_model / "model.onnx"))  # what the README does
+
+
+@pytest.mark.parametrize("output", ["model.safetensors", "config.json", "../text.txt"])
+def test_perplexity_results_are_not_written_over_what_the_run_reads(saved_model, output):
+    """The same over-writing, found in the sweep: `evaluate_perplexity.py --output_file M/model.safetensors` (or the
+    text it scores) wrote its JSON there after scoring. Now refused before the model is loaded."""
+    text = saved_model.parent / "text.txt"
+    text.write_text("a line of text\n", encoding="utf-8")
+    before = files_of(saved_model.parent)
+    argv = ["--model_name_or_path", str(saved_model), "--text_file", str(text)]
+    with pytest.raises(ValueError, match=r"--output_file .* is --(model_name_or_path's|text_file)"):
+        evaluate_perplexity.main([*argv, "--output_file", str(saved_model / output)])
+    assert files_of(saved_model.parent) == before
+
+
+def test_perplexity_results_may_go_beside_the_model(saved_model):
+    args = evaluate_perplexity.PerplexityArguments(
+        model_name_or_path=str(saved_model), text_file="text.txt", output_file=str(saved_model / "perplexity.json")
+    )
+    evaluate_perplexity.check_output_file(args)  # what the script's docstring does
 
 
 # ---- 2. training from a checkpoint of the folder it overwrites ----------------------------------------------------

@@ -39,10 +39,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import ran_hf  # noqa: F401  (registers RAN with the Auto classes)
 from ran_hf.data import read_lines
+from ran_hf.folders import check_not_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
 from argument_checks import parse_arguments  # noqa: E402
+from checkpoints import is_run_file  # noqa: E402
 from lm_data import end_of_text_id, token_ids  # noqa: E402
 from training_utils import check_tokenizer_matches_config  # noqa: E402
 
@@ -67,6 +69,29 @@ class PerplexityArguments:
             raise ValueError(f"--mode must be `stream` or `chunks`, got {self.mode!r}.")
         if self.max_tokens is not None and self.max_tokens < 2:  # the first token is never scored
             raise ValueError(f"--max_tokens must be at least 2 (leave it out to score all), got {self.max_tokens}.")
+
+
+def check_output_file(args: PerplexityArguments) -> None:
+    """Refuse an --output_file that is something the run reads (links resolved): the text, or a file of the model's
+    or tokenizer's folder that a run wrote there (weights, config, tokenizer, code, model card, metrics). A new file
+    beside them is fine."""
+    output = Path(args.output_file)
+    if output.is_dir():
+        raise ValueError(f"--output_file {output} is a folder; name the .json file to write.")
+    inputs = [("--text_file", args.text_file)]
+    for flag in ("model_name_or_path", "tokenizer_name"):
+        folder = getattr(args, flag)
+        if folder is not None and Path(folder).is_dir():
+            inputs += [(f"--{flag}'s {path.name}", path) for path in Path(folder).iterdir() if is_run_file(path.name)]
+    check_not_inputs(output, "--output_file", inputs)
+
+
+def write_results(path: Path, results: dict) -> None:
+    """Write the JSON whole or not at all: into a temporary file beside it, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(results, indent=2) + "\n")
+    partial.replace(path)
 
 
 def read_stream(path: str, tokenizer) -> tuple[torch.Tensor, int]:
@@ -111,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, stream=sys.stdout
     )
     (args,) = parse_arguments(PerplexityArguments, argv)
+    if args.output_file is not None:
+        check_output_file(args)
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or args.model_name_or_path)
     config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
@@ -151,8 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     for key, value in results.items():
         logger.info(f"  {key} = {value}")
     if args.output_file:
-        Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output_file).write_text(json.dumps(results, indent=2) + "\n")
+        write_results(Path(args.output_file), results)
     return results
 
 
