@@ -113,13 +113,18 @@ def markdown(report: dict) -> str:
         f"# Reading `{report['file']}`",
         "",
         f"Command: `{report['command']}`  ",
-        f"Commit {info['git_sha']}, {info['date']}; {info['cpu']} x{info['threads']} threads, "
-        f"{info['memory_gib']} GiB; Python {info['python']}, datasets {info['datasets']}, pyarrow {info['pyarrow']}, "
-        f"transformers {info['transformers']}, torch {info['torch']}. Load average {info['load_average']} (other work "
-        "on the machine slows the timings, not the memory figures).",
+        (
+            f"Commit {info['git_sha']}, {info['date']}; {info['cpu']} x{info['threads']} threads, "
+            f"{info['memory_gib']} GiB; Python {info['python']}, datasets {info['datasets']}, "
+            f"pyarrow {info['pyarrow']}, transformers {info['transformers']}, torch {info['torch']}. Load average "
+            f"{info['load_average']} (other work on the machine slows the timings, not the memory figures)."
+        ),
         "",
-        f"Median of {report['repeats']} fresh processes each. `seconds`: the reading alone; `peak MiB`: the process's "
-        "peak resident memory; `imports MiB`: resident once the imports are done (the same for every method).",
+        (
+            f"Median of {report['repeats']} fresh processes each. `seconds`: the reading alone; `peak MiB`: the "
+            "process's peak resident memory; `imports MiB`: resident once the imports are done (the same for every "
+            "method)."
+        ),
         "",
         "| method | cache | rows kept | seconds | peak MiB | imports MiB | process seconds |",
         "|---|---|---:|---:|---:|---:|---:|",
