@@ -7,35 +7,85 @@
 Steps: train a lower-cased WordPiece tokenizer on the text, build a `RANForMaskedLM`, run the whole text through it
 in a single sequence (RAN reads it window by window), fill a masked word, then `save_pretrained` and reload the
 folder with `AutoModelForMaskedLM.from_pretrained(..., trust_remote_code=True)` and check the logits are identical.
+
+A longer text is read up to its first `--max_tokens` tokens (a RAN's memory grows with what it reads; only that part
+of the file is read at all). The folder is written as the training scripts write theirs (`ran_hf.folders`): locked
+for the run, replaced whole once the new model is saved, and a folder that holds anything but an earlier
+quickstart's model is refused without `--overwrite_output_dir`.
 """
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
 from argument_checks import in_range
+from data_loading import cut_at_whitespace, cut_for_tokenizer
 from train_tokenizer import SPECIAL_TOKENS, TokenizerArguments, build_tokenizer
 from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline, set_seed
 
 from ran_hf import RANConfig, RANForMaskedLM
-
+from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 
 MIN_WINDOW_SIZE = 8
+# Characters read for each token kept: more than any token holds, so that the text read gives `--max_tokens` tokens.
+CHARACTERS_PER_TOKEN = 64
+# Written beside the model: what the quickstart read. It marks a folder that a later quickstart may replace.
+MARKER = "quickstart.json"
 
 
-def main():
+def read_text(path: Path, characters: int) -> tuple[list[str], bool]:
+    """The non-blank lines of the first `characters` characters of a UTF-8 file (a cut line ends at whitespace), and
+    whether the file holds more."""
+    try:
+        with path.open(encoding="utf-8") as handle:
+            text = handle.read(characters + 1)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--text_file {path} is not UTF-8 text ({error.reason}); convert it to UTF-8.") from None
+    more = len(text) > characters
+    if more:
+        text = cut_at_whitespace(text[:characters], characters, from_left=False)
+    return [line.strip() for line in text.splitlines() if line.strip()], more
+
+
+def check_output_dir(args: argparse.Namespace) -> None:
+    """Before any work: an --output_dir apart from --text_file, locked for the run, and holding nothing but an earlier
+    quickstart's model unless --overwrite_output_dir."""
+    check_not_inputs(args.output_dir, "--output_dir", [("--text_file", args.text_file)])
+    if args.output_dir.exists() and not args.output_dir.is_dir():
+        raise ValueError(f"--output_dir {args.output_dir} is a file, not a folder.")
+    lock_folder(args.output_dir)
+    entries = contents(args.output_dir)
+    if entries and MARKER not in entries and not args.overwrite_output_dir:
+        shown = ", ".join(entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+        raise ValueError(
+            f"--output_dir {args.output_dir} holds files that an earlier quickstart did not write ({shown}): saving "
+            "the quickstart's untrained model there would replace them. Choose another --output_dir, or pass "
+            "--overwrite_output_dir to replace them."
+        )
+
+
+@releases_folder_locks
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--text_file", type=Path, default=Path(__file__).resolve().parents[1] / "README.md")
     parser.add_argument("--output_dir", type=Path, default=Path("outputs/quickstart"))
     parser.add_argument("--vocab_size", type=in_range(int, above=len(SPECIAL_TOKENS)), default=1000)
     parser.add_argument("--window_size", type=in_range(int, above=MIN_WINDOW_SIZE), default=64)
+    parser.add_argument("--max_tokens", type=in_range(int, at_least=2), default=16_384, help="tokens of the text read")
     parser.add_argument("--seed", type=in_range(int, at_least=0, below=2**32), default=0)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true", help="replace an --output_dir that holds other files"
+    )
+    args = parser.parse_args(argv)
     if not args.text_file.is_file():
         parser.error(f"--text_file {args.text_file} does not exist")
-    text = args.text_file.read_text(encoding="utf-8")
-    lines = [line for line in text.splitlines() if line.strip()]
+    try:
+        check_output_dir(args)
+        lines, more = read_text(args.text_file, CHARACTERS_PER_TOKEN * args.max_tokens)
+    except ValueError as error:
+        parser.error(str(error))
     if not lines:
         parser.error(f"--text_file {args.text_file} holds no text")
     set_seed(args.seed)
@@ -55,7 +105,10 @@ def main():
     model = RANForMaskedLM(config).eval()
     print(f"RAN with {model.num_parameters():,} parameters, vocabulary {len(tokenizer)}, window {config.window_size}")
 
-    encoded = tokenizer(" ".join(lines), return_tensors="pt")
+    (text,) = cut_for_tokenizer(tokenizer, [" ".join(lines)], args.max_tokens)  # the part a truncation keeps
+    encoded = tokenizer(text, truncation=True, max_length=args.max_tokens, return_tensors="pt")
+    if more or encoded.input_ids.shape[1] == args.max_tokens:
+        print(f"Reading the first {encoded.input_ids.shape[1]:,} tokens of {args.text_file.name} (--max_tokens)")
     start = time.perf_counter()
     with torch.no_grad():
         outputs = model.model(**encoded)
@@ -72,12 +125,17 @@ def main():
     guesses = ", ".join(f"{g['token_str']} ({g['score']:.3f})" for g in fill_mask(prompt, top_k=3))
     print(f"fill-mask (untrained weights) for {prompt!r}: {guesses}")
 
-    model.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
+    with write_folder(args.output_dir, "saving") as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        read = {"text_file": str(args.text_file.resolve()), "tokens": encoded.input_ids.shape[1]}
+        (staging / MARKER).write_text(json.dumps(read, indent=2) + "\n", encoding="utf-8")
     reloaded = AutoModelForMaskedLM.from_pretrained(args.output_dir, trust_remote_code=True).eval()
     reloaded_tokenizer = AutoTokenizer.from_pretrained(args.output_dir)
     with torch.no_grad():
-        reloaded_logits = reloaded(**reloaded_tokenizer(" ".join(lines), return_tensors="pt")).logits
+        reloaded_logits = reloaded(
+            **reloaded_tokenizer(text, truncation=True, max_length=args.max_tokens, return_tensors="pt")
+        ).logits
     # Identical weights; float sums may still differ in the last bits with the memory layout of the loaded tensors.
     difference = (reloaded_logits - logits).abs().max().item()
     if difference > 1e-5:

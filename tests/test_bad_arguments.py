@@ -403,3 +403,16 @@ def test_embedding_documents_are_cut_to_what_the_models_read(tokenizers, tmp_pat
     assert len(cut) <= 256 * (256 + 16) < len(text)
     first = tokenizer(cut, truncation=True, max_length=256)["input_ids"]
     assert first == tokenizer(text[:50_000], truncation=True, max_length=256)["input_ids"]
+
+
+def test_quickstart_reads_only_the_start_of_a_long_text(tmp_path):
+    """`quickstart.py` read a whole file and ran all of it through the model as one sequence: memory grew with the
+    file (0.4 MB of one line: 72,708 tokens, 1.0 GB). It now reads the characters its --max_tokens need."""
+    import quickstart
+
+    path = tmp_path / "one-line.txt"
+    path.write_text(long_line(1_000_000), encoding="utf-8")
+    (line,), more = quickstart.read_text(path, characters=10_000)
+    assert more and len(line) <= 10_000 and path.read_text().startswith(line)
+    (line,), more = quickstart.read_text(path, characters=2_000_000)
+    assert not more and line == path.read_text().strip()

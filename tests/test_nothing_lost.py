@@ -5,6 +5,7 @@ Mount points are real: a tmpfs (and a bind mount) mounted here, which needs root
 skipped with the reason otherwise.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -378,6 +379,39 @@ def test_train_embeddings_does_not_replace_a_previous_run(tokenizer_dir, topic_f
             ]
         )
     assert files_of(output_dir) == before
+
+
+# ---- the same kinds, found in the sweep: quickstart.py ------------------------------------------------------------
+
+
+def test_quickstart_does_not_save_over_another_folder(tmp_path, capsys):
+    """`quickstart.py --output_dir` saved its untrained model into any folder (a trained model's, say) over what was
+    there. Now a folder holding anything but an earlier quickstart's model is refused before any work."""
+    import quickstart
+
+    output_dir = tmp_path / "trained-model"
+    output_dir.mkdir()
+    (output_dir / "model.safetensors").write_bytes(b"trained weights")
+    with pytest.raises(SystemExit):
+        quickstart.main(["--output_dir", str(output_dir)])
+    assert "holds files that an earlier quickstart did not write (model.safetensors)" in capsys.readouterr().err
+    assert files_of(output_dir) == {"model.safetensors": b"trained weights"}
+    assert_no_leftovers(output_dir)
+
+
+def test_quickstart_replaces_its_own_output_whole(tmp_path):
+    import quickstart
+
+    text = tmp_path / "text.txt"
+    text.write_text("the model reads long documents window by window .\n" * 40, encoding="utf-8")
+    output_dir = tmp_path / "quickstart"
+    argv = ["--text_file", str(text), "--output_dir", str(output_dir), "--vocab_size", "60", "--max_tokens", "64"]
+    quickstart.main(argv)
+    first = files_of(output_dir)
+    quickstart.main([*argv, "--seed", "1"])  # an earlier quickstart's folder: replaced without asking
+    assert set(files_of(output_dir)) == set(first) and files_of(output_dir) != first
+    assert json.loads((output_dir / "quickstart.json").read_text())["tokens"] == 64
+    assert_no_leftovers(output_dir)
 
 
 # ---- 8. the converter over the checkpoint it converts ---------------------------------------------------------------
