@@ -45,11 +45,28 @@ def test_causal_continuation_reads_the_cached_tail():
     # New tokens 0-3, cached tail 4-6 (sequence 0: positions 3, 4, 5) and 7 (sequence 1: position 3), empty 8.
     assert layout.first_window.tolist() == [1, 1]
     assert layout.num_windows.tolist() == [2, 1]
-    assert layout.window_slots.tolist() == [[4, 5, 6, 0, 1], [1, 2, 8, 8, 8], [7, 3, 8, 8, 8]]
+    # Packed step-major: both sequences' first windows here (0 and 1), then sequence 0's second (2).
+    assert layout.window_sequence.tolist() == [0, 1, 0] and layout.window_number.tolist() == [0, 0, 1]
+    assert layout.step_windows.tolist() == [[0, 1], [2, 3]]
+    assert layout.window_slots.tolist() == [[4, 5, 6, 0, 1], [7, 3, 8, 8, 8], [1, 2, 8, 8, 8]]
     # Q is bounded by the longest new input (3 tokens), not searched for: unused query slots point at the empty row.
     assert layout.query_slots.tolist() == [[3, 4, 0], [1, 0, 0], [1, 0, 0]]
-    assert layout.query_index.tolist() == [[0, 1, 4], [2, 4, 4], [3, 4, 4]]
+    assert layout.query_index.tolist() == [[0, 1, 4], [3, 4, 4], [2, 4, 4]]
+    assert layout.output_slot.tolist() == [0, 1, 6, 3]  # token t's query k * Q + q
     assert layout.token_window.tolist() == [[1, 1, 2], [1, 0, 0]]
     assert layout.cached_tail.tolist() == [0, 1, 2, 3]  # of the (2 x 3) cached tails: all of row 0, one of row 1
     # Next pass: sequence 0 (9 tokens) keeps position 7 (overlap) and 8; sequence 1 (5 tokens) positions 3 and 4.
     assert layout.next_tail.tolist() == [[1, 2], [7, 3]]
+
+
+def test_sequences_with_as_many_windows_pack_as_the_scan_reads_them():
+    """Equal numbers of windows: window k is scan step k // B of sequence k % B, so the scan's step-major view of the
+    windows is a reshape (`full_grid`), and per-step states map back to windows without a gather."""
+    layout = layout_of([10, 11, 12], padded_length=12)  # three windows each (window 4, minimum 2)
+    assert layout.full_grid and layout.num_steps == 3
+    assert layout.window_sequence.tolist() == [0, 1, 2] * 3
+    assert layout.window_number.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert layout.step_windows.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    steps = torch.arange(9.0).view(3, 3, 1)
+    assert torch.equal(layout.per_sequence(steps), steps.flatten(0, 1))
+    assert not layout_of([5, 11], padded_length=11).full_grid

@@ -38,8 +38,9 @@ def step_major(keys: torch.Tensor, values: torch.Tensor, layout: RANWindowLayout
     A sequence that has run out of windows reads its first one with every slot masked (its results are never
     used). One sequence needs no gather at all.
     """
-    if layout.batch_size == 1:
-        return keys[:, None], values[:, None], layout.slot_mask[:, None]
+    if layout.full_grid:  # every sequence has every step's window, packed step-major: a view
+        steps = (layout.num_steps, layout.batch_size)
+        return keys.unflatten(0, steps), values.unflatten(0, steps), layout.slot_mask.unflatten(0, steps)
     has_window = layout.step_windows < keys.shape[0]  # (N, B)
     windows = torch.where(has_window, layout.step_windows, 0)
     step_mask = layout.slot_mask[windows] & has_window[..., None]  # (N, B, S)

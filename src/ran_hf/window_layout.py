@@ -178,7 +178,9 @@ class RANWindowLayout:
             from_tail = tail_start[rows] + position - (past[rows] - tail_lengths[rows])
             return torch.where(position >= past[rows], from_new, from_tail)
 
-        # 2. Pack the windows of all sequences, in batch order; the scan reads them step-major.
+        # 2. Pack the windows of all sequences step-major: every sequence's first window, then every second one, ...
+        # (in batch order within a step). When all sequences have the same number of windows, the scan's
+        # step-major view of the windows is then the packed tensor itself: no copy either way.
         packed = torch.arange(num_packed, device=device)
         if bounded:  # room for `num_steps` windows per sequence; the ones it does not have stay empty
             grid = torch.zeros(batch_size, num_steps, dtype=torch.long, device=device)
@@ -190,12 +192,12 @@ class RANWindowLayout:
                 steps < num_windows, torch.arange(batch_size, device=device) * num_steps + steps, num_packed
             )  # (N, B)
         else:
-            window_sequence = torch.repeat_interleave(
-                torch.arange(batch_size, device=device), num_windows, output_size=num_packed
-            )  # (K,)
-            window_number = packed - group_starts(num_windows)[window_sequence]  # (K,)
-            step_windows = torch.full((num_steps, batch_size), num_packed, dtype=torch.long, device=device)
-            step_windows[window_number, window_sequence] = packed
+            has_window = torch.arange(num_steps, device=device)[:, None] < num_windows  # (N, B)
+            grid_position = true_positions(has_window.flatten(), num_packed)  # (K,) step * B + sequence
+            window_sequence, window_number = grid_position % batch_size, grid_position // batch_size
+            step_windows = torch.where(
+                has_window, torch.cumsum(has_window.flatten(), 0).view_as(has_window) - 1, num_packed
+            )
 
         # 3. Place every window's tokens in its slots: enrichment first, then its own tokens.
         absolute_window = first_window[window_sequence] + window_number  # (K,)
@@ -212,13 +214,21 @@ class RANWindowLayout:
         window_slots = torch.where(slot_mask, source_index(rows, position), empty)
 
         # 4. Pick the queries: only new own tokens need an output (a decoding step asks one per window, not S).
-        # New tokens come in the same order as the windows' queries, so query q of window k is simply the next one.
         first_query = torch.maximum(start, past[window_sequence])  # (K,) sequence position of the first query
         offset = torch.arange(own_slots if bounded else min(longest, own_slots), device=device)  # (Q,)
         is_query = offset < (end - first_query)[:, None]  # (K, Q)
         query_slots = torch.where(is_query, (first_query - first_slot)[:, None] + offset, 0)
-        query_index = torch.where(is_query, torch.cumsum(is_query.flatten(), 0).view_as(is_query) - 1, num_tokens)
-        output_slot = true_positions(is_query.flatten(), num_tokens)  # (T,)
+        if bounded:
+            # Windows in batch order hold the new tokens in their order: query q of window k is simply the next one
+            # (and the padding "tokens" after the real ones take the slots no query uses, zeroed on the way out).
+            query_index = torch.where(is_query, torch.cumsum(is_query.flatten(), 0).view_as(is_query) - 1, num_tokens)
+            output_slot = true_positions(is_query.flatten(), num_tokens)  # (T,)
+        else:
+            first_new = new_start[window_sequence] + first_query - past[window_sequence]  # (K,) index of query 0
+            query_index = torch.where(is_query, first_new[:, None] + offset, num_tokens)  # (K, Q)
+            # Every new token is the query of exactly one window: the inverse map, (T,) token -> k * Q + q.
+            slots = torch.arange(is_query.numel(), device=device)
+            output_slot = slots.new_empty(num_tokens + 1).scatter_(0, query_index.flatten(), slots)[:num_tokens]
         token_position = past[:, None] + torch.cumsum(real, -1) - 1  # (B, L) sequence position of each new token
         token_window = torch.minimum(token_position // window, (total_windows - 1)[:, None]) * real
 
@@ -354,6 +364,14 @@ class RANWindowLayout:
         rows = torch.arange(self.batch_size, device=last_step.device)
         return torch.where((cell_windows > 0)[:, None], cells[last_step, rows], start_cell)
 
+    @property
+    def full_grid(self) -> bool:
+        """Whether the packed windows are exactly (scan step, sequence) in step-major order, every sequence having
+        the same number of windows: the scan's (N, B, ...) view of them is then a reshape, not a gather."""
+        return self.real_tokens is None and self.window_sequence.shape[0] == self.num_steps * self.batch_size
+
     def per_sequence(self, step_states: torch.Tensor) -> torch.Tensor:
         """(N, B, F) per-step states -> (K, F) the state of every packed window."""
+        if self.full_grid:
+            return step_states.flatten(0, 1)
         return gather_rows(step_states.flatten(0, 1), self.window_number * self.batch_size + self.window_sequence)
