@@ -168,6 +168,52 @@ def test_non_finite_inputs_embeds(make_config, model_class, value):
         model_class(make_config())(inputs_embeds=embeds)
 
 
+def additive_mask():
+    mask = torch.zeros(BATCH_SIZE, LENGTH, dtype=torch.long)
+    mask[1, 5:] = -10_000
+    return mask
+
+
+def nan_embeds():
+    embeds = torch.randn(BATCH_SIZE, LENGTH, 16)
+    embeds[1, 3, 5] = float("nan")
+    return embeds
+
+
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        pytest.param(
+            lambda ids: {"input_ids": ids, "attention_mask": additive_mask()}, "0 for padding", id="additive"
+        ),
+        pytest.param(lambda ids: {"input_ids": ids.clamp(max=64) * 2}, r"token id outside \[0, 63\]", id="ids"),
+        pytest.param(lambda ids: {"inputs_embeds": nan_embeds()}, "`inputs_embeds` holds NaN", id="nan-embeds"),
+        pytest.param(
+            lambda ids: {"input_ids": ids, "initial_cell": torch.full((BATCH_SIZE, 16), float("nan"))},
+            "`initial_cell` holds NaN",
+            id="nan-initial-cell",
+        ),
+    ],
+)
+def test_a_compiled_model_checks_the_values_of_its_inputs(make_config, input_ids, inputs, message):
+    """Compiled, the value checks were skipped (reading them would break the graph): an additive mask was read
+    inverted, NaN spread through every later token, all without a word. They are now asserted on the device. (Dynamo's
+    capture, run eagerly, here; inductor in the next test; tests/test_compile.py checks good inputs pass.)"""
+    torch._dynamo.reset()
+    compiled = torch.compile(RANModel(make_config()).eval(), backend="eager")
+    with torch.no_grad(), pytest.raises(RuntimeError, match=message):
+        compiled(**inputs(input_ids))
+    torch._dynamo.reset()
+
+
+def test_an_inductor_compiled_model_refuses_an_additive_mask(make_config, input_ids):
+    torch._dynamo.reset()
+    compiled = torch.compile(RANModel(make_config()).eval())
+    with torch.no_grad(), pytest.raises(RuntimeError, match="must hold 1 for real tokens and 0 for padding"):
+        compiled(input_ids=input_ids, attention_mask=additive_mask())
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("model_class", HEADS)
 @pytest.mark.parametrize("as_embeds", [pytest.param(False, id="input_ids"), pytest.param(True, id="inputs_embeds")])
 def test_a_batch_of_zero_sequences(make_config, model_class, as_embeds):
@@ -345,9 +391,7 @@ CONFIG_ERRORS = [
     pytest.param(
         {"window_overlap": 7}, r"`window_overlap` \(7\) must be smaller than `window_size`", id="overlap-larger"
     ),
-    pytest.param(
-        {"is_causal": True, "memory_review_cells": 0}, "`memory_review_cells` must be >= 1", id="bound-zero"
-    ),
+    pytest.param({"is_causal": True, "memory_review_cells": 0}, "`memory_review_cells` must be >= 1", id="bound-zero"),
     pytest.param(
         {"is_causal": True, "memory_review_cells": True}, "`memory_review_cells` must be an int", id="bound-bool"
     ),
@@ -356,12 +400,14 @@ CONFIG_ERRORS = [
         {"is_causal": True, "memory_salient_cells": 2}, "`memory_review_cells` is None", id="salient-without-bound"
     ),
     pytest.param(
-        {"is_causal": True, "memory_review_cells": 4, "memory_salient_cells": 0}, "must be an int >= 1",
+        {"is_causal": True, "memory_review_cells": 4, "memory_salient_cells": 0},
+        "must be an int >= 1",
         id="salient-zero",
     ),
     pytest.param(
         {"is_causal": True, "memory_review_cells": 4, "memory_salient_cells": 2, "review_salience": False},
-        "turns off", id="salient-without-salience",
+        "turns off",
+        id="salient-without-salience",
     ),
 ]
 

@@ -2,7 +2,9 @@
 
 Shapes and dtypes are checked at once, before any work. Values (token ids in the vocabulary, finite embeddings, a
 0/1 mask, a head's label range) are gathered as `InputChecks`: tensors still on the device that the window layout
-reads with its own sizes, in the forward pass's one host synchronisation, before anything is embedded.
+reads with its own sizes, in the forward pass's one host synchronisation, before anything is embedded. Under
+`torch.compile`, where reading them would break the graph, the inputs' values are asserted on the device instead
+(`assert_on_device`); an exported graph (`torch.export`, ONNX) checks none.
 """
 
 from collections.abc import Callable
@@ -114,6 +116,27 @@ def check_token_type_ids(token_type_ids, batch_shape: tuple, attention_mask, con
     return InputChecks(values, judge)
 
 
+ADDITIVE_MASK_HINT = (
+    "An additive mask (0 for tokens, a large negative number for padding) must be turned into 0/1 first: "
+    "`(mask == 0)`."
+)
+
+
+def assert_on_device(config: RANConfig, input_ids, attention_mask, inputs_embeds) -> None:
+    """The value checks of `validate_ran_inputs` for compiled code: `torch._assert_async` fails the call when the graph
+    runs, with the same words but without the bad value (on CUDA as a device-side assert), and reads nothing back,
+    so the graph does not break."""
+    if input_ids is not None:
+        in_vocabulary = ((input_ids >= 0) & (input_ids < config.vocab_size)).all()
+        torch._assert_async(in_vocabulary, f"`input_ids` holds a token id outside [0, {config.vocab_size - 1}].")
+    else:
+        torch._assert_async(torch.isfinite(inputs_embeds).all(), "`inputs_embeds` holds NaN or infinite values.")
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        binary = ((attention_mask == 0) | (attention_mask == 1)).all()
+        message = f"`attention_mask` must hold 1 for real tokens and 0 for padding. {ADDITIVE_MASK_HINT}"
+        torch._assert_async(binary, message)
+
+
 def validate_ran_inputs(
     config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_checks=None
 ) -> tuple[tuple[int, int], InputChecks | None]:
@@ -121,7 +144,8 @@ def validate_ran_inputs(
 
     Shapes are checked now. The values (token ids in the vocabulary, finite embeddings, a 0/1 mask, a head's label
     range) are returned as `InputChecks`, which the window layout reads with its sizes before any other work on the
-    device; none under `torch.compile` / `torch.export`. Returns (batch_size, sequence_length) and the checks.
+    device. Under `torch.compile` the inputs' values are asserted on the device instead (`assert_on_device`; a
+    head's labels are not), in an export not at all. Returns (batch_size, sequence_length) and the checks.
     """
     shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
     if torch.compiler.is_compiling():
@@ -139,8 +163,10 @@ def validate_ran_inputs(
         )
 
     if torch.compiler.is_compiling():
-        # Compiled or exported: a value check would read the device inside the graph (a break, or an export that
-        # fails on a data-dependent branch); the eager call of the same model checks them.
+        # Compiled or exported: a value check read on the host would break the graph (or fail an export on a
+        # data-dependent branch). Compiled, the values are asserted on the device instead.
+        if not torch.compiler.is_exporting():
+            assert_on_device(config, input_ids, attention_mask, inputs_embeds)
         return shape, None
     if input_ids is not None:
         checks = [input_ids.min(), input_ids.max()]
@@ -172,8 +198,7 @@ def validate_ran_inputs(
         if not_binary is not None and found[-1]:
             value = attention_mask[not_binary][0].item()
             raise ValueError(
-                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got {value}. An additive mask "
-                "(0 for tokens, a large negative number for padding) must be turned into 0/1 first: `(mask == 0)`."
+                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got {value}. {ADDITIVE_MASK_HINT}"
             )
 
     return shape, InputChecks(torch.stack([check.long() for check in checks]), judge)
@@ -181,7 +206,7 @@ def validate_ran_inputs(
 
 def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_positions: int) -> InputChecks | None:
     """A starting cell's shape and dtype now, before any work; whether it is finite is returned as `InputChecks`,
-    read with the inputs' checks (none under `torch.compile` / `torch.export`)."""
+    read with the inputs' checks (asserted on the device under `torch.compile`; not in an export)."""
     if not torch.is_tensor(initial_cell):
         raise ValueError(
             f"`initial_cell` must be a tensor of shape (batch_size, hidden_size), got {type(initial_cell)}."
@@ -203,6 +228,8 @@ def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_
             "continue it: pass `initial_cell` with the first call only."
         )
     if torch.compiler.is_compiling():
+        if not torch.compiler.is_exporting():
+            torch._assert_async(torch.isfinite(initial_cell).all(), "`initial_cell` holds NaN or infinite values.")
         return None
 
     def judge(found: list) -> None:
