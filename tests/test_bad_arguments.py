@@ -297,6 +297,29 @@ def test_quickstart_flags_out_of_range(argv, message, monkeypatch, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        # was "statistics.StatisticsError: no median for empty data", after the scans had run
+        ("benchmark_scan", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+        ("benchmark_speed", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+        ("benchmark_compile", ["--lengths", "160", "0"], "argument --lengths: must be at least 1, got 0"),
+        ("benchmark_summarization", ["--learning_rate", "-1"], "argument --learning_rate: must be more than 0"),
+        ("benchmark_kernels", ["--gpu_memory_gib", "-1"], "argument --gpu_memory_gib: must be at least 0"),
+        ("diagnose_recall", ["--batch_size", "0"], "argument --batch_size: must be at least 1, got 0"),
+        ("tune_triton_scan", ["--dropout", "1"], "argument --dropout: must be at least 0 and less than 1"),
+        ("benchmark_data_loading", ["--first", "0"], "argument --first: must be at least 1, got 0"),
+    ],
+)
+def test_benchmark_flags_out_of_range(script, argv, message, monkeypatch, capsys):
+    """The benchmarks' numeric flags took any value; a zero count measured nothing and failed at the end."""
+    module = pytest.importorskip(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit):
+        module.parse_args(argv) if hasattr(module, "parse_args") else module.main()
+    assert message in capsys.readouterr().err
+
+
 # ---- bounded memory: long lines read in pieces ----------------------------------------------------------------------
 
 

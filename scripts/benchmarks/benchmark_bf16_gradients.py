@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import NON_NEGATIVE, POSITIVE, machine_info, machine_line
 
 HEADS = ["masked-lm", "sequence-classification", "token-classification", "causal-lm"]
 NUM_LABELS = 5
@@ -154,14 +154,14 @@ def gradient_errors(model, loss_fn, inputs, device) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden_size", type=int, default=64)
-    parser.add_argument("--num_layers", type=int, default=2)
-    parser.add_argument("--num_heads", type=int, default=4)
-    parser.add_argument("--window_size", type=int, default=32)
-    parser.add_argument("--length", type=int, default=300)
-    parser.add_argument("--vocab_size", type=int, default=1000)
+    parser.add_argument("--hidden_size", type=POSITIVE, default=64)
+    parser.add_argument("--num_layers", type=POSITIVE, default=2)
+    parser.add_argument("--num_heads", type=POSITIVE, default=4)
+    parser.add_argument("--window_size", type=POSITIVE, default=32)
+    parser.add_argument("--length", type=POSITIVE, default=300)
+    parser.add_argument("--vocab_size", type=POSITIVE, default=1000)
     parser.add_argument("--scans", nargs="+", default=["reference", "fused"])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=NON_NEGATIVE, nargs="+", default=[0, 1])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
     args = parser.parse_args()

@@ -23,7 +23,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from benchmark_utils import machine_info, machine_line, sized_ran_config
+from benchmark_utils import POSITIVE, machine_info, machine_line, sized_ran_config
 
 
 def build_model(args, device):
@@ -61,14 +61,14 @@ def timed(function, device, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden_size", type=int, default=64)
-    parser.add_argument("--num_layers", type=int, default=2)
-    parser.add_argument("--num_heads", type=int, default=4)
-    parser.add_argument("--window_size", type=int, default=16)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[160, 256, 400, 512], help="tokens, batch 1")
+    parser.add_argument("--hidden_size", type=POSITIVE, default=64)
+    parser.add_argument("--num_layers", type=POSITIVE, default=2)
+    parser.add_argument("--num_heads", type=POSITIVE, default=4)
+    parser.add_argument("--window_size", type=POSITIVE, default=16)
+    parser.add_argument("--lengths", type=POSITIVE, nargs="+", default=[160, 256, 400, 512], help="tokens, batch 1")
     parser.add_argument("--scan", default="reference", help="config.scan_implementation")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=POSITIVE, default=5)
+    parser.add_argument("--threads", type=POSITIVE, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
     args = parser.parse_args()
@@ -83,7 +83,10 @@ def main():
 
     explanation = torch._dynamo.explain(model)(inputs[args.lengths[0]])
     breaks = [
-        {"reason": reason.reason.splitlines()[0], "where": [f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in reason.user_stack[-2:]]}
+        {
+            "reason": reason.reason.splitlines()[0],
+            "where": [f"{f.name} ({Path(f.filename).name}:{f.lineno})" for f in reason.user_stack[-2:]],
+        }
         for reason in explanation.break_reasons
     ]
     print(f"explain: {explanation.graph_count} graphs, {explanation.graph_break_count} graph breaks")

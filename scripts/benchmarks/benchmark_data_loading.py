@@ -147,6 +147,9 @@ def main() -> None:
     parser.add_argument("--single", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--cache_dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for flag in ("first", "repeats"):  # checked here: argument_checks imports transformers into the measured process
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag}: must be at least 1, got {getattr(args, flag)}")
     if args.single:
         print(json.dumps(measure(args.single, args.file, args.first, args.cache_dir)))
         return

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import POSITIVE, machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
 
 
@@ -104,16 +104,16 @@ def plot(results: list, path: Path) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 16384, 65536])
-    parser.add_argument("--hidden_size", type=int, default=256)
-    parser.add_argument("--num_layers", type=int, default=4)
-    parser.add_argument("--num_heads", type=int, default=4)
-    parser.add_argument("--window_size", type=int, default=256)
-    parser.add_argument("--vocab_size", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=256, help="RAN decoding steps per context (>= one window)")
-    parser.add_argument("--gpt2_steps", type=int, default=32)
-    parser.add_argument("--gpt2_max_context", type=int, default=65536, help="largest context tried for GPT-2")
-    parser.add_argument("--prefill_chunk", type=int, default=8192)
+    parser.add_argument("--contexts", type=POSITIVE, nargs="+", default=[512, 4096, 16384, 65536])
+    parser.add_argument("--hidden_size", type=POSITIVE, default=256)
+    parser.add_argument("--num_layers", type=POSITIVE, default=4)
+    parser.add_argument("--num_heads", type=POSITIVE, default=4)
+    parser.add_argument("--window_size", type=POSITIVE, default=256)
+    parser.add_argument("--vocab_size", type=POSITIVE, default=8192)
+    parser.add_argument("--steps", type=POSITIVE, default=256, help="RAN decoding steps per context (>= one window)")
+    parser.add_argument("--gpt2_steps", type=POSITIVE, default=32)
+    parser.add_argument("--gpt2_max_context", type=POSITIVE, default=65536, help="largest context tried for GPT-2")
+    parser.add_argument("--prefill_chunk", type=POSITIVE, default=8192)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
     args = parser.parse_args()

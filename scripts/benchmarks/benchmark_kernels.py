@@ -47,7 +47,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
-from benchmark_utils import TRAINING_DROPOUT, machine_info, machine_line, sized_ran_config
+from benchmark_utils import (
+    NON_NEGATIVE,
+    NON_NEGATIVE_FLOAT,
+    POSITIVE,
+    TRAINING_DROPOUT,
+    machine_info,
+    machine_line,
+    sized_ran_config,
+)
 
 from ran_hf import RANConfig, RANForMaskedLM, triton_glu, triton_norm, triton_rotary
 from ran_hf.memory_review import RANMemoryReview
@@ -344,13 +352,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["ran-reference", "ran-fused", "ran-triton", "transformer"])
     parser.add_argument("--shapes", nargs="+", default=["8x8192", "2x32768"], help="BATCHxLENGTH")
-    parser.add_argument("--hidden_size", type=int, default=768)
-    parser.add_argument("--num_layers", type=int, default=12)
-    parser.add_argument("--num_heads", type=int, default=12)
-    parser.add_argument("--window_size", type=int, default=256)
-    parser.add_argument("--vocab_size", type=int, default=30522)
+    parser.add_argument("--hidden_size", type=POSITIVE, default=768)
+    parser.add_argument("--num_layers", type=POSITIVE, default=12)
+    parser.add_argument("--num_heads", type=POSITIVE, default=12)
+    parser.add_argument("--window_size", type=POSITIVE, default=256)
+    parser.add_argument("--vocab_size", type=POSITIVE, default=30522)
     parser.add_argument(
-        "--gpu_memory_gib", type=float, default=80, help="memory-review chunks as on a GPU this large (0: a CPU's)"
+        "--gpu_memory_gib",
+        type=NON_NEGATIVE_FLOAT,
+        default=80,
+        help="memory-review chunks as on a GPU this large (0: a CPU's)",
     )
     parser.add_argument(
         "--pytorch_token_ops",
@@ -359,7 +370,10 @@ def main():
         "PyTorch ops instead)",
     )
     parser.add_argument(
-        "--breakdown", type=int, default=8, help="print and write the N operators and model parts moving most bytes"
+        "--breakdown",
+        type=NON_NEGATIVE,
+        default=8,
+        help="print and write the N operators and model parts moving most bytes",
     )
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/kernels"))
     args = parser.parse_args()

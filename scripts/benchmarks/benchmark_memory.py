@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from benchmark_utils import LiveTensorPeak, PeakMemory, machine_info, machine_line, run_in_subprocess
+from benchmark_utils import LiveTensorPeak, POSITIVE, PeakMemory, machine_info, machine_line, run_in_subprocess
 
 
 def ran_config(args, **fields):
@@ -176,20 +176,26 @@ def plot(results: list, path: Path) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--inference_lengths", type=int, nargs="*", default=[62500, 125000, 250000, 500000, 1000000])
-    parser.add_argument("--training_lengths", type=int, nargs="*", default=[8192, 16384, 32768, 65536, 131072])
-    parser.add_argument("--stream_chunks", type=int, nargs="*", default=[4, 16, 64])
-    parser.add_argument("--stream_chunk_size", type=int, default=4096)
-    parser.add_argument("--hidden_size", type=int, default=128)
-    parser.add_argument("--num_layers", type=int, default=2)
-    parser.add_argument("--num_heads", type=int, default=4)
-    parser.add_argument("--window_size", type=int, default=256)
+    parser.add_argument(
+        "--inference_lengths", type=POSITIVE, nargs="*", default=[62500, 125000, 250000, 500000, 1000000]
+    )
+    parser.add_argument("--training_lengths", type=POSITIVE, nargs="*", default=[8192, 16384, 32768, 65536, 131072])
+    parser.add_argument("--stream_chunks", type=POSITIVE, nargs="*", default=[4, 16, 64])
+    parser.add_argument("--stream_chunk_size", type=POSITIVE, default=4096)
+    parser.add_argument("--hidden_size", type=POSITIVE, default=128)
+    parser.add_argument("--num_layers", type=POSITIVE, default=2)
+    parser.add_argument("--num_heads", type=POSITIVE, default=4)
+    parser.add_argument("--window_size", type=POSITIVE, default=256)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's); 1 keeps a shared machine fair")
+    parser.add_argument(
+        "--threads", type=POSITIVE, help="CPU threads (default: PyTorch's); 1 keeps a shared machine fair"
+    )
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
     # internal: measure one length in one mode and print JSON
     parser.add_argument("--single", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="training", choices=["inference", "training", "stream"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--mode", default="training", choices=["inference", "training", "stream"], help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
 
     if args.threads:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import FRACTION, NON_NEGATIVE, POSITIVE, machine_info, machine_line
 
 from ran_hf import RANConfig
 from ran_hf.cell_scan import ALL_SCAN_FUNCTIONS
@@ -162,11 +162,11 @@ def markdown_table(results: list, info: dict, command: str) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scans", nargs="+", default=["reference", "fused"], help="registered scan names")
-    parser.add_argument("--cases", nargs="+", type=int, help=f"indices into the cases (default all): {CASES}")
-    parser.add_argument("--repeats", type=int, default=15, help="timed calls per figure (the median is kept)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--cases", nargs="+", type=NON_NEGATIVE, help=f"indices into the cases (default all): {CASES}")
+    parser.add_argument("--repeats", type=POSITIVE, default=15, help="timed calls per figure (the median is kept)")
+    parser.add_argument("--threads", type=POSITIVE, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout rate (training)")
+    parser.add_argument("--dropout", type=FRACTION, default=0.0, help="hidden and attention dropout rate (training)")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
     args = parser.parse_args()
     if not 0.0 <= args.dropout < 1.0:

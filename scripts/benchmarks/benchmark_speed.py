@@ -36,7 +36,15 @@ from pathlib import Path
 
 import torch
 
-from benchmark_utils import PeakMemory, machine_info, machine_line, run_in_subprocess, sized_ran_config
+from benchmark_utils import (
+    POSITIVE,
+    POSITIVE_FLOAT,
+    PeakMemory,
+    machine_info,
+    machine_line,
+    run_in_subprocess,
+    sized_ran_config,
+)
 
 from ran_hf.cell_scan import RANScanInterface
 
@@ -267,23 +275,25 @@ def plot(results: list, path: Path) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS + OPTIONAL_MODELS)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 32768])
-    parser.add_argument("--short_length", type=int, default=512, help="the batched short-document point")
-    parser.add_argument("--short_batch_size", type=int, default=8)
-    parser.add_argument("--hidden_size", type=int, default=128)
-    parser.add_argument("--num_layers", type=int, default=2)
-    parser.add_argument("--num_heads", type=int, default=4)
-    parser.add_argument("--window_size", type=int, default=256)
-    parser.add_argument("--small_window_size", type=int, default=64)
-    parser.add_argument("--bert_max_length", type=int, default=8192, help="full attention beyond this is skipped")
-    parser.add_argument("--repeats", type=int, default=2, help="fewest timed calls per measurement")
-    parser.add_argument("--min_seconds", type=float, default=2.0, help="shortest timing per measurement")
+    parser.add_argument("--lengths", type=POSITIVE, nargs="+", default=[512, 2048, 8192, 32768])
+    parser.add_argument("--short_length", type=POSITIVE, default=512, help="the batched short-document point")
+    parser.add_argument("--short_batch_size", type=POSITIVE, default=8)
+    parser.add_argument("--hidden_size", type=POSITIVE, default=128)
+    parser.add_argument("--num_layers", type=POSITIVE, default=2)
+    parser.add_argument("--num_heads", type=POSITIVE, default=4)
+    parser.add_argument("--window_size", type=POSITIVE, default=256)
+    parser.add_argument("--small_window_size", type=POSITIVE, default=64)
+    parser.add_argument("--bert_max_length", type=POSITIVE, default=8192, help="full attention beyond this is skipped")
+    parser.add_argument("--repeats", type=POSITIVE, default=2, help="fewest timed calls per measurement")
+    parser.add_argument("--min_seconds", type=POSITIVE_FLOAT, default=2.0, help="shortest timing per measurement")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rannet_python", default=os.environ.get("RANNET_PYTHON"), help="python with rannet")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds one measurement may take")
-    parser.add_argument("--max_point_seconds", type=float, default=60, help="skip shapes slower than this per step")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice, all cores)")
+    parser.add_argument("--timeout", type=POSITIVE_FLOAT, default=600, help="seconds one measurement may take")
+    parser.add_argument(
+        "--max_point_seconds", type=POSITIVE_FLOAT, default=60, help="skip shapes slower than this per step"
+    )
+    parser.add_argument("--threads", type=POSITIVE, help="torch threads (default: torch's choice, all cores)")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
     parser.add_argument("--single", nargs=3, metavar=("MODEL", "LENGTH", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()

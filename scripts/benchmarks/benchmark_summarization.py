@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "summarization" / "run_summarization.py"
@@ -116,17 +116,17 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["prefix", "causal", "gpt2"], choices=sorted(LABELS))
     parser.add_argument("--train_file", type=Path, default=DATA / "train.jsonl.gz")
     parser.add_argument("--validation_file", type=Path, default=DATA / "dev.jsonl.gz")
-    parser.add_argument("--hidden_size", type=int, default=128)
-    parser.add_argument("--num_layers", type=int, default=2)
-    parser.add_argument("--num_heads", type=int, default=4)
-    parser.add_argument("--window_size", type=int, default=128)
-    parser.add_argument("--max_source_length", type=int, default=512)
-    parser.add_argument("--max_target_length", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--learning_rate", type=float, default=2e-3)
-    parser.add_argument("--eval_samples", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden_size", type=POSITIVE, default=128)
+    parser.add_argument("--num_layers", type=POSITIVE, default=2)
+    parser.add_argument("--num_heads", type=POSITIVE, default=4)
+    parser.add_argument("--window_size", type=POSITIVE, default=128)
+    parser.add_argument("--max_source_length", type=POSITIVE, default=512)
+    parser.add_argument("--max_target_length", type=POSITIVE, default=32)
+    parser.add_argument("--steps", type=POSITIVE, default=400)
+    parser.add_argument("--batch_size", type=POSITIVE, default=8)
+    parser.add_argument("--learning_rate", type=POSITIVE_FLOAT, default=2e-3)
+    parser.add_argument("--eval_samples", type=POSITIVE, default=64)
+    parser.add_argument("--seed", type=NON_NEGATIVE, default=0)
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "summarization")
     args = parser.parse_args()
     for name in ("train_file", "validation_file"):

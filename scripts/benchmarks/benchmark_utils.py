@@ -7,11 +7,22 @@ import resource
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the flags' ranges
+from argument_checks import in_range  # noqa: E402
+
+# argparse `type=`s of the benchmarks' numeric flags, so that a zero size, count or repeat is refused naming the flag
+# instead of dividing by zero or measuring nothing.
+POSITIVE = in_range(int, at_least=1)  # sizes, lengths, steps, repeats, threads
+NON_NEGATIVE = in_range(int, at_least=0)  # seeds, indices, warmup steps
+POSITIVE_FLOAT = in_range(float, above=0)  # learning rates, seconds
+NON_NEGATIVE_FLOAT = in_range(float, at_least=0)
+FRACTION = in_range(float, at_least=0, below=1)  # dropout
 
 # RANConfig's default dropout, as a training step runs it (sized_ran_config turns dropout off).
 TRAINING_DROPOUT = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
 from ran_hf.building_blocks import apply_interleaved_rotary, rotary_rotations
 
@@ -341,23 +341,26 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--models", nargs="+", choices=list(MODELS), help="default: all (fewer on the long tasks)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--seeds", nargs="+", type=NON_NEGATIVE, default=[0, 1])
+    parser.add_argument("--learning_rate", type=POSITIVE_FLOAT, default=2e-3)
     parser.add_argument(
-        "--warmup_steps", type=int, default=300, help="linear learning-rate warmup (0: the full rate from step 1)"
+        "--warmup_steps",
+        type=NON_NEGATIVE,
+        default=300,
+        help="linear learning-rate warmup (0: the full rate from step 1)",
     )
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=POSITIVE, default=16)
     parser.add_argument(
-        "--key_digits", type=int, default=1, help="digits of the key, asked for in order after the question"
+        "--key_digits", type=POSITIVE, default=1, help="digits of the key, asked for in order after the question"
     )
-    parser.add_argument("--in_window_steps", type=int, default=500)
-    parser.add_argument("--across_steps", type=int, default=2000)
-    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--in_window_steps", type=POSITIVE, default=500)
+    parser.add_argument("--across_steps", type=POSITIVE, default=2000)
+    parser.add_argument("--eval_every", type=POSITIVE, default=50)
     parser.add_argument(
         "--probe", action="store_true", help="after training, where each RAN's key-window write and review look"
     )
-    parser.add_argument("--jobs", type=int, default=2, help="runs trained at the same time, one process each")
-    parser.add_argument("--threads", type=int, default=1, help="threads per run")
+    parser.add_argument("--jobs", type=POSITIVE, default=2, help="runs trained at the same time, one process each")
+    parser.add_argument("--threads", type=POSITIVE, default=1, help="threads per run")
     parser.add_argument("--output", default="benchmarks/memory_diagnosis", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)
     if args.learning_rate <= 0 or args.batch_size < 1 or args.eval_every < 1:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, machine_info, machine_line
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ran_hf import RANConfig, RANForCausalLM
@@ -442,14 +442,16 @@ def plot(results: list[RunResult], path: Path) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experiments", nargs="+", choices=list(EXPERIMENTS), default=list(EXPERIMENTS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--hidden_size", type=int, default=64, help="RAN and GPT-2 width (128: a cell of size 2D)")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--learning_rate", type=float, default=2e-3)
-    parser.add_argument("--warmup_steps", type=int, default=100)
-    parser.add_argument("--eval_every", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (the runs go one after another)")
+    parser.add_argument("--seeds", nargs="+", type=NON_NEGATIVE, default=[0])
+    parser.add_argument(
+        "--hidden_size", type=POSITIVE, default=64, help="RAN and GPT-2 width (128: a cell of size 2D)"
+    )
+    parser.add_argument("--steps", type=POSITIVE, default=600)
+    parser.add_argument("--batch_size", type=POSITIVE, default=32)
+    parser.add_argument("--learning_rate", type=POSITIVE_FLOAT, default=2e-3)
+    parser.add_argument("--warmup_steps", type=NON_NEGATIVE, default=100)
+    parser.add_argument("--eval_every", type=POSITIVE, default=100)
+    parser.add_argument("--threads", type=POSITIVE, default=1, help="torch threads (the runs go one after another)")
     parser.add_argument("--gradients_only", action="store_true", help="only the measurements at initialisation")
     parser.add_argument("--output", default="benchmarks/recall_diagnosis", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmark_utils import TRAINING_DROPOUT, machine_info, machine_line, sized_ran_config
+from benchmark_utils import POSITIVE, TRAINING_DROPOUT, machine_info, machine_line, sized_ran_config
 
 from benchmark_kernels import BlockAttentionMLM
 from ran_hf import RANForMaskedLM, triton_glu, triton_norm, triton_rotary
@@ -32,12 +32,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["ran-fused", "ran-triton", "transformer"])
     parser.add_argument("--shape", default="8x8192", help="BATCHxLENGTH")
-    parser.add_argument("--hidden_size", type=int, default=768)
-    parser.add_argument("--num_layers", type=int, default=12)
-    parser.add_argument("--num_heads", type=int, default=12)
-    parser.add_argument("--window_size", type=int, default=256)
-    parser.add_argument("--vocab_size", type=int, default=30522)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden_size", type=POSITIVE, default=768)
+    parser.add_argument("--num_layers", type=POSITIVE, default=12)
+    parser.add_argument("--num_heads", type=POSITIVE, default=12)
+    parser.add_argument("--window_size", type=POSITIVE, default=256)
+    parser.add_argument("--vocab_size", type=POSITIVE, default=30522)
+    parser.add_argument("--repeats", type=POSITIVE, default=3)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/cuda"))
     args = parser.parse_args()

@@ -18,7 +18,7 @@ import torch
 import ran_hf.triton_scan as triton_scan
 import ran_hf.triton_scan_kernels as triton_kernels
 from benchmark_scan import measure
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import FRACTION, POSITIVE, machine_info, machine_line
 
 OPS = ["scan_project", "scan_output", "scan_write", "scan_write_grad", "scan_attention_grad", "scan_input_grad"]
 CASES = [
@@ -38,8 +38,8 @@ VARIANTS = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, through the op
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--repeats", type=POSITIVE, default=5)
+    parser.add_argument("--dropout", type=FRACTION, default=0.0)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/cuda/tune_triton_scan.json"))
     args = parser.parse_args()
     device = torch.device("cuda")
