@@ -9,6 +9,7 @@ Machinery shared by the example training scripts (`scripts/<task>/run_*.py`), wh
 import json
 import logging
 import re
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -231,12 +232,17 @@ def refuse_diverged_checkpoint(checkpoint: str | Path) -> None:
         )
 
 
-SAVED_TORCH_WEIGHTS = re.compile(r"^(pytorch_model|adapter_model)(-\d+-of-\d+)?\.bin$")
+# `torch.save` weight files: sharded or not, an adapter's, and FSDP's full (`pytorch_model_fsdp.bin`, one per model)
+# and local (`pytorch_model_fsdp_rank0.bin`, one per process) state dicts.
+SAVED_TORCH_WEIGHTS = re.compile(r"^(pytorch_model|adapter_model)(-\d+-of-\d+|_fsdp(_\d+|_rank\d+)?)?\.bin$")
+# FSDP's sharded state dict: a `torch.distributed.checkpoint` folder (`.metadata` and `*.distcp` files).
+FSDP_SHARDED_WEIGHTS = re.compile(r"^pytorch_model_fsdp_\d+$")
 
 
 def first_nonfinite_saved_weight(folder: str | Path) -> str | None:
     """`"<tensor> in <file>"` for the first saved weight of `folder` holding a NaN or an infinity; None if all are
-    finite. Reads safetensors and `torch.save` weight files one tensor or one file at a time."""
+    finite. Reads safetensors, `torch.save` weight files and FSDP's sharded folders one tensor or one file at a time.
+    (DeepSpeed's `global_step*` folders are not read: under ZeRO-3 their weights are partitions of the optimizer's.)"""
     for path in sorted(Path(folder).iterdir()):
         if path.is_file() and path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt") as file:
@@ -249,6 +255,28 @@ def first_nonfinite_saved_weight(folder: str | Path) -> str | None:
             for key, tensor in state.items():
                 if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     return f"{key} in {path.name}"
+        elif path.is_dir() and FSDP_SHARDED_WEIGHTS.match(path.name) and (path / ".metadata").is_file():
+            broken = first_nonfinite_distributed_tensor(path)
+            if broken is not None:
+                return f"{broken} in {path.name}"
+    return None
+
+
+def first_nonfinite_distributed_tensor(folder: Path) -> str | None:
+    """The first floating-point tensor of a `torch.distributed.checkpoint` folder that holds a NaN or an infinity,
+    read whole (its shards joined) one tensor at a time, in this process alone; None if all are finite."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata) and item.properties.dtype.is_floating_point:
+            tensor = torch.empty(item.size, dtype=item.properties.dtype)
+            with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+            if not torch.isfinite(tensor).all():
+                return key
     return None
 
 

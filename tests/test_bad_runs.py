@@ -23,6 +23,7 @@ import run_summarization
 import torch
 import train_embeddings
 import train_tokenizer
+from checkpoints import refuse_diverged_checkpoint
 from ran_trainer import TrainingDivergedError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -144,6 +145,29 @@ def test_a_checkpoint_with_nan_weights_is_not_resumed(
     ):
         run_classification.main(argv)
     assert sorted(path.name for path in output_dir.iterdir()) == ["checkpoint-2"]
+
+
+@pytest.mark.parametrize("layout", ["sharded", "full", "local"])
+def test_nan_weights_in_an_fsdp_checkpoint_are_found(tmp_path, layout):
+    """FSDP checkpoints keep their weights in files and folders of their own (`pytorch_model_fsdp_0/`, a
+    torch.distributed.checkpoint of shards; `pytorch_model_fsdp.bin`; one `pytorch_model_fsdp_rank*.bin` per
+    process), which the resume check did not read: a diverged FSDP run was resumed."""
+    import torch.distributed.checkpoint as dcp
+
+    weights = {"layers.0.o_proj.weight": torch.ones(4, 4), "classifier.bias": torch.ones(3)}
+    weights["classifier.bias"][1] = float("nan")
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    if layout == "sharded":  # as Trainer saves it: the state dict under "model", flattened to "model.<name>"
+        with pytest.warns(UserWarning):  # "torch.distributed is disabled ..., assuming ... a single process"
+            dcp.save({"model": weights}, checkpoint_id=checkpoint / "pytorch_model_fsdp_0", no_dist=True)
+        broken = "model.classifier.bias in pytorch_model_fsdp_0"
+    else:
+        name = "pytorch_model_fsdp.bin" if layout == "full" else "pytorch_model_fsdp_rank1.bin"
+        torch.save(weights, checkpoint / name)
+        broken = f"classifier.bias in {name}"
+    with pytest.raises(ValueError, match=rf"its weight {broken} holds NaN"):
+        refuse_diverged_checkpoint(checkpoint)
 
 
 def save_classifier(tokenizer_dir, folder: Path, **fields) -> Path:
