@@ -17,7 +17,8 @@ train at 256 tokens with 4-16 pairs and are evaluated at 256 to 2K tokens; `--mq
 each window instead, and `--mqar_curriculum_steps N` trains on one pair first.
 
 Models, at matched width, depth and budget: the causal RAN as it is now, the causal RAN before the memory fixes of
-docs/memory.md (`ran-before`: official layer), the official causal design (its cell reads only itself), and a
+docs/memory.md (`ran-before`: official layer), the official causal design (its cell reads only itself), the
+causal RAN with its associative memory (`ran-associative`: `config.associative_memory`), and a
 GPT-2 whose context is 1K for the passkey (longer inputs keep their last 1K tokens, as a user of such a model
 would) and 2K for MQAR. Also measured: decoding time per token and cache size after reading each passkey length.
 
@@ -40,6 +41,7 @@ import json
 import math
 import multiprocessing
 import statistics
+import sys
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -64,6 +66,7 @@ MODELS = {
     "ran": {},
     "ran-before": {"layer_design": "official"},
     "ran-official-causal": {"layer_design": "official", "scan_implementation": OFFICIAL_CAUSAL_SCAN},
+    "ran-associative": {"associative_memory": True},  # + the delta-rule memory of ran_hf.associative_memory
     "gpt2": None,
 }
 
@@ -406,8 +409,8 @@ def load_streams(args):
 # ---- report ---------------------------------------------------------------------------------------------------------
 
 
-def markdown(results: list[dict], info: dict, args) -> str:
-    lines = [f"Machine: {machine_line(info)}", ""]
+def markdown(results: list[dict], info: dict, args, command: str) -> str:
+    lines = [f"Machine: {machine_line(info)}, {info['date']}", "", f"Command: `{command}`", ""]
     lines += passkey_tables(results, args) if args.passkey_steps else ["Passkey: not run (`--passkey_steps 0`)."]
     lines += mqar_table(results, args) if args.mqar_steps else ["", "MQAR: not run (`--mqar_steps 0`)."]
     if any(r[f"{task}_training"]["diverged_at"] for r in results for task in ("passkey", "mqar")):
@@ -776,9 +779,10 @@ def main(argv=None) -> list[dict]:
             tqdm.write(f"{result['model']}: trained in {seconds:.0f} s")
     results = [results[name] for name in MODELS if name in results]
     output.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"machine_info": info, "arguments": vars(args), "results": results}
+    command = "python scripts/benchmarks/benchmark_long_context.py " + " ".join(sys.argv[1:])
+    payload = {"machine_info": info, "command": command.strip(), "arguments": vars(args), "results": results}
     output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    table = markdown(results, info, args)
+    table = markdown(results, info, args, command.strip())
     output.with_suffix(".md").write_text(table)
     plot(results, args, output.with_suffix(".png"))
     print(table)
