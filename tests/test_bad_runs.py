@@ -535,6 +535,25 @@ def test_a_lone_surrogate_in_jsonl_is_named(tmp_path):
         read_records(path, ["text"])
 
 
+@pytest.mark.parametrize(
+    "record, column",
+    [
+        pytest.param({"text": "broken \ud800 here", "label": "a"}, "text", id="tokenizer-text"),
+        pytest.param({"text": "a fine text", "label": "\ud800"}, "label", id="label"),
+    ],
+)
+def test_a_lone_surrogate_is_named_by_the_scripts_that_read_whole_files(tmp_path, record, column):
+    """`train_tokenizer.py` (and `train_embeddings.py`) did not name it: Arrow could not store the string, and the
+    fall-back reader built a dataset of it, which failed with "UnicodeEncodeError: 'utf-8' codec can't encode ..."."""
+    path = write_jsonl(tmp_path / "train.jsonl", [{"text": "fine words", "label": "b"}, record])
+    message = rf"train.jsonl, line 2: column '{column}' holds a lone surrogate"
+    with pytest.raises(ValueError, match=message):
+        train_tokenizer.main(["--train_files", str(path), "--vocab_size", "100", "--output_dir", str(tmp_path / "t")])
+    data_args = train_embeddings.DataTrainingArguments(train_file=str(path), test_file=str(path))
+    with pytest.raises(ValueError, match=message):
+        train_embeddings.read_documents(str(path), data_args)
+
+
 def test_stream_training_with_gradient_checkpointing(tokenizer_dir, topic_files, tmp_path):
     """It failed at the first step with "AttributeError: 'NoneType' object has no attribute 'detach'"."""
     argv = ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", TINY_OVERRIDES, "--output_dir"]

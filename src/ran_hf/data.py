@@ -84,16 +84,22 @@ def file_format(path: str | Path) -> str:
     return {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}.get(suffix, "text")
 
 
+def check_unicode(value: str, where: str, column: str) -> None:
+    """A string must be valid Unicode: JSON may escape half of a UTF-16 pair ("\\ud800"), which no UTF-8 text, Arrow
+    column or tokenizer can hold."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{where}: column {column!r} holds a lone surrogate {value[error.start]!r} at character "
+            f"{error.start + 1} (half of a UTF-16 pair, escaped in JSON), which is not text. Fix the file."
+        ) from None
+
+
 def check_text(value, where: str, column: str) -> None:
     """A document's text must be a string with something besides whitespace in it, and valid Unicode."""
     if isinstance(value, str) and value.strip():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as error:  # JSON may escape half of a UTF-16 pair ("\ud800"); tokenizers fail on it
-            raise ValueError(
-                f"{where}: column {column!r} holds a lone surrogate {value[error.start]!r} at character "
-                f"{error.start + 1} (half of a UTF-16 pair, escaped in JSON), which is not text. Fix the file."
-            ) from None
+        check_unicode(value, where, column)
         return
     if value is None:
         kind = "null"
@@ -122,9 +128,12 @@ def jsonl_records(path: str | Path, text_columns: Iterable[str] = ()) -> Iterato
             raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg}).") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}, line {line_number}: expected a JSON object, got {type(record).__name__}.")
-        for column in text_columns:
-            if column in record:
-                check_text(record[column], f"{path}, line {line_number}", column)
+        for column, value in record.items():
+            if column in text_columns:
+                check_text(value, f"{path}, line {line_number}", column)
+            for string in value if isinstance(value, list) else [value]:
+                if isinstance(string, str):  # a label or a token, too: Arrow could not store it
+                    check_unicode(string, f"{path}, line {line_number}", column)
         first = False
         yield record
 
