@@ -70,3 +70,15 @@ def test_sequences_with_as_many_windows_pack_as_the_scan_reads_them():
     steps = torch.arange(9.0).view(3, 3, 1)
     assert torch.equal(layout.per_sequence(steps), steps.flatten(0, 1))
     assert not layout_of([5, 11], padded_length=11).full_grid
+
+
+def test_a_window_holds_no_more_slots_than_the_pass_gives_it():
+    """A huge `window_size` on a short input makes as many slots as the input has tokens, not `window_size`: memory
+    follows the input."""
+    config = RANConfig(hidden_size=8, num_attention_heads=1, window_size=10**6, min_window_size=2)
+    layout = RANWindowLayout.from_attention_mask(torch.ones(2, 10, dtype=torch.long), config)
+    assert layout.num_slots == 10 and layout.query_slots.shape == (2, 10)
+    # Continuing a cache: the slots hold the cached tail and the new tokens.
+    causal = RANConfig(hidden_size=8, num_attention_heads=1, window_size=10**6, min_window_size=2, is_causal=True)
+    continued = RANWindowLayout.from_attention_mask(torch.ones(2, 1, dtype=torch.long), causal, torch.tensor([7, 9]))
+    assert continued.num_slots == 10

@@ -205,7 +205,10 @@ class RANWindowLayout:
         is_last = window_number == num_windows[window_sequence] - 1
         end = torch.where(is_last, total[window_sequence], start + window)  # (K,)
         first_slot = start - torch.where(absolute_window > 0, overlap, 0)  # (K,) sequence position of slot 0
-        position = first_slot[:, None] + torch.arange(overlap + own_slots, device=device)  # (K, S)
+        # Slots no window can fill are not made: a window holds at most the tokens this pass gives it (with those it
+        # reads again from the cache), however large `window_size` is.
+        num_slots = overlap + own_slots if bounded else min(overlap + own_slots, max(longest_tail, overlap) + longest)
+        position = first_slot[:, None] + torch.arange(num_slots, device=device)  # (K, S)
         slot_mask = position < end[:, None]
         if bounded:
             end = torch.where(has_window, end, start)  # an empty window has no queries ...
