@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .building_blocks import gather_rows
+from .cache_ran import RANCacheLayer
 from .configuration_ran import RANConfig
 from .window_layout import RANWindowLayout
 
@@ -77,3 +79,23 @@ class RANAssociativeMemory(nn.Module):
         queries = F.normalize(query.float(), dim=-1)  # (K, H, Q, d)
         read = (queries @ read_state) * self.read_scale[:, None, None]  # (K, H, Q, d)
         return read.transpose(1, 2).to(dtype), after
+
+    def recall(self, query, key, value, normed_tokens, layout: RANWindowLayout, cache: RANCacheLayer | None, overlap):
+        """(T, H * d): what every token reads from the memory of the windows before its own, given the layer's
+        queries (K, H, Q, d), keys and values (K, H, S, d) before rotary and its normalised tokens (T, D); the cache
+        keeps the memory after the last finished window and the tail's write strengths."""
+        if torch.compiler.is_exporting():
+            raise NotImplementedError(
+                "`associative_memory` writes window after window in a Python loop, which an exported graph cannot "
+                "hold for any number of windows: export a model without it."
+            )
+        new_betas, tail_betas = self.betas(normed_tokens), None if cache is None else cache.tail_betas  # (T, H)
+        betas = gather_rows(layout.sources(new_betas, tail_betas), layout.window_slots)  # (K, S, H)
+        start = None if cache is None else cache.binding_state
+        if start is None:
+            start = query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
+        read, states = self(query, key, value, betas, start, layout, overlap)
+        if cache is not None:
+            finished_here = layout.finished_windows - layout.first_window
+            cache.update_binding(states, finished_here, start, layout.sources(new_betas, tail_betas)[layout.next_tail])
+        return layout.from_windows(read.flatten(-2))

@@ -150,33 +150,14 @@ class RANLayer(GradientCheckpointingLayer):
         query = gather_rows(layout.sources(new_query[:, 0]), layout.query_index).transpose(1, 2)  # (K, H, Q, d)
         recalled = None
         if hasattr(self, "associative_memory"):
-            recalled = self.recall(query, key, value, normed_tokens, layout, cache)
+            overlap = self.config.window_overlap
+            recalled = self.associative_memory.recall(query, key, value, normed_tokens, layout, cache, overlap)
         if self.config.use_rotary:
             rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2, 2)
             query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
             key = apply_interleaved_rotary(key, rotations)
         # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
         return query, key, value, new_kv if cache is not None else None, recalled
-
-    def recall(self, query, key, value, normed_tokens, layout: RANWindowLayout, cache: RANCacheLayer | None):
-        """(T, H * d): what every token reads from the associative memory of the windows before its own; the cache
-        keeps the memory after the last finished window and the tail's write strengths."""
-        if torch.compiler.is_exporting():
-            raise NotImplementedError(
-                "`associative_memory` writes window after window in a Python loop, which an exported graph cannot "
-                "hold for any number of windows: export a model without it."
-            )
-        memory = self.associative_memory
-        new_betas, tail_betas = memory.betas(normed_tokens), None if cache is None else cache.tail_betas  # (T, H)
-        betas = gather_rows(layout.sources(new_betas, tail_betas), layout.window_slots)  # (K, S, H)
-        start = None if cache is None else cache.binding_state
-        if start is None:
-            start = query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
-        read, states = memory(query, key, value, betas, start, layout, self.config.window_overlap)
-        if cache is not None:
-            finished_here = layout.finished_windows - layout.first_window
-            cache.update_binding(states, finished_here, start, layout.sources(new_betas, tail_betas)[layout.next_tail])
-        return layout.from_windows(read.flatten(-2))
 
     # ---- phase 3 ---------------------------------------------------------------------------------------------------
 
