@@ -9,7 +9,15 @@ from torch import nn
 
 from benchmark_kernels import FusedOpsAsOnGPU, KernelCounter, footprint, layouts_built_with_values
 
-from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification, triton_glu, triton_norm, triton_rotary
+from ran_hf import (
+    RANForCausalLM,
+    RANForMaskedLM,
+    RANForTokenClassification,
+    triton_glu,
+    triton_norm,
+    triton_rotary,
+    triton_window_projection,
+)
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_testing import tiny_config
 
@@ -51,15 +59,18 @@ def test_the_triton_scan_launches_four_kernels_per_window_and_layer(causal):
 
 
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
-def test_the_triton_norm_glu_and_rotary_replace_their_pytorch_ops(monkeypatch):
-    """Every normalisation, token-wise gated linear unit and rotary embedding of a step is one kernel forward and one
-    backward (counted on meta, which stands in for CUDA); switched off, the PyTorch ops run instead."""
+def test_the_triton_token_wise_kernels_replace_their_pytorch_ops(monkeypatch):
+    """Every normalisation, token-wise gated linear unit and window projection (activation, gather into windows,
+    rotary embedding) of a step is one kernel forward and one backward (counted on meta, which stands in for CUDA);
+    switched off, the PyTorch ops run instead."""
     fused = count_training_step(RANForMaskedLM, 61, scan_implementation="triton")
-    for module in (triton_norm, triton_glu, triton_rotary):
+    for module in (triton_norm, triton_glu, triton_rotary, triton_window_projection):
         monkeypatch.setattr(module, "ENABLED", False)
     plain = count_training_step(RANForMaskedLM, 61, scan_implementation="triton")
     fused_counts, plain_counts = fused.counts, plain.counts
-    assert fused_counts["ran_hf::rotate_pairs"] == 4 * 2 and "ran_hf::rotate_pairs" not in plain_counts  # q, k
+    projections = ("ran_hf::window_projection", "ran_hf::window_projection_backward")
+    assert [fused_counts[name] for name in projections] == [2, 2] and not any(map(plain_counts.get, projections))
+    assert "ran_hf::rotate_pairs" not in fused_counts  # the rotary embedding is in the projection
     assert fused_counts["ran_hf::norm_forward"] == fused_counts["ran_hf::norm_backward"] > 0
     # the attention's gated residual and the memory review's, in each of 2 layers (the cell's is in the scan)
     assert fused_counts["ran_hf::glu_forward"] == fused_counts["ran_hf::glu_backward"] == 2 * 2

@@ -31,6 +31,7 @@ from .cell_scan import scan_function
 from .configuration_ran import RANConfig
 from .memory_review import RANMemoryReview
 from .scan_dropout import drop
+from .triton_window_projection import triton_window_projection, triton_window_projection_applies
 from .window_layout import RANWindowLayout
 
 
@@ -143,6 +144,15 @@ class RANLayer(GradientCheckpointingLayer):
         the new tokens, from which the cache keeps its tail, and with `config.associative_memory` what each token
         recalls from it (T, H * d): the memory is read with the same queries and written with the same keys.
         """
+        if triton_window_projection_applies(normed_tokens, self.config.hidden_act, cache is not None) and not hasattr(
+            self, "associative_memory"
+        ):  # one kernel each way from the projections to the rotated windows
+            rotations = None
+            if self.config.use_rotary:
+                rotations = layout.rotary(self.head_dim, self.config.rope_theta, normed_tokens.device)
+            qkv = self.qkv_proj(normed_tokens).unflatten(-1, (3, self.num_heads, self.head_dim))
+            query, key, value = triton_window_projection(qkv, layout, rotations, self.qk_activation)
+            return query, key, value, None, None
         qkv = self.project(normed_tokens)  # (T, 3, H, d)
         new_query, new_kv = qkv.split([1, 2], dim=1)  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)

@@ -103,6 +103,7 @@ class RANWindowLayout:
     batch_size: int
     padded_length: int
     _rotary: torch.Tensor | None = None
+    _token_slots: torch.Tensor | None = None
     slot_is_source: torch.Tensor | None = None  # (K, S) prefix LM (token_type_ids): the slot holds a source token
     source_windows: torch.Tensor | None = None  # (B,) prefix LM: windows that hold a source token, the first ones
 
@@ -300,12 +301,28 @@ class RANWindowLayout:
             self._rotary = rotary_rotations(self.num_slots + 1, head_dim, theta, device)[1:]
         return self._rotary
 
+    def token_slots(self) -> torch.Tensor:
+        """(T, 2) the slots k * S + s each new token fills, built once a pass: its own window's, and with
+        `window_overlap` an enrichment slot of the next window (-1: none). The inverse of `window_slots`, as
+        `output_slot` is of `query_index`; a token fills at most two slots, the overlap being shorter than a window."""
+        if self._token_slots is None:
+            num_tokens, slots = self.output_slot.shape[0], self.window_slots.flatten()
+            target = torch.where(self.slot_mask.flatten() & (slots < num_tokens), slots, num_tokens)
+            ids = torch.arange(slots.shape[0], device=slots.device)
+            first = ids.new_full((num_tokens + 1,), slots.shape[0]).scatter_reduce(0, target, ids, "amin")
+            last = ids.new_full((num_tokens + 1,), -1).scatter_reduce(0, target, ids, "amax")
+            second = torch.where(last != first, last, -1)
+            self._token_slots = torch.stack([first, second], dim=-1)[:num_tokens]
+        return self._token_slots
+
     def from_windows(self, query_states: torch.Tensor) -> torch.Tensor:
         """(K, Q, F) outputs of the query slots -> (T, F): each new token's state."""
         return gather_rows(query_states.flatten(0, 1), self.output_slot)
 
     def to_padded(self, token_states: torch.Tensor) -> torch.Tensor:
-        """(T, F) flat token features -> (B, L, F), zeros at padding."""
+        """(T, F) flat token features -> (B, L, F), zeros at padding; a view where there is no padding."""
+        if self.unpadded:
+            return token_states.view(self.batch_size, self.padded_length, -1)
         if self.real_tokens is not None:
             token_states = token_states * self.real_tokens
         padded = token_states.new_zeros(self.batch_size * self.padded_length, token_states.shape[-1])
@@ -313,7 +330,9 @@ class RANWindowLayout:
         return padded.view(self.batch_size, self.padded_length, -1)
 
     def from_padded(self, padded_states: torch.Tensor) -> torch.Tensor:
-        """(B, L, F) -> (T, F): the real tokens only."""
+        """(B, L, F) -> (T, F): the real tokens only; a view where there is no padding."""
+        if self.unpadded:
+            return padded_states.flatten(0, 1)
         return gather_rows(padded_states.flatten(0, 1), self.token_index)
 
     def to_windows(self, token_states: torch.Tensor) -> torch.Tensor:
@@ -366,6 +385,12 @@ class RANWindowLayout:
         last_step = (cell_windows - 1).clamp(min=0)
         rows = torch.arange(self.batch_size, device=last_step.device)
         return torch.where((cell_windows > 0)[:, None], cells[last_step, rows], start_cell)
+
+    @property
+    def unpadded(self) -> bool:
+        """Whether every position of the (B, L) input is a real token (packed pretraining batches): the flat (T, ...)
+        tokens are then the padded (B, L, ...) ones, and moving between the two is a reshape, not a scatter."""
+        return self.real_tokens is None and self.token_index.shape[0] == self.batch_size * self.padded_length
 
     @property
     def full_grid(self) -> bool:
