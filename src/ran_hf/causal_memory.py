@@ -1,5 +1,6 @@
-"""A causal layer's memory bookkeeping: which cells a pass can review (cached ones first), which of them each token
-may read, the salient older cells a bounded memory keeps in reach, and what the cache keeps for the next pass.
+"""A layer's memory bookkeeping: which cells each token may read (all of its sequence's in the encoder; for a causal
+layer those of earlier windows, cached ones first, and the salient older cells a bounded memory keeps in reach), and
+what a causal layer's cache keeps for the next pass.
 
 The memory review itself (memory_review.py) only sees ranges: each token reads cells [first, limit) of its row,
 plus, with `memory_salient_cells`, the salient ones its window's row of a table allows.
@@ -116,3 +117,37 @@ def remember(config: RANConfig, salience: Salience, cache: RANCacheLayer, layout
     valid = keep.gather(1, order)
     chosen = all_cells.gather(1, order[..., None].expand(-1, -1, all_cells.shape[-1]))
     cache.update_salient(chosen * valid[..., None], torch.where(valid, windows.gather(1, order), -1))
+
+
+def memory_to_read(config: RANConfig, salience: Salience, cells, initial_cell, layout: RANWindowLayout, cache=None):
+    """What every token of a layer reads in memory review: all the cells of its sequence in the encoder; a prefix
+    LM's token those of the source's windows and of its own window and those before it; a causal token those of
+    earlier windows (`causal_reading`).
+
+    `cells` (B, N, 2 D) this pass's cells, projected; `initial_cell` (B, 2 D) the starting cell's key and value where a
+    causal layer reads it (else None). Returns the review's inputs after the token states (cells (B, C, 2 D), (B, L)
+    each token's limit, its first readable cell or None, the salient table and rows or None) and what the cache
+    keeps: the cells (B, C, 2 D), the window number of each row's first (B,), and the salient pool.
+    """
+    cells, first_cell = reviewable_cells(cells, layout, cache, bounded=config.memory_review_cells is not None)
+    if config.is_causal:
+        pool = salient_pool(cells, first_cell, cache) if config.memory_salient_cells is not None else None
+        reading = causal_reading(config, salience, cells, first_cell, initial_cell, layout, pool)
+        return reading, (cells, first_cell, pool)
+    if layout.source_windows is not None:
+        # Prefix LM: a cell reads the source only, but how many windows follow it is the target's length.
+        readable_cells = torch.maximum(layout.token_window + 1, layout.source_windows[:, None])
+    else:
+        readable_cells = layout.num_windows[:, None].expand_as(layout.token_window)  # (B, L): all of them
+    return (cells, readable_cells, None, None), (cells, first_cell, None)
+
+
+def update_cache(config: RANConfig, salience: Salience | None, cache: RANCacheLayer, layout: RANWindowLayout, start,
+                 raw_cells, cells, new_kv, memory) -> None:  # fmt: skip
+    """Keep what a causal layer's next pass needs: the cell after the last finished window, the cells memory review
+    may read again (`memory` from `memory_to_read`), and the unfinished tail of keys and values."""
+    cache.update_cell(cells, raw_cells, layout.finished_windows - layout.first_window, start)
+    if config.memory_review:
+        cell_states, first_cell, pool = memory
+        remember(config, salience, cache, layout, cell_states, first_cell, pool)
+    cache.update_tail(*layout.sources(new_kv, cache.tail)[layout.next_tail].unbind(2))

@@ -26,7 +26,7 @@ from .building_blocks import (
     standard_normalize,
 )
 from .cache_ran import RANCacheLayer
-from .causal_memory import causal_reading, remember, reviewable_cells, salient_pool
+from .causal_memory import memory_to_read, update_cache
 from .cell_scan import scan_function
 from .configuration_ran import RANConfig
 from .memory_review import RANMemoryReview
@@ -144,26 +144,23 @@ class RANLayer(GradientCheckpointingLayer):
         the new tokens, from which the cache keeps its tail, and with `config.associative_memory` what each token
         recalls from it (T, H * d): the memory is read with the same queries and written with the same keys.
         """
-        if triton_window_projection_applies(normed_tokens, self.config.hidden_act, cache is not None) and not hasattr(
-            self, "associative_memory"
-        ):  # one kernel each way from the projections to the rotated windows
-            rotations = None
-            if self.config.use_rotary:
-                rotations = layout.rotary(self.head_dim, self.config.rope_theta, normed_tokens.device)
+        config = self.config
+        rotations = layout.rotary(self.head_dim, config.rope_theta, normed_tokens.device) if config.use_rotary else None
+        fused = triton_window_projection_applies(normed_tokens, config.hidden_act, cache is not None)
+        if fused and not config.associative_memory:  # one kernel each way from the projections to the windows
             qkv = self.qkv_proj(normed_tokens).unflatten(-1, (3, self.num_heads, self.head_dim))
-            query, key, value = triton_window_projection(qkv, layout, rotations, self.qk_activation)
-            return query, key, value, None, None
+            return *triton_window_projection(qkv, layout, rotations, self.qk_activation), None, None
         qkv = self.project(normed_tokens)  # (T, 3, H, d)
         new_query, new_kv = qkv.split([1, 2], dim=1)  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
         key, value = gather_rows(layout.sources(new_kv, tail), layout.window_slots).permute(2, 0, 3, 1, 4)
         query = gather_rows(layout.sources(new_query[:, 0]), layout.query_index).transpose(1, 2)  # (K, H, Q, d)
         recalled = None
-        if hasattr(self, "associative_memory"):
-            overlap = self.config.window_overlap
-            recalled = self.associative_memory.recall(query, key, value, normed_tokens, layout, cache, overlap)
-        if self.config.use_rotary:
-            rotations = layout.rotary(self.head_dim, self.config.rope_theta, qkv.device)  # (S, d / 2, 2)
+        if config.associative_memory:
+            recalled = self.associative_memory.recall(
+                query, key, value, normed_tokens, layout, cache, config.window_overlap
+            )
+        if rotations is not None:  # (S, d / 2, 2): slot s is position s + 1
             query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
             key = apply_interleaved_rotary(key, rotations)
         # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
@@ -200,43 +197,23 @@ class RANLayer(GradientCheckpointingLayer):
         return layout.from_windows(attended.flatten(-2)), weights  # (T, H * d)
 
     def review_memory(self, token_states, raw_cells, initial_cell, layout, cache=None, output_attentions=False):
-        """Every token reads the cells of its sequence: all of them in the encoder; a prefix LM's token those of the
-        source's windows and of its own window and those before it; a causal token those of earlier windows
-        (causal_memory.py). Returns the reviewed token states (T, D), with `output_attentions` the review weights
-        (B, L, C) (zeros at padding), and what the cache keeps: the cells (B, C, 2 D), the window number of each
-        row's first (B,), and the salient pool.
-        """
-        config, review = self.config, self.memory_review
+        """Every token reads the cells of its sequence it may read (causal_memory.py). Returns the reviewed token
+        states (T, D), with `output_attentions` the review weights (B, L, C) (zeros at padding), and what a cache
+        keeps (`memory_to_read`)."""
+        review, initial = self.memory_review, None
+        if review.reads_initial_cell:
+            initial = review.project_cells(initial_cell)
         cells = review.project_cells(raw_cells.transpose(0, 1))  # (B, N, 2 D): only this pass's cells
-        cells, first_cell = reviewable_cells(cells, layout, cache, bounded=config.memory_review_cells is not None)
-        read_cells, first_readable, salient, pool = cells, None, None, None
-        if config.is_causal:
-            pool = salient_pool(cells, first_cell, cache) if config.memory_salient_cells is not None else None
-            initial = review.project_cells(initial_cell) if config.layer_option("review_initial_cell") else None
-            read_cells, readable_cells, first_readable, salient = causal_reading(
-                config, review.cell_salience, cells, first_cell, initial, layout, pool
-            )
-        elif layout.source_windows is not None:
-            # Prefix LM: a cell reads the source only, but how many windows follow it is the target's length.
-            readable_cells = torch.maximum(layout.token_window + 1, layout.source_windows[:, None])
-        else:
-            readable_cells = layout.num_windows[:, None].expand_as(layout.token_window)  # (B, L): all of them
+        (read_cells, readable_cells, first_readable, salient), memory = memory_to_read(
+            self.config, review.cell_salience, cells, initial, layout, cache
+        )
         # Ranges per token, (B, L), not a (B, L, C) mask: the review builds the mask one chunk of tokens at a time.
         reviewed, weights = review(
             layout.to_padded(token_states), read_cells, readable_cells, output_attentions, first_readable, salient
         )
         if weights is not None:
             weights = weights * layout.to_padded(weights.new_ones(layout.token_index.numel(), 1))  # none at padding
-        return layout.from_padded(reviewed), weights, (cells, first_cell, pool)
-
-    def update_cache(self, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells, new_kv, memory):
-        """Keep what the next pass needs: the cell after the last finished window, the cells memory review may read
-        again, and the unfinished tail."""
-        cache.update_cell(cells, raw_cells, layout.finished_windows - layout.first_window, start)
-        if self.config.memory_review:
-            cell_states, first_cell, pool = memory
-            remember(self.config, self.memory_review.cell_salience, cache, layout, cell_states, first_cell, pool)
-        cache.update_tail(*layout.sources(new_kv, cache.tail)[layout.next_tail].unbind(2))
+        return layout.from_padded(reviewed), weights, memory
 
     # ---- the layer -------------------------------------------------------------------------------------------------
 
@@ -296,5 +273,7 @@ class RANLayer(GradientCheckpointingLayer):
         elif not self.residual_stream:
             token_states = self.output_norm(token_states)
         if cache is not None:
-            self.update_cache(cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv, memory)
+            salience = self.memory_review.cell_salience if self.config.memory_review else None
+            update_cache(self.config, salience, cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv,
+                         memory)  # fmt: skip
         return token_states, raw_cells, layout.last_cells(cells, start_cell), attention_weights, review_weights
