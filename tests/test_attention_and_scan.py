@@ -86,9 +86,30 @@ def test_sdpa_returns_memory_weights_and_warns_about_window_weights(make_config,
     ran_model.logger.warning_once.cache_clear()  # a warning given once per process may have been given already
     with caplog.at_level(logging.WARNING, logger="ran_hf.ran_model"):
         outputs = model(ids, attention_mask=mask, output_attentions=True)
-    assert outputs.attentions is None
+    assert outputs.attentions == ()  # as Transformers' output capture gives it for SDPA, which returns no weights
     assert len(outputs.memory_attentions) == model.config.num_hidden_layers
     assert 'attn_implementation="eager"' in caplog.text
+
+
+def test_hidden_states_are_captured_by_index_and_carry_gradients(make_config):
+    """Transformers' output capture: `output_hidden_states` as a flag gives the embeddings and every layer's states
+    (the last one the returned `last_hidden_state`), as indices only those; the returned states are in the graph, so
+    a loss has gradients with respect to them; no memory-review weights unless attentions are asked for."""
+    model = RANModel._from_config(make_config(), attn_implementation="eager").eval()
+    ids, mask = batch()
+    outputs = model(ids, attention_mask=mask, output_hidden_states=True)
+    states = outputs.hidden_states
+    assert len(states) == model.config.num_hidden_layers + 1 and outputs.memory_attentions is None
+    assert all(state.shape == outputs.last_hidden_state.shape for state in states)
+    assert states[-1] is outputs.last_hidden_state
+    assert torch.equal(states[0], model.embeddings(input_ids=ids))
+    selected = model(ids, attention_mask=mask, output_hidden_states=[0, -2]).hidden_states
+    assert selected[1:-2] == (None,) * (len(states) - 3) and selected[-1] is None
+    assert torch.equal(selected[0], states[0]) and torch.allclose(selected[-2], states[-2])
+    for state in states:
+        state.retain_grad()
+    outputs.last_hidden_state.sum().backward()
+    assert all(state.grad is not None and state.grad.abs().sum() > 0 for state in states[:-1])
 
 
 @pytest.mark.parametrize("head", [RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification])

@@ -5,6 +5,7 @@ the pretrained-model base every head shares (`RANPreTrainedModel`).
 inputs' value checks (input_checks.py), and runs the layers (ran_layer.py) over it. The heads are in modeling_ran.py.
 """
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -15,7 +16,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
-from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .adaptive_softmax import RANAdaptiveEmbedding
 from .building_blocks import RANGatedLinearUnit, RANLayerNorm
@@ -130,6 +131,16 @@ class RANPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     # The cell scan runs window after window through the whole sequence: it cannot be split across ranks by length.
     _supports_context_parallel = False
+    # Transformers' output capture records these (`output_hidden_states`, `output_attentions`). A layer works on the
+    # packed real tokens (T, D); it returns its states as (B, L, D) too (index 5) when hidden states are asked for.
+    _can_record_outputs = {
+        "hidden_states": [
+            OutputRecorder(RANEmbeddings, capture_initial_hidden_state=False),
+            OutputRecorder(RANLayer, index=5, capture_initial_hidden_state=False),
+        ],
+        "attentions": OutputRecorder(RANLayer, index=3),  # window attention, where the implementation gives weights
+        "memory_attentions": OutputRecorder(RANLayer, index=4),
+    }
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
@@ -145,6 +156,19 @@ class RANPreTrainedModel(PreTrainedModel):
         elif isinstance(module, RANTokenShift):
             init.zeros_(module.weight)
             init.zeros_(module.bias)
+
+
+def memory_attentions_with_attentions(forward):
+    """`output_attentions` also asks for the memory-review weights (`memory_attentions`), as it asks Transformers'
+    output capture for the cross-attentions of the models that have them."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        asked = kwargs.get("output_attentions", self.config.output_attentions)
+        kwargs.setdefault("output_memory_attentions", bool(asked) and self.config.memory_review)
+        return forward(self, *args, **kwargs)
+
+    return wrapper
 
 
 @contextmanager
@@ -189,7 +213,8 @@ class RANModel(RANPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
-    @can_return_tuple
+    @memory_attentions_with_attentions
+    @capture_outputs
     @auto_docstring
     def forward(
         self,
@@ -219,7 +244,9 @@ class RANModel(RANPreTrainedModel):
             Also return every layer's memory-review weights and, with `attn_implementation="eager"`, its window
             attention weights.
         output_hidden_states (`bool`, *optional*):
-            Also return the embedding output and every layer's token states.
+            Also return the embedding output and every layer's token states (recorded by Transformers' output
+            capture; an index or a list of indices, negative ones too, returns only those, None in place of the
+            others).
         token_type_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Prefix LM (`rannet`'s seq2seq mask, UniLM): 0 for the source, 1 for the target that follows it. In every
             window, source tokens read each other both ways and target tokens read the source and earlier targets;
@@ -253,14 +280,15 @@ class RANModel(RANPreTrainedModel):
         (batch_size, padded_length), input_checks = validate_ran_inputs(
             self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_checks
         )
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        output_hidden_states = output_hidden_states is not False  # True, or the indices of the states to capture
+        kwargs.pop("output_memory_attentions", None)  # read by the output capture
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         if output_attentions and self.config._attn_implementation != "eager":
             logger.warning_once(
                 f"`output_attentions=True` returns window attention weights only with the eager attention; this model "
-                f"runs {self.config._attn_implementation!r}, so `attentions` is None (`memory_attentions` are "
+                f"runs {self.config._attn_implementation!r}, so `attentions` is empty (`memory_attentions` are "
                 'returned). Load it with `attn_implementation="eager"` to get both.'
             )
         device = (input_ids if input_ids is not None else inputs_embeds).device
@@ -283,33 +311,25 @@ class RANModel(RANPreTrainedModel):
         if initial_cell is not None:
             initial_cell = initial_cell.to(device=embeddings.device, dtype=embeddings.dtype)
         cell = initial_cell  # None: the first layer starts from its own learned cell
-        all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
-        all_memory_attentions = () if output_attentions and self.config.memory_review else None
         for layer in self.layers:
-            if output_hidden_states:
-                # The returned states stay in the graph: the layer reads its tokens back from them.
-                all_hidden_states += (layout.to_padded(token_states),)
-                token_states = layout.from_padded(all_hidden_states[-1])
             if self.config.is_causal and layer.layer_idx > 0:
                 cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
-                token_states, raw_cells, cell, attention_weights, review_weights = layer(
-                    token_states, cell, layout=layout, cache=layer_cache, output_attentions=output_attentions
+                token_states, raw_cells, cell, *_ = layer(
+                    token_states,
+                    cell,
+                    layout=layout,
+                    cache=layer_cache,
+                    output_attentions=output_attentions,
+                    output_hidden_states=output_hidden_states,
                 )
-            if output_attentions:
-                all_attentions = None if attention_weights is None else all_attentions + (attention_weights,)
-                if self.config.memory_review:
-                    all_memory_attentions += (review_weights,)
 
         if past_key_values is not None:
             past_key_values.advance(layout.lengths, padded_length)
         if self.norm is not None:
             token_states = self.norm(token_states)
         last_hidden_state = layout.to_padded(token_states)
-        if output_hidden_states:
-            all_hidden_states += (last_hidden_state,)
         cells = raw_cells.transpose(0, 1)  # (B, N, D)
         cells_mask = torch.arange(cells.shape[1], device=cells.device)[None, :] < layout.num_windows[:, None]
         cells = cells * cells_mask[..., None]
@@ -328,8 +348,5 @@ class RANModel(RANPreTrainedModel):
             last_cell=cell,
             cells=cells,
             cells_mask=cells_mask,
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
-            memory_attentions=all_memory_attentions,
             past_key_values=past_key_values,
         )
