@@ -1,7 +1,7 @@
 """bfloat16 autocast: the cell scan runs in float32 (both scans, the fused one without falling back), and the heads'
 gradients stay within 2x the error of `nn.TransformerEncoder` with the same head (benchmark_bf16_gradients.py).
 
-Sequence and token classification do not meet the 2x bound yet (benchmarks/bf16_cpu.md): marked xfail. Sequence
+Sequence and token classification do not meet the 2x bound yet (benchmarks/bf16/bf16_cpu.md): marked xfail. Sequence
 classification's gap is max pooling picking another of two near-tied tokens under bf16 (2.8x with the float32 choice
 kept); token classification's is the error of token states that no residual stream carries in float32 (2.7x)."""
 

@@ -2,7 +2,7 @@
 from any of those eight windows (scripts/benchmarks/diagnose_memory.py).
 
 Trained from scratch on CPU, deterministic given the seed. The same budget leaves the official post-norm layer at
-chance (benchmarks/memory_diagnosis.md), which is what made this test necessary.
+chance (benchmarks/memory_diagnosis/memory_diagnosis.md), which is what made this test necessary.
 """
 
 import argparse

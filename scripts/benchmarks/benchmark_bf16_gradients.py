@@ -8,7 +8,7 @@
 For each model: one batch (two sequences, one padded), the loss of the head's task, its gradients in float32 and
 under `torch.autocast(device, dtype=torch.bfloat16)` from the same float32 weights. Error of a parameter: relative L2,
 |g_bf16 - g_fp32| / |g_fp32|. Reported: the largest over the parameters (max), their median, and the error of all
-gradients as one vector (total). Writes benchmarks/bf16_<device>.{json,md}.
+gradients as one vector (total). Writes benchmarks/bf16/bf16_<device>.{json,md}.
 
 Max pooling (sequence classification) sends each feature's gradient to one token; where two tokens nearly tie, bf16
 rounding can pick the other one, and the gradient moves to another place entirely. So for that head the largest
@@ -18,6 +18,7 @@ error is also measured with the float32 pass's choice of tokens kept under autoc
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -163,7 +164,7 @@ def main():
     parser.add_argument("--scans", nargs="+", default=["reference", "fused"])
     parser.add_argument("--seeds", type=NON_NEGATIVE, nargs="+", default=[0, 1])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/bf16"))
     args = parser.parse_args()
     device = torch.device(args.device)
     info = machine_info(args.device)
@@ -198,12 +199,15 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     stem = args.output_dir / f"bf16_{device.type}"
     settings = {key: value for key, value in vars(args).items() if key not in ("output_dir", "scan")}
+    command = ("python scripts/benchmarks/benchmark_bf16_gradients.py " + " ".join(sys.argv[1:])).strip()
     with open(f"{stem}.json", "w") as file:
-        json.dump({"machine_info": info, "settings": settings, "results": results}, file, indent=2)
+        json.dump({"machine_info": info, "command": command, "settings": settings, "results": results}, file, indent=2)
     lines = [
         f"# Gradient error under bfloat16 autocast ({device.type})",
         "",
         f"`{machine_line(info)}`",
+        "",
+        f"Command: `{command}`",
         "",
         f"Settings: {settings}. Relative L2 error of each parameter's gradient under `torch.autocast(dtype=bfloat16)`"
         " against float32, same weights and batch; worst over seeds. Ratio: RAN's max error over the encoder's. Same"

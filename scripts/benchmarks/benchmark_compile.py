@@ -10,12 +10,13 @@ the compiled model against eager.
 2. A compiled model (inductor) run on inputs of growing window counts, inference then training: frames compiled
    after each new window count (none should follow the second), seconds spent compiling, and the step time
    (median of --repeats) against the same model in eager mode, with the largest output difference.
-Writes benchmarks/compile_<device>.{json,md}.
+Writes benchmarks/compile/compile_<device>.{json,md}.
 """
 
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def main():
     parser.add_argument("--repeats", type=POSITIVE, default=5)
     parser.add_argument("--threads", type=POSITIVE, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/compile"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -131,12 +132,16 @@ def main():
     stem = args.output_dir / f"compile_{device.type}"
     settings = {key: value for key, value in vars(args).items() if key != "output_dir"}
     summary = {"graphs": explanation.graph_count, "graph_breaks": explanation.graph_break_count, "breaks": breaks}
+    command = ("python scripts/benchmarks/benchmark_compile.py " + " ".join(sys.argv[1:])).strip()
+    report = {"machine_info": info, "command": command, "settings": settings, "explain": summary, "results": results}
     with open(f"{stem}.json", "w") as file:
-        json.dump({"machine_info": info, "settings": settings, "explain": summary, "results": results}, file, indent=2)
+        json.dump(report, file, indent=2)
     lines = [
         f"# torch.compile(RANModel) ({device.type})",
         "",
         f"`{machine_line(info)}`",
+        "",
+        f"Command: `{command}`",
         "",
         f"Settings: {settings}. Batch 1, random weights, inductor.",
         "",

@@ -21,7 +21,7 @@ wrote (`cached`). Each figure is the median of `--repeats` processes. Methods:
   read_first       ran_hf.data.read_records(limit=N): only the first N records read
                    (train_tokenizer.py --max_documents N)
 
-Writes `benchmarks/data_loading_cpu.json` and `.md` (command, commit, date, machine, library versions).
+Writes `benchmarks/data_loading/data_loading_cpu.json` and `.md` (command, commit, date, machine, library versions).
 """
 
 import argparse
@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=100, help="documents kept by the cut methods")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per figure (the median is kept)")
-    parser.add_argument("--output", default=str(SCRIPTS.parent / "benchmarks" / "data_loading_cpu"))
+    parser.add_argument("--output", default=str(SCRIPTS.parent / "benchmarks" / "data_loading" / "data_loading_cpu"))
     parser.add_argument("--single", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--cache_dir", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -15,6 +15,7 @@ bytes the cache object holds. Writes a table to stdout and JSON + PNG under --ou
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def main():
     parser.add_argument("--gpt2_max_context", type=POSITIVE, default=65536, help="largest context tried for GPT-2")
     parser.add_argument("--prefill_chunk", type=POSITIVE, default=8192)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/decode"))
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -179,7 +180,8 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = f"decode_{device.type}"
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    report = {"machine_info": machine_info(str(device)), "settings": settings, "results": results}
+    command = ("python scripts/benchmarks/benchmark_decode.py " + " ".join(sys.argv[1:])).strip()
+    report = {"machine_info": machine_info(str(device)), "command": command, "settings": settings, "results": results}
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json and .png")

@@ -28,12 +28,12 @@ would) and 2K for MQAR. Also measured: decoding time per token and cache size af
     python scripts/benchmarks/benchmark_long_context.py --device cuda --jobs 1 --models ran gpt2 --batch_size 16 \
         --warmup_steps 300 --passkey_steps 6000 --short_train_steps 4500 --decay_steps 1000 \
         --key_curriculum_steps 200 --memory_review_cells 16 --memory_salient_cells 4 --mqar_steps 0 \
-        --eval_lengths 1024 4096 16384 65536 262144 --max_ran_length 262144 --output benchmarks/long_context_cuda
+        --eval_lengths 1024 4096 16384 65536 262144 --max_ran_length 262144 --output benchmarks/cuda/long_context_cuda
 
-Writes benchmarks/long_context.{json,md,png}. Running some `--models` again with otherwise equal arguments replaces
-their results and keeps the others'. `--save_models DIR` keeps the trained passkey models; given the same training
-arguments, `--load_models DIR --mqar_steps 0` evaluates them again without training, for example on more or other
-examples (`--eval_examples`, `--eval_seed`).
+Writes benchmarks/long_context/long_context.{json,md,png}. Running some `--models` again with otherwise equal arguments
+replaces their results and keeps the others'. `--save_models DIR` keeps the trained passkey models; given the same
+training arguments, `--load_models DIR --mqar_steps 0` evaluates them again without training, for example on more or
+other examples (`--eval_examples`, `--eval_seed`).
 """
 
 import argparse
@@ -661,7 +661,9 @@ def parse_args(argv=None):
         help="evaluate the passkey models that --save_models wrote to this folder, trained with the other arguments "
         "given here, instead of training them (needs --mqar_steps 0)",
     )
-    parser.add_argument("--output", default="benchmarks/long_context", help="path prefix of .json/.md/.png")
+    parser.add_argument(
+        "--output", default="benchmarks/long_context/long_context", help="path prefix of .json/.md/.png"
+    )
     args = parser.parse_args(argv)
     positive = ("hidden_size", "num_layers", "num_heads", "window_size", "batch_size", "eval_examples", "jobs")
     for name in positive + ("eval_batch_size", "threads", "key_digits"):

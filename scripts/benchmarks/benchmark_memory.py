@@ -18,6 +18,7 @@ with the number of chunks. Writes a table to stdout and JSON + a log-log plot un
 import argparse
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -190,7 +191,7 @@ def main():
     parser.add_argument(
         "--threads", type=POSITIVE, help="CPU threads (default: PyTorch's); 1 keeps a shared machine fair"
     )
-    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/memory"))
     # internal: measure one length in one mode and print JSON
     parser.add_argument("--single", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -251,8 +252,9 @@ def main():
     kept = [r for r in earlier.get("results", []) if r["mode"] not in measured]
     older = {key: earlier[key] for key in ("machine_info", "config") if key in earlier}  # reports of one run
     runs_by_mode = {mode: earlier.get("runs_by_mode", {}).get(mode, older) for mode in {r["mode"] for r in kept}}
-    runs_by_mode |= {mode: {"machine_info": info, "config": settings | {"output_dir": str(args.output_dir)}}
-                     for mode in measured}  # fmt: skip
+    command = ("python scripts/benchmarks/benchmark_memory.py " + " ".join(sys.argv[1:])).strip()
+    config = settings | {"output_dir": str(args.output_dir)}
+    runs_by_mode |= {mode: {"machine_info": info, "command": command, "config": config} for mode in measured}
     results = kept + results
     report = {"runs_by_mode": runs_by_mode, "results": results}
     report_path.write_text(json.dumps(report, indent=2))

@@ -12,7 +12,7 @@ function that `config.scan_implementation` names (`ALL_SCAN_FUNCTIONS`), nothing
 Every figure is the median of `--repeats` timed calls after a warm-up call. A scan step is one window of every
 sequence in the batch, so at batch 1 it is the cost of one window in one layer. `ops/step` counts the aten ops of
 one forward and backward (`torch.profiler`, those not called from inside another aten op) per scan step. Writes
-`benchmarks/scan_<device>.json` and `.md`.
+`benchmarks/scan/scan_<device>.json` and `.md`.
 """
 
 import argparse
@@ -167,7 +167,7 @@ def main():
     parser.add_argument("--threads", type=POSITIVE, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dropout", type=FRACTION, default=0.0, help="hidden and attention dropout rate (training)")
-    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/scan"))
     args = parser.parse_args()
     if not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")

@@ -294,7 +294,7 @@ def main():
         "--max_point_seconds", type=POSITIVE_FLOAT, default=60, help="skip shapes slower than this per step"
     )
     parser.add_argument("--threads", type=POSITIVE, help="torch threads (default: torch's choice, all cores)")
-    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks"))
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/speed"))
     parser.add_argument("--single", nargs=3, metavar=("MODEL", "LENGTH", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 

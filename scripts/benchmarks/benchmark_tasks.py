@@ -4,7 +4,7 @@ Every model is trained from scratch on every task it applies to, with the same w
 RAN's (the recurrent baselines' widths are searched to match; embeddings excluded), the same number of optimiser
 steps on the same batches in the same order, and the same optimiser. Then it is evaluated once, on the test split.
 
-    python scripts/benchmarks/benchmark_tasks.py            # the CPU table: benchmarks/tasks_cpu.{md,json,png}
+    python scripts/benchmarks/benchmark_tasks.py            # the CPU table: benchmarks/tasks/tasks_cpu.{md,json,png}
     python scripts/benchmarks/benchmark_tasks.py --tasks probe --models ran bert-512 --seeds 0
     python scripts/benchmarks/benchmark_tasks.py --budget_scale 8 --hidden_size 256 --num_heads 4 --device cuda \
         --output_name tasks_gpu                             # a larger run on a GPU (see docs/benchmarks.md)
@@ -88,7 +88,7 @@ class BenchmarkArguments:
     models: list[str] | None = field(default=None, metadata={"help": "Only these models (default: all that apply)."})
     seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={"help": "One run per seed."})
     data_dir: str = field(default=str(ROOT.parent / "shared" / "data"), metadata={"help": "The benchmark sets."})
-    output_dir: str = field(default=str(ROOT / "benchmarks"), metadata={"help": "Where results go."})
+    output_dir: str = field(default=str(ROOT / "benchmarks" / "tasks"), metadata={"help": "Where results go."})
     output_name: str = field(default="tasks_cpu", metadata={"help": "File stem of the results."})
     cache_dir: str = field(default=str(ROOT / ".cache" / "benchmark_tasks"), metadata={"help": "Prepared data."})
     overwrite: bool = field(default=False, metadata={"help": "Forget earlier runs of this output_name."})

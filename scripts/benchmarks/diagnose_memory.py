@@ -18,11 +18,12 @@ ends with `QUESTION` and the first K - 1 digits, teacher-forced), and a run is r
     python scripts/benchmarks/diagnose_memory.py --tasks in-window --models ran gpt2 --seeds 0
     python scripts/benchmarks/diagnose_memory.py --tasks across-any --key_digits 2 --models ran +review-salience
 
-Writes benchmarks/memory_diagnosis.{json,md,png}.
+Writes benchmarks/memory_diagnosis/memory_diagnosis.{json,md,png}.
 """
 
 import argparse
 import json
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -257,10 +258,11 @@ def missed_digits(result: RunResult) -> list[int]:
     return [digit for digit, score in enumerate(result.digit_accuracy) if score < 0.5]
 
 
-def markdown(rows: list[dict], info: dict, args) -> str:
+def markdown(rows: list[dict], info: dict, args, command: str | None = None) -> str:
     lines = [
         f"Machine: {machine_line(info)}",
         "",
+        *([f"Command: `{command}`", ""] if command else []),
         f"Key retrieval ({getattr(args, 'key_digits', 1)}-digit key, exact match), batch {args.batch_size}, "
         f"lr {args.learning_rate} (linear warmup over {args.warmup_steps} "
         f"steps); at most {args.in_window_steps} steps "
@@ -361,7 +363,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--jobs", type=POSITIVE, default=2, help="runs trained at the same time, one process each")
     parser.add_argument("--threads", type=POSITIVE, default=1, help="threads per run")
-    parser.add_argument("--output", default="benchmarks/memory_diagnosis", help="path prefix of .json/.md/.png")
+    parser.add_argument(
+        "--output", default="benchmarks/memory_diagnosis/memory_diagnosis", help="path prefix of .json/.md/.png"
+    )
     args = parser.parse_args(argv)
     if args.learning_rate <= 0 or args.batch_size < 1 or args.eval_every < 1:
         parser.error("--learning_rate, --batch_size and --eval_every must be positive")
@@ -400,9 +404,11 @@ def main(argv=None) -> list[dict]:
     rows = summarize(results)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"machine_info": info, "arguments": vars(args), "results": rows, "runs": [r.__dict__ for r in results]}
+    command = "python scripts/benchmarks/diagnose_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    payload = {"machine_info": info, "command": command.strip(), "arguments": vars(args), "results": rows}
+    payload["runs"] = [r.__dict__ for r in results]
     output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    table = markdown(rows, info, args) + probe_markdown(results)
+    table = markdown(rows, info, args, command.strip()) + probe_markdown(results)
     output.with_suffix(".md").write_text(table)
     plot(results, output.with_suffix(".png"))
     print(table)

@@ -28,7 +28,7 @@ says where its queries' memory review looks at the end: the mean weight on the p
     python scripts/benchmarks/diagnose_recall.py --experiments no-filler/ran no-filler/ran-oracle --steps 500
     python scripts/benchmarks/diagnose_recall.py --gradients_only
 
-Writes benchmarks/recall_diagnosis.{json,md,png}.
+Writes benchmarks/recall/recall_diagnosis.{json,md,png}.
 """
 
 import argparse
@@ -453,7 +453,7 @@ def parse_args(argv=None):
     parser.add_argument("--eval_every", type=POSITIVE, default=100)
     parser.add_argument("--threads", type=POSITIVE, default=1, help="torch threads (the runs go one after another)")
     parser.add_argument("--gradients_only", action="store_true", help="only the measurements at initialisation")
-    parser.add_argument("--output", default="benchmarks/recall_diagnosis", help="path prefix of .json/.md/.png")
+    parser.add_argument("--output", default="benchmarks/recall/recall_diagnosis", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "eval_every", "threads"):
         if getattr(args, name) < 1:

@@ -20,8 +20,8 @@ data, steps and seed. The baseline is a `BertModel` of matching width and depth 
 tokenizer (nothing is downloaded), mean-pooled, reading at most `--baseline_max_length` (512) tokens. Each trained
 model is saved under `--output_dir` and loads with `SentenceTransformer(path, trust_remote_code=True)`.
 
-Results go to `--output_dir/results.json` and, with `--results_prefix benchmarks/embeddings_cpu`, to
-`benchmarks/embeddings_cpu.{json,md}`.
+Results go to `--output_dir/results.json` and, with `--results_prefix benchmarks/embeddings/embeddings_cpu`, to
+`benchmarks/embeddings/embeddings_cpu.{json,md}`.
 """
 
 import dataclasses
@@ -117,7 +117,8 @@ class DataTrainingArguments:
         metadata={"help": "Run into an --output_dir that holds a previous run: its models and results are replaced."},
     )
     results_prefix: str | None = field(
-        default=None, metadata={"help": "Also write PREFIX.json and PREFIX.md (e.g. benchmarks/embeddings_cpu)."}
+        default=None,
+        metadata={"help": "Also write PREFIX.json and PREFIX.md (e.g. benchmarks/embeddings/embeddings_cpu)."},
     )
     max_nonfinite_steps: int = field(
         default=3,
