@@ -102,7 +102,8 @@ def test_hidden_states_are_captured_by_index_and_carry_gradients(make_config):
     assert len(states) == model.config.num_hidden_layers + 1 and outputs.memory_attentions is None
     assert all(state.shape == outputs.last_hidden_state.shape for state in states)
     assert states[-1] is outputs.last_hidden_state
-    assert torch.equal(states[0], model.embeddings(input_ids=ids))
+    real = mask.bool()
+    assert torch.equal(states[0][real], model.embeddings(input_ids=ids)[real]) and (states[0][~real] == 0).all()
     selected = model(ids, attention_mask=mask, output_hidden_states=[0, -2]).hidden_states
     assert selected[1:-2] == (None,) * (len(states) - 3) and selected[-1] is None
     assert torch.equal(selected[0], states[0]) and torch.allclose(selected[-2], states[-2])

@@ -525,6 +525,11 @@ class RANConfig(PreTrainedConfig):
             return self.layer_design
         return "learnable_memory" if self.is_causal else "official"
 
+    @property
+    def num_hidden_states(self) -> int:
+        """How many hidden states `output_hidden_states=True` returns: the embeddings' and every layer's."""
+        return self.num_hidden_layers + 1
+
     def layer_option(self, name: str) -> bool:
         """The value of a design field (`LAYER_DESIGNS`): the field's own where it is set, else its design's. Resolved
         when read, so that switching `is_causal` or `layer_design` follows; a saved config holds the resolved values

@@ -10,7 +10,7 @@ Formats, chosen by the file name:
 
 Two ways in. `load_records` reads a file with `datasets.load_dataset` into Arrow, memory-mapped from the `datasets`
 cache (EURLEX-57K's training split: a few seconds and a few hundred MiB the first time, a fraction of a second after;
-benchmarks/data_loading_cpu.md), and `check_texts` checks its texts as a batched map. `read_records` /
+benchmarks/data_loading/data_loading_cpu.md), and `check_texts` checks its texts as a batched map. `read_records` /
 `iter_records` read record by record in Python, and stop after the first `limit` records. They are also the
 diagnosis: where Arrow fails, or a check finds a bad value, the file is read again this way up to the bad record, so
 that every error names the file and line, as Arrow's own errors do not.

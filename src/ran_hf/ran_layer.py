@@ -224,7 +224,6 @@ class RANLayer(GradientCheckpointingLayer):
         layout: RANWindowLayout,
         cache: RANCacheLayer | None = None,
         output_attentions: bool = False,
-        output_hidden_states: bool = False,
     ):
         """token_states (T, D) new real tokens; cell (B, D) the cell each sequence's first window reads, or None for
         the layer's own learned starting cell (read here, inside the layer, so that a sharded parameter is gathered).
@@ -233,8 +232,7 @@ class RANLayer(GradientCheckpointingLayer):
         Returns token states (T, D), raw cells (N, B, D) of this pass's windows, each sequence's last cell (B, D)
         (the starting one for a row of padding only) and, with `output_attentions`, every token's window attention
         weights (B, H, L, 1 + S) (None unless the attention implementation gives them) and memory-review weights
-        (B, L, C); with `output_hidden_states`, the token states as (B, L, D) too, which Transformers' output capture
-        records (the returned (T, D) states are read back from them, so that they have gradients).
+        (B, L, C).
         """
         initial_cell = None
         if hasattr(self, "initial_cell"):
@@ -244,8 +242,7 @@ class RANLayer(GradientCheckpointingLayer):
         if cache is not None and cache.is_initialized:
             start_cell, start_previous = cache.cell, cache.previous_raw_cell
         if layout.num_steps == 0:  # padding only: nothing to read, nothing to write
-            padded = layout.to_padded(token_states) if output_hidden_states else None
-            return token_states, token_states.new_zeros(0, *start_cell.shape), start_cell, None, None, padded
+            return token_states, token_states.new_zeros(0, *start_cell.shape), start_cell, None, None
         normed_tokens = self.normalize_input(token_states)  # (T, D)
 
         # 1. Everything that does not depend on the cell, for all windows at once.
@@ -279,9 +276,4 @@ class RANLayer(GradientCheckpointingLayer):
             salience = self.memory_review.cell_salience if self.config.memory_review else None
             update_cache(self.config, salience, cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv,
                          memory)  # fmt: skip
-        padded = None
-        if output_hidden_states:
-            padded = layout.to_padded(token_states)
-            token_states = layout.from_padded(padded)
-        last_cell = layout.last_cells(cells, start_cell)
-        return token_states, raw_cells, last_cell, attention_weights, review_weights, padded
+        return token_states, raw_cells, layout.last_cells(cells, start_cell), attention_weights, review_weights

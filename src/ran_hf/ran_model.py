@@ -85,6 +85,16 @@ class RANEmbeddings(nn.Module):
         return token_states + self.token_shift(previous)
 
 
+class RANPaddedStates(nn.Module):
+    """The (B, L, D) form of the packed token states (T, D) that the embeddings give the first layer and each layer
+    gives the next: what Transformers' output capture records as `hidden_states` (zeros at padding). Run only when
+    hidden states are asked for; the model reads its tokens back from it, so that the recorded states have
+    gradients."""
+
+    def forward(self, token_states: torch.Tensor, layout: RANWindowLayout) -> torch.Tensor:
+        return layout.to_padded(token_states)
+
+
 class RANPooler(nn.Module):
     """The official "cell transform" (paper eq. 10-11): GLU(swish(Dense(pooled cell))) + Dense(pooled tokens).
 
@@ -131,13 +141,12 @@ class RANPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     # The cell scan runs window after window through the whole sequence: it cannot be split across ranks by length.
     _supports_context_parallel = False
-    # Transformers' output capture records these (`output_hidden_states`, `output_attentions`). A layer works on the
-    # packed real tokens (T, D); it returns its states as (B, L, D) too (index 5) when hidden states are asked for.
+    # Transformers' output capture records these (`output_hidden_states`, `output_attentions`). The layers work on
+    # packed real tokens (T, D): hidden states are recorded in their (B, L, D) form.
     _can_record_outputs = {
-        "hidden_states": [
-            OutputRecorder(RANEmbeddings, capture_initial_hidden_state=False),
-            OutputRecorder(RANLayer, index=5, capture_initial_hidden_state=False),
-        ],
+        "hidden_states": OutputRecorder(
+            RANPaddedStates, capture_initial_hidden_state=False, num_hidden_layers_key="num_hidden_states"
+        ),
         "attentions": OutputRecorder(RANLayer, index=3),  # window attention, where the implementation gives weights
         "memory_attentions": OutputRecorder(RANLayer, index=4),
     }
@@ -204,6 +213,7 @@ class RANModel(RANPreTrainedModel):
             RANLayerNorm(config.hidden_size, config.layer_norm_eps) if config.layer_option("residual_stream") else None
         )
         self.pooler = RANPooler(config) if add_pooling_layer else None
+        self.padded_states = RANPaddedStates()
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -312,24 +322,21 @@ class RANModel(RANPreTrainedModel):
             initial_cell = initial_cell.to(device=embeddings.device, dtype=embeddings.dtype)
         cell = initial_cell  # None: the first layer starts from its own learned cell
         for layer in self.layers:
+            if output_hidden_states:  # recorded, then read back: the recorded states stay in the graph
+                token_states = layout.from_padded(self.padded_states(token_states, layout))
             if self.config.is_causal and layer.layer_idx > 0:
                 cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
                 token_states, raw_cells, cell, *_ = layer(
-                    token_states,
-                    cell,
-                    layout=layout,
-                    cache=layer_cache,
-                    output_attentions=output_attentions,
-                    output_hidden_states=output_hidden_states,
+                    token_states, cell, layout=layout, cache=layer_cache, output_attentions=output_attentions
                 )
 
         if past_key_values is not None:
             past_key_values.advance(layout.lengths, padded_length)
         if self.norm is not None:
             token_states = self.norm(token_states)
-        last_hidden_state = layout.to_padded(token_states)
+        last_hidden_state = self.padded_states(token_states, layout)  # with hidden states, recorded as the last
         cells = raw_cells.transpose(0, 1)  # (B, N, D)
         cells_mask = torch.arange(cells.shape[1], device=cells.device)[None, :] < layout.num_windows[:, None]
         cells = cells * cells_mask[..., None]
