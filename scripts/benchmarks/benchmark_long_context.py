@@ -50,7 +50,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM
+
+from causal_baselines import causal_baseline
 
 from benchmark_utils import machine_info, machine_line
 from ran_hf import RANConfig, RANForCausalLM
@@ -61,13 +63,15 @@ NUM_WORDS = 2000  # the most frequent words of the training text; the rest becom
 NUM_SYMBOLS = 64  # MQAR keys and values each come from their own 64 symbols
 
 # name -> RAN fields that differ from the causal defaults (the official causal scan: the cell reads only itself);
-# None: GPT-2
+# None: a matched-size baseline of causal_baselines.py, with a context that holds the whole sequence
 MODELS = {
     "ran": {},
     "ran-before": {"layer_design": "official"},
     "ran-official-causal": {"layer_design": "official", "scan_implementation": OFFICIAL_CAUSAL_SCAN},
     "ran-associative": {"associative_memory": True},  # + the delta-rule memory of ran_hf.associative_memory
     "gpt2": None,
+    "llama": None,
+    "gla": None,  # gated linear attention: a recurrent anchor (no save_pretrained: not with --save/--load_models)
 }
 
 
@@ -172,12 +176,8 @@ def mqar_batch(
 def build_model(name: str, vocab_size: int, context: int, args) -> torch.nn.Module:
     fields = MODELS[name]
     if fields is None:
-        config = GPT2Config(
-            vocab_size=vocab_size, n_positions=context, n_embd=args.hidden_size, n_layer=args.num_layers,
-            n_head=args.num_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
-            eos_token_id=None,
-        )  # fmt: skip
-        return GPT2LMHeadModel(config).to(args.device)
+        model = causal_baseline(name, vocab_size, args.hidden_size, args.num_layers, args.num_heads, context)
+        return model.to(args.device)
     config = RANConfig(
         vocab_size=vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
         num_attention_heads=args.num_heads, head_dim=args.hidden_size // args.num_heads, window_size=args.window_size,
@@ -338,7 +338,7 @@ def run_passkey(name: str, args, streams, generator, evaluation) -> dict:
 
 def load_model(name: str, args) -> torch.nn.Module:
     """A passkey model written by --save_models; its size must be the one the arguments describe."""
-    model_class = GPT2LMHeadModel if MODELS[name] is None else RANForCausalLM
+    model_class = AutoModelForCausalLM if MODELS[name] is None else RANForCausalLM
     model = model_class.from_pretrained(Path(args.load_models) / f"{name}-passkey").to(args.device)
     size = (model.config.hidden_size, model.config.num_hidden_layers, model.config.num_attention_heads)
     if size != (args.hidden_size, args.num_layers, args.num_heads):
@@ -682,6 +682,8 @@ def parse_args(argv=None):
         parser.error("--key_curriculum_steps leaves no step for keys of --key_digits digits: lower it")
     if args.mqar_steps < 0:
         parser.error("--mqar_steps must be >= 0 (0: no MQAR)")
+    if "gla" in args.models and (args.save_models or args.load_models) and args.passkey_steps:
+        parser.error("gla is not a Transformers model (no save_pretrained): leave it out with --save/--load_models")
     if args.load_models:
         missing = [m for m in args.models if not (Path(args.load_models) / f"{m}-passkey" / "config.json").is_file()]
         if missing or args.mqar_steps or not args.passkey_steps:

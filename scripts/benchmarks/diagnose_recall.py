@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from benchmark_utils import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, machine_info, machine_line
-from transformers import GPT2Config, GPT2LMHeadModel
+from causal_baselines import causal_baseline
 
 from ran_hf import RANConfig, RANForCausalLM
 from ran_hf.building_blocks import unit_vectors
@@ -62,7 +62,9 @@ MODELS = {
     "ran-oracle": ({"review_initial_cell": False}, "oracle"),
     "ran-token-keys": ({}, "token-keys"),
     "ran-associative": ({"associative_memory": True}, None),  # the change: keys bound to values per head
-    "gpt2": None,
+    "gpt2": None,  # matched-size baselines with a context that holds the whole sequence (causal_baselines.py)
+    "llama": None,
+    "gla": None,  # a recurrent anchor: gated linear attention
 }
 
 # The experiments run by default: layout / model / pairs, and the question each answers.
@@ -82,6 +84,8 @@ EXPERIMENTS = {
     "one-per-window/ran-associative": ("one-per-window", "ran-associative", 8),
     "packed/ran-associative": ("packed", "ran-associative", 8),
     "packed/gpt2": ("packed", "gpt2", 8),
+    "packed/llama": ("packed", "llama", 8),
+    "packed/gla": ("packed", "gla", 8),
 }
 
 
@@ -145,11 +149,7 @@ def oracle_cells(batch_size: int, length: int, query_positions: torch.Tensor, pa
 
 def build_model(name: str, layout: str, length: int, hidden_size: int = 64) -> torch.nn.Module:
     if MODELS[name] is None:
-        config = GPT2Config(
-            vocab_size=VOCAB_SIZE, n_positions=length, n_embd=hidden_size, n_layer=2, n_head=4, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
-        )  # fmt: skip
-        return GPT2LMHeadModel(config)
+        return causal_baseline(name, VOCAB_SIZE, hidden_size, num_layers=2, num_heads=4, context=length)
     fields, change = MODELS[name]
     window = WINDOWS[layout]
     config = RANConfig(

@@ -1,0 +1,113 @@
+"""Causal language models to compare the causal RAN with, built at a matched size for the memory benchmarks.
+
+    gpt2    Transformers' GPT-2: learned positions, full causal attention, GELU MLP of 4x width
+    llama   Transformers' Llama: rotary positions, full causal attention, SwiGLU MLP of ~8/3x width (as many weights)
+    gla     gated linear attention (Yang et al., ICML 2024), written small: a recurrent memory of one (d_k x d_v)
+            matrix per head, decayed by a data-dependent gate per key dimension and written with k^T v each token;
+            for the short sequences here computed in its parallel form (the recurrence unrolled into a masked matrix
+            product, as flash-linear-attention's `naive` reference does), then a SwiGLU MLP
+
+Every model takes `model(input_ids)` and returns an object with `.logits` (B, T, V), as the Transformers models do.
+`causal_baseline(name, vocab_size, hidden_size, num_layers, num_heads, context)` builds one without dropout.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutput
+
+GATE_RANK = 16  # the gate's low-rank projection, as in the paper
+GATE_TEMPERATURE = 16.0  # log-decay divided by this: decays start close to 1, so memory lasts at initialisation
+
+
+class GatedLinearAttention(nn.Module):
+    """S_t = diag(a_t) S_{t-1} + k_t^T v_t per head, o_t = q_t S_t, then a per-head norm, a SiLU output gate and
+    the output projection. a_t = sigmoid(gate(x_t)) ** (1 / 16), per key dimension."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.gate = nn.Sequential(nn.Linear(hidden_size, GATE_RANK, bias=False), nn.Linear(GATE_RANK, hidden_size))
+        self.output_gate = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.norm = nn.RMSNorm(self.head_dim)
+        self.out = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        heads = (batch, length, self.num_heads, self.head_dim)
+        query, key, value = (part.view(heads).transpose(1, 2) for part in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, d)
+        log_decay = F.logsigmoid(self.gate(x)).view(heads).transpose(1, 2) / GATE_TEMPERATURE  # (B, H, T, d) <= 0
+        total = log_decay.cumsum(dim=2)  # G_t: the log-decay from the start to t
+        # o_t = sum_{s <= t} (q_t * exp(G_t - G_s)) . k_s v_s: the exponent is <= 0 where s <= t; masked elsewhere.
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        exponent = (total[:, :, :, None] - total[:, :, None, :]).masked_fill(~causal[..., None], float("-inf"))
+        scores = torch.einsum("bhtd,bhsd,bhtsd->bhts", query * self.head_dim**-0.5, key, exponent.exp())
+        attended = self.norm(scores @ value).transpose(1, 2).reshape(batch, length, -1)  # (B, T, D)
+        return self.out(attended * F.silu(self.output_gate(x)))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, inner_size: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * inner_size, bias=False)
+        self.down = nn.Linear(inner_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class GLAForCausalLM(nn.Module):
+    """Pre-norm blocks of gated linear attention and a SwiGLU MLP; tied embedding and output."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden_size)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "attention_norm": nn.RMSNorm(hidden_size),
+                    "attention": GatedLinearAttention(hidden_size, num_heads),
+                    "mlp_norm": nn.RMSNorm(hidden_size),
+                    "mlp": SwiGLU(hidden_size, llama_inner_size(hidden_size)),
+                }
+            )
+            for _ in range(num_layers)
+        )
+        self.norm = nn.RMSNorm(hidden_size)
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor, **kwargs) -> CausalLMOutput:
+        states = self.embed(input_ids)
+        for block in self.blocks:
+            states = states + block["attention"](block["attention_norm"](states))
+            states = states + block["mlp"](block["mlp_norm"](states))
+        return CausalLMOutput(logits=self.norm(states) @ self.embed.weight.T)
+
+
+def llama_inner_size(hidden_size: int) -> int:
+    """A SwiGLU width with the weights of a 4x GELU MLP: 2/3 of 4x, rounded up to a multiple of 4."""
+    return -(-8 * hidden_size // 3 // 4) * 4
+
+
+def causal_baseline(name: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, context: int):
+    """GPT-2, Llama or GLA of the given size, without dropout; `context` is the longest input a GPT-2 must take."""
+    if name == "gpt2":
+        config = GPT2Config(
+            vocab_size=vocab_size, n_positions=context, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
+    if name == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=llama_inner_size(hidden_size),
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+            max_position_embeddings=context, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None,
+        )  # fmt: skip
+        return LlamaForCausalLM(config)
+    if name == "gla":
+        return GLAForCausalLM(vocab_size, hidden_size, num_layers, num_heads)
+    raise ValueError(f"no causal baseline {name!r}: choose gpt2, llama or gla")
