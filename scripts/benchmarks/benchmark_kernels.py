@@ -57,7 +57,7 @@ from benchmark_utils import (
     sized_ran_config,
 )
 
-from ran_hf import RANConfig, RANForMaskedLM, triton_glu, triton_norm, triton_rotary
+from ran_hf import RANConfig, RANForMaskedLM, triton_glu, triton_norm, triton_rotary, triton_window_projection
 from ran_hf.memory_review import RANMemoryReview
 from ran_hf.window_layout import RANWindowLayout
 
@@ -366,8 +366,8 @@ def main():
     parser.add_argument(
         "--pytorch_token_ops",
         action="store_true",
-        help="count with the Triton normalisation, gated linear unit and rotary embedding switched off (their "
-        "PyTorch ops instead)",
+        help="count with the Triton normalisation, gated linear unit, rotary embedding and window projection switched "
+        "off (their PyTorch ops instead)",
     )
     parser.add_argument(
         "--breakdown",
@@ -386,7 +386,8 @@ def main():
 
     if args.breakdown < 0 or args.breakdown > TOP:
         parser.error(f"--breakdown takes 0 to {TOP} (the operators and parts kept per result), got {args.breakdown}")
-    triton_norm.ENABLED = triton_glu.ENABLED = triton_rotary.ENABLED = not args.pytorch_token_ops
+    for kernels in (triton_norm, triton_glu, triton_rotary, triton_window_projection):
+        kernels.ENABLED = not args.pytorch_token_ops
     info = machine_info("meta")
     print(machine_line(info))
     results = []
