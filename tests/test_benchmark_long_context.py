@@ -176,7 +176,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
     ]  # fmt: skip
     models = tmp_path / "models"
     results = bench.main(arguments + ["--output", str(output), "--mqar_steps", "2", "--save_models", str(models)])
-    assert [r["model"] for r in results] == list(bench.MODELS)
+    assert [r["model"] for r in results] == bench.DEFAULT_MODELS
     saved = json.loads(output.with_suffix(".json").read_text())
     for result in saved["results"]:
         assert {row["length"] for row in result["passkey"]} == {128, 256}
@@ -194,7 +194,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
         else:
             assert "passkey_salient" not in result
     # Each trained passkey model is saved, and saved as trained: not with the bound it was evaluated with last.
-    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == sorted(f"{m}-passkey" for m in bench.MODELS)
+    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == sorted(f"{m}-passkey" for m in bench.DEFAULT_MODELS)
     reloaded = AutoConfig.from_pretrained(tmp_path / "models" / "ran-passkey")
     assert reloaded.model_type == "ran" and reloaded.memory_review_cells is reloaded.memory_salient_cells is None
     for row in saved["results"][0]["passkey"]:  # exact match is every digit right: never above the worst digit
@@ -209,7 +209,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
     reread = bench.main(
         arguments + ["--output", str(tmp_path / "reread"), "--mqar_steps", "0", "--load_models", str(models)]
     )
-    assert [r["model"] for r in reread] == list(bench.MODELS)
+    assert [r["model"] for r in reread] == bench.DEFAULT_MODELS
 
     def answers(result):
         runs = ("passkey", "passkey_bounded", "passkey_salient")
@@ -313,3 +313,21 @@ def test_training_that_turns_nan_stops_and_says_when():
     model = Diverging()
     result = bench.train(model, batch, lambda m, ids, count: m(ids), 5, args, "nan")
     assert result == {"losses": [], "diverged_at": 1} and model.scale.item() == 1.0  # no step taken with NaN
+
+
+@needs_data
+def test_the_mqar_anchors_run_when_named_and_gla_refuses_saving(tmp_path, capsys):
+    """Llama and the gated linear attention train and are scored on MQAR; the GLA, not a Transformers model, is
+    refused with --save_models before anything runs."""
+    arguments = [
+        "--data_dir", str(DATA), "--jobs", "1", "--passkey_steps", "0", "--mqar_steps", "2", "--mqar_train_length",
+        "64", "--mqar_lengths", "64", "--mqar_pairs", "2", "--eval_examples", "2", "--hidden_size", "16",
+        "--num_heads", "2", "--window_size", "16", "--models", "llama", "gla",
+    ]  # fmt: skip
+    results = bench.main(arguments + ["--output", str(tmp_path / "anchors")])
+    assert [r["model"] for r in results] == ["llama", "gla"]
+    assert all(0 <= row["accuracy"] <= 1 for result in results for row in result["mqar"])
+    with_passkey = arguments[:5] + ["1"] + arguments[6:]  # --passkey_steps 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(with_passkey + ["--save_models", str(tmp_path / "models")])
+    assert "gla is not a Transformers model" in capsys.readouterr().err
