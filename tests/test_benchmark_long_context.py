@@ -327,7 +327,7 @@ def test_the_mqar_anchors_run_when_named_and_gla_refuses_saving(tmp_path, capsys
     results = bench.main(arguments + ["--output", str(tmp_path / "anchors")])
     assert [r["model"] for r in results] == ["llama", "gla"]
     assert all(0 <= row["accuracy"] <= 1 for result in results for row in result["mqar"])
-    with_passkey = arguments[:5] + ["1"] + arguments[6:]  # --passkey_steps 1
+    with_passkey = arguments[:5] + ["1"] + arguments[6:] + ["--key_curriculum_steps", "0"]  # --passkey_steps 1
     with pytest.raises(SystemExit):
         bench.parse_args(with_passkey + ["--save_models", str(tmp_path / "models")])
     assert "gla is not a Transformers model" in capsys.readouterr().err
