@@ -1,5 +1,5 @@
 """The causal baselines of the memory benchmarks (scripts/benchmarks/causal_baselines.py): the small gated linear
-attention's parallel form is its recurrence, every model is causal, and the three are of matched size."""
+attention's chunked form is its recurrence, every model is causal, and the three are of matched size."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ def recurrent_gla(layer: GatedLinearAttention, x: torch.Tensor) -> torch.Tensor:
     batch, length, hidden = x.shape
     heads, head_dim = layer.num_heads, layer.head_dim
     query, key, value = (part.view(batch, length, heads, head_dim) for part in layer.qkv(x).chunk(3, dim=-1))
-    decay = torch.nn.functional.logsigmoid(layer.gate(x)).view(batch, length, heads, head_dim) / 16.0
+    decay = layer.log_decay(x).view(batch, length, heads, head_dim)
     state = x.new_zeros(batch, heads, head_dim, head_dim)
     outputs = []
     for t in range(length):
@@ -22,10 +22,13 @@ def recurrent_gla(layer: GatedLinearAttention, x: torch.Tensor) -> torch.Tensor:
     return layer.out(attended * torch.nn.functional.silu(layer.output_gate(x)))
 
 
-def test_gated_linear_attention_in_parallel_form_is_its_recurrence():
+@pytest.mark.parametrize("length", [11, 40], ids=["one-chunk", "chunks-and-a-partial-one"])
+def test_gated_linear_attention_in_chunks_is_its_recurrence(length):
     torch.manual_seed(0)
     layer = GatedLinearAttention(hidden_size=16, num_heads=2)
-    x = torch.randn(3, 11, 16)
+    with torch.no_grad():  # gates from near 1 to the floor of the decay
+        layer.gate[1].bias.copy_(torch.linspace(-40.0, 4.0, 16))
+    x = torch.randn(3, length, 16)
     assert torch.allclose(layer(x), recurrent_gla(layer, x), atol=1e-5)
 
 

@@ -3,9 +3,9 @@
     gpt2    Transformers' GPT-2: learned positions, full causal attention, GELU MLP of 4x width
     llama   Transformers' Llama: rotary positions, full causal attention, SwiGLU MLP of ~8/3x width (as many weights)
     gla     gated linear attention (Yang et al., ICML 2024), written small: a recurrent memory of one (d_k x d_v)
-            matrix per head, decayed by a data-dependent gate per key dimension and written with k^T v each token;
-            for the short sequences here computed in its parallel form (the recurrence unrolled into a masked matrix
-            product, as flash-linear-attention's `naive` reference does), then a SwiGLU MLP
+            matrix per head, decayed by a data-dependent gate per key dimension and written with k^T v each token,
+            computed in chunks (the recurrence unrolled into a masked matrix product within a chunk, the state carried
+            across), then a SwiGLU MLP
 
 Every model takes `model(input_ids)` and returns an object with `.logits` (B, T, V), as the Transformers models do.
 `causal_baseline(name, vocab_size, hidden_size, num_layers, num_heads, context)` builds one without dropout.
@@ -19,11 +19,16 @@ from transformers.modeling_outputs import CausalLMOutput
 
 GATE_RANK = 16  # the gate's low-rank projection, as in the paper
 GATE_TEMPERATURE = 16.0  # log-decay divided by this: decays start close to 1, so memory lasts at initialisation
+MIN_LOG_DECAY = -2.0  # per token: a chunk's decays then stay within float32 (e^(16 x 2)) in the chunked form
+CHUNK = 16
 
 
 class GatedLinearAttention(nn.Module):
     """S_t = diag(a_t) S_{t-1} + k_t^T v_t per head, o_t = q_t S_t, then a per-head norm, a SiLU output gate and
-    the output projection. a_t = sigmoid(gate(x_t)) ** (1 / 16), per key dimension."""
+    the output projection. log a_t = max(logsigmoid(gate(x_t)) / 16, -2), per key dimension.
+
+    Computed in chunks of 16 tokens (as flash-linear-attention's chunked GLA): within a chunk the recurrence as a
+    masked matrix product, across chunks the state carried and decayed."""
 
     def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
@@ -34,17 +39,28 @@ class GatedLinearAttention(nn.Module):
         self.norm = nn.RMSNorm(self.head_dim)
         self.out = nn.Linear(hidden_size, hidden_size, bias=False)
 
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.logsigmoid(self.gate(x)) / GATE_TEMPERATURE).clamp(min=MIN_LOG_DECAY)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         heads = (batch, length, self.num_heads, self.head_dim)
         query, key, value = (part.view(heads).transpose(1, 2) for part in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, d)
-        log_decay = F.logsigmoid(self.gate(x)).view(heads).transpose(1, 2) / GATE_TEMPERATURE  # (B, H, T, d) <= 0
-        total = log_decay.cumsum(dim=2)  # G_t: the log-decay from the start to t
-        # o_t = sum_{s <= t} (q_t * exp(G_t - G_s)) . k_s v_s: the exponent is <= 0 where s <= t; masked elsewhere.
-        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-        exponent = (total[:, :, :, None] - total[:, :, None, :]).masked_fill(~causal[..., None], float("-inf"))
-        scores = torch.einsum("bhtd,bhsd,bhtsd->bhts", query * self.head_dim**-0.5, key, exponent.exp())
-        attended = self.norm(scores @ value).transpose(1, 2).reshape(batch, length, -1)  # (B, T, D)
+        query = query * self.head_dim**-0.5
+        log_decay = self.log_decay(x).view(heads).transpose(1, 2)  # (B, H, T, d), <= 0
+        state = x.new_zeros(batch, self.num_heads, self.head_dim, self.head_dim)
+        causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=x.device).tril()
+        outputs = []
+        for start in range(0, length, CHUNK):
+            q, k, v, g = (t[:, :, start : start + CHUNK] for t in (query, key, value, log_decay))
+            total = g.cumsum(dim=2)  # G_t: the log-decay from the chunk's start to t
+            decayed_query, grown_key = q * total.exp(), k * (-total).exp()
+            size = q.shape[2]
+            scores = (decayed_query @ grown_key.transpose(-1, -2)).masked_fill(~causal[:size, :size], 0.0)
+            outputs.append(scores @ v + decayed_query @ state)  # within the chunk, and the state before it
+            last = total[:, :, -1:]  # (B, H, 1, d)
+            state = last.transpose(-1, -2).exp() * state + (k * (last - total).exp()).transpose(-1, -2) @ v
+        attended = self.norm(torch.cat(outputs, dim=2)).transpose(1, 2).reshape(batch, length, -1)  # (B, T, D)
         return self.out(attended * F.silu(self.output_gate(x)))
 
 
