@@ -35,10 +35,17 @@ def test_each_query_asks_for_the_value_of_a_pair_in_the_window_named(layout):
             assert ids[row, pair_start + 1] == FIRST_VALUE + values[row, query]
             assert pair_start.item() // window == windows[row, query]
             assert positions[query] // window > windows[row, query], "a query reads its pair only through a cell"
-    if layout == "packed":
+    if layout in ("packed", "spread"):  # every pair in the first window
         assert (windows == 0).all()
     else:
         assert sorted(windows[0].tolist()) == list(range(pairs))  # one pair per window
+
+
+def test_spread_puts_filler_between_pairs_and_queries_at_any_length():
+    ids, positions, _, windows = mqar_batch(torch.Generator().manual_seed(0), 2, "spread", 8, length=300)
+    assert ids.shape == (2, 300) and positions.tolist() == list(range(300 - 16, 300, 2)) and (windows == 0).all()
+    with pytest.raises(ValueError, match="too short"):
+        sequence_length("spread", 8, length=20)
 
 
 @pytest.mark.parametrize("layout", ["no-filler", "one-per-window"])

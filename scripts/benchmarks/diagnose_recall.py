@@ -52,7 +52,8 @@ FIRST_FILLER, FIRST_KEY, FIRST_VALUE = 1, 1 + NUM_SYMBOLS, 1 + 2 * NUM_SYMBOLS  
 VOCAB_SIZE = 1 + 3 * NUM_SYMBOLS
 
 # layout -> window size: `no-filler` windows are exactly one pair.
-WINDOWS = {"no-filler": 2, "one-per-window": 16, "packed": 16}
+WINDOWS = {"no-filler": 2, "one-per-window": 16, "packed": 16, "spread": 16}
+SPREAD_LENGTH = 128  # `spread`'s training length by default (--length): pairs in the first window, queries at the end
 
 # name -> RAN fields that differ from the causal defaults, and the change the diagnosis makes to the model: "oracle"
 # hands memory review the pair's cell, "token-keys" scores a cell by its window's tokens (None: GPT-2). The oracle
@@ -86,6 +87,12 @@ EXPERIMENTS = {
     "packed/gpt2": ("packed", "gpt2", 8),
     "packed/llama": ("packed", "llama", 8),
     "packed/gla": ("packed", "gla", 8),
+    # Zoology's layout with filler between pairs and queries: trained at --length, scored at every --eval_lengths
+    "spread/ran-associative": ("spread", "ran-associative", 8),
+    "spread/ran": ("spread", "ran", 8),
+    "spread/gpt2": ("spread", "gpt2", 8),
+    "spread/llama": ("spread", "llama", 8),
+    "spread/gla": ("spread", "gla", 8),
 }
 
 
@@ -103,13 +110,20 @@ class RunResult:
     history: list  # [step, training loss, held-out accuracy]
     seconds: float
     review_on_pair_cell: list = field(default_factory=list)  # per layer, mean over queries (RAN only)
+    length_accuracy: dict = field(default_factory=dict)  # `spread`: held-out accuracy at each evaluation length
 
 
 # ---- data -----------------------------------------------------------------------------------------------------------
 
 
-def sequence_length(layout: str, pairs: int) -> int:
+def sequence_length(layout: str, pairs: int, length: int | None = None) -> int:
+    """Tokens of an example; `spread` takes its length (by default SPREAD_LENGTH), the other layouts have one."""
     window = WINDOWS[layout]
+    if layout == "spread":
+        length = length or SPREAD_LENGTH
+        if 2 * pairs > window or length < window + 2 * pairs:
+            raise ValueError(f"`spread` puts {pairs} pairs in one window of {window} and queries after: too short")
+        return length
     query_windows = math.ceil(2 * pairs / window)
     if layout == "no-filler":
         return 4 * pairs
@@ -120,10 +134,10 @@ def sequence_length(layout: str, pairs: int) -> int:
     return (1 + query_windows) * window
 
 
-def mqar_batch(generator: torch.Generator, batch_size: int, layout: str, pairs: int):
+def mqar_batch(generator: torch.Generator, batch_size: int, layout: str, pairs: int, length: int | None = None):
     """Ids (B, T); the positions (P,) of the query keys, each predicting its value at the next position; the values
     (B, P) asked for; and the window (B, P) that holds each query's pair."""
-    window, length = WINDOWS[layout], sequence_length(layout, pairs)
+    window, length = WINDOWS[layout], sequence_length(layout, pairs, length)
     ids = FIRST_FILLER + torch.randint(0, NUM_SYMBOLS, (batch_size, length), generator=generator)
     keys = torch.stack([torch.randperm(NUM_SYMBOLS, generator=generator)[:pairs] for _ in range(batch_size)])
     values = torch.randint(0, NUM_SYMBOLS, (batch_size, pairs), generator=generator)
@@ -234,31 +248,36 @@ def query_logits(model, ids, query_positions, oracle: torch.Tensor | None, **kwa
 
 
 @torch.no_grad()
-def evaluate(model, layout: str, pairs: int, examples: int = 128) -> tuple[float, list[float]]:
+def evaluate(model, layout: str, pairs: int, examples: int = 128, length: int | None = None, batch: int = 16):
     """Held-out accuracy over all queries, and (RAN) per layer the mean review weight a query puts on its pair's
-    cell (the starting cell, where read, is cell 0)."""
+    cell (the starting cell, where read, is cell 0). Examples are scored `batch` at a time: long ones stay small."""
     model.eval()
-    ids, positions, values, windows = mqar_batch(torch.Generator().manual_seed(10_000), examples, layout, pairs)
+    ids, positions, values, windows = mqar_batch(torch.Generator().manual_seed(10_000), examples, layout, pairs, length)
     is_ran = isinstance(model, RANForCausalLM)
-    oracle = oracle_cells(examples, ids.shape[1], positions, windows) if is_ran else None
-    logits, outputs = query_logits(model, ids, positions, oracle, output_attentions=is_ran)
-    accuracy = (logits.argmax(-1) == FIRST_VALUE + values).float().mean().item()
-    on_pair_cell = []
-    if is_ran:
-        offset = int(model.config.layer_option("review_initial_cell"))
-        rows = torch.arange(examples)[:, None]
-        for weights in outputs.memory_attentions:  # (B, T, C)
-            on_pair_cell.append(round(weights[rows, positions, windows + offset].mean().item(), 3))
+    correct, on_pair_cell = 0.0, None
+    for start in range(0, examples, batch):
+        part = slice(start, start + batch)
+        rows = ids[part].shape[0]
+        oracle = oracle_cells(rows, ids.shape[1], positions, windows[part]) if is_ran else None
+        logits, outputs = query_logits(model, ids[part], positions, oracle, output_attentions=is_ran)
+        correct += (logits.argmax(-1) == FIRST_VALUE + values[part]).float().sum().item()
+        if is_ran:
+            offset = int(model.config.layer_option("review_initial_cell"))
+            weights = [w[torch.arange(rows)[:, None], positions, windows[part] + offset].sum().item()
+                       for w in outputs.memory_attentions]  # fmt: skip  (B, T, C) each
+            on_pair_cell = weights if on_pair_cell is None else [a + b for a, b in zip(on_pair_cell, weights)]
     model.train()
-    return accuracy, on_pair_cell
+    on_pair_cell = [round(total / (examples * pairs), 3) for total in on_pair_cell or []]
+    return correct / (examples * pairs), on_pair_cell
 
 
 def train_once(experiment: str, args, seed: int) -> RunResult:
     torch.set_num_threads(args.threads)
     layout, model_name, pairs = EXPERIMENTS[experiment]
     torch.manual_seed(seed)
-    length = sequence_length(layout, pairs)
-    model = build_model(model_name, layout, length, args.hidden_size)
+    length = sequence_length(layout, pairs, args.length)
+    context = max([length, *args.eval_lengths]) if layout == "spread" else length
+    model = build_model(model_name, layout, context, args.hidden_size)
     is_ran = isinstance(model, RANForCausalLM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
     warmup = max(1, args.warmup_steps)
@@ -267,7 +286,7 @@ def train_once(experiment: str, args, seed: int) -> RunResult:
     history, steps_to_90, above, losses, start = [], None, 0, [], time.perf_counter()
     on_pair_cell = []
     for step in range(1, args.steps + 1):
-        ids, positions, values, windows = mqar_batch(generator, args.batch_size, layout, pairs)
+        ids, positions, values, windows = mqar_batch(generator, args.batch_size, layout, pairs, length)
         oracle = oracle_cells(args.batch_size, length, positions, windows) if is_ran else None
         logits, _ = query_logits(model, ids, positions, oracle)
         loss = F.cross_entropy(logits.flatten(0, 1), (FIRST_VALUE + values).flatten())
@@ -278,7 +297,7 @@ def train_once(experiment: str, args, seed: int) -> RunResult:
         schedule.step()
         losses.append(loss.item())
         if step % args.eval_every == 0 or step == args.steps:
-            score, on_pair_cell = evaluate(model, layout, pairs)
+            score, on_pair_cell = evaluate(model, layout, pairs, length=length)
             history.append([step, round(sum(losses[-args.eval_every :]) / len(losses[-args.eval_every :]), 4), score])
             print(f"  {experiment} step {step}: loss {history[-1][1]:.3f}, accuracy {score:.3f} {on_pair_cell}",
                   flush=True)  # fmt: skip
@@ -288,9 +307,12 @@ def train_once(experiment: str, args, seed: int) -> RunResult:
             if above == 2:
                 break
     seconds = time.perf_counter() - start
+    by_length = {}
+    if layout == "spread":  # the same model on longer filler: does what it stored survive it?
+        by_length = {n: round(evaluate(model, layout, pairs, length=n)[0], 4) for n in args.eval_lengths}
     return RunResult(
         experiment, layout, model_name, pairs, args.hidden_size, seed, step, history[-1][2], steps_to_90, history,
-        round(seconds, 1), on_pair_cell,
+        round(seconds, 1), on_pair_cell, by_length,
     )  # fmt: skip
 
 
@@ -384,9 +406,23 @@ def markdown(results: list[RunResult], gradients: list[dict], info: dict, args, 
         for r in results:
             lines.append(
                 f"| {r.experiment} | {r.layout} | {r.model} | {r.pairs} | {r.hidden_size} | "
-                f"{sequence_length(r.layout, r.pairs)} | {100 * r.accuracy:.1f}% | {r.steps_to_90 or '-'} | "
+                f"{sequence_length(r.layout, r.pairs, args.length)} | {100 * r.accuracy:.1f}% | {r.steps_to_90 or '-'} | "
                 f"{r.history[-1][1]:.2f} | {', '.join(map(str, r.review_on_pair_cell)) or '-'} | {r.seconds:.0f} |"
             )
+    spread = [r for r in results if r.length_accuracy]
+    if spread:
+        lengths = list(spread[0].length_accuracy)
+        lines += [
+            "",
+            f"`spread`: trained at {args.length} tokens, scored on 128 held-out examples at each length (pairs in the "
+            "first window, random filler, queries at the end; GPT-2's positions past the training length are untrained).",
+            "",
+            "| model | pairs | " + " | ".join(str(n) for n in lengths) + " |",
+            "|---|---:|" + "---:|" * len(lengths),
+        ]
+        for r in spread:
+            scores = " | ".join(f"{100 * r.length_accuracy[n]:.1f}%" for n in lengths)
+            lines.append(f"| {r.model} | {r.pairs} | {scores} |")
     if gradients:
         lines += [
             "",
@@ -452,6 +488,10 @@ def parse_args(argv=None):
     parser.add_argument("--warmup_steps", type=NON_NEGATIVE, default=100)
     parser.add_argument("--eval_every", type=POSITIVE, default=100)
     parser.add_argument("--threads", type=POSITIVE, default=1, help="torch threads (the runs go one after another)")
+    parser.add_argument("--length", type=POSITIVE, default=SPREAD_LENGTH, help="`spread`: training length in tokens")
+    parser.add_argument(
+        "--eval_lengths", nargs="+", type=POSITIVE, default=[128, 512, 2048], help="`spread`: lengths scored at the end"
+    )
     parser.add_argument("--gradients_only", action="store_true", help="only the measurements at initialisation")
     parser.add_argument("--output", default="benchmarks/recall/recall_diagnosis", help="path prefix of .json/.md/.png")
     args = parser.parse_args(argv)
@@ -460,6 +500,11 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be >= 1")
     if args.warmup_steps < 0 or args.learning_rate <= 0:
         parser.error("--warmup_steps must be >= 0 and --learning_rate positive")
+    shortest = WINDOWS["spread"] + 2 * 8  # the pairs' window and the queries of 8 pairs
+    if any(EXPERIMENTS[name][0] == "spread" for name in args.experiments) and min(
+        [args.length, *args.eval_lengths]
+    ) < shortest:
+        parser.error(f"--length and --eval_lengths must be >= {shortest} for the `spread` layout")
     if args.hidden_size < 8 or args.hidden_size % 8:
         parser.error("--hidden_size must be a multiple of 8 (4 heads of an even size)")
     return args
@@ -488,7 +533,7 @@ def main(argv=None) -> dict:
     info = machine_info()
     print(machine_line(info))
     command = "python scripts/benchmarks/diagnose_recall.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    gradients = [gradients_at_init(layout, 8, args.hidden_size) for layout in WINDOWS]
+    gradients = [gradients_at_init(layout, 8, args.hidden_size) for layout in WINDOWS if layout != "spread"]
     results = []
     save(results, gradients, info, args, command.strip())
     if not args.gradients_only:
