@@ -10,6 +10,7 @@ from diagnose_recall import (
     FIRST_VALUE,
     WINDOWS,
     build_model,
+    evaluate,
     gradients_at_init,
     mqar_batch,
     oracle_cells,
@@ -102,3 +103,11 @@ def test_plain_review_starts_uniform_and_token_keys_find_the_pair_cell_at_initia
         on_pair_cell[name] = [w[rows, positions, windows + 1].mean().item() for w in outputs.memory_attentions]
     assert all(weight < 0.2 for weight in on_pair_cell["ran"]), on_pair_cell  # uniform over 9-16 cells: 0.06-0.11
     assert all(weight > 0.7 for weight in on_pair_cell["ran-token-keys"]), on_pair_cell
+
+
+@pytest.mark.parametrize("name", ["llama", "gla"])
+def test_the_anchors_train_and_are_scored(name):
+    """The Llama (whose layers sit where a RAN's do, `model.layers`) and the GLA run through the same loop."""
+    model = build_model(name, "packed", sequence_length("packed", 8))
+    accuracy, on_pair_cell = evaluate(model, "packed", 8, examples=4)
+    assert 0 <= accuracy <= 1 and on_pair_cell == []

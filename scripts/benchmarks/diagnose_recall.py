@@ -233,7 +233,9 @@ def install_oracle(model: RANForCausalLM) -> None:
 
 
 def set_oracle(model, cells: torch.Tensor | None) -> None:
-    for layer in getattr(getattr(model, "model", None), "layers", []):
+    if not isinstance(model, RANForCausalLM):
+        return
+    for layer in model.model.layers:
         if hasattr(layer.memory_review, "oracle_cells"):
             layer.memory_review.oracle_cells = cells
 
