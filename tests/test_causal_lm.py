@@ -251,7 +251,7 @@ def test_salient_cells_keep_the_cache_flat_and_a_token_reads_the_most_salient_ol
 def test_salient_cells_are_chosen_alike_from_any_order_of_candidates():
     """The choice is a total order (salience, then the older window), so a cache that holds only the past's salient
     cells, in whatever order, chooses what the full forward does; empty slots (window -1) are never chosen."""
-    from ran_hf.memory_review import salient_cells
+    from ran_hf.causal_memory import salient_cells
 
     generator = torch.Generator().manual_seed(0)
     salience = torch.randint(0, 4, (2, 12), generator=generator).float()  # many ties

@@ -185,10 +185,10 @@ def install_token_keys(model: RANForCausalLM) -> None:
     token. The cell still gives the value. An experiment for unpadded batches without a cache."""
     for layer in model.model.layers:
         review = layer.memory_review
-        plain_project_cells = review.project_cells
+        plain_project_cells, plain_read = review.project_cells, review.read
 
-        def review_memory(token_states, raw_cells, initial_cell, layout, *rest, layer=layer, review=review,
-                          plain_project_cells=plain_project_cells):  # fmt: skip
+        def read(token_states, raw_cells, initial_cell, layout, *rest, review=review,
+                 plain_project_cells=plain_project_cells, plain_read=plain_read):  # fmt: skip
             padded = layout.to_padded(token_states)  # (B, L, D)
             queries = unit_vectors(review.q_proj(review.norm(padded)))  # (B, L, D): as review scores them
             windows = layout.token_window[..., None].expand_as(queries)  # (B, L, D); without a cache cell c = window c
@@ -203,11 +203,11 @@ def install_token_keys(model: RANForCausalLM) -> None:
 
             review.project_cells = project_cells
             try:
-                return type(layer).review_memory(layer, token_states, raw_cells, initial_cell, layout, *rest)
+                return plain_read(token_states, raw_cells, initial_cell, layout, *rest)
             finally:
                 del review.project_cells
 
-        layer.review_memory = review_memory
+        review.read = read
 
 
 def install_oracle(model: RANForCausalLM) -> None:

@@ -13,8 +13,23 @@ import torch.nn.functional as F
 
 from .cache_ran import RANCacheLayer
 from .configuration_ran import RANConfig
-from .memory_review import salient_cells
 from .window_layout import RANWindowLayout
+
+def salient_cells(salience, windows, reading_windows, recent: int, kept: int) -> torch.Tensor:
+    """Which cells each reading window keeps beyond its recent ones (`memory_salient_cells`): (B, R, C) booleans.
+
+    salience (B, C) the cells' learned prior; windows (B, C) the window each cell was written by (-1: an empty slot);
+    reading_windows (B, R). Window w keeps, among the cells of windows before `w - recent`, the `kept` most salient.
+    Ties go to the older window: a total order, so that a cache holding only the past's salient cells keeps exactly
+    what one forward pass over the whole text does.
+    """
+    by_window = windows.argsort(dim=-1, stable=True)
+    order = by_window.gather(-1, salience.gather(-1, by_window).argsort(dim=-1, descending=True, stable=True))
+    ordered_windows = windows.gather(-1, order)[:, None, :]  # (B, 1, C), most salient first
+    older = (ordered_windows >= 0) & (ordered_windows < reading_windows[..., None] - recent)  # (B, R, C)
+    keep = older & (older.cumsum(-1) <= kept)
+    return torch.zeros_like(keep).scatter(-1, order[:, None, :].expand_as(keep), keep)
+
 
 # (..., 2 D) cell keys and values -> (...) each cell's learned prior (`RANMemoryReview.cell_salience`)
 Salience = Callable[[torch.Tensor], torch.Tensor]

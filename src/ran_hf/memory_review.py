@@ -1,5 +1,5 @@
-"""Memory review: every token attends over the cells its sequence's windows wrote (`RANMemoryReview`), and the
-choice of the salient older cells a bounded causal memory keeps in reach (`salient_cells`)."""
+"""Memory review: every token attends over the cells its sequence's windows wrote (`RANMemoryReview`); which cells
+each token may read is the layer's memory bookkeeping (causal_memory.py)."""
 
 import math
 from contextlib import nullcontext
@@ -11,23 +11,10 @@ from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from .building_blocks import RANGatedLinearUnit, RANLayerNorm, unit_vectors
+from .cache_ran import RANCacheLayer
+from .causal_memory import memory_to_read
 from .configuration_ran import RANConfig
-
-
-def salient_cells(salience, windows, reading_windows, recent: int, kept: int) -> torch.Tensor:
-    """Which cells each reading window keeps beyond its recent ones (`memory_salient_cells`): (B, R, C) booleans.
-
-    salience (B, C) the cells' learned prior; windows (B, C) the window each cell was written by (-1: an empty slot);
-    reading_windows (B, R). Window w keeps, among the cells of windows before `w - recent`, the `kept` most salient.
-    Ties go to the older window: a total order, so that a cache holding only the past's salient cells keeps exactly
-    what one forward pass over the whole text does.
-    """
-    by_window = windows.argsort(dim=-1, stable=True)
-    order = by_window.gather(-1, salience.gather(-1, by_window).argsort(dim=-1, descending=True, stable=True))
-    ordered_windows = windows.gather(-1, order)[:, None, :]  # (B, 1, C), most salient first
-    older = (ordered_windows >= 0) & (ordered_windows < reading_windows[..., None] - recent)  # (B, R, C)
-    keep = older & (older.cumsum(-1) <= kept)
-    return torch.zeros_like(keep).scatter(-1, order[:, None, :].expand_as(keep), keep)
+from .window_layout import RANWindowLayout
 
 
 class RANMemoryReview(nn.Module):
@@ -55,6 +42,7 @@ class RANMemoryReview(nn.Module):
 
     def __init__(self, config: RANConfig):
         super().__init__()
+        self.config = config
         hidden_size = config.hidden_size
         self.q_proj = nn.Linear(hidden_size, hidden_size)
         self.kv_proj = nn.Linear(hidden_size, 2 * hidden_size)
@@ -100,6 +88,25 @@ class RANMemoryReview(nn.Module):
         key = cell_states[..., : cell_states.shape[-1] // 2]
         with nullcontext() if key.is_meta else torch.autocast(key.device.type, enabled=False):
             return key.float() @ self.salience.float()
+
+    def read(self, token_states, raw_cells, initial_cell, layout: RANWindowLayout, cache: RANCacheLayer | None = None,
+             output_attentions: bool = False):  # fmt: skip
+        """The layer's memory review: token states (T, D) read the cells (N, B, D) of this pass's windows (and the
+        cached ones) that they may (causal_memory.py). Returns the reviewed token states (T, D), with
+        `output_attentions` the review weights (B, L, C) (zeros at padding), and what a cache keeps
+        (`memory_to_read`)."""
+        initial = self.project_cells(initial_cell) if self.reads_initial_cell else None
+        cells = self.project_cells(raw_cells.transpose(0, 1))  # (B, N, 2 D): only this pass's cells
+        (read_cells, readable_cells, first_readable, salient), memory = memory_to_read(
+            self.config, self.cell_salience, cells, initial, layout, cache
+        )
+        # Ranges per token, (B, L), not a (B, L, C) mask: the review builds the mask one chunk of tokens at a time.
+        reviewed, weights = self(
+            layout.to_padded(token_states), read_cells, readable_cells, output_attentions, first_readable, salient
+        )
+        if weights is not None:
+            weights = weights * layout.to_padded(weights.new_ones(layout.token_index.numel(), 1))  # none at padding
+        return layout.from_padded(reviewed), weights, memory
 
     def forward(
         self,

@@ -26,7 +26,7 @@ from .building_blocks import (
     standard_normalize,
 )
 from .cache_ran import RANCacheLayer
-from .causal_memory import memory_to_read, update_cache
+from .causal_memory import update_cache
 from .cell_scan import scan_function
 from .configuration_ran import RANConfig
 from .memory_review import RANMemoryReview
@@ -196,25 +196,6 @@ class RANLayer(GradientCheckpointingLayer):
             attended = torch.matmul(dropped, value).transpose(1, 2)
         return layout.from_windows(attended.flatten(-2)), weights  # (T, H * d)
 
-    def review_memory(self, token_states, raw_cells, initial_cell, layout, cache=None, output_attentions=False):
-        """Every token reads the cells of its sequence it may read (causal_memory.py). Returns the reviewed token
-        states (T, D), with `output_attentions` the review weights (B, L, C) (zeros at padding), and what a cache
-        keeps (`memory_to_read`)."""
-        review, initial = self.memory_review, None
-        if review.reads_initial_cell:
-            initial = review.project_cells(initial_cell)
-        cells = review.project_cells(raw_cells.transpose(0, 1))  # (B, N, 2 D): only this pass's cells
-        (read_cells, readable_cells, first_readable, salient), memory = memory_to_read(
-            self.config, review.cell_salience, cells, initial, layout, cache
-        )
-        # Ranges per token, (B, L), not a (B, L, C) mask: the review builds the mask one chunk of tokens at a time.
-        reviewed, weights = review(
-            layout.to_padded(token_states), read_cells, readable_cells, output_attentions, first_readable, salient
-        )
-        if weights is not None:
-            weights = weights * layout.to_padded(weights.new_ones(layout.token_index.numel(), 1))  # none at padding
-        return layout.from_padded(reviewed), weights, memory
-
     # ---- the layer -------------------------------------------------------------------------------------------------
 
     def forward(
@@ -267,7 +248,7 @@ class RANLayer(GradientCheckpointingLayer):
             token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
         review_weights, memory = None, None
         if self.config.memory_review:
-            token_states, review_weights, memory = self.review_memory(
+            token_states, review_weights, memory = self.memory_review.read(
                 token_states, raw_cells, initial_cell, layout, cache, output_attentions
             )
         elif not self.residual_stream:
