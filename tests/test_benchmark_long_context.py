@@ -62,7 +62,6 @@ def test_key_curriculum_must_leave_room_for_the_whole_key(steps, capsys):
     assert "--key_curriculum_steps" in capsys.readouterr().err
 
 
-
 @needs_data
 @pytest.mark.parametrize("device", ["gpu", "cuda"])
 def test_device_must_exist_here(device, capsys):
@@ -183,7 +182,9 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
         assert len(result["mqar"]) == 4 and all(0 <= row["accuracy"] <= 1 for row in result["mqar"])
         decoded = [row for row in result["passkey"] if "ms_per_token" in row]
         assert len(decoded) == (0 if result["model"] == "gpt2" else 2)
-        if result["model"] != "gpt2":  # also evaluated with memory review bounded to 4 cells: at 256 tokens, 16 windows
+        if (
+            result["model"] != "gpt2"
+        ):  # also evaluated with memory review bounded to 4 cells: at 256 tokens, 16 windows
             bounded = [row for row in result["passkey_bounded"] if "cache_bytes" in row]
             assert [row["length"] for row in bounded] == [128, 256]
             assert bounded[0]["cache_bytes"] == bounded[1]["cache_bytes"] < decoded[1]["cache_bytes"]
@@ -194,7 +195,9 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
         else:
             assert "passkey_salient" not in result
     # Each trained passkey model is saved, and saved as trained: not with the bound it was evaluated with last.
-    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == sorted(f"{m}-passkey" for m in bench.DEFAULT_MODELS)
+    assert sorted(path.name for path in (tmp_path / "models").iterdir()) == sorted(
+        f"{m}-passkey" for m in bench.DEFAULT_MODELS
+    )
     reloaded = AutoConfig.from_pretrained(tmp_path / "models" / "ran-passkey")
     assert reloaded.model_type == "ran" and reloaded.memory_review_cells is reloaded.memory_salient_cells is None
     for row in saved["results"][0]["passkey"]:  # exact match is every digit right: never above the worst digit

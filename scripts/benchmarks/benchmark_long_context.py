@@ -586,9 +586,7 @@ def plot(results: list[dict], args, path: Path) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS
-    )
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS)
     parser.add_argument("--data_dir", default="../shared/data", help="folder holding wikitext-2/{valid,test}.txt")
     parser.add_argument("--hidden_size", type=int, default=64)
     parser.add_argument("--num_layers", type=int, default=2)

@@ -254,7 +254,9 @@ def evaluate(model, layout: str, pairs: int, examples: int = 128, length: int | 
     """Held-out accuracy over all queries, and (RAN) per layer the mean review weight a query puts on its pair's
     cell (the starting cell, where read, is cell 0). Examples are scored `batch` at a time: long ones stay small."""
     model.eval()
-    ids, positions, values, windows = mqar_batch(torch.Generator().manual_seed(10_000), examples, layout, pairs, length)
+    ids, positions, values, windows = mqar_batch(
+        torch.Generator().manual_seed(10_000), examples, layout, pairs, length
+    )
     is_ran = isinstance(model, RANForCausalLM)
     correct, on_pair_cell = 0.0, None
     for start in range(0, examples, batch):
@@ -265,8 +267,10 @@ def evaluate(model, layout: str, pairs: int, examples: int = 128, length: int | 
         correct += (logits.argmax(-1) == FIRST_VALUE + values[part]).float().sum().item()
         if is_ran:
             offset = int(model.config.layer_option("review_initial_cell"))
-            weights = [w[torch.arange(rows)[:, None], positions, windows[part] + offset].sum().item()
-                       for w in outputs.memory_attentions]  # fmt: skip  (B, T, C) each
+            weights = [
+                w[torch.arange(rows)[:, None], positions, windows[part] + offset].sum().item()
+                for w in outputs.memory_attentions
+            ]  # fmt: skip  (B, T, C) each
             on_pair_cell = weights if on_pair_cell is None else [a + b for a, b in zip(on_pair_cell, weights)]
     model.train()
     on_pair_cell = [round(total / (examples * pairs), 3) for total in on_pair_cell or []]
@@ -492,7 +496,11 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=POSITIVE, default=1, help="torch threads (the runs go one after another)")
     parser.add_argument("--length", type=POSITIVE, default=SPREAD_LENGTH, help="`spread`: training length in tokens")
     parser.add_argument(
-        "--eval_lengths", nargs="+", type=POSITIVE, default=[128, 512, 2048], help="`spread`: lengths scored at the end"
+        "--eval_lengths",
+        nargs="+",
+        type=POSITIVE,
+        default=[128, 512, 2048],
+        help="`spread`: lengths scored at the end",
     )
     parser.add_argument("--gradients_only", action="store_true", help="only the measurements at initialisation")
     parser.add_argument("--output", default="benchmarks/recall/recall_diagnosis", help="path prefix of .json/.md/.png")
@@ -503,9 +511,10 @@ def parse_args(argv=None):
     if args.warmup_steps < 0 or args.learning_rate <= 0:
         parser.error("--warmup_steps must be >= 0 and --learning_rate positive")
     shortest = WINDOWS["spread"] + 2 * 8  # the pairs' window and the queries of 8 pairs
-    if any(EXPERIMENTS[name][0] == "spread" for name in args.experiments) and min(
-        [args.length, *args.eval_lengths]
-    ) < shortest:
+    if (
+        any(EXPERIMENTS[name][0] == "spread" for name in args.experiments)
+        and min([args.length, *args.eval_lengths]) < shortest
+    ):
         parser.error(f"--length and --eval_lengths must be >= {shortest} for the `spread` layout")
     if args.hidden_size < 8 or args.hidden_size % 8:
         parser.error("--hidden_size must be a multiple of 8 (4 heads of an even size)")

@@ -15,6 +15,7 @@ from .cache_ran import RANCacheLayer
 from .configuration_ran import RANConfig
 from .window_layout import RANWindowLayout
 
+
 def salient_cells(salience, windows, reading_windows, recent: int, kept: int) -> torch.Tensor:
     """Which cells each reading window keeps beyond its recent ones (`memory_salient_cells`): (B, R, C) booleans.
 

@@ -27,6 +27,7 @@ from .fused_scan import FusedCellScan, ScanPlan, window_maxima
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 from .scan_op import cell_scan_op
 from .triton_scan import BUILD_FAILURES, KERNEL_BUILD_ERRORS, TRITON_KERNELS, triton_scan_unsupported
+from .triton_scan_kernels import SILU_ACTIVATIONS
 from .window_layout import RANWindowLayout
 
 logger = logging.get_logger(__name__)
@@ -233,8 +234,6 @@ def auto_cell_scan(
 # The layer-to-kernel adapter: the fused and Triton scans take tensors and plain weights, read from the layer here.
 # --------------------------------------------------------------------------------------------------------------------
 
-FUSED_ACTIVATIONS = ("silu", "swish")
-
 
 def scan_modules(layer) -> dict:
     """The modules whose weights the fused scan reads directly, by name."""
@@ -248,7 +247,7 @@ def scan_modules(layer) -> dict:
 
 def fused_scan_unsupported(layer, cell: torch.Tensor) -> str | None:
     """Why the fused scan cannot run this layer on this input, or None if it can."""
-    if layer.config.hidden_act not in FUSED_ACTIVATIONS:
+    if layer.config.hidden_act not in SILU_ACTIVATIONS:
         return f"it computes SiLU activations only (`hidden_act` is {layer.config.hidden_act!r})"
     # It reads weights, not modules: a wrapped projection (LoRA adapters, quantisation, hooks) would be bypassed.
     for name, module in scan_modules(layer).items():

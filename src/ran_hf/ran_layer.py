@@ -145,7 +145,9 @@ class RANLayer(GradientCheckpointingLayer):
         recalls from it (T, H * d): the memory is read with the same queries and written with the same keys.
         """
         config = self.config
-        rotations = layout.rotary(self.head_dim, config.rope_theta, normed_tokens.device) if config.use_rotary else None
+        rotations = (
+            layout.rotary(self.head_dim, config.rope_theta, normed_tokens.device) if config.use_rotary else None
+        )
         fused = triton_window_projection_applies(normed_tokens, config.hidden_act, cache is not None)
         if fused and not config.associative_memory:  # one kernel each way from the projections to the windows
             qkv = self.qkv_proj(normed_tokens).unflatten(-1, (3, self.num_heads, self.head_dim))

@@ -21,6 +21,9 @@ except ImportError:  # pragma: no cover - exercised where Triton is absent
     TRITON_AVAILABLE = False
     KERNEL_BUILD_ERRORS = ()
 
+# `hidden_act` names of SiLU, the one activation the fused and Triton kernels compute
+SILU_ACTIVATIONS = ("silu", "swish")
+
 # Rows of the batch per program, and the least block of any side: tl.dot needs at least 16 on each side, so small
 # batches are padded (masked) to 16.
 MIN_BLOCK = 16

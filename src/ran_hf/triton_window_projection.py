@@ -19,7 +19,7 @@ layer's `qkv_proj` writes them; query (K, H, Q, d), key and value (K, H, S, d), 
 
 import torch
 
-from .triton_scan_kernels import TRITON_AVAILABLE
+from .triton_scan_kernels import SILU_ACTIVATIONS, TRITON_AVAILABLE
 
 if TRITON_AVAILABLE:
     import triton
@@ -70,9 +70,11 @@ if TRITON_AVAILABLE:
             slot = tl.load(query_slots + rows, mask=in_range, other=0)
         head, pair = pairs // half, pairs % half
         # row (window, slot) of head h in (K, H, width, d)
-        out_at = ((window * H)[:, None] + head[None, :]) * (width * 2 * half) + (rows % width)[:, None] * (
-            2 * half
-        ) + 2 * pair[None, :]
+        out_at = (
+            ((window * H)[:, None] + head[None, :]) * (width * 2 * half)
+            + (rows % width)[:, None] * (2 * half)
+            + 2 * pair[None, :]
+        )
         source = (token * 3 * H * 2 * half)[:, None] + 2 * pairs[None, :]  # q of the token; k and v after it
         if ROTARY:
             angle = (slot * 2 * half)[:, None] + 2 * pair[None, :]
@@ -108,9 +110,10 @@ if TRITON_AVAILABLE:
         at = tl.load(output_slot + tokens, mask=token_ok, other=0)
         window, row = at // Q, at % Q
         gq_at = (window * gq_k + row * gq_q)[:, None] + head * gq_h + 2 * pair * gq_d
-        gx, gy = tl.load(grad_query + gq_at, mask=ok, other=0.0).to(tl.float32), tl.load(
-            grad_query + gq_at + gq_d, mask=ok, other=0.0
-        ).to(tl.float32)
+        gx, gy = (
+            tl.load(grad_query + gq_at, mask=ok, other=0.0).to(tl.float32),
+            tl.load(grad_query + gq_at + gq_d, mask=ok, other=0.0).to(tl.float32),
+        )
         if ROTARY:  # the transpose of the rotation
             slot = tl.load(query_slots + at, mask=token_ok, other=0)
             cos, sin = _load_pairs(rotations, (slot * 2 * half)[:, None] + 2 * pair, ok)
@@ -264,6 +267,6 @@ def triton_window_projection_applies(projected: torch.Tensor, act: str, cached: 
         and TRITON_AVAILABLE
         and projected.device.type in ("cuda", "meta")
         and not torch.compiler.is_compiling()
-        and act in ("silu", "swish")
+        and act in SILU_ACTIVATIONS
         and not cached
     )
