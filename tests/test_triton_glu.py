@@ -42,7 +42,9 @@ def test_triton_glu_equals_the_pytorch_glu(shape, dtype, residual, monkeypatch):
     other = None if other is None else torch.randn(other, generator=generator).to(DEVICE, dtype)
 
     def run(use_triton):  # the module's own dispatch, told where the kernel applies (on a CPU: nowhere)
-        monkeypatch.setattr("ran_hf.building_blocks.triton_glu_applies", lambda projected: use_triton)
+        monkeypatch.setattr(
+            "ran_hf.building_blocks.triton_glu_applies", lambda projected, use_triton=use_triton: use_triton
+        )
         leaf = x.clone().requires_grad_()
         other_leaf = None if other is None else other.clone().requires_grad_()
         glu.zero_grad()
@@ -91,3 +93,74 @@ def test_the_triton_glu_runs_on_cuda_unless_switched_off(monkeypatch):
     assert not {"aten::sigmoid", "aten::sigmoid_backward", "aten::mul", "aten::add"} & set(seen)
     monkeypatch.setattr(triton_glu, "ENABLED", False)
     assert not triton_glu.triton_glu_applies(meta)
+
+
+@pytest.mark.parametrize("activation", ["none", "silu"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_the_residual_branch_in_the_kernel_equals_its_pytorch_ops(activation, dropout, dtype, monkeypatch):
+    """GLU(x) + dropout(act(r)) in one kernel each way: the output and the gradients of x, the weights and r equal
+    the PyTorch ops', given the mask the kernel drew (read off its output). The mask keeps units at the rate asked
+    for, is the one the backward applies, and repeats for a seed."""
+    rows, width = 40, triton_glu.BLOCK_COLUMNS + 20
+    generator = torch.Generator().manual_seed(7)
+    glu = RANGatedLinearUnit(width)
+    with torch.no_grad():
+        glu.proj.weight.copy_(torch.randn(glu.proj.weight.shape, generator=generator) / 4)
+    glu = glu.to(DEVICE, dtype)
+    x = torch.randn(rows, width, generator=generator).to(DEVICE, dtype)
+    branch_input = (torch.randn(rows, width, generator=generator) * 3).to(DEVICE, dtype)
+    probe = torch.randn(rows, width, generator=generator).to(DEVICE, dtype)
+    act = {"none": None, "silu": torch.nn.SiLU()}[activation]
+    drop = torch.nn.Dropout(dropout).train()
+
+    def run(use_triton, mask=None):
+        monkeypatch.setattr(
+            "ran_hf.building_blocks.triton_glu_applies", lambda projected, use_triton=use_triton: use_triton
+        )
+        leaf, branch_leaf = x.clone().requires_grad_(), branch_input.clone().requires_grad_()
+        glu.zero_grad()
+        if use_triton:
+            out = glu(leaf, branch_leaf * 1, act, drop)  # the branch is another op's output
+        else:  # the PyTorch ops with the kernel's mask
+            branch = branch_leaf * 1 if act is None else act(branch_leaf * 1)
+            out = glu(leaf) + branch * mask
+        (out.float() * probe.float()).sum().backward()
+        return out.detach(), [leaf.grad, glu.proj.weight.grad, glu.proj.bias.grad, branch_leaf.grad]
+
+    torch.manual_seed(3)
+    actual, actual_grads = run(True)
+    torch.manual_seed(3)  # the same seed draws the same mask: read it off a branch of ones, scaled by 1 / keep
+    ones = torch.ones(rows, width, device=DEVICE, dtype=dtype)
+    mask = triton_glu.triton_glu(torch.zeros(rows, 2 * width, device=DEVICE, dtype=dtype), ones, 0, dropout)
+    kept = mask != 0
+    assert torch.allclose(mask[kept].float(), torch.full_like(mask[kept].float(), 1 / (1 - dropout)), rtol=1e-3)
+    assert abs(kept.float().mean().item() - (1 - dropout)) < 0.03
+    expected, expected_grads = run(False, mask)
+    atol, rtol = (1e-5, 1e-4) if dtype == torch.float32 else (4e-3, 4e-3)
+    assert actual.dtype == expected.dtype == dtype
+    assert torch.allclose(actual.float(), expected.float(), atol=atol * 10, rtol=rtol)
+    for got, want in zip(actual_grads, expected_grads):
+        assert torch.allclose(got.float(), want.float(), atol=atol * max(1.0, want.abs().max().item()), rtol=rtol)
+    torch.manual_seed(3)
+    again, _ = run(True)
+    torch.manual_seed(4)
+    other, _ = run(True)
+    assert torch.equal(again, actual)
+    assert torch.equal(other, actual) == (dropout == 0.0)
+
+
+def test_a_branch_the_kernel_cannot_compute_runs_in_pytorch_ops(monkeypatch):
+    """An activation other than SiLU (here GELU) or a residual of another shape: the branch in PyTorch ops, then the
+    kernel; the result equals the PyTorch path's."""
+    monkeypatch.setattr(torch.nn.Dropout, "forward", lambda self, states: states)  # the same units on both paths
+    glu = RANGatedLinearUnit(8).to(DEVICE)
+    x, branch = torch.randn(3, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE)
+    for act, residual in ((torch.nn.GELU(), branch), (torch.nn.SiLU(), branch[:1])):
+        results = []
+        for use_triton in (True, False):
+            monkeypatch.setattr(
+                "ran_hf.building_blocks.triton_glu_applies", lambda projected, use_triton=use_triton: use_triton
+            )
+            results.append(glu(x, residual, act, torch.nn.Dropout(0.5)))
+        assert torch.allclose(*results, atol=1e-6)

@@ -45,3 +45,49 @@ def test_triton_norm_equals_the_pytorch_normalisation(affine, shape):
     assert torch.allclose(actual, expected, atol=1e-5)
     for got, want in zip(actual_grads, expected_grads):
         assert torch.allclose(got, want, atol=1e-4 * max(1.0, want.abs().max().item()))
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["layer-norm", "standardise"])
+def test_dropout_in_the_norm_kernel_equals_the_pytorch_ops_with_its_mask(affine, monkeypatch):
+    """`RANLayerNorm(x, dropout)` and `standard_normalize(x, eps, dropout)` drop units inside the kernel: the output
+    and every gradient equal the PyTorch ops' given the kernel's mask (read off a run with weight 1 and bias 1, the
+    same seed), which keeps units at the rate asked for, is the one the backward applies, and repeats for a seed."""
+    rows, hidden = 50, 40
+    generator = torch.Generator().manual_seed(11)
+    x = (torch.randn(rows, hidden, generator=generator) * 3 + 1).to(DEVICE)
+    probe = torch.randn(rows, hidden, generator=generator).to(DEVICE)
+    norm = RANLayerNorm(hidden, 1e-7)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=generator))
+        norm.bias.copy_(torch.randn(hidden, generator=generator))
+    norm = norm.to(DEVICE)
+    drop = torch.nn.Dropout(0.25).train()
+
+    def run(use_triton, mask=None):
+        monkeypatch.setattr("ran_hf.building_blocks.triton_norm_applies", lambda states: use_triton)
+        leaf = x.clone().requires_grad_()
+        norm.zero_grad()
+        dropout = drop if use_triton else None
+        out = norm(leaf, dropout) if affine else standard_normalize(leaf, 1e-7, dropout)
+        out = out if use_triton else out * mask
+        (out * probe).sum().backward()
+        return out.detach(), [leaf.grad] + ([norm.weight.grad, norm.bias.grad] if affine else [])
+
+    torch.manual_seed(5)
+    actual, actual_grads = run(True)
+    torch.manual_seed(5)  # the same seed, the same mask: a constant input standardises to 0, the bias shows the mask
+    ones = torch.ones(hidden, device=DEVICE)
+    mask = TritonNorm.apply(torch.zeros(rows, hidden, device=DEVICE), ones, ones, 1e-7, torch.float32, 0.25)
+    kept = mask != 0
+    assert torch.allclose(mask[kept], torch.full_like(mask[kept], 1 / 0.75))
+    assert abs(kept.float().mean().item() - 0.75) < 0.05
+    expected, expected_grads = run(False, mask)
+    assert torch.allclose(actual, expected, atol=1e-5)
+    for got, want in zip(actual_grads, expected_grads):
+        assert torch.allclose(got, want, atol=1e-4 * max(1.0, want.abs().max().item()))
+    torch.manual_seed(5)
+    assert torch.equal(run(True)[0], actual)
+    torch.manual_seed(6)
+    assert not torch.equal(run(True)[0], actual)
+    drop.eval()  # not training: nothing dropped
+    assert torch.allclose(run(True)[0], run(False, torch.ones_like(mask))[0], atol=1e-5)

@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .triton_glu import triton_glu, triton_glu_applies
+from .triton_glu import branch_activation, triton_glu, triton_glu_applies
 from .triton_norm import TritonNorm, triton_norm_applies
 from .triton_rotary import triton_rotary_applies, triton_rotate_pairs
 
 
-def standard_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean(x)) / sqrt(mean(x^2) + eps) over the last axis: the official RAN normalisation.
+def standard_normalize(hidden_states: torch.Tensor, eps: float, dropout: nn.Dropout | None = None) -> torch.Tensor:
+    """(x - mean(x)) / sqrt(mean(x^2) + eps) over the last axis: the official RAN normalisation; then `dropout` where
+    given (inside the kernel on CUDA).
 
     Note the denominator: the mean of x^2, not the variance. Computed in float32 so that bf16/fp16 inputs keep
     their precision. Under autocast the result stays float32 (CUDA's autocast runs `nn.LayerNorm` in float32 too):
@@ -26,13 +27,20 @@ def standard_normalize(hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
     input_dtype = hidden_states.dtype
     # (the meta device, which checks shapes and counts kernels, has no autocast state to ask)
     autocast = hidden_states.device.type != "meta" and torch.is_autocast_enabled(hidden_states.device.type)
-    if triton_norm_applies(hidden_states):  # one kernel each way instead of seven to nine ops
-        return TritonNorm.apply(hidden_states, None, None, eps, torch.float32 if autocast else input_dtype)
+    if triton_norm_applies(hidden_states):  # one kernel each way instead of seven to nine ops (and dropout's two)
+        out_dtype = torch.float32 if autocast else input_dtype
+        return TritonNorm.apply(hidden_states, None, None, eps, out_dtype, dropout_rate(dropout))
     hidden_states = hidden_states.float()
     mean = hidden_states.mean(-1, keepdim=True)
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
     normalized = (hidden_states - mean) * torch.rsqrt(mean_square + eps)
-    return normalized if autocast else normalized.to(input_dtype)
+    normalized = normalized if autocast else normalized.to(input_dtype)
+    return normalized if dropout is None else dropout(normalized)
+
+
+def dropout_rate(dropout: nn.Dropout | None) -> float:
+    """The rate at which a dropout module drops units now: its `p` in training, else 0."""
+    return dropout.p if dropout is not None and dropout.training else 0.0
 
 
 def unit_vectors(states: torch.Tensor) -> torch.Tensor:
@@ -42,7 +50,8 @@ def unit_vectors(states: torch.Tensor) -> torch.Tensor:
 
 
 class RANLayerNorm(nn.Module):
-    """`standard_normalize` followed by a learned scale and shift (langml's LayerNorm, which RAN checkpoints use)."""
+    """`standard_normalize` followed by a learned scale and shift (langml's LayerNorm, which RAN checkpoints use);
+    then the `dropout` given to `forward` (inside the kernel on CUDA)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -50,26 +59,43 @@ class RANLayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, dropout: nn.Dropout | None = None) -> torch.Tensor:
         if triton_norm_applies(hidden_states):
             autocast = hidden_states.device.type == "cuda" and torch.is_autocast_enabled("cuda")
             normalized_dtype = torch.float32 if autocast else hidden_states.dtype
             out_dtype = torch.promote_types(self.weight.dtype, normalized_dtype)
-            return TritonNorm.apply(hidden_states, self.weight, self.bias, self.eps, out_dtype)
-        return self.weight * standard_normalize(hidden_states, self.eps) + self.bias
+            return TritonNorm.apply(hidden_states, self.weight, self.bias, self.eps, out_dtype, dropout_rate(dropout))
+        normalized = self.weight * standard_normalize(hidden_states, self.eps) + self.bias
+        return normalized if dropout is None else dropout(normalized)
 
 
 class RANGatedLinearUnit(nn.Module):
-    """GLU(x) = (A x + a) * sigmoid(G x + g), with A and G fused into one projection; `residual` + GLU(x) where a
-    residual is given (one kernel on CUDA, where the sum would be another)."""
+    """GLU(x) = (A x + a) * sigmoid(G x + g), with A and G fused into one projection; plus a residual branch
+    dropout(activation(residual)) where a residual is given (one kernel each way on CUDA, where the branch's
+    activation, dropout and sum would be kernels of their own)."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.proj = nn.Linear(hidden_size, 2 * hidden_size)
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        residual_activation: nn.Module | None = None,
+        residual_dropout: nn.Dropout | None = None,
+    ) -> torch.Tensor:
         projected = self.proj(hidden_states)  # (..., 2 D)
-        if triton_glu_applies(projected):  # one kernel each way instead of two (three with the sum) and four ops
+        fused = triton_glu_applies(projected)
+        if fused and residual is not None:  # the whole branch in the kernel where it can be
+            activation = branch_activation(residual_activation)
+            same_shape = residual.shape == (*projected.shape[:-1], projected.shape[-1] // 2)
+            if activation is not None and same_shape and residual.dtype == projected.dtype:
+                return triton_glu(projected, residual, activation, dropout_rate(residual_dropout))
+        if residual is not None:
+            residual = residual if residual_activation is None else residual_activation(residual)
+            residual = residual if residual_dropout is None else residual_dropout(residual)
+        if fused:  # one kernel each way instead of two (three with the sum) and four ops
             return triton_glu(projected, residual)
         value, gate = projected.chunk(2, dim=-1)
         gated = value * torch.sigmoid(gate)

@@ -191,5 +191,5 @@ class RANMemoryReview(nn.Module):
             hidden = hidden & ~salient_table.gather(1, index)
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype) @ value  # (B, l, D)
-        review = self.dropout(self.value_act(self.o_proj(review)))
-        return self.glu(query, residual=review), probs
+        # dropout(value_act(o_proj(review))) + GLU(query), the branch inside the GLU's kernel on CUDA
+        return self.glu(query, self.o_proj(review), self.value_act, self.dropout), probs

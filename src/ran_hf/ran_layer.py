@@ -100,7 +100,7 @@ class RANLayer(GradientCheckpointingLayer):
 
     def normalize_input(self, states: torch.Tensor) -> torch.Tensor:
         """Concat-LayerNorm of tokens and cells alike; the result feeds both the projections and the residual GLU."""
-        return self.dropout(self.input_norm(states))
+        return self.input_norm(states, self.dropout)
 
     def project(self, normed: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., 3, H, d) queries, keys and values; the values activated, and the queries and keys with
@@ -113,13 +113,14 @@ class RANLayer(GradientCheckpointingLayer):
 
     def attention_output(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """Output projection plus the gated residual of the attention's normalised input: (..., H * d) -> (..., D)."""
-        # The sum inside the GLU's kernel (on CUDA): one pass over the token states fewer.
-        return self.attention_glu(normed, residual=self.dropout(self.act(self.o_proj(attended))))
+        # dropout(act(o_proj(attended))) + GLU(normed): on CUDA the branch's activation, dropout and sum run inside
+        # the GLU's kernel.
+        return self.attention_glu(normed, self.o_proj(attended), self.act, self.dropout)
 
     def finish_attention(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """The official post-norm ending: attention output, then the two normalisations -> standardised (..., D)."""
         output = self.attention_norm(self.attention_output(attended, normed))
-        return self.dropout(standard_normalize(output, self.config.layer_norm_eps))
+        return standard_normalize(output, self.config.layer_norm_eps, self.dropout)
 
     def write_cell(self, attended: torch.Tensor, normed_cell: torch.Tensor, output_mask=None, written_mask=None):
         """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D); the masks are the scan's dropout

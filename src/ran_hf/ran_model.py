@@ -62,7 +62,7 @@ class RANEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None):
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
-        return self.dropout(self.norm(inputs_embeds))
+        return self.norm(inputs_embeds, self.dropout)  # the dropout inside the norm's kernel on CUDA
 
     def shift_tokens(self, token_states: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None):
         """(T, D) new tokens' embeddings -> each plus the projection of its predecessor's (`config.token_shift`).

@@ -8,15 +8,21 @@ and written once as the output; backward reads it and the output's gradient once
 gradient once: 8 token-state passes where the PyTorch ops make 18. Computed in float32 whatever the dtype. Each
 launch is a `torch.library.triton_op` (one op for `torch.compile`, export and a dispatch counter).
 
-The layer adds the unit to another branch (`dropout(act(o_proj(x))) + GLU(normed)`): given that branch as
-`residual`, the forward kernel adds it too, and the sum's own kernel (3 passes) is gone; its gradient is the output's.
-Dropout stays a PyTorch op before it: on CUDA `nn.Dropout` draws its mask in ATen's fused kernel, whose random
-stream a Triton kernel cannot reproduce, and a mask drawn another way would drop other units for the same seed.
+The layer adds the unit to another branch, `dropout(act(o_proj(x))) + GLU(normed)`, and so does the memory review.
+Given that branch's input as `residual` with its activation (SiLU or none) and dropout, the forward kernel computes
+the branch and the sum, and the backward kernel writes both inputs' gradients: the activation, the dropout and the
+sum need no kernels of their own (5 launches and about 8 token-state passes fewer per branch). The kernel draws the
+dropout mask itself, with Philox from a seed drawn on the device by PyTorch's generator (so a seed, and a recomputed
+checkpoint, repeat it), and its backward draws it again instead of storing it. It is not the mask `nn.Dropout`
+draws for the same seed: PyTorch's CUDA kernel's random stream is its own, so the Triton path and the PyTorch ops
+drop different units, at the same rate.
 
 Shapes: projected (R, 2 D) rows of [value, gate] as `nn.Linear(D, 2 D)` writes them; residual and output (R, D).
 """
 
 import torch
+from torch import nn
+from transformers.activations import SiLUActivation
 
 from .triton_scan_kernels import TRITON_AVAILABLE
 
@@ -30,12 +36,38 @@ BLOCK_COLUMNS = 256  # of the D output columns per program: elementwise, so any 
 # On by default on CUDA, as the Triton normalisation and rotary embedding are; `ran_hf.triton_glu.ENABLED = False`
 # switches back to the PyTorch ops.
 ENABLED = True
+# The activations of a residual branch the kernels compute: none, or SiLU.
+NO_ACTIVATION, SILU = 0, 1
+
+
+def branch_activation(activation: nn.Module | None) -> int | None:
+    """The kernels' code for a residual branch's activation module, or None where they cannot compute it."""
+    if activation is None or isinstance(activation, nn.Identity):
+        return NO_ACTIVATION
+    if isinstance(activation, (nn.SiLU, SiLUActivation)):
+        return SILU
+    return None
 
 
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _glu_forward_kernel(projected, residual, out, R, D, RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
+    def _branch(residual, out_at, ok, seed_at, keep, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr):
+        """The residual branch dropout(act(residual)) at `out_at`, and its derivative by the residual."""
+        branch = tl.load(residual + out_at, mask=ok, other=0.0).to(tl.float32)
+        slope = tl.full(branch.shape, 1.0, tl.float32)
+        if ACTIVATION == 1:  # SiLU: x sigmoid(x), whose derivative is sigmoid(x) (1 + x (1 - sigmoid(x)))
+            sigmoid = 1.0 / (1.0 + tl.exp(-branch))
+            slope = sigmoid * (1.0 + branch * (1.0 - sigmoid))
+            branch = branch * sigmoid
+        if DROPOUT:  # kept with probability `keep`, scaled by 1 / keep; the same draw forward and backward
+            scale = tl.where(tl.rand(tl.load(seed_at), out_at) < keep, 1.0 / keep, 0.0)
+            branch, slope = branch * scale, slope * scale
+        return branch, slope
+
+    @triton.jit
+    def _glu_forward_kernel(projected, residual, out, seed_at, keep, R, D, RESIDUAL: tl.constexpr,
+                            ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr, ROWS: tl.constexpr,
                             BLOCK: tl.constexpr):  # fmt: skip
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # R x 2 D may pass 2^31
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -46,85 +78,133 @@ if TRITON_AVAILABLE:
         gated = value / (1.0 + tl.exp(-gate))
         out_at = rows[:, None] * D + columns[None, :]
         if RESIDUAL:
-            gated += tl.load(residual + out_at, mask=ok, other=0.0).to(tl.float32)
+            branch, _ = _branch(residual, out_at, ok, seed_at, keep, ACTIVATION, DROPOUT)
+            gated += branch
         tl.store(out + out_at, gated.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _glu_backward_kernel(projected, grad_out, grad_projected, R, D, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _glu_backward_kernel(projected, grad_out, grad_projected, residual, grad_residual, seed_at, keep, R, D,
+                             BRANCH: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
+                             ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # R x 2 D may pass 2^31
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = (rows < R)[:, None] & (columns < D)[None, :]
         value_at = rows[:, None] * (2 * D) + columns[None, :]
         value = tl.load(projected + value_at, mask=ok, other=0.0).to(tl.float32)
         gate = tl.load(projected + value_at + D, mask=ok, other=0.0).to(tl.float32)
-        grad = tl.load(grad_out + rows[:, None] * D + columns[None, :], mask=ok, other=0.0).to(tl.float32)
+        out_at = rows[:, None] * D + columns[None, :]
+        grad = tl.load(grad_out + out_at, mask=ok, other=0.0).to(tl.float32)
         sigmoid = 1.0 / (1.0 + tl.exp(-gate))
         grad_value = grad * sigmoid
         # d/dg v sigmoid(g) = v sigmoid(g) (1 - sigmoid(g))
         grad_gate = grad_value * value * (1.0 - sigmoid)
         tl.store(grad_projected + value_at, grad_value.to(grad_projected.dtype.element_ty), mask=ok)
         tl.store(grad_projected + value_at + D, grad_gate.to(grad_projected.dtype.element_ty), mask=ok)
+        if BRANCH:
+            _, slope = _branch(residual, out_at, ok, seed_at, keep, ACTIVATION, DROPOUT)
+            tl.store(grad_residual + out_at, (grad * slope).to(grad_residual.dtype.element_ty), mask=ok)
 
     def _grid(rows: int, width: int) -> tuple:
         return (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(width, BLOCK_COLUMNS))
 
     @triton_op("ran_hf::glu_forward", mutates_args={})
-    def glu_forward(projected: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """(R, 2 D) contiguous rows of [value, gate] -> (R, D) value * sigmoid(gate), plus `residual` (R, D)
-        (contiguous, of the same dtype) where given."""
+    def glu_forward(
+        projected: torch.Tensor, residual: torch.Tensor | None, seed: torch.Tensor | None, activation: int, keep: float
+    ) -> torch.Tensor:
+        """(R, 2 D) contiguous rows of [value, gate] -> (R, D) value * sigmoid(gate), plus dropout(act(residual))
+        where `residual` (R, D) (contiguous, of the same dtype) is given: `activation` NO_ACTIVATION or SILU, units
+        kept with probability `keep` (dropout where < 1, its mask drawn from the one-element int64 `seed`)."""
         rows, width = projected.shape[0], projected.shape[1] // 2
         out = projected.new_empty(rows, width)
         wrap_triton(_glu_forward_kernel)[_grid(rows, width)](
-            projected, projected if residual is None else residual, out, rows, width, RESIDUAL=residual is not None,
+            projected, projected if residual is None else residual, out, projected if seed is None else seed, keep,
+            rows, width, RESIDUAL=residual is not None, ACTIVATION=activation, DROPOUT=keep < 1.0,
             ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_COLUMNS,
         )  # fmt: skip
         return out
 
     @triton_op("ran_hf::glu_backward", mutates_args={})
-    def glu_backward(projected: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        """The gradient (R, 2 D) of `glu_forward`'s input, given its output's (R, D); both contiguous."""
+    def glu_backward(
+        projected: torch.Tensor,
+        residual: torch.Tensor | None,
+        seed: torch.Tensor | None,
+        activation: int,
+        keep: float,
+        grad_out: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """The gradients of `glu_forward`'s input (R, 2 D) and, where a residual is given, of its residual (R, D),
+        given the output's (R, D, contiguous); without one, the second is empty."""
         rows, width = grad_out.shape
         grad_projected = torch.empty_like(projected)
+        grad_residual = projected.new_empty(0) if residual is None else torch.empty_like(residual)
         wrap_triton(_glu_backward_kernel)[_grid(rows, width)](
-            projected, grad_out, grad_projected, rows, width, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_COLUMNS
-        )
-        return grad_projected
+            projected, grad_out, grad_projected, projected if residual is None else residual, grad_residual,
+            projected if seed is None else seed, keep, rows, width, BRANCH=residual is not None,
+            ACTIVATION=activation, DROPOUT=keep < 1.0, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_COLUMNS,
+        )  # fmt: skip
+        return [grad_projected, grad_residual]
+
+    def _forward_on_meta(projected, residual, seed, activation, keep):
+        return projected.new_empty(projected.shape[0], projected.shape[1] // 2)
+
+    def _backward_on_meta(projected, residual, seed, activation, keep, grad_out):
+        return [
+            torch.empty_like(projected),
+            projected.new_empty(0) if residual is None else torch.empty_like(residual),
+        ]
 
     # The meta device (shape checks and kernel counts without a GPU) runs no kernel.
-    for _op, _on_meta in (
-        (glu_forward, lambda projected, residual: projected.new_empty(projected.shape[0], projected.shape[1] // 2)),
-        (glu_backward, lambda projected, grad_out: torch.empty_like(projected)),
-    ):
+    for _op, _on_meta in ((glu_forward, _forward_on_meta), (glu_backward, _backward_on_meta)):
         try:
             _op.register_kernel("meta")(_on_meta)
         except RuntimeError:  # some PyTorch versions give every triton_op a meta kernel of their own
             pass
 
     def _setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-        ctx.has_residual = inputs[1] is not None
+        projected, residual, seed, activation, keep = inputs
+        # A plain residual's gradient is the output's: only a branch with an activation or dropout is read again.
+        ctx.plain_residual = residual is not None and activation == NO_ACTIVATION and keep == 1.0
+        ctx.save_for_backward(projected, None if ctx.plain_residual else residual, seed)
+        ctx.has_residual, ctx.activation, ctx.keep = residual is not None, activation, keep
 
     def _backward(ctx, grad_out):
-        (projected,) = ctx.saved_tensors
-        grad_residual = grad_out if ctx.has_residual else None  # the output's gradient, as it is
-        return glu_backward(projected, grad_out.contiguous()), grad_residual
+        projected, residual, seed = ctx.saved_tensors
+        grad_projected, grad_residual = glu_backward(
+            projected, residual, seed, ctx.activation, ctx.keep, grad_out.contiguous()
+        )
+        if ctx.plain_residual:
+            grad_residual = grad_out  # the output's gradient, as it is
+        return grad_projected, grad_residual if ctx.has_residual else None, None, None, None
 
     glu_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def triton_glu(projected: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """value * sigmoid(gate) of `projected` (..., 2 D) = [value, gate], plus `residual` where given, in one kernel:
+def triton_glu(
+    projected: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    activation: int = NO_ACTIVATION,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """value * sigmoid(gate) of `projected` (..., 2 D) = [value, gate], plus dropout(act(residual)) where a residual
+    is given (`activation`: NO_ACTIVATION or SILU; `dropout`: the probability of dropping a unit), in one kernel:
     (..., D). A residual that would change the result's shape or dtype is added by PyTorch after the kernel."""
     if projected.shape[-1] % 2:
         raise ValueError(f"the gated linear unit takes [value, gate] of even width, got {projected.shape[-1]}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"the gated linear unit's residual dropout must be in [0, 1), got {dropout}")
     width = projected.shape[-1] // 2
     shape = (*projected.shape[:-1], width)
     rows = projected.reshape(-1, 2 * width).contiguous()
     if residual is not None and (residual.shape != shape or residual.dtype != projected.dtype):
-        return residual + glu_forward(rows, None).view(shape)
+        if activation != NO_ACTIVATION or dropout:
+            raise ValueError("a residual branch with an activation or dropout must have the output's shape and dtype")
+        return residual + glu_forward(rows, None, None, NO_ACTIVATION, 1.0).view(shape)
+    seed = None
     if residual is not None:
         residual = residual.reshape(-1, width).contiguous()
-    return glu_forward(rows, residual).view(shape)
+        if dropout:  # drawn on the device by PyTorch's generator: no host synchronisation, restored by checkpoints
+            seed = torch.randint(2**31 - 1, (1,), device=projected.device, dtype=torch.int64)
+    return glu_forward(rows, residual, seed, activation, 1.0 - dropout).view(shape)
 
 
 def triton_glu_applies(projected: torch.Tensor) -> bool:
