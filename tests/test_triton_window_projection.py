@@ -1,8 +1,9 @@
 """The Triton window projection (triton_window_projection.py) equals the layer's PyTorch phase 1
 (`RANLayer.project_windows`): the windows' queries, keys and values and the gradient of the token projections, for
 the encoder (activated queries and keys, merged short windows, padding), windows with enrichment tokens (a token in
-two slots), the causal learnable-memory layer (values activated only), a prefix LM and no rotary embedding; and whole
-models with it equal models without it. On a CPU the kernels run in Triton's interpreter; on CUDA compiled."""
+two slots), the causal learnable-memory layer (values activated only), a prefix LM and no rotary embedding, with the
+keys and values written a second time for the attention (room for the read cell, which the gradients of both reach);
+and whole models with it equal models without it. On a CPU the kernels run in Triton's interpreter; on CUDA compiled."""
 
 import pytest
 import torch
@@ -45,17 +46,22 @@ def test_triton_window_projection_equals_the_pytorch_phase_one(overrides, length
         use_kernel(monkeypatch, on)
         leaf = normed.clone().requires_grad_()
         layer.zero_grad()
-        query, key, value = layer.project_windows(leaf, layout, None)[:3]
+        query, key, value, *_, joined = layer.project_windows(leaf, layout, None)
+        # The kernel's keys and values as the attention reads them, slots 1.. of (K, H, 1 + S, d) (slot 0 is the
+        # read cell's, written later): in PyTorch ops, the same keys and values read again.
+        joined = (key, value) if joined is None else [part[:, :, 1:] for part in joined]
+        outs = (query, key, value, *joined)
         probes = torch.Generator().manual_seed(1)  # the same probes both ways; empty slots and queries included
-        total = sum((out * torch.randn(out.shape, generator=probes).to(DEVICE)).sum() for out in (query, key, value))
+        total = sum((out * torch.randn(out.shape, generator=probes).to(DEVICE)).sum() for out in outs)
         total.backward()
-        return [query, key, value], [leaf.grad, layer.qkv_proj.weight.grad, layer.qkv_proj.bias.grad]
+        return outs, [leaf.grad, layer.qkv_proj.weight.grad, layer.qkv_proj.bias.grad]
 
     expected, expected_grads = run(False)
     actual, actual_grads = run(True)
     for got, want in zip(actual, expected):
-        assert got.shape == want.shape and got.is_contiguous()
+        assert got.shape == want.shape
         assert torch.allclose(got, want, atol=1e-5)
+    assert all(out.is_contiguous() for out in actual[:3])
     for got, want in zip(actual_grads, expected_grads):
         assert torch.allclose(got, want, atol=1e-5 * max(1.0, want.abs().max().item()))
 

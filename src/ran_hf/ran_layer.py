@@ -31,7 +31,7 @@ from .cell_scan import scan_function
 from .configuration_ran import RANConfig
 from .memory_review import RANMemoryReview
 from .scan_dropout import drop
-from .triton_window_projection import triton_window_projection, triton_window_projection_applies
+from .triton_window_projection import JoinReadCells, triton_window_projection, triton_window_projection_applies
 from .window_layout import RANWindowLayout
 
 
@@ -142,8 +142,9 @@ class RANLayer(GradientCheckpointingLayer):
 
         Slots holding cached tokens take their keys and values from the cache. Queries exist only for slots whose
         output is needed (new, non-enrichment tokens): (K, H, Q, d). Also returns the un-rotated keys and values of
-        the new tokens, from which the cache keeps its tail, and with `config.associative_memory` what each token
-        recalls from it (T, H * d): the memory is read with the same queries and written with the same keys.
+        the new tokens, from which the cache keeps its tail, with `config.associative_memory` what each token
+        recalls from it (T, H * d): the memory is read with the same queries and written with the same keys, and
+        from the Triton kernel the keys and values again with a slot 0 for the read cell (`attend_windows`).
         """
         config = self.config
         rotations = (
@@ -152,7 +153,8 @@ class RANLayer(GradientCheckpointingLayer):
         fused = triton_window_projection_applies(normed_tokens, config.hidden_act, cache is not None)
         if fused and not config.associative_memory:  # one kernel each way from the projections to the windows
             qkv = self.qkv_proj(normed_tokens).unflatten(-1, (3, self.num_heads, self.head_dim))
-            return *triton_window_projection(qkv, layout, rotations, self.qk_activation), None, None
+            query, key, value, *joined = triton_window_projection(qkv, layout, rotations, self.qk_activation)
+            return query, key, value, None, None, joined
         qkv = self.project(normed_tokens)  # (T, 3, H, d)
         new_query, new_kv = qkv.split([1, 2], dim=1)  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
@@ -167,19 +169,24 @@ class RANLayer(GradientCheckpointingLayer):
             query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
             key = apply_interleaved_rotary(key, rotations)
         # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
-        return query, key, value, new_kv if cache is not None else None, recalled
+        return query, key, value, new_kv if cache is not None else None, recalled, None
 
     # ---- phase 3 ---------------------------------------------------------------------------------------------------
 
-    def attend_windows(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions):
-        """Token attention of all windows in one call: window k's keys are its read cell followed by its slots.
+    def attend_windows(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions,
+                       joined=None):  # fmt: skip
+        """Token attention of all windows in one call: window k's keys are its read cell followed by its slots
+        (`joined`: the Triton projection's keys and values with room for the cell, written into it in place).
 
         Packed windows are a batch of K sequences, so any of Transformers' attention functions runs them
         (`config._attn_implementation`). Returns the attended values (T, H * d) and, with `output_attentions` and
         an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None.
         """
-        key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
-        value = torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
+        if joined:
+            key, value = JoinReadCells.apply(*joined, cell_key, cell_value)  # (K, H, 1 + S, d)
+        else:
+            key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
+            value = torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
         attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
         attended, weights = attention(
@@ -230,7 +237,7 @@ class RANLayer(GradientCheckpointingLayer):
         normed_tokens = self.normalize_input(token_states)  # (T, D)
 
         # 1. Everything that does not depend on the cell, for all windows at once.
-        query, key, value, new_kv, recalled = self.project_windows(normed_tokens, layout, cache)  # (K, H, S, d)
+        query, key, value, new_kv, recalled, joined = self.project_windows(normed_tokens, layout, cache)
 
         # 2. The cell scan: the only sequential step.
         scan = scan_function(self.config.scan_implementation)
@@ -241,7 +248,7 @@ class RANLayer(GradientCheckpointingLayer):
         # 3. Token attention of all windows in one batched call, then the per-token tail.
         read_key, read_value = layout.per_sequence(read_keys), layout.per_sequence(read_values)
         attended, attention_weights = self.attend_windows(
-            query, key, value, read_key, read_value, layout, output_attentions
+            query, key, value, read_key, read_value, layout, output_attentions, joined
         )  # (T, H * d)
         if recalled is not None:  # the associative memory of the windows before, read with the same queries
             attended = attended + recalled

@@ -52,11 +52,13 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _window_projection_kernel(
-        projected, slot_tokens, query_tokens, query_slots, rotations, query, key, value,
+        projected, slot_tokens, query_tokens, query_slots, rotations, query, key, value, key_joined, value_joined,
         T, R, S, Q, H, half,
         ACT_QK: tl.constexpr, ROTARY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """Program axis 2: 0 fills key and value rows (window k, slot s), 1 fills query rows (window k, query q)."""
+        """Program axis 2: 0 fills key and value rows (window k, slot s), 1 fills query rows (window k, query q).
+        Keys and values are written twice: as the scan reads them, and at slots 1.. of the attention's joined ones
+        (slot 0, the read cell's, is left for the scan's output)."""
         is_query = tl.program_id(2) == 1
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         pairs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # h * half + i: pair i of head h
@@ -90,15 +92,24 @@ if TRITON_AVAILABLE:
                 out = query if is_query else (key if part == 0 else value)
                 tl.store(out + out_at, x.to(out.dtype.element_ty), mask=out_ok)
                 tl.store(out + out_at + 1, y.to(out.dtype.element_ty), mask=out_ok)
+                if not is_query:  # row (window, 1 + slot) of (K, H, 1 + S, d)
+                    joined = key_joined if part == 0 else value_joined
+                    joined_at = out_at + ((window * H)[:, None] + head[None, :] + 1) * (2 * half)
+                    tl.store(joined + joined_at, x.to(joined.dtype.element_ty), mask=out_ok)
+                    tl.store(joined + joined_at + 1, y.to(joined.dtype.element_ty), mask=out_ok)
 
     @triton.jit
     def _window_projection_grad_kernel(
-        projected, token_slots, output_slot, query_slots, rotations, grad_query, grad_key, grad_value, grad_projected,
+        projected, token_slots, output_slot, query_slots, rotations, grad_query, grad_key, grad_value, grad_key_joined,
+        grad_value_joined, grad_projected,
         T, S, Q, H, half,
         gq_k, gq_h, gq_q, gq_d, gk_k, gk_h, gk_s, gk_d, gv_k, gv_h, gv_s, gv_d,
+        jk_k, jk_h, jk_s, jk_d, jv_k, jv_h, jv_s, jv_d,
         ACT_QK: tl.constexpr, ROTARY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """One program per block of tokens and (head, pair) columns: the gradient of the token's q, k and v."""
+        """One program per block of tokens and (head, pair) columns: the gradient of the token's q, k and v. A slot's
+        key and value gradients are the scan's (grad_key, grad_value) plus the attention's (at slot 1 + s of the
+        joined ones): summed here, not by a kernel of their own."""
         tokens = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         pairs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         token_ok = tokens < T
@@ -134,16 +145,22 @@ if TRITON_AVAILABLE:
             filled = ok & (at >= 0)[:, None]
             window, slot = at // S, at % S
             gk_at = (window * gk_k + slot * gk_s)[:, None] + head * gk_h + 2 * pair * gk_d
+            jk_at = (window * jk_k + (slot + 1) * jk_s)[:, None] + head * jk_h + 2 * pair * jk_d
             gx = tl.load(grad_key + gk_at, mask=filled, other=0.0).to(tl.float32)
             gy = tl.load(grad_key + gk_at + gk_d, mask=filled, other=0.0).to(tl.float32)
+            gx += tl.load(grad_key_joined + jk_at, mask=filled, other=0.0).to(tl.float32)
+            gy += tl.load(grad_key_joined + jk_at + jk_d, mask=filled, other=0.0).to(tl.float32)
             if ROTARY:
                 cos, sin = _load_pairs(rotations, (slot * 2 * half)[:, None] + 2 * pair, filled)
                 gx, gy = gx * cos + gy * sin, gy * cos - gx * sin
             kx += gx
             ky += gy
             gv_at = (window * gv_k + slot * gv_s)[:, None] + head * gv_h + 2 * pair * gv_d
+            jv_at = (window * jv_k + (slot + 1) * jv_s)[:, None] + head * jv_h + 2 * pair * jv_d
             vx += tl.load(grad_value + gv_at, mask=filled, other=0.0).to(tl.float32)
             vy += tl.load(grad_value + gv_at + gv_d, mask=filled, other=0.0).to(tl.float32)
+            vx += tl.load(grad_value_joined + jv_at, mask=filled, other=0.0).to(tl.float32)
+            vy += tl.load(grad_value_joined + jv_at + jv_d, mask=filled, other=0.0).to(tl.float32)
         key_at = source + H * 2 * half
         if ACT_QK:
             x, y = _load_pairs(projected, key_at, ok)
@@ -169,23 +186,27 @@ if TRITON_AVAILABLE:
         rotations: torch.Tensor,
         act_qk: bool,
         rotary: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """projected (T, 3, H, d) contiguous; window_slots (K, S) and query_index (K, Q) the token of each slot and
         query (T or more: none), query_slots (K, Q) the slot of each query; rotations (S, d / 2, 2) of the slots.
-        Returns query (K, H, Q, d), key and value (K, H, S, d). token_slots (T, 2), the slots k * S + s each token
-        fills (-1: none), and output_slot (T,), its query k * Q + q, are the inverse maps the backward reads."""
+        Returns query (K, H, Q, d), key and value (K, H, S, d), and the key and value again at slots 1.. of
+        (K, H, 1 + S, d), slot 0 left unwritten for the read cell (`join_read_cells`). token_slots (T, 2), the slots
+        k * S + s each token fills (-1: none), and output_slot (T,), its query k * Q + q, are the inverse maps the
+        backward reads."""
         num_tokens, _, num_heads, head_dim = projected.shape
         (num_windows, num_slots), num_queries = window_slots.shape, query_index.shape[1]
         query = projected.new_empty(num_windows, num_heads, num_queries, head_dim)
         key = projected.new_empty(num_windows, num_heads, num_slots, head_dim)
         value = torch.empty_like(key)
+        key_joined = projected.new_empty(num_windows, num_heads, 1 + num_slots, head_dim)
+        value_joined = torch.empty_like(key_joined)
         rows = num_windows * max(num_slots, num_queries)
         wrap_triton(_window_projection_kernel)[_grid(rows, num_heads, head_dim // 2, 2)](
-            projected, window_slots, query_index, query_slots, rotations, query, key, value, num_tokens, num_windows,
-            num_slots, num_queries, num_heads, head_dim // 2, ACT_QK=act_qk, ROTARY=rotary, ROWS=ROWS_PER_PROGRAM,
-            BLOCK=BLOCK_PAIRS,
+            projected, window_slots, query_index, query_slots, rotations, query, key, value, key_joined, value_joined,
+            num_tokens, num_windows, num_slots, num_queries, num_heads, head_dim // 2, ACT_QK=act_qk, ROTARY=rotary,
+            ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_PAIRS,
         )  # fmt: skip
-        return query, key, value
+        return query, key, value, key_joined, value_joined
 
     @triton_op("ran_hf::window_projection_backward", mutates_args={})
     def window_projection_backward(
@@ -197,16 +218,20 @@ if TRITON_AVAILABLE:
         grad_query: torch.Tensor,
         grad_key: torch.Tensor,
         grad_value: torch.Tensor,
+        grad_key_joined: torch.Tensor,
+        grad_value_joined: torch.Tensor,
         act_qk: bool,
         rotary: bool,
     ) -> torch.Tensor:
-        """The gradient (T, 3, H, d) of `window_projection`'s input, given its outputs' (of any strides)."""
+        """The gradient (T, 3, H, d) of `window_projection`'s input, given its outputs' (of any strides; a stride of
+        0 reads a gradient of zeros)."""
         num_tokens, _, num_heads, head_dim = projected.shape
         grad_projected = torch.empty_like(projected)
         wrap_triton(_window_projection_grad_kernel)[_grid(num_tokens, num_heads, head_dim // 2)](
             projected, token_slots, output_slot, query_slots, rotations, grad_query, grad_key, grad_value,
-            grad_projected, num_tokens, grad_key.shape[2], grad_query.shape[2], num_heads, head_dim // 2,
-            *grad_query.stride(), *grad_key.stride(), *grad_value.stride(), ACT_QK=act_qk, ROTARY=rotary,
+            grad_key_joined, grad_value_joined, grad_projected, num_tokens, grad_key.shape[2], grad_query.shape[2],
+            num_heads, head_dim // 2, *grad_query.stride(), *grad_key.stride(), *grad_value.stride(),
+            *grad_key_joined.stride(), *grad_value_joined.stride(), ACT_QK=act_qk, ROTARY=rotary,
             ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_PAIRS,
         )  # fmt: skip
         return grad_projected
@@ -215,7 +240,8 @@ if TRITON_AVAILABLE:
         (num_windows, num_slots), (_, _, num_heads, head_dim) = window_slots.shape, projected.shape
         query = projected.new_empty(num_windows, num_heads, query_index.shape[1], head_dim)
         key = projected.new_empty(num_windows, num_heads, num_slots, head_dim)
-        return query, key, torch.empty_like(key)
+        joined = projected.new_empty(num_windows, num_heads, 1 + num_slots, head_dim)
+        return query, key, torch.empty_like(key), joined, torch.empty_like(joined)
 
     # The meta device (shape checks and kernel counts without a GPU) runs no kernel.
     for _op, _on_meta in (
@@ -233,11 +259,11 @@ if TRITON_AVAILABLE:
         ctx.act_qk, ctx.rotary = act_qk, rotary
         ctx.shapes = [tuple(out.shape) for out in output]
 
-    def _backward(ctx, grad_query, grad_key, grad_value):
+    def _backward(ctx, *grads):
         projected, *maps = ctx.saved_tensors
+        # An output without a gradient reads zeros: one element, broadcast by strides of 0.
         grads = [
-            projected.new_zeros(shape) if grad is None else grad
-            for grad, shape in zip((grad_query, grad_key, grad_value), ctx.shapes)
+            projected.new_zeros(1).expand(shape) if grad is None else grad for grad, shape in zip(grads, ctx.shapes)
         ]
         grad_projected = window_projection_backward(projected, *maps, *grads, ctx.act_qk, ctx.rotary)
         return (grad_projected,) + (None,) * 8
@@ -245,9 +271,28 @@ if TRITON_AVAILABLE:
     window_projection.register_autograd(_backward, setup_context=_setup_context)
 
 
+class JoinReadCells(torch.autograd.Function):
+    """Writes each window's read cell key and value (K, H, d) into slot 0 of the joined keys and values
+    (K, H, 1 + S, d) that `window_projection` wrote, in place: the attention's keys without a concatenation. The
+    joined tensors' gradient goes back whole; the projection's backward reads its slots 1.. only."""
+
+    @staticmethod
+    def forward(ctx, key_joined, value_joined, cell_key, cell_value):
+        key_joined[:, :, 0].copy_(cell_key)
+        value_joined[:, :, 0].copy_(cell_value)
+        ctx.mark_dirty(key_joined, value_joined)
+        return key_joined, value_joined
+
+    @staticmethod
+    def backward(ctx, grad_key, grad_value):
+        return grad_key, grad_value, grad_key[:, :, 0], grad_value[:, :, 0]
+
+
 def triton_window_projection(projected, layout, rotations, act_qk: bool):
     """The windows' queries (K, H, Q, d), keys and values (K, H, S, d) of the token projections `projected`
-    (T, 3, H, d), activated, and queries and keys rotated by `rotations` (S, d / 2, 2) unless it is None."""
+    (T, 3, H, d), activated, and queries and keys rotated by `rotations` (S, d / 2, 2) unless it is None; then the
+    keys and values again as the window attention reads them, (K, H, 1 + S, d) with slot 0 for the read cell
+    (`JoinReadCells`)."""
     rotary = rotations is not None
     if rotations is None:
         rotations = projected.new_zeros(1, 1, 2)
