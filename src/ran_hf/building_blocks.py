@@ -72,7 +72,8 @@ class RANLayerNorm(nn.Module):
 class RANGatedLinearUnit(nn.Module):
     """GLU(x) = (A x + a) * sigmoid(G x + g), with A and G fused into one projection; plus a residual branch
     dropout(activation(residual)) where a residual is given (one kernel each way on CUDA, where the branch's
-    activation, dropout and sum would be kernels of their own)."""
+    activation, dropout and sum would be kernels of their own). With `residual_rows`, the residual is rows of
+    another order: output row r adds row `residual_rows[r]` (read through the map by the kernel, not gathered)."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -84,19 +85,28 @@ class RANGatedLinearUnit(nn.Module):
         residual: torch.Tensor | None = None,
         residual_activation: nn.Module | None = None,
         residual_dropout: nn.Dropout | None = None,
+        residual_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        projected = self.proj(hidden_states)  # (..., 2 D)
-        fused = triton_glu_applies(projected)
+        fused = triton_glu_applies(hidden_states)
+        # On the kernel's path the bias is added by the kernel, which also sums its gradient: one pass over the
+        # projection's gradient fewer. A wrapped projection (LoRA, quantised) runs as it is.
+        bias = self.proj.bias if fused and type(self.proj) is nn.Linear else None
+        projected = self.proj(hidden_states) if bias is None else F.linear(hidden_states, self.proj.weight)  # (.., 2D)
         if fused and residual is not None:  # the whole branch in the kernel where it can be
             activation = branch_activation(residual_activation)
-            same_shape = residual.shape == (*projected.shape[:-1], projected.shape[-1] // 2)
-            if activation is not None and same_shape and residual.dtype == projected.dtype:
-                return triton_glu(projected, residual, activation, dropout_rate(residual_dropout))
+            width = projected.shape[-1] // 2
+            fits = residual.shape == (*projected.shape[:-1], width) or (
+                residual_rows is not None and residual.dim() == 2 and residual.shape[-1] == width
+            )
+            if activation is not None and fits and residual.dtype == projected.dtype:
+                dropout = dropout_rate(residual_dropout)
+                return triton_glu(projected, residual, activation, dropout, residual_rows, bias)
         if residual is not None:
+            residual = residual if residual_rows is None else gather_rows(residual, residual_rows)
             residual = residual if residual_activation is None else residual_activation(residual)
             residual = residual if residual_dropout is None else residual_dropout(residual)
         if fused:  # one kernel each way instead of two (three with the sum) and four ops
-            return triton_glu(projected, residual)
+            return triton_glu(projected, residual, bias=bias)
         value, gate = projected.chunk(2, dim=-1)
         gated = value * torch.sigmoid(gate)
         return gated if residual is None else residual + gated

@@ -111,15 +111,16 @@ class RANLayer(GradientCheckpointingLayer):
         query_key, value = qkv.split([2, 1], dim=-3)
         return torch.cat([query_key, self.act(value)], dim=-3)
 
-    def attention_output(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        """Output projection plus the gated residual of the attention's normalised input: (..., H * d) -> (..., D)."""
+    def attention_output(self, attended: torch.Tensor, normed: torch.Tensor, rows=None) -> torch.Tensor:
+        """Output projection plus the gated residual of the attention's normalised input: (..., H * d) -> (..., D).
+        With `rows`, `attended` is in another order (the windows' query slots) and token t reads row `rows[t]`."""
         # dropout(act(o_proj(attended))) + GLU(normed): on CUDA the branch's activation, dropout and sum run inside
-        # the GLU's kernel.
-        return self.attention_glu(normed, self.o_proj(attended), self.act, self.dropout)
+        # the GLU's kernel, which reads the branch through `rows`.
+        return self.attention_glu(normed, self.o_proj(attended), self.act, self.dropout, rows)
 
-    def finish_attention(self, attended: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+    def finish_attention(self, attended: torch.Tensor, normed: torch.Tensor, rows=None) -> torch.Tensor:
         """The official post-norm ending: attention output, then the two normalisations -> standardised (..., D)."""
-        output = self.attention_norm(self.attention_output(attended, normed))
+        output = self.attention_norm(self.attention_output(attended, normed, rows))
         return standard_normalize(output, self.config.layer_norm_eps, self.dropout)
 
     def write_cell(self, attended: torch.Tensor, normed_cell: torch.Tensor, output_mask=None, written_mask=None):
@@ -180,7 +181,8 @@ class RANLayer(GradientCheckpointingLayer):
 
         Packed windows are a batch of K sequences, so any of Transformers' attention functions runs them
         (`config._attn_implementation`). Returns the attended values (T, H * d) and, with `output_attentions` and
-        an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None.
+        an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None; the attended
+        values stay in the windows' query slots, (K, Q, H * d).
         """
         if joined:
             key, value = JoinReadCells.apply(*joined, cell_key, cell_value)  # (K, H, 1 + S, d)
@@ -204,7 +206,7 @@ class RANLayer(GradientCheckpointingLayer):
             weights = layout.weights_per_token(weights)  # (B, H, L, 1 + S)
             dropped = F.dropout(layout.weights_per_window(weights), self.attention_dropout, self.training)
             attended = torch.matmul(dropped, value).transpose(1, 2)
-        return layout.from_windows(attended.flatten(-2)), weights  # (T, H * d)
+        return attended.flatten(-2), weights  # (K, Q, H * d)
 
     # ---- the layer -------------------------------------------------------------------------------------------------
 
@@ -249,13 +251,17 @@ class RANLayer(GradientCheckpointingLayer):
         read_key, read_value = layout.per_sequence(read_keys), layout.per_sequence(read_values)
         attended, attention_weights = self.attend_windows(
             query, key, value, read_key, read_value, layout, output_attentions, joined
-        )  # (T, H * d)
+        )  # (K, Q, H * d)
+        # Back to tokens (T, H * d); on the Triton path the output projection runs on the query slots and the GLU
+        # kernel reads its rows by token, so that no gather and no zero-filled scatter move them.
+        rows = layout.output_slot if joined else None
+        attended = attended.flatten(0, 1) if joined else layout.from_windows(attended)
         if recalled is not None:  # the associative memory of the windows before, read with the same queries
             attended = attended + recalled
         if self.residual_stream:
-            token_states = token_states + self.attention_output(attended, normed_tokens)  # (T, D)
+            token_states = token_states + self.attention_output(attended, normed_tokens, rows)  # (T, D)
         else:
-            token_states = self.finish_attention(attended, normed_tokens)  # (T, D)
+            token_states = self.finish_attention(attended, normed_tokens, rows)  # (T, D)
         review_weights, memory = None, None
         if self.config.memory_review:
             token_states, review_weights, memory = self.memory_review.read(

@@ -52,9 +52,10 @@ def branch_activation(activation: nn.Module | None) -> int | None:
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _branch(residual, out_at, ok, seed_at, keep, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr):
-        """The residual branch dropout(act(residual)) at `out_at`, and its derivative by the residual."""
-        branch = tl.load(residual + out_at, mask=ok, other=0.0).to(tl.float32)
+    def _branch(residual, branch_at, out_at, ok, seed_at, keep, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr):
+        """The residual branch dropout(act(residual)) for the outputs at `out_at`, read at `branch_at`, and its
+        derivative by the residual."""
+        branch = tl.load(residual + branch_at, mask=ok, other=0.0).to(tl.float32)
         slope = tl.full(branch.shape, 1.0, tl.float32)
         if ACTIVATION == 1:  # SiLU: x sigmoid(x), whose derivative is sigmoid(x) (1 + x (1 - sigmoid(x)))
             sigmoid = 1.0 / (1.0 + tl.exp(-branch))
@@ -66,32 +67,44 @@ if TRITON_AVAILABLE:
         return branch, slope
 
     @triton.jit
-    def _glu_forward_kernel(projected, residual, out, seed_at, keep, R, D, RESIDUAL: tl.constexpr,
-                            ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr, ROWS: tl.constexpr,
-                            BLOCK: tl.constexpr):  # fmt: skip
-        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # R x 2 D may pass 2^31
-        columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = (rows < R)[:, None] & (columns < D)[None, :]
+    def _load_value_and_gate(projected, bias, rows, columns, ok, D, BIAS: tl.constexpr):
+        """Row block of [value, gate] in float32, the projection's bias added where it is given apart."""
         value_at = rows[:, None] * (2 * D) + columns[None, :]
         value = tl.load(projected + value_at, mask=ok, other=0.0).to(tl.float32)
         gate = tl.load(projected + value_at + D, mask=ok, other=0.0).to(tl.float32)
+        if BIAS:
+            value += tl.load(bias + columns, mask=columns < D, other=0.0).to(tl.float32)[None, :]
+            gate += tl.load(bias + D + columns, mask=columns < D, other=0.0).to(tl.float32)[None, :]
+        return value_at, value, gate
+
+    @triton.jit
+    def _glu_forward_kernel(projected, bias, residual, residual_rows, out, seed_at, keep, R, D, BIAS: tl.constexpr,
+                            RESIDUAL: tl.constexpr, ROW_MAP: tl.constexpr, ACTIVATION: tl.constexpr,
+                            DROPOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # R x 2 D may pass 2^31
+        columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = (rows < R)[:, None] & (columns < D)[None, :]
+        _, value, gate = _load_value_and_gate(projected, bias, rows, columns, ok, D, BIAS)
         gated = value / (1.0 + tl.exp(-gate))
         out_at = rows[:, None] * D + columns[None, :]
         if RESIDUAL:
-            branch, _ = _branch(residual, out_at, ok, seed_at, keep, ACTIVATION, DROPOUT)
+            branch_at = out_at
+            if ROW_MAP:  # output row r adds residual row residual_rows[r]
+                branch_rows = tl.load(residual_rows + rows, mask=rows < R, other=0).to(tl.int64)
+                branch_at = branch_rows[:, None] * D + columns[None, :]
+            branch, _ = _branch(residual, branch_at, out_at, ok, seed_at, keep, ACTIVATION, DROPOUT)
             gated += branch
         tl.store(out + out_at, gated.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _glu_backward_kernel(projected, grad_out, grad_projected, residual, grad_residual, seed_at, keep, R, D,
-                             BRANCH: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
+    def _glu_backward_kernel(projected, bias, grad_out, grad_projected, grad_bias_parts, residual, residual_rows,
+                             grad_residual, seed_at, keep, R, D, BIAS: tl.constexpr, BRANCH: tl.constexpr,
+                             ROW_MAP: tl.constexpr, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr,
                              ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # R x 2 D may pass 2^31
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = (rows < R)[:, None] & (columns < D)[None, :]
-        value_at = rows[:, None] * (2 * D) + columns[None, :]
-        value = tl.load(projected + value_at, mask=ok, other=0.0).to(tl.float32)
-        gate = tl.load(projected + value_at + D, mask=ok, other=0.0).to(tl.float32)
+        value_at, value, gate = _load_value_and_gate(projected, bias, rows, columns, ok, D, BIAS)
         out_at = rows[:, None] * D + columns[None, :]
         grad = tl.load(grad_out + out_at, mask=ok, other=0.0).to(tl.float32)
         sigmoid = 1.0 / (1.0 + tl.exp(-gate))
@@ -100,58 +113,79 @@ if TRITON_AVAILABLE:
         grad_gate = grad_value * value * (1.0 - sigmoid)
         tl.store(grad_projected + value_at, grad_value.to(grad_projected.dtype.element_ty), mask=ok)
         tl.store(grad_projected + value_at + D, grad_gate.to(grad_projected.dtype.element_ty), mask=ok)
+        if BIAS:  # this block's column sums: the bias gradient is their sum over row blocks, without another pass
+            parts_at = tl.program_id(0) * (2 * D) + columns
+            tl.store(grad_bias_parts + parts_at, tl.sum(grad_value, axis=0), mask=columns < D)
+            tl.store(grad_bias_parts + parts_at + D, tl.sum(grad_gate, axis=0), mask=columns < D)
         if BRANCH:
-            _, slope = _branch(residual, out_at, ok, seed_at, keep, ACTIVATION, DROPOUT)
-            tl.store(grad_residual + out_at, (grad * slope).to(grad_residual.dtype.element_ty), mask=ok)
+            branch_at = out_at
+            if ROW_MAP:  # each residual row is read by one output row at most: written once, no atomics
+                branch_rows = tl.load(residual_rows + rows, mask=rows < R, other=0).to(tl.int64)
+                branch_at = branch_rows[:, None] * D + columns[None, :]
+            _, slope = _branch(residual, branch_at, out_at, ok, seed_at, keep, ACTIVATION, DROPOUT)
+            tl.store(grad_residual + branch_at, (grad * slope).to(grad_residual.dtype.element_ty), mask=ok)
 
     def _grid(rows: int, width: int) -> tuple:
         return (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(width, BLOCK_COLUMNS))
 
     @triton_op("ran_hf::glu_forward", mutates_args={})
     def glu_forward(
-        projected: torch.Tensor, residual: torch.Tensor | None, seed: torch.Tensor | None, activation: int, keep: float
+        projected: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        residual_rows: torch.Tensor | None,
+        seed: torch.Tensor | None,
+        activation: int,
+        keep: float,
     ) -> torch.Tensor:
-        """(R, 2 D) contiguous rows of [value, gate] -> (R, D) value * sigmoid(gate), plus dropout(act(residual))
-        where `residual` (R, D) (contiguous, of the same dtype) is given: `activation` NO_ACTIVATION or SILU, units
-        kept with probability `keep` (dropout where < 1, its mask drawn from the one-element int64 `seed`)."""
+        """(R, 2 D) contiguous rows of [value, gate] (plus `bias` (2 D) where the projection left it out) ->
+        (R, D) value * sigmoid(gate), plus dropout(act(residual)) where `residual` (contiguous, of the same dtype) is
+        given: (R, D), or any number of rows of which output row r reads `residual_rows[r]` (each at most once).
+        `activation` NO_ACTIVATION or SILU, units kept with probability `keep` (dropout where < 1, its mask drawn
+        from the one-element int64 `seed`)."""
         rows, width = projected.shape[0], projected.shape[1] // 2
         out = projected.new_empty(rows, width)
         wrap_triton(_glu_forward_kernel)[_grid(rows, width)](
-            projected, projected if residual is None else residual, out, projected if seed is None else seed, keep,
-            rows, width, RESIDUAL=residual is not None, ACTIVATION=activation, DROPOUT=keep < 1.0,
-            ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_COLUMNS,
+            projected, projected if bias is None else bias, projected if residual is None else residual,
+            projected if residual_rows is None else residual_rows, out, projected if seed is None else seed, keep,
+            rows, width, BIAS=bias is not None, RESIDUAL=residual is not None, ROW_MAP=residual_rows is not None,
+            ACTIVATION=activation, DROPOUT=keep < 1.0, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_COLUMNS,
         )  # fmt: skip
         return out
 
-    @triton_op("ran_hf::glu_backward", mutates_args={})
+    @triton_op("ran_hf::glu_backward", mutates_args={"grad_residual", "grad_bias_parts"})
     def glu_backward(
         projected: torch.Tensor,
+        bias: torch.Tensor | None,
         residual: torch.Tensor | None,
+        residual_rows: torch.Tensor | None,
         seed: torch.Tensor | None,
         activation: int,
         keep: float,
         grad_out: torch.Tensor,
-    ) -> list[torch.Tensor]:
-        """The gradients of `glu_forward`'s input (R, 2 D) and, where a residual is given, of its residual (R, D),
-        given the output's (R, D, contiguous); without one, the second is empty."""
+        grad_residual: torch.Tensor,
+        grad_bias_parts: torch.Tensor,
+    ) -> torch.Tensor:
+        """The gradient of `glu_forward`'s input (R, 2 D), given the output's (R, D, contiguous). Where a residual is
+        given, its gradient is written into `grad_residual` (of its shape; the rows no output reads are left as they
+        are: zeros where the caller gave zeros); where a bias is, each block of rows writes its sums of the
+        projection's gradient into its row of `grad_bias_parts` (row blocks, 2 D)."""
         rows, width = grad_out.shape
         grad_projected = torch.empty_like(projected)
-        grad_residual = projected.new_empty(0) if residual is None else torch.empty_like(residual)
         wrap_triton(_glu_backward_kernel)[_grid(rows, width)](
-            projected, grad_out, grad_projected, projected if residual is None else residual, grad_residual,
-            projected if seed is None else seed, keep, rows, width, BRANCH=residual is not None,
-            ACTIVATION=activation, DROPOUT=keep < 1.0, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_COLUMNS,
+            projected, projected if bias is None else bias, grad_out, grad_projected, grad_bias_parts,
+            projected if residual is None else residual, projected if residual_rows is None else residual_rows,
+            grad_residual, projected if seed is None else seed, keep, rows, width, BIAS=bias is not None,
+            BRANCH=residual is not None, ROW_MAP=residual_rows is not None, ACTIVATION=activation,
+            DROPOUT=keep < 1.0, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_COLUMNS,
         )  # fmt: skip
-        return [grad_projected, grad_residual]
+        return grad_projected
 
-    def _forward_on_meta(projected, residual, seed, activation, keep):
+    def _forward_on_meta(projected, bias, residual, residual_rows, seed, activation, keep):
         return projected.new_empty(projected.shape[0], projected.shape[1] // 2)
 
-    def _backward_on_meta(projected, residual, seed, activation, keep, grad_out):
-        return [
-            torch.empty_like(projected),
-            projected.new_empty(0) if residual is None else torch.empty_like(residual),
-        ]
+    def _backward_on_meta(projected, bias, residual, residual_rows, seed, activation, keep, grad_out, *written):
+        return torch.empty_like(projected)
 
     # The meta device (shape checks and kernel counts without a GPU) runs no kernel.
     for _op, _on_meta in ((glu_forward, _forward_on_meta), (glu_backward, _backward_on_meta)):
@@ -161,20 +195,33 @@ if TRITON_AVAILABLE:
             pass
 
     def _setup_context(ctx, inputs, output):
-        projected, residual, seed, activation, keep = inputs
-        # A plain residual's gradient is the output's: only a branch with an activation or dropout is read again.
-        ctx.plain_residual = residual is not None and activation == NO_ACTIVATION and keep == 1.0
-        ctx.save_for_backward(projected, None if ctx.plain_residual else residual, seed)
+        projected, bias, residual, residual_rows, seed, activation, keep = inputs
+        # A plain residual's gradient is the output's: only a branch with an activation, dropout or a row map is
+        # read again.
+        ctx.plain_residual = (
+            residual is not None and residual_rows is None and activation == NO_ACTIVATION and keep == 1.0
+        )
+        ctx.save_for_backward(projected, bias, None if ctx.plain_residual else residual, residual_rows, seed)
         ctx.has_residual, ctx.activation, ctx.keep = residual is not None, activation, keep
 
     def _backward(ctx, grad_out):
-        projected, residual, seed = ctx.saved_tensors
-        grad_projected, grad_residual = glu_backward(
-            projected, residual, seed, ctx.activation, ctx.keep, grad_out.contiguous()
-        )
-        if ctx.plain_residual:
-            grad_residual = grad_out  # the output's gradient, as it is
-        return grad_projected, grad_residual if ctx.has_residual else None, None, None, None
+        projected, bias, residual, residual_rows, seed = ctx.saved_tensors
+        if residual is None:  # none, or a plain one: its gradient is the output's, as it is
+            grad_residual = grad_out if ctx.plain_residual else None
+            written = projected.new_empty(0)
+        elif residual_rows is not None and residual_rows.shape[0] < residual.shape[0]:
+            grad_residual = written = torch.zeros_like(residual)  # rows no output reads get none
+        else:
+            grad_residual = written = torch.empty_like(residual)
+        row_blocks = triton.cdiv(projected.shape[0], ROWS_PER_PROGRAM)
+        parts = projected.new_empty(0) if bias is None else projected.new_empty(row_blocks, projected.shape[1],
+                                                                                 dtype=torch.float32)  # fmt: skip
+        grad_projected = glu_backward(
+            projected, bias, residual, residual_rows, seed, ctx.activation, ctx.keep, grad_out.contiguous(), written,
+            parts,
+        )  # fmt: skip
+        grad_bias = None if bias is None else parts.sum(0).to(bias.dtype)
+        return grad_projected, grad_bias, grad_residual if ctx.has_residual else None, None, None, None, None
 
     glu_forward.register_autograd(_backward, setup_context=_setup_context)
 
@@ -184,10 +231,15 @@ def triton_glu(
     residual: torch.Tensor | None = None,
     activation: int = NO_ACTIVATION,
     dropout: float = 0.0,
+    residual_rows: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """value * sigmoid(gate) of `projected` (..., 2 D) = [value, gate], plus dropout(act(residual)) where a residual
     is given (`activation`: NO_ACTIVATION or SILU; `dropout`: the probability of dropping a unit), in one kernel:
-    (..., D). A residual that would change the result's shape or dtype is added by PyTorch after the kernel."""
+    (..., D). With `residual_rows` (one index per output row), the residual is (N, D) rows, output row r adding row
+    `residual_rows[r]`. `bias` (2 D): the projection's bias, added here where the projection left it out (its
+    gradient then comes from the kernel's column sums, not from a pass of its own over the projection's gradient).
+    A plain residual that would change the result's shape or dtype is added by PyTorch after."""
     if projected.shape[-1] % 2:
         raise ValueError(f"the gated linear unit takes [value, gate] of even width, got {projected.shape[-1]}")
     if not 0.0 <= dropout < 1.0:
@@ -195,16 +247,19 @@ def triton_glu(
     width = projected.shape[-1] // 2
     shape = (*projected.shape[:-1], width)
     rows = projected.reshape(-1, 2 * width).contiguous()
-    if residual is not None and (residual.shape != shape or residual.dtype != projected.dtype):
+    mapped = residual_rows is not None
+    if residual is not None and not mapped and (residual.shape != shape or residual.dtype != projected.dtype):
         if activation != NO_ACTIVATION or dropout:
             raise ValueError("a residual branch with an activation or dropout must have the output's shape and dtype")
-        return residual + glu_forward(rows, None, None, NO_ACTIVATION, 1.0).view(shape)
+        return residual + glu_forward(rows, bias, None, None, None, NO_ACTIVATION, 1.0).view(shape)
     seed = None
     if residual is not None:
         residual = residual.reshape(-1, width).contiguous()
         if dropout:  # drawn on the device by PyTorch's generator: no host synchronisation, restored by checkpoints
             seed = torch.randint(2**31 - 1, (1,), device=projected.device, dtype=torch.int64)
-    return glu_forward(rows, residual, seed, activation, 1.0 - dropout).view(shape)
+    if mapped:
+        residual_rows = residual_rows.reshape(-1)
+    return glu_forward(rows, bias, residual, residual_rows, seed, activation, 1.0 - dropout).view(shape)
 
 
 def triton_glu_applies(projected: torch.Tensor) -> bool:
