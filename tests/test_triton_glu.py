@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ran_hf import triton_glu
-from ran_hf.building_blocks import RANGatedLinearUnit
+from ran_hf.building_blocks import RANGatedLinearUnit, RANLayerNorm, standard_normalize
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
@@ -202,3 +202,50 @@ def test_a_residual_read_through_a_row_map_equals_the_gathered_residual(dropout,
     unread = torch.ones(rows + extra, dtype=torch.bool, device=DEVICE)
     unread[order] = False
     assert not actual_grads[-1][unread].any() and actual_grads[-1][~unread].abs().sum() > 0
+
+
+@pytest.mark.parametrize("then_standardize", [False, True], ids=["layer-norm", "layer-norm-then-standardise"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
+def test_the_norm_after_the_glu_in_its_kernel_equals_the_pytorch_ops(then_standardize, dropout, monkeypatch):
+    """norm(GLU(x) + dropout(act(r))) and its dropout in one kernel each way (the official layer's attention ending
+    and memory review): output and the gradients of x, the projection, the branch and the norm's weight and bias
+    equal the PyTorch ops' under the kernel's masks (read off constant inputs with the same seed)."""
+    rows, width, extra = 21, 40, 5  # a width below the kernel's whole-row block
+    generator = torch.Generator().manual_seed(13)
+    glu, norm = RANGatedLinearUnit(width).to(DEVICE), RANLayerNorm(width, 1e-7).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=generator))
+        norm.bias.copy_(torch.randn(width, generator=generator))
+    x = torch.randn(rows, width, generator=generator).to(DEVICE)
+    residual = torch.randn(rows + extra, width, generator=generator).to(DEVICE)
+    order = torch.randperm(rows + extra, generator=generator)[:rows].to(DEVICE)
+    probe = torch.randn(rows, width, generator=generator).to(DEVICE)
+    act, drop = torch.nn.SiLU(), torch.nn.Dropout(dropout).train()
+    zeros, ones = torch.zeros(rows, 2 * width, device=DEVICE), torch.ones(rows, width, device=DEVICE)
+    torch.manual_seed(4)
+    branch_mask = triton_glu.triton_glu(zeros, ones, 0, dropout)  # 1 / keep where kept: LN(constant) = its bias
+    torch.manual_seed(4)
+    norm_mask = triton_glu.triton_glu(zeros, norm=(ones[0], ones[0], 1e-7, False, dropout))
+
+    def run(use_triton):
+        monkeypatch.setattr("ran_hf.building_blocks.triton_glu_applies", lambda states: use_triton)
+        monkeypatch.setattr("ran_hf.building_blocks.triton_norm_applies", lambda states: use_triton)
+        leaf, residual_leaf = x.clone().requires_grad_(), residual.clone().requires_grad_()
+        glu.zero_grad()
+        norm.zero_grad()
+        torch.manual_seed(4)
+        if use_triton:
+            out = glu(leaf, residual_leaf * 1, act, drop, order, norm, drop, then_standardize)
+        else:
+            summed = glu(leaf) + act((residual_leaf * 1)[order]) * branch_mask
+            out = norm(summed)
+            out = (standard_normalize(out, 1e-7) if then_standardize else out) * norm_mask
+        (out * probe).sum().backward()
+        grads = [leaf.grad, glu.proj.weight.grad, glu.proj.bias.grad, residual_leaf.grad, norm.weight.grad]
+        return out.detach(), grads + [norm.bias.grad]
+
+    expected, expected_grads = run(False)
+    actual, actual_grads = run(True)
+    assert torch.allclose(actual, expected, atol=1e-5)
+    for got, want in zip(actual_grads, expected_grads):
+        assert torch.allclose(got, want, atol=1e-4 * max(1.0, want.abs().max().item()))

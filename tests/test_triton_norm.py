@@ -91,3 +91,41 @@ def test_dropout_in_the_norm_kernel_equals_the_pytorch_ops_with_its_mask(affine,
     assert not torch.equal(run(True)[0], actual)
     drop.eval()  # not training: nothing dropped
     assert torch.allclose(run(True)[0], run(False, torch.ones_like(mask))[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 24), (40, 16)], ids=str)
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no-dropout", "dropout"])
+def test_layer_norm_then_standardisation_in_one_kernel_equals_the_two(shape, dropout, monkeypatch):
+    """`RANLayerNorm(x, dropout, then_standardize=True)`, the official layer's ending, is one kernel each way: the
+    output and the gradients of input, weight and bias equal `standard_normalize(layer_norm(x), eps, dropout)` in
+    PyTorch ops (with the kernel's dropout mask, read off as in the test above)."""
+    generator = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=generator) * 3 + 1).to(DEVICE)
+    probe = torch.randn(shape, generator=generator).to(DEVICE)
+    norm = RANLayerNorm(shape[-1], 1e-7)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=generator))
+        norm.bias.copy_(torch.randn(shape[-1], generator=generator))
+    norm = norm.to(DEVICE)
+    drop = torch.nn.Dropout(dropout).train()
+    torch.manual_seed(2)  # the mask the kernel draws with this seed, read off a constant input (as above)
+    ones = torch.ones(shape[-1], device=DEVICE)
+    mask = TritonNorm.apply(torch.zeros(shape, device=DEVICE), ones, ones, 1e-7, torch.float32, dropout)
+
+    def run(use_triton):
+        monkeypatch.setattr("ran_hf.building_blocks.triton_norm_applies", lambda states: use_triton)
+        leaf = x.clone().requires_grad_()
+        norm.zero_grad()
+        torch.manual_seed(2)
+        if use_triton:
+            out = norm(leaf, drop, then_standardize=True)
+        else:
+            out = standard_normalize(norm(leaf), 1e-7) * mask
+        (out * probe).sum().backward()
+        return out.detach(), [leaf.grad, norm.weight.grad, norm.bias.grad]
+
+    expected, expected_grads = run(False)
+    actual, actual_grads = run(True)
+    assert torch.allclose(actual, expected, atol=1e-5)
+    for got, want in zip(actual_grads, expected_grads):
+        assert torch.allclose(got, want, atol=1e-4 * max(1.0, want.abs().max().item()))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .triton_glu import branch_activation, triton_glu, triton_glu_applies
+from .triton_glu import NO_ACTIVATION, branch_activation, triton_glu, triton_glu_applies
 from .triton_norm import TritonNorm, triton_norm_applies
 from .triton_rotary import triton_rotary_applies, triton_rotate_pairs
 
@@ -51,7 +51,8 @@ def unit_vectors(states: torch.Tensor) -> torch.Tensor:
 
 class RANLayerNorm(nn.Module):
     """`standard_normalize` followed by a learned scale and shift (langml's LayerNorm, which RAN checkpoints use);
-    then the `dropout` given to `forward` (inside the kernel on CUDA)."""
+    then, where `forward` is asked to, `standard_normalize` again (the official layer's ending) and the `dropout`
+    given (inside the kernel on CUDA)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -59,21 +60,27 @@ class RANLayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
 
-    def forward(self, hidden_states: torch.Tensor, dropout: nn.Dropout | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, dropout: nn.Dropout | None = None, then_standardize: bool = False
+    ) -> torch.Tensor:
         if triton_norm_applies(hidden_states):
             autocast = hidden_states.device.type == "cuda" and torch.is_autocast_enabled("cuda")
             normalized_dtype = torch.float32 if autocast else hidden_states.dtype
             out_dtype = torch.promote_types(self.weight.dtype, normalized_dtype)
-            return TritonNorm.apply(hidden_states, self.weight, self.bias, self.eps, out_dtype, dropout_rate(dropout))
+            rate = dropout_rate(dropout)
+            return TritonNorm.apply(hidden_states, self.weight, self.bias, self.eps, out_dtype, rate, then_standardize)
         normalized = self.weight * standard_normalize(hidden_states, self.eps) + self.bias
+        if then_standardize:
+            return standard_normalize(normalized, self.eps, dropout)
         return normalized if dropout is None else dropout(normalized)
 
 
 class RANGatedLinearUnit(nn.Module):
     """GLU(x) = (A x + a) * sigmoid(G x + g), with A and G fused into one projection; plus a residual branch
-    dropout(activation(residual)) where a residual is given (one kernel each way on CUDA, where the branch's
-    activation, dropout and sum would be kernels of their own). With `residual_rows`, the residual is rows of
-    another order: output row r adds row `residual_rows[r]` (read through the map by the kernel, not gathered)."""
+    dropout(activation(residual)) where a residual is given; then, where given, a `norm` (`RANLayerNorm`, with its
+    `then_standardize` and `norm_dropout`). One kernel each way on CUDA, where the branch's activation, dropout and
+    sum, and the norm, would be kernels of their own. With `residual_rows`, the residual is rows of another order:
+    output row r adds row `residual_rows[r]` (read through the map by the kernel, not gathered)."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -86,30 +93,45 @@ class RANGatedLinearUnit(nn.Module):
         residual_activation: nn.Module | None = None,
         residual_dropout: nn.Dropout | None = None,
         residual_rows: torch.Tensor | None = None,
+        norm: RANLayerNorm | None = None,
+        norm_dropout: nn.Dropout | None = None,
+        then_standardize: bool = False,
     ) -> torch.Tensor:
         fused = triton_glu_applies(hidden_states)
         # On the kernel's path the bias is added by the kernel, which also sums its gradient: one pass over the
         # projection's gradient fewer. A wrapped projection (LoRA, quantised) runs as it is.
         bias = self.proj.bias if fused and type(self.proj) is nn.Linear else None
         projected = self.proj(hidden_states) if bias is None else F.linear(hidden_states, self.proj.weight)  # (.., 2D)
-        if fused and residual is not None:  # the whole branch in the kernel where it can be
-            activation = branch_activation(residual_activation)
-            width = projected.shape[-1] // 2
-            fits = residual.shape == (*projected.shape[:-1], width) or (
-                residual_rows is not None and residual.dim() == 2 and residual.shape[-1] == width
+        width = projected.shape[-1] // 2
+        activation = branch_activation(residual_activation) if fused and residual is not None else NO_ACTIVATION
+        fits = residual is None or (
+            residual.dtype == projected.dtype
+            and (
+                residual.shape == (*projected.shape[:-1], width) or (residual_rows is not None and residual.dim() == 2)
             )
-            if activation is not None and fits and residual.dtype == projected.dtype:
-                dropout = dropout_rate(residual_dropout)
-                return triton_glu(projected, residual, activation, dropout, residual_rows, bias)
+        )
+        if fused and activation is not None and fits:  # the whole branch, and the norm, in the kernel
+            out_dtype, norm_args = projected.dtype, None
+            if norm is not None and type(norm) is RANLayerNorm and triton_norm_applies(projected[..., :width]):
+                autocast = projected.device.type == "cuda" and torch.is_autocast_enabled("cuda")
+                out_dtype = torch.promote_types(norm.weight.dtype, torch.float32 if autocast else projected.dtype)
+                norm_args = (norm.weight, norm.bias, norm.eps, then_standardize, dropout_rate(norm_dropout))
+            dropout = dropout_rate(residual_dropout)
+            out = triton_glu(projected, residual, activation, dropout, residual_rows, bias, norm_args, out_dtype)
+            if norm is None or norm_args is not None:
+                return out
+            return norm(out, norm_dropout, then_standardize)
         if residual is not None:
             residual = residual if residual_rows is None else gather_rows(residual, residual_rows)
             residual = residual if residual_activation is None else residual_activation(residual)
             residual = residual if residual_dropout is None else residual_dropout(residual)
         if fused:  # one kernel each way instead of two (three with the sum) and four ops
-            return triton_glu(projected, residual, bias=bias)
-        value, gate = projected.chunk(2, dim=-1)
-        gated = value * torch.sigmoid(gate)
-        return gated if residual is None else residual + gated
+            out = triton_glu(projected, residual, bias=bias)
+        else:
+            value, gate = projected.chunk(2, dim=-1)
+            gated = value * torch.sigmoid(gate)
+            out = gated if residual is None else residual + gated
+        return out if norm is None else norm(out, norm_dropout, then_standardize)
 
 
 def rotary_rotations(num_positions: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:

@@ -163,12 +163,19 @@ class RANMemoryReview(nn.Module):
         if self.residual_stream:
             review, probs = self.review(self.norm(token_states), cell_states, *readable)
             return token_states + review, probs
-        review, probs = self.review(token_states, cell_states, *readable)
-        return self.norm(review), probs
+        return self.review(token_states, cell_states, *readable, norm=self.norm)
 
     def review(
-        self, token_states, cell_states, readable_cells, first_readable=None, salient_table=None, salient_rows=None
+        self,
+        token_states,
+        cell_states,
+        readable_cells,
+        first_readable=None,
+        salient_table=None,
+        salient_rows=None,
+        norm=None,
     ):
+        """The review of a chunk of tokens and its weights; `norm` (the official layer's) applied to it."""
         projected = self.q_proj(token_states)  # (B, l, D)
         query = self.act(projected)
         key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
@@ -191,5 +198,5 @@ class RANMemoryReview(nn.Module):
             hidden = hidden & ~salient_table.gather(1, index)
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype) @ value  # (B, l, D)
-        # dropout(value_act(o_proj(review))) + GLU(query), the branch inside the GLU's kernel on CUDA
-        return self.glu(query, self.o_proj(review), self.value_act, self.dropout), probs
+        # dropout(value_act(o_proj(review))) + GLU(query), then the norm: on CUDA all inside the GLU's kernel
+        return self.glu(query, self.o_proj(review), self.value_act, self.dropout, norm=norm), probs

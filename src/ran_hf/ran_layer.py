@@ -120,8 +120,10 @@ class RANLayer(GradientCheckpointingLayer):
 
     def finish_attention(self, attended: torch.Tensor, normed: torch.Tensor, rows=None) -> torch.Tensor:
         """The official post-norm ending: attention output, then the two normalisations -> standardised (..., D)."""
-        output = self.attention_norm(self.attention_output(attended, normed, rows))
-        return standard_normalize(output, self.config.layer_norm_eps, self.dropout)
+        # On CUDA one kernel from the GLU's projection to the dropped, twice-normalised states.
+        return self.attention_glu(
+            normed, self.o_proj(attended), self.act, self.dropout, rows, self.attention_norm, self.dropout, True
+        )
 
     def write_cell(self, attended: torch.Tensor, normed_cell: torch.Tensor, output_mask=None, written_mask=None):
         """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D); the masks are the scan's dropout
