@@ -46,8 +46,6 @@ class RANAssociativeMemory(nn.Module):
     """The write strengths and read scale of a causal layer's associative memory; the keys, values and queries are
     the window attention's own (before rotary), so a cached tail already holds what an unfinished window writes."""
 
-    initial_write_bias = -4.0  # the write strength's bias at initialisation (RANPreTrainedModel._init_weights)
-
     def __init__(self, config: RANConfig):
         super().__init__()
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim

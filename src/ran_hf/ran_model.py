@@ -19,7 +19,6 @@ from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .adaptive_softmax import RANAdaptiveEmbedding
-from .associative_memory import RANAssociativeMemory
 from .building_blocks import RANGatedLinearUnit, RANLayerNorm
 from .cache_ran import RANCache, RANCacheLayer, check_cache
 from .configuration_ran import RANConfig
@@ -163,12 +162,6 @@ class RANPreTrainedModel(PreTrainedModel):
             init.normal_(module.initial_cell, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, RANMemoryReview) and hasattr(module, "salience"):
             init.zeros_(module.salience)  # no cell is preferred before training says which are worth reading
-        elif isinstance(module, RANAssociativeMemory):
-            # Every token starts by writing little (sigmoid(-4) = 0.018): with the default bias of 0 each one
-            # half-overwrites the matrix, and a few hundred filler tokens erased the bindings before any query could
-            # learn to read them (docs/memory.md). Training raises the strength of what is worth keeping.
-            init.constant_(module.write_strength.bias, module.initial_write_bias)
-            init.ones_(module.read_scale)
         elif isinstance(module, RANTokenShift):
             init.zeros_(module.weight)
             init.zeros_(module.bias)
