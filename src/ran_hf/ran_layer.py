@@ -155,8 +155,11 @@ class RANLayer(GradientCheckpointingLayer):
         )
         fused = triton_window_projection_applies(normed_tokens, config.hidden_act, cache is not None)
         if fused and not config.associative_memory:  # one kernel each way from the projections to the windows
-            qkv = self.qkv_proj(normed_tokens).unflatten(-1, (3, self.num_heads, self.head_dim))
-            query, key, value, *joined = triton_window_projection(qkv, layout, rotations, self.qk_activation)
+            # The kernel adds the bias and sums its gradient (a wrapped projection, LoRA or quantised, runs as it is).
+            bias = self.qkv_proj.bias if type(self.qkv_proj) is nn.Linear else None
+            qkv = self.qkv_proj(normed_tokens) if bias is None else F.linear(normed_tokens, self.qkv_proj.weight)
+            qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
+            query, key, value, *joined = triton_window_projection(qkv, layout, rotations, self.qk_activation, bias)
             return query, key, value, None, None, joined
         qkv = self.project(normed_tokens)  # (T, 3, H, d)
         new_query, new_kv = qkv.split([1, 2], dim=1)  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy

@@ -51,10 +51,19 @@ if TRITON_AVAILABLE:
         )
 
     @triton.jit
+    def _load_projection(projected, bias, at, columns, ok, BIAS: tl.constexpr):
+        """Pairs of the token projections at `at`, plus the projection's bias at `columns` where it is given apart."""
+        x, y = _load_pairs(projected, at, ok)
+        if BIAS:
+            bx, by = _load_pairs(bias, columns, columns >= 0)
+            x, y = x + tl.where(ok, bx[None, :], 0.0), y + tl.where(ok, by[None, :], 0.0)  # empty slots stay 0
+        return x, y
+
+    @triton.jit
     def _window_projection_kernel(
-        projected, slot_tokens, query_tokens, query_slots, rotations, query, key, value, key_joined, value_joined,
+        projected, bias, slot_tokens, query_tokens, query_slots, rotations, query, key, value, key_joined, value_joined,
         T, R, S, Q, H, half,
-        ACT_QK: tl.constexpr, ROTARY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        BIAS: tl.constexpr, ACT_QK: tl.constexpr, ROTARY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """Program axis 2: 0 fills key and value rows (window k, slot s), 1 fills query rows (window k, query q).
         Keys and values are written twice: as the scan reads them, and at slots 1.. of the attention's joined ones
@@ -84,7 +93,8 @@ if TRITON_AVAILABLE:
         for part in tl.static_range(2):  # part 0: the query, or the key; part 1: the value (key rows only)
             if part == 0 or not is_query:
                 offset = 0 if is_query else (part + 1) * H * 2 * half
-                x, y = _load_pairs(projected, source + offset, ok)
+                columns = tl.where(pairs < H * half, offset + 2 * pairs, 0)
+                x, y = _load_projection(projected, bias, source + offset, columns, ok, BIAS)
                 if part == 1 or ACT_QK:
                     x, y = _silu(x), _silu(y)
                 if part == 0 and ROTARY:
@@ -100,12 +110,12 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _window_projection_grad_kernel(
-        projected, token_slots, output_slot, query_slots, rotations, grad_query, grad_key, grad_value, grad_key_joined,
-        grad_value_joined, grad_projected,
+        projected, bias, token_slots, output_slot, query_slots, rotations, grad_query, grad_key, grad_value,
+        grad_key_joined, grad_value_joined, grad_projected, grad_bias_parts,
         T, S, Q, H, half,
         gq_k, gq_h, gq_q, gq_d, gk_k, gk_h, gk_s, gk_d, gv_k, gv_h, gv_s, gv_d,
         jk_k, jk_h, jk_s, jk_d, jv_k, jv_h, jv_s, jv_d,
-        ACT_QK: tl.constexpr, ROTARY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        BIAS: tl.constexpr, ACT_QK: tl.constexpr, ROTARY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """One program per block of tokens and (head, pair) columns: the gradient of the token's q, k and v. A slot's
         key and value gradients are the scan's (grad_key, grad_value) plus the attention's (at slot 1 + s of the
@@ -116,6 +126,8 @@ if TRITON_AVAILABLE:
         ok = token_ok[:, None] & (pairs < H * half)[None, :]
         head, pair = (pairs // half)[None, :], (pairs % half)[None, :]
         source = (tokens * 3 * H * 2 * half)[:, None] + 2 * pairs[None, :]
+        columns = tl.where(pairs < H * half, 2 * pairs, 0)  # of the query's bias; the key's and value's after it
+        parts_at = tl.program_id(0) * (3 * H * 2 * half) + columns  # this block's sums of the bias gradient
 
         # The query: one per token, at its output slot (window k, query q), rotated by the angle of its slot.
         at = tl.load(output_slot + tokens, mask=token_ok, other=0)
@@ -130,10 +142,12 @@ if TRITON_AVAILABLE:
             cos, sin = _load_pairs(rotations, (slot * 2 * half)[:, None] + 2 * pair, ok)
             gx, gy = gx * cos + gy * sin, gy * cos - gx * sin
         if ACT_QK:
-            x, y = _load_pairs(projected, source, ok)
+            x, y = _load_projection(projected, bias, source, columns, ok, BIAS)
             gx, gy = gx * _silu_grad(x), gy * _silu_grad(y)
         tl.store(grad_projected + source, gx.to(grad_projected.dtype.element_ty), mask=ok)
         tl.store(grad_projected + source + 1, gy.to(grad_projected.dtype.element_ty), mask=ok)
+        if BIAS:
+            _store_column_sums(grad_bias_parts, parts_at, gx, gy, pairs < H * half)
 
         # The key and value: summed over the slots the token fills, its own and an enrichment one (-1: none).
         kx = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
@@ -163,14 +177,23 @@ if TRITON_AVAILABLE:
             vy += tl.load(grad_value_joined + jv_at + jv_d, mask=filled, other=0.0).to(tl.float32)
         key_at = source + H * 2 * half
         if ACT_QK:
-            x, y = _load_pairs(projected, key_at, ok)
+            x, y = _load_projection(projected, bias, key_at, columns + H * 2 * half, ok, BIAS)
             kx, ky = kx * _silu_grad(x), ky * _silu_grad(y)
         tl.store(grad_projected + key_at, kx.to(grad_projected.dtype.element_ty), mask=ok)
         tl.store(grad_projected + key_at + 1, ky.to(grad_projected.dtype.element_ty), mask=ok)
         value_at = key_at + H * 2 * half
-        x, y = _load_pairs(projected, value_at, ok)
-        tl.store(grad_projected + value_at, (vx * _silu_grad(x)).to(grad_projected.dtype.element_ty), mask=ok)
-        tl.store(grad_projected + value_at + 1, (vy * _silu_grad(y)).to(grad_projected.dtype.element_ty), mask=ok)
+        x, y = _load_projection(projected, bias, value_at, columns + 2 * H * 2 * half, ok, BIAS)
+        vx, vy = vx * _silu_grad(x), vy * _silu_grad(y)
+        tl.store(grad_projected + value_at, vx.to(grad_projected.dtype.element_ty), mask=ok)
+        tl.store(grad_projected + value_at + 1, vy.to(grad_projected.dtype.element_ty), mask=ok)
+        if BIAS:
+            _store_column_sums(grad_bias_parts, parts_at + H * 2 * half, kx, ky, pairs < H * half)
+            _store_column_sums(grad_bias_parts, parts_at + 2 * H * 2 * half, vx, vy, pairs < H * half)
+
+    @triton.jit
+    def _store_column_sums(parts, at, gx, gy, ok):
+        tl.store(parts + at, tl.sum(gx, axis=0), mask=ok)
+        tl.store(parts + at + 1, tl.sum(gy, axis=0), mask=ok)
 
     def _grid(rows: int, num_heads: int, half: int, *kinds: int) -> tuple:
         return (triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(num_heads * half, BLOCK_PAIRS), *kinds)
@@ -178,6 +201,7 @@ if TRITON_AVAILABLE:
     @triton_op("ran_hf::window_projection", mutates_args={})
     def window_projection(
         projected: torch.Tensor,
+        bias: torch.Tensor | None,
         window_slots: torch.Tensor,
         query_index: torch.Tensor,
         query_slots: torch.Tensor,
@@ -192,7 +216,7 @@ if TRITON_AVAILABLE:
         Returns query (K, H, Q, d), key and value (K, H, S, d), and the key and value again at slots 1.. of
         (K, H, 1 + S, d), slot 0 left unwritten for the read cell (`join_read_cells`). token_slots (T, 2), the slots
         k * S + s each token fills (-1: none), and output_slot (T,), its query k * Q + q, are the inverse maps the
-        backward reads."""
+        backward reads. `bias` (3 H d): the projection's bias, added here where the projection left it out."""
         num_tokens, _, num_heads, head_dim = projected.shape
         (num_windows, num_slots), num_queries = window_slots.shape, query_index.shape[1]
         query = projected.new_empty(num_windows, num_heads, num_queries, head_dim)
@@ -202,15 +226,17 @@ if TRITON_AVAILABLE:
         value_joined = torch.empty_like(key_joined)
         rows = num_windows * max(num_slots, num_queries)
         wrap_triton(_window_projection_kernel)[_grid(rows, num_heads, head_dim // 2, 2)](
-            projected, window_slots, query_index, query_slots, rotations, query, key, value, key_joined, value_joined,
-            num_tokens, num_windows, num_slots, num_queries, num_heads, head_dim // 2, ACT_QK=act_qk, ROTARY=rotary,
-            ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_PAIRS,
+            projected, projected if bias is None else bias, window_slots, query_index, query_slots, rotations, query,
+            key, value, key_joined, value_joined, num_tokens, num_windows, num_slots, num_queries, num_heads,
+            head_dim // 2, BIAS=bias is not None, ACT_QK=act_qk, ROTARY=rotary, ROWS=ROWS_PER_PROGRAM,
+            BLOCK=BLOCK_PAIRS,
         )  # fmt: skip
         return query, key, value, key_joined, value_joined
 
-    @triton_op("ran_hf::window_projection_backward", mutates_args={})
+    @triton_op("ran_hf::window_projection_backward", mutates_args={"grad_bias_parts"})
     def window_projection_backward(
         projected: torch.Tensor,
+        bias: torch.Tensor | None,
         token_slots: torch.Tensor,
         output_slot: torch.Tensor,
         query_slots: torch.Tensor,
@@ -220,23 +246,25 @@ if TRITON_AVAILABLE:
         grad_value: torch.Tensor,
         grad_key_joined: torch.Tensor,
         grad_value_joined: torch.Tensor,
+        grad_bias_parts: torch.Tensor,
         act_qk: bool,
         rotary: bool,
     ) -> torch.Tensor:
         """The gradient (T, 3, H, d) of `window_projection`'s input, given its outputs' (of any strides; a stride of
-        0 reads a gradient of zeros)."""
+        0 reads a gradient of zeros). Where a bias is given, each block of tokens writes its sums of that gradient
+        into its row of `grad_bias_parts` (token blocks, 3 H d)."""
         num_tokens, _, num_heads, head_dim = projected.shape
         grad_projected = torch.empty_like(projected)
         wrap_triton(_window_projection_grad_kernel)[_grid(num_tokens, num_heads, head_dim // 2)](
-            projected, token_slots, output_slot, query_slots, rotations, grad_query, grad_key, grad_value,
-            grad_key_joined, grad_value_joined, grad_projected, num_tokens, grad_key.shape[2], grad_query.shape[2],
-            num_heads, head_dim // 2, *grad_query.stride(), *grad_key.stride(), *grad_value.stride(),
-            *grad_key_joined.stride(), *grad_value_joined.stride(), ACT_QK=act_qk, ROTARY=rotary,
-            ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_PAIRS,
+            projected, projected if bias is None else bias, token_slots, output_slot, query_slots, rotations,
+            grad_query, grad_key, grad_value, grad_key_joined, grad_value_joined, grad_projected, grad_bias_parts,
+            num_tokens, grad_key.shape[2], grad_query.shape[2], num_heads, head_dim // 2, *grad_query.stride(),
+            *grad_key.stride(), *grad_value.stride(), *grad_key_joined.stride(), *grad_value_joined.stride(),
+            BIAS=bias is not None, ACT_QK=act_qk, ROTARY=rotary, ROWS=ROWS_PER_PROGRAM, BLOCK=BLOCK_PAIRS,
         )  # fmt: skip
         return grad_projected
 
-    def _forward_on_meta(projected, window_slots, query_index, *_):
+    def _forward_on_meta(projected, bias, window_slots, query_index, *_):
         (num_windows, num_slots), (_, _, num_heads, head_dim) = window_slots.shape, projected.shape
         query = projected.new_empty(num_windows, num_heads, query_index.shape[1], head_dim)
         key = projected.new_empty(num_windows, num_heads, num_slots, head_dim)
@@ -254,19 +282,24 @@ if TRITON_AVAILABLE:
             pass
 
     def _setup_context(ctx, inputs, output):
-        projected, _, _, query_slots, token_slots, output_slot, rotations, act_qk, rotary = inputs
-        ctx.save_for_backward(projected, token_slots, output_slot, query_slots, rotations)
+        projected, bias, _, _, query_slots, token_slots, output_slot, rotations, act_qk, rotary = inputs
+        ctx.save_for_backward(projected, bias, token_slots, output_slot, query_slots, rotations)
         ctx.act_qk, ctx.rotary = act_qk, rotary
         ctx.shapes = [tuple(out.shape) for out in output]
 
     def _backward(ctx, *grads):
-        projected, *maps = ctx.saved_tensors
+        projected, bias, *maps = ctx.saved_tensors
         # An output without a gradient reads zeros: one element, broadcast by strides of 0.
         grads = [
             projected.new_zeros(1).expand(shape) if grad is None else grad for grad, shape in zip(grads, ctx.shapes)
         ]
-        grad_projected = window_projection_backward(projected, *maps, *grads, ctx.act_qk, ctx.rotary)
-        return (grad_projected,) + (None,) * 8
+        blocks = triton.cdiv(projected.shape[0], ROWS_PER_PROGRAM)
+        parts = (
+            projected.new_empty(0) if bias is None else projected.new_empty(blocks, bias.numel(), dtype=torch.float)
+        )
+        grad_projected = window_projection_backward(projected, bias, *maps, *grads, parts, ctx.act_qk, ctx.rotary)
+        grad_bias = None if bias is None else parts.sum(0).to(bias.dtype)
+        return (grad_projected, grad_bias) + (None,) * 8
 
     window_projection.register_autograd(_backward, setup_context=_setup_context)
 
@@ -288,17 +321,18 @@ class JoinReadCells(torch.autograd.Function):
         return grad_key, grad_value, grad_key[:, :, 0], grad_value[:, :, 0]
 
 
-def triton_window_projection(projected, layout, rotations, act_qk: bool):
+def triton_window_projection(projected, layout, rotations, act_qk: bool, bias: torch.Tensor | None = None):
     """The windows' queries (K, H, Q, d), keys and values (K, H, S, d) of the token projections `projected`
     (T, 3, H, d), activated, and queries and keys rotated by `rotations` (S, d / 2, 2) unless it is None; then the
     keys and values again as the window attention reads them, (K, H, 1 + S, d) with slot 0 for the read cell
-    (`JoinReadCells`)."""
+    (`JoinReadCells`). `bias` (3 H d): the projection's bias where the projection left it out (added here, and its
+    gradient summed here: one pass over the projection's gradient fewer)."""
     rotary = rotations is not None
     if rotations is None:
         rotations = projected.new_zeros(1, 1, 2)
     rotations = rotations.to(torch.float32).contiguous()
     return window_projection(
-        projected.contiguous(), layout.window_slots, layout.query_index, layout.query_slots, layout.token_slots(),
+        projected.contiguous(), bias, layout.window_slots, layout.query_index, layout.query_slots, layout.token_slots(),
         layout.output_slot, rotations, act_qk, rotary,
     )  # fmt: skip
 
