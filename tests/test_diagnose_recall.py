@@ -111,3 +111,24 @@ def test_the_anchors_train_and_are_scored(name):
     model = build_model(name, "packed", sequence_length("packed", 8))
     accuracy, on_pair_cell = evaluate(model, "packed", 8, examples=4)
     assert 0 <= accuracy <= 1 and on_pair_cell == []
+
+
+def test_a_curriculum_over_lengths_trains_at_the_longer_length_from_its_step(monkeypatch):
+    """`--later_length 48 --later_from 3`: steps 1-2 draw `spread` batches of --length tokens, steps 3-4 of 48."""
+    import diagnose_recall
+
+    drawn = []
+    batch = diagnose_recall.mqar_batch
+
+    def recording(generator, batch_size, layout, pairs, length=None):
+        drawn.append(length)
+        return batch(generator, batch_size, layout, pairs, length)
+
+    monkeypatch.setattr(diagnose_recall, "mqar_batch", recording)
+    args = diagnose_recall.parse_args(
+        ["--experiments", "spread/ran-associative", "--steps", "4", "--batch_size", "2", "--length", "32",
+         "--later_length", "48", "--later_from", "3", "--eval_every", "10", "--eval_lengths", "48"]
+    )  # fmt: skip
+    monkeypatch.setattr(diagnose_recall, "evaluate", lambda model, layout, pairs, length=None, **_: (0.0, []))
+    result = diagnose_recall.train_once("spread/ran-associative", args, seed=0)
+    assert drawn == [32, 32, 48, 48] and result.steps == 4

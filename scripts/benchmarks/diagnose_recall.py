@@ -281,8 +281,10 @@ def train_once(experiment: str, args, seed: int) -> RunResult:
     torch.set_num_threads(args.threads)
     layout, model_name, pairs = EXPERIMENTS[experiment]
     torch.manual_seed(seed)
-    length = sequence_length(layout, pairs, args.length)
-    context = max([length, *args.eval_lengths]) if layout == "spread" else length
+    first_length = sequence_length(layout, pairs, args.length)
+    spread = layout == "spread"
+    later_length = args.later_length if spread and args.later_length else first_length
+    context = max([first_length, later_length, *args.eval_lengths]) if spread else first_length
     model = build_model(model_name, layout, context, args.hidden_size)
     is_ran = isinstance(model, RANForCausalLM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
@@ -292,6 +294,8 @@ def train_once(experiment: str, args, seed: int) -> RunResult:
     history, steps_to_90, above, losses, start = [], None, 0, [], time.perf_counter()
     on_pair_cell = []
     for step in range(1, args.steps + 1):
+        # `spread` with --later_length: a curriculum over lengths, longer filler from step --later_from on
+        length = later_length if step >= args.later_from else first_length
         ids, positions, values, windows = mqar_batch(generator, args.batch_size, layout, pairs, length)
         oracle = oracle_cells(args.batch_size, length, positions, windows) if is_ran else None
         logits, _ = query_logits(model, ids, positions, oracle)
@@ -310,7 +314,7 @@ def train_once(experiment: str, args, seed: int) -> RunResult:
             above = above + 1 if score >= 0.99 else 0
             if score >= 0.9 and steps_to_90 is None:
                 steps_to_90 = step
-            if above == 2:
+            if above == 2 and length == later_length:  # (with a curriculum, not before the longer length)
                 break
     seconds = time.perf_counter() - start
     by_length = {}
@@ -418,9 +422,12 @@ def markdown(results: list[RunResult], gradients: list[dict], info: dict, args, 
     spread = [r for r in results if r.length_accuracy]
     if spread:
         lengths = list(spread[0].length_accuracy)
+        trained = f"{args.length} tokens"
+        if args.later_length:
+            trained += f", then at {args.later_length} from step {args.later_from}"
         lines += [
             "",
-            f"`spread`: trained at {args.length} tokens, scored on 128 held-out examples at each length (pairs in the "
+            f"`spread`: trained at {trained}, scored on 128 held-out examples at each length (pairs in the "
             "first window, random filler, queries at the end; GPT-2's positions past the training length are untrained).",
             "",
             "| model | pairs | " + " | ".join(str(n) for n in lengths) + " |",
@@ -496,6 +503,13 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=POSITIVE, default=1, help="torch threads (the runs go one after another)")
     parser.add_argument("--length", type=POSITIVE, default=SPREAD_LENGTH, help="`spread`: training length in tokens")
     parser.add_argument(
+        "--later_length",
+        type=POSITIVE,
+        default=None,
+        help="`spread`: train at this length from step --later_from on (a curriculum over lengths)",
+    )
+    parser.add_argument("--later_from", type=POSITIVE, default=1, help="the step --later_length starts at")
+    parser.add_argument(
         "--eval_lengths",
         nargs="+",
         type=POSITIVE,
@@ -513,7 +527,7 @@ def parse_args(argv=None):
     shortest = WINDOWS["spread"] + 2 * 8  # the pairs' window and the queries of 8 pairs
     if (
         any(EXPERIMENTS[name][0] == "spread" for name in args.experiments)
-        and min([args.length, *args.eval_lengths]) < shortest
+        and min([args.length, *args.eval_lengths, args.later_length or shortest]) < shortest
     ):
         parser.error(f"--length and --eval_lengths must be >= {shortest} for the `spread` layout")
     if args.hidden_size < 8 or args.hidden_size % 8:
