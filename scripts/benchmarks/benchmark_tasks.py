@@ -22,8 +22,8 @@ Tasks (data from ../shared/data unless --data_dir says otherwise):
 
 Models: ran, its Table-4 ablations (ran-mean-pooling, ran-no-cell-residual, ran-no-memory-review, ran-no-rotary),
 ran-bpie (window_overlap > 0), bilstm, srnn, bpie-bisrnn (baseline_models.py), longformer, bert-512
-(Transformers' models, from scratch, BERT reading the first 512 tokens only); for lm: ran-causal and
-ran-causal-official.
+(Transformers' models, from scratch, BERT reading the first 512 tokens only); for lm: ran-causal,
+ran-causal-official and ran-causal-associative (ran-causal with `config.associative_memory`).
 
 Runs execute in `--workers` fresh processes and are appended to `<output_name>_runs.jsonl` as they finish; an
 interrupted benchmark resumes where it stopped (`--overwrite` starts afresh). The table is rebuilt from every run
@@ -77,7 +77,7 @@ RAN_VARIANTS = {
 }
 CLASSIFIERS = (*RAN_VARIANTS, "bilstm", "srnn", "bpie-bisrnn", "longformer", "bert-512")
 TAGGERS = ("ran", "ran-bpie", "bilstm", "longformer", "bert-512")
-LANGUAGE_MODELS = ("ran-causal", "ran-causal-official")
+LANGUAGE_MODELS = ("ran-causal", "ran-causal-official", "ran-causal-associative")
 BERT_MAX_LENGTH = 512
 OFFICIAL_CAUSAL_SCAN = "official-causal"  # registered below
 
@@ -465,6 +465,8 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
         official = name == "ran-causal-official"
         # The official causal model is built from the official (post-norm) layer.
         layer_fields = {"layer_design": "official", "scan_implementation": OFFICIAL_CAUSAL_SCAN} if official else {}
+        if name == "ran-causal-associative":
+            layer_fields = {"associative_memory": True}
         config = ran_config(args, task, "ran", args.lm_window_size, is_causal=True, **layer_fields)
         model = RANForCausalLM(config)
         if official:

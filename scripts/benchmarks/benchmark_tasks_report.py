@@ -115,6 +115,14 @@ def target_checks(summary: dict) -> list[str]:
             f"Language modelling, ours below the official causal design: {verdict(ours['max'] < official['min'])} "
             f"(token perplexity {ours['mean']:.1f} vs {official['mean']:.1f}; worst of ours vs best of theirs)."
         )
+    if {"ran-causal", "ran-causal-associative"} <= set(lm):
+        plain, associative = lm["ran-causal"], lm["ran-causal-associative"]
+        # No regression: the associative memory's perplexity within the plain model's seed spread, or below it.
+        checks.append(
+            f"Language modelling, the associative memory no worse than without it: "
+            f"{verdict(associative['mean'] <= plain['max'])} (token perplexity {associative['mean']:.1f} vs "
+            f"{plain['mean']:.1f}, the plain model's seeds up to {plain['max']:.1f})."
+        )
     return checks
 
 
