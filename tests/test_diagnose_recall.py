@@ -49,6 +49,22 @@ def test_spread_puts_filler_between_pairs_and_queries_at_any_length():
         sequence_length("spread", 8, length=20)
 
 
+def test_spread_fills_as_many_windows_as_its_pairs_need():
+    """16 pairs are 32 tokens: they fill the first two windows of 16, and no query shares a window with a pair."""
+    ids, positions, values, windows = mqar_batch(torch.Generator().manual_seed(0), 3, "spread", 16, length=64)
+    assert ids.shape == (3, 64) and positions.tolist() == list(range(32, 64, 2))
+    assert sorted(windows[0].tolist()) == [0] * 8 + [1] * 8
+    for row in range(3):
+        for query in range(16):
+            pair_start = (ids[row, :32] == ids[row, positions[query]]).nonzero().item()
+            assert (
+                pair_start // 16 == windows[row, query]
+                and ids[row, pair_start + 1] == FIRST_VALUE + values[row, query]
+            )
+    with pytest.raises(ValueError, match="at least 64"):
+        sequence_length("spread", 16, length=63)
+
+
 @pytest.mark.parametrize("layout", ["no-filler", "one-per-window"])
 def test_the_oracle_reads_exactly_the_pair_cell_and_leaves_other_tokens_alone(layout):
     pairs = 3
@@ -132,3 +148,14 @@ def test_a_curriculum_over_lengths_trains_at_the_longer_length_from_its_step(mon
     monkeypatch.setattr(diagnose_recall, "evaluate", lambda model, layout, pairs, length=None, **_: (0.0, []))
     result = diagnose_recall.train_once("spread/ran-associative", args, seed=0)
     assert drawn == [32, 32, 48, 48] and result.steps == 4
+
+
+def test_arguments_too_short_for_the_most_pairs_asked_are_refused():
+    """16 pairs in `spread` need 64 tokens (two windows of pairs, 32 tokens of queries): a 48-token length is named."""
+    import diagnose_recall
+
+    diagnose_recall.parse_args(["--experiments", "spread/ran-associative", "--length", "48", "--eval_lengths", "48"])
+    with pytest.raises(SystemExit):
+        diagnose_recall.parse_args(
+            ["--experiments", "spread/ran-associative-p16", "--length", "48", "--eval_lengths", "64"]
+        )

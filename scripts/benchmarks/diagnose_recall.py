@@ -53,7 +53,7 @@ VOCAB_SIZE = 1 + 3 * NUM_SYMBOLS
 
 # layout -> window size: `no-filler` windows are exactly one pair.
 WINDOWS = {"no-filler": 2, "one-per-window": 16, "packed": 16, "spread": 16}
-SPREAD_LENGTH = 128  # `spread`'s training length by default (--length): pairs in the first window, queries at the end
+SPREAD_LENGTH = 128  # `spread`'s training length by default (--length): pairs first, queries at the end
 
 # name -> RAN fields that differ from the causal defaults, and the change the diagnosis makes to the model: "oracle"
 # hands memory review the pair's cell, "token-keys" scores a cell by its window's tokens (None: GPT-2). The oracle
@@ -93,6 +93,10 @@ EXPERIMENTS = {
     "spread/gpt2": ("spread", "gpt2", 8),
     "spread/llama": ("spread", "llama", 8),
     "spread/gla": ("spread", "gla", 8),
+    "spread/ran-associative-p4": ("spread", "ran-associative", 4),  # fewer and more pairs (16 fill two windows)
+    "spread/ran-associative-p16": ("spread", "ran-associative", 16),
+    "spread/gpt2-p4": ("spread", "gpt2", 4),
+    "spread/gpt2-p16": ("spread", "gpt2", 16),
 }
 
 
@@ -121,8 +125,11 @@ def sequence_length(layout: str, pairs: int, length: int | None = None) -> int:
     window = WINDOWS[layout]
     if layout == "spread":
         length = length or SPREAD_LENGTH
-        if 2 * pairs > window or length < window + 2 * pairs:
-            raise ValueError(f"`spread` puts {pairs} pairs in one window of {window} and queries after: too short")
+        if length < shortest_spread(pairs):
+            raise ValueError(
+                f"`spread` puts {pairs} pairs in the first windows of {window} tokens and queries after: {length} "
+                f"tokens are too short (at least {shortest_spread(pairs)})"
+            )
         return length
     query_windows = math.ceil(2 * pairs / window)
     if layout == "no-filler":
@@ -132,6 +139,12 @@ def sequence_length(layout: str, pairs: int, length: int | None = None) -> int:
     if 2 * pairs > window:
         raise ValueError(f"`packed` puts every pair in one window of {window} tokens: at most {window // 2} pairs")
     return (1 + query_windows) * window
+
+
+def shortest_spread(pairs: int) -> int:
+    """`spread`'s shortest length: the windows its pairs fill, then the queries."""
+    window = WINDOWS["spread"]
+    return math.ceil(2 * pairs / window) * window + 2 * pairs
 
 
 def mqar_batch(generator: torch.Generator, batch_size: int, layout: str, pairs: int, length: int | None = None):
@@ -427,8 +440,11 @@ def markdown(results: list[RunResult], gradients: list[dict], info: dict, args, 
             trained += f", then at {args.later_length} from step {args.later_from}"
         lines += [
             "",
-            f"`spread`: trained at {trained}, scored on 128 held-out examples at each length (pairs in the "
-            "first window, random filler, queries at the end; GPT-2's positions past the training length are untrained).",
+            (
+                f"`spread`: trained at {trained}, scored on 128 held-out examples at each length (pairs in the first "
+                "window, 16 pairs in two; random filler, queries at the end; GPT-2's positions past the training "
+                "length are untrained)."
+            ),
             "",
             "| model | pairs | " + " | ".join(str(n) for n in lengths) + " |",
             "|---|---:|" + "---:|" * len(lengths),
@@ -524,11 +540,9 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be >= 1")
     if args.warmup_steps < 0 or args.learning_rate <= 0:
         parser.error("--warmup_steps must be >= 0 and --learning_rate positive")
-    shortest = WINDOWS["spread"] + 2 * 8  # the pairs' window and the queries of 8 pairs
-    if (
-        any(EXPERIMENTS[name][0] == "spread" for name in args.experiments)
-        and min([args.length, *args.eval_lengths, args.later_length or shortest]) < shortest
-    ):
+    spread_pairs = [EXPERIMENTS[name][2] for name in args.experiments if EXPERIMENTS[name][0] == "spread"]
+    shortest = shortest_spread(max(spread_pairs, default=1))
+    if spread_pairs and min([args.length, *args.eval_lengths, args.later_length or shortest]) < shortest:
         parser.error(f"--length and --eval_lengths must be >= {shortest} for the `spread` layout")
     if args.hidden_size < 8 or args.hidden_size % 8:
         parser.error("--hidden_size must be a multiple of 8 (4 heads of an even size)")
