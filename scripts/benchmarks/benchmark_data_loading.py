@@ -158,7 +158,7 @@ def main() -> None:
 
     import datasets
     import pyarrow
-    from benchmark_utils import machine_info
+    from benchmark_utils import machine_info, result_path, write_result
 
     info = machine_info("cpu")
     info.update(
@@ -196,8 +196,8 @@ def main() -> None:
         "results": results,
     }
     output = Path(args.output)
-    output.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    output.with_suffix(".md").write_text(markdown(report))
+    write_result(result_path(output, ".json"), json.dumps(report, indent=2) + "\n")
+    write_result(result_path(output, ".md"), markdown(report))
     print(f"Wrote {output}.json and .md")
 
 

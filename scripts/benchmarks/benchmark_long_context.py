@@ -54,7 +54,7 @@ from transformers import AutoModelForCausalLM
 
 from causal_baselines import causal_baseline
 
-from benchmark_utils import machine_info, machine_line
+from benchmark_utils import machine_info, machine_line, result_path, write_result
 from ran_hf import RANConfig, RANForCausalLM
 from benchmark_tasks import OFFICIAL_CAUSAL_SCAN  # importing it registers the official causal scan
 
@@ -772,7 +772,7 @@ def main(argv=None) -> list[dict]:
     info = machine_info()
     print(machine_line(info))
     output = Path(args.output)
-    results = earlier_results(output.with_suffix(".json"), args)
+    results = earlier_results(result_path(output, ".json"), args)
     # A forked child cannot use CUDA once its parent has; spawned ones start clean.
     start = multiprocessing.get_context("spawn") if torch.device(args.device).type == "cuda" else None
     with ProcessPoolExecutor(args.jobs, mp_context=start) as pool:
@@ -786,10 +786,10 @@ def main(argv=None) -> list[dict]:
     output.parent.mkdir(parents=True, exist_ok=True)
     command = "python scripts/benchmarks/benchmark_long_context.py " + " ".join(sys.argv[1:])
     payload = {"machine_info": info, "command": command.strip(), "arguments": vars(args), "results": results}
-    output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    write_result(result_path(output, ".json"), json.dumps(payload, indent=1))
     table = markdown(results, info, args, command.strip())
-    output.with_suffix(".md").write_text(table)
-    plot(results, args, output.with_suffix(".png"))
+    write_result(result_path(output, ".md"), table)
+    plot(results, args, result_path(output, ".png"))
     print(table)
     return results
 

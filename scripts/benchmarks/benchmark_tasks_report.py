@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmark_utils import machine_line
+from benchmark_utils import machine_line, result_path, write_result
 
 # The metric each task is ranked by, and whether lower is better.
 MAIN_METRIC = {
@@ -290,7 +290,7 @@ def write_report(results: list[dict], args, info: dict, stem: Path, command: str
         "classification_average": classification_average(summary),
         "runs": results,
     }
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(summary, results, args, info, command))
-    plot(summary, stem.with_suffix(".png"))
+    write_result(result_path(stem, ".json"), json.dumps(payload, indent=1) + "\n")
+    write_result(result_path(stem, ".md"), markdown(summary, results, args, info, command))
+    plot(summary, result_path(stem, ".png"))
     return payload

@@ -70,6 +70,27 @@ def machine_info(device: str = "cpu") -> dict:
     return info
 
 
+RESULT_SUFFIXES = (".json", ".md", ".png")
+
+
+def result_path(prefix: str | Path, suffix: str) -> Path:
+    """The result file `prefix` + `suffix` of an `--output` prefix. A prefix with dots in its name keeps them
+    (`recall_lr0.006` -> `recall_lr0.006.json`), where `Path.with_suffix` would cut `.006` off and two runs would
+    write the same files; a prefix that already ends in a result suffix drops it."""
+    prefix = Path(prefix)
+    if prefix.suffix in RESULT_SUFFIXES:
+        prefix = prefix.with_suffix("")
+    return prefix.with_name(prefix.name + suffix)
+
+
+def write_result(path: Path, text: str) -> None:
+    """Write a result file whole or not at all: into a sibling first, then renamed over the old one, so that a run
+    stopped mid-write leaves the earlier file as it was."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def machine_line(info: dict) -> str:
     hardware = info.get("gpu") or f"{info['cpu']} x{info['threads']} threads"
     return f"{hardware} | torch {info['torch']} | transformers {info['transformers']} | git {info['git_sha']}"

@@ -34,7 +34,15 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from benchmark_utils import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, machine_info, machine_line
+from benchmark_utils import (
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_FLOAT,
+    machine_info,
+    machine_line,
+    result_path,
+    write_result,
+)
 from ran_hf import RANConfig, RANForCausalLM
 from ran_hf.building_blocks import apply_interleaved_rotary, rotary_rotations
 
@@ -407,10 +415,10 @@ def main(argv=None) -> list[dict]:
     command = "python scripts/benchmarks/diagnose_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
     payload = {"machine_info": info, "command": command.strip(), "arguments": vars(args), "results": rows}
     payload["runs"] = [r.__dict__ for r in results]
-    output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    write_result(result_path(output, ".json"), json.dumps(payload, indent=1))
     table = markdown(rows, info, args, command.strip()) + probe_markdown(results)
-    output.with_suffix(".md").write_text(table)
-    plot(results, output.with_suffix(".png"))
+    write_result(result_path(output, ".md"), table)
+    plot(results, result_path(output, ".png"))
     print(table)
     return rows
 

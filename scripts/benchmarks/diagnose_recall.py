@@ -41,7 +41,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchmark_utils import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, machine_info, machine_line
+from benchmark_utils import (
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_FLOAT,
+    machine_info,
+    machine_line,
+    result_path,
+    write_result,
+)
 from causal_baselines import causal_baseline
 
 from ran_hf import RANConfig, RANForCausalLM
@@ -559,10 +567,10 @@ def save(results: list[RunResult], gradients: list[dict], info: dict, args, comm
         "gradients_at_init": gradients,
         "results": [r.__dict__ for r in results],
     }
-    output.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    output.with_suffix(".md").write_text(markdown(results, gradients, info, args, command))
+    write_result(result_path(output, ".json"), json.dumps(payload, indent=1))
+    write_result(result_path(output, ".md"), markdown(results, gradients, info, args, command))
     if results:
-        plot(results, output.with_suffix(".png"))
+        plot(results, result_path(output, ".png"))
     return payload
 
 
