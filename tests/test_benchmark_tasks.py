@@ -147,3 +147,30 @@ def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path, wordpiece_token
     # A second call finds every run recorded and trains nothing.
     benchmark_tasks.main(arguments)
     assert len((tmp_path / "out" / "tasks_cpu_runs.jsonl").read_text().splitlines()) == len(runs)
+
+
+def test_a_table_of_runs_from_two_checkouts_names_both_commits():
+    """A resumed benchmark adds runs of a later checkout to earlier ones: its table says so, and the associative
+    memory's LM row is checked against the plain model's seed spread."""
+    from benchmark_tasks_report import markdown, summarize
+
+    def run(model, seed, perplexity, commit):
+        return {
+            "task": "lm", "model": model, "window": None, "seed": seed, "train_seconds": 1.0, "seconds_per_epoch": 1.0,
+            "parameters_without_embeddings": 1000, "parameters": 2000, "about": "WikiText-2",
+            "metrics": {"perplexity": perplexity, "word_perplexity": 2 * perplexity, "stream_perplexity": perplexity},
+            "machine": {"git_sha": commit},
+        }  # fmt: skip
+
+    results = [
+        run("ran-causal", 0, 550.0, "aaaaaaa"), run("ran-causal", 1, 570.0, "bbbbbbb"),
+        run("ran-causal-associative", 0, 560.0, "aaaaaaa"), run("ran-causal-associative", 1, 566.0, "bbbbbbb"),
+    ]  # fmt: skip
+    info = {"cpu": "x86_64", "threads": 2, "torch": "2", "transformers": "5", "git_sha": "bbbbbbb"}
+    table = markdown(summarize(results), results, BenchmarkArguments(), info, "python benchmark_tasks.py")
+    assert "runs from commits aaaaaaa, bbbbbbb" in table
+    assert "the associative memory no worse than without it: **holds** (token perplexity 563.0 vs 560.0" in table
+    worse = results[:2] + [run("ran-causal-associative", 0, 575.0, "bbbbbbb")]
+    table = markdown(summarize(worse), worse, BenchmarkArguments(), info, "python benchmark_tasks.py")
+    assert "no worse than without it: **does not hold** (token perplexity 575.0" in table
+    assert "runs from commits aaaaaaa, bbbbbbb" in table

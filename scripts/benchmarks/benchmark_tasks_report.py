@@ -136,11 +136,14 @@ def cell(entry: dict | None, scale: float = 100.0, digits: int = 1) -> str:
 def markdown(summary: dict, results: list[dict], args, info: dict, command: str) -> str:
     seeds = sorted({result["seed"] for result in results})
     minutes = sum(result["train_seconds"] for result in results) / 60
+    # A resumed benchmark holds runs of several checkouts: each is named, not only the one that wrote the report.
+    commits = sorted({result["machine"]["git_sha"] for result in results if "machine" in result})
+    runs_from = f" (runs from commits {', '.join(commits)})" if len(commits) > 1 else ""
     lines = [
         "# Task benchmark (from scratch, matched size, equal budget)",
         "",
-        f"Machine: {machine_line(info)}. Seeds: {', '.join(map(str, seeds))}; each cell is the mean ± half the range "
-        f"over seeds. Training time summed over runs: {minutes:.0f} min.",
+        f"Machine: {machine_line(info)}{runs_from}. Seeds: {', '.join(map(str, seeds))}; each cell is the mean ± half "
+        f"the range over seeds. Training time summed over runs: {minutes:.0f} min.",
         "",
         f"Command: `{command}`",
         "",
