@@ -77,9 +77,14 @@ RAN_VARIANTS = {
 }
 CLASSIFIERS = (*RAN_VARIANTS, "bilstm", "srnn", "bpie-bisrnn", "longformer", "bert-512")
 TAGGERS = ("ran", "ran-bpie", "bilstm", "longformer", "bert-512")
-LANGUAGE_MODELS = ("ran-causal", "ran-causal-official", "ran-causal-associative")
-BERT_MAX_LENGTH = 512
 OFFICIAL_CAUSAL_SCAN = "official-causal"  # registered below
+# causal LM name -> the fields it sets besides is_causal (the official design: its post-norm layer and causal scan)
+LANGUAGE_MODELS = {
+    "ran-causal": {},
+    "ran-causal-official": {"layer_design": "official", "scan_implementation": OFFICIAL_CAUSAL_SCAN},
+    "ran-causal-associative": {"associative_memory": True},
+}
+BERT_MAX_LENGTH = 512
 
 
 @dataclass
@@ -463,11 +468,7 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
     tagging = task["problem_type"] == "token_classification"
     if task_name == "lm":
         official = name == "ran-causal-official"
-        # The official causal model is built from the official (post-norm) layer.
-        layer_fields = {"layer_design": "official", "scan_implementation": OFFICIAL_CAUSAL_SCAN} if official else {}
-        if name == "ran-causal-associative":
-            layer_fields = {"associative_memory": True}
-        config = ran_config(args, task, "ran", args.lm_window_size, is_causal=True, **layer_fields)
+        config = ran_config(args, task, "ran", args.lm_window_size, is_causal=True, **LANGUAGE_MODELS[name])
         model = RANForCausalLM(config)
         if official:
             for layer in model.model.layers:
