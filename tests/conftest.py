@@ -1,4 +1,13 @@
-"""Shared fixtures: tiny RAN configurations, the benchmark data folder and a WordPiece tokenizer trained on it."""
+"""Shared fixtures and markers: tiny RAN configurations, the benchmark data folder and a WordPiece tokenizer trained
+on it.
+
+Two markers sort the suite (pyproject.toml registers them):
+- `needs_data("set", ...)`: the test reads these shared benchmark sets (`../shared/data`, or `$RAN_HF_DATA_DIR`).
+  A clone without them skips the test with a reason that names the sets; `test_markers.py` checks that every test
+  that reads the data carries the marker.
+- `slow`: training loops, subprocess scripts and the Transformers conformance suite. Skipped unless `--run-slow` or
+  `RUN_SLOW=1` (CI runs them), so that the default `pytest -n 2` stays within minutes.
+"""
 
 import os
 import sys
@@ -41,7 +50,33 @@ from train_tokenizer import TokenizerArguments, build_tokenizer  # noqa: E402
 # (pytest-xdist workers, other jobs on the machine).
 torch.set_num_threads(1)
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+# `RAN_HF_DATA_DIR` points elsewhere; CI sets it to a missing folder to run the suite as a bare clone would.
+DATA_DIR = Path(os.environ.get("RAN_HF_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+
+
+def data_available(*sets: str) -> bool:
+    """Whether the shared benchmark data (or, when named, each of these sets in it) is present."""
+    return DATA_DIR.is_dir() and all((DATA_DIR / name).exists() for name in sets)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow (as RUN_SLOW=1 does)")
+
+
+def run_slow(config) -> bool:
+    return config.getoption("--run-slow") or os.environ.get("RUN_SLOW", "").lower() in ("1", "true", "yes")
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = run_slow(config)
+    for item in items:
+        if not slow and item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.skip(reason="slow: run with --run-slow or RUN_SLOW=1 (CI does)"))
+        data = item.get_closest_marker("needs_data")
+        if data and not data_available(*data.args):
+            names = ", ".join(data.args) or "all of them"
+            reason = f"needs the shared benchmark sets ({names}), not found in {DATA_DIR}; set RAN_HF_DATA_DIR"
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 # Small enough to run in milliseconds, large enough that a 13-token input spans several windows (with a merged tail).
 TINY_CONFIG = {
@@ -69,20 +104,22 @@ def make_config():
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """The shared benchmark data (see ../shared/data/SOURCES.md); read in place, never copied."""
-    if not DATA_DIR.is_dir():
-        pytest.skip(f"benchmark data not found at {DATA_DIR}")
+    """The shared benchmark data (see ../shared/data/SOURCES.md); read in place, never copied.
+
+    Only for tests marked `needs_data`, which a clone without the data skips (`test_markers.py` checks the marks).
+    """
     return DATA_DIR
 
 
 @pytest.fixture(scope="session")
-def wordpiece_tokenizer_dir(data_dir, tmp_path_factory) -> Path:
+def wordpiece_tokenizer_dir(tmp_path_factory) -> Path:
     """A lower-cased BERT-style WordPiece tokenizer (vocab ~2000, [PAD] = 0) trained on CoNLL-2003 and WikiText-2.
 
-    Trained once per session and saved to a temporary folder, whose path is returned.
+    Trained once per session and saved to a temporary folder, whose path is returned. Tests that use it are marked
+    `needs_data("wikitext-2", "conll2003")` (`test_markers.py` checks).
     """
-    wikitext = [line for line in (data_dir / "wikitext-2" / "valid.txt").open(encoding="utf-8") if line.strip()]
-    conll = [" ".join(sentence["tokens"]) for sentence in read_conll(data_dir / "conll2003" / "train.txt")]
+    wikitext = [line for line in (DATA_DIR / "wikitext-2" / "valid.txt").open(encoding="utf-8") if line.strip()]
+    conll = [" ".join(sentence["tokens"]) for sentence in read_conll(DATA_DIR / "conll2003" / "train.txt")]
     folder = tmp_path_factory.mktemp("wordpiece_tokenizer")
     arguments = TokenizerArguments(train_files=[], output_dir=str(folder), vocab_size=2000, model_max_length=512)
     build_tokenizer(arguments, wikitext[:3000] + conll[:3000]).save_pretrained(folder)

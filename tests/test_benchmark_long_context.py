@@ -11,8 +11,9 @@ from transformers import AutoConfig
 import benchmark_long_context as bench
 from benchmark_long_context import KEY, QUESTION, Vocabulary, answer_logits, mqar_batch, passkey_batch
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_data = pytest.mark.skipif(not (DATA / "wikitext-2").is_dir(), reason="needs ../shared/data")
+from conftest import DATA_DIR as DATA
+
+needs_data = pytest.mark.needs_data("wikitext-2")  # the benchmark's filler text
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,7 @@ def test_learning_rate_warms_up_holds_then_decays_to_zero():
         bench.parse_args(["--decay_steps", "200", "--passkey_steps", "300", "--mqar_steps", "100"])
 
 
+@needs_data
 def test_mqar_curriculum_adds_one_pair_every_n_steps():
     arguments = ["--data_dir", str(DATA), "--mqar_pairs", "2", "4", "--mqar_steps", "1000"]
     generator = torch.Generator().manual_seed(0)
@@ -224,6 +226,7 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
     assert "(the models saved in" in (tmp_path / "reread.md").read_text()
 
 
+@needs_data
 def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(tmp_path, capsys):
     output = tmp_path / "passkey_only"
 
@@ -300,6 +303,7 @@ def test_bad_arguments_are_refused():
         bench.parse_args(["--load_models", str(Path(__file__).parent), "--mqar_steps", "0"])
 
 
+@needs_data
 def test_training_that_turns_nan_stops_and_says_when():
     class Diverging(torch.nn.Module):
         def __init__(self):
@@ -309,9 +313,7 @@ def test_training_that_turns_nan_stops_and_says_when():
         def forward(self, ids):
             return torch.zeros(ids.shape[0], 1, 10) * self.scale / (self.scale - 1)  # 0 / 0: NaN
 
-    args = bench.parse_args(["--jobs", "1", "--data_dir", str(DATA)]) if DATA.is_dir() else None
-    if args is None:
-        pytest.skip("needs ../shared/data for the argument check")
+    args = bench.parse_args(["--jobs", "1", "--data_dir", str(DATA)])
     batch = lambda step: (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long))  # noqa: E731
     model = Diverging()
     result = bench.train(model, batch, lambda m, ids, count: m(ids), 5, args, "nan")

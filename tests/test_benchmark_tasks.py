@@ -8,16 +8,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))  # also done by conftest.py
 
 import benchmark_tasks  # noqa: E402
 from baseline_models import count_parameters  # noqa: E402
 from benchmark_tasks import BenchmarkArguments, build_model, make_probe  # noqa: E402
 
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data")
+needs_data = pytest.mark.needs_data("wikitext-2", "conll2003")  # the tokenizer's corpus
 
 
+@needs_data
 def test_probe_label_needs_both_ends(wordpiece_tokenizer):
     """One key in the first window (A or B), one in the last (C or D); the label is whether they belong together
     (A with C, B with D), and either end alone says nothing about it."""

@@ -300,6 +300,7 @@ def test_bidirectional_models_refuse_a_cache(make_config):
         model(torch.ones(1, 3, dtype=torch.long), use_cache=True)
 
 
+@pytest.mark.needs_data("wikitext-2", "conll2003")  # the WordPiece tokenizer's corpus
 def test_text_generation_pipeline(wordpiece_tokenizer):
     config = tiny_config(is_causal=True, vocab_size=len(wordpiece_tokenizer), pad_token_id=0)
     model = RANForCausalLM(config).eval()

@@ -11,6 +11,7 @@ import re
 import unittest
 from unittest import mock
 
+import pytest
 import torch
 from transformers.models.auto import modeling_auto
 from transformers.testing_utils import torch_device
@@ -23,9 +24,12 @@ from ran_hf import (
     RANForTokenClassification,
     RANModel,
 )
-from transformers_sdist import load_common_tests
+from transformers_sdist import SdistUnavailable, load_common_tests
 
-test_modeling_common, test_configuration_common = load_common_tests()
+try:
+    test_modeling_common, test_configuration_common = load_common_tests()
+except SdistUnavailable as error:  # no registry here: nothing to run, which is not a failure of RAN
+    pytest.skip(f"Transformers' common tests are unavailable: {error}", allow_module_level=True)
 ModelTesterMixin = test_modeling_common.ModelTesterMixin
 ConfigTester = test_configuration_common.ConfigTester
 ids_tensor = test_modeling_common.ids_tensor

@@ -319,6 +319,7 @@ def read_sources(data_dir, cases):
     return texts
 
 
+@pytest.mark.needs_data("conll2003", "20newsgroups", "eurlex57k")
 def test_tokenizer_matches_rannet_on_real_sentences(fixture_tokenizer, data_dir):
     """Sentences of CoNLL-2003, 20 Newsgroups and EURLEX-57K (read from the shared data, which is not committed)."""
     cases = [case for case in tokenizer_cases() if "source" in case]

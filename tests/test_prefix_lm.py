@@ -216,6 +216,7 @@ def test_generate_continues_the_source_as_the_full_forward_predicts():
     assert torch.equal(logits[:, 5:-1].argmax(-1), generated[:, 6:])
 
 
+@pytest.mark.needs_data("wikitext-2", "conll2003")  # the WordPiece tokenizer's corpus
 def test_trainer_learns_targets_from_sources(wordpiece_tokenizer, tmp_path):
     """(source, target) pairs through `prefix_lm_features`, `DataCollatorForSeq2Seq` and `Trainer`: the loss falls."""
     tokenizer = wordpiece_tokenizer

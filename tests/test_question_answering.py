@@ -147,6 +147,7 @@ def marker_document(words: list[str], marker: str, at: int, length: int, rng: ra
     return " ".join(document), sum(len(word) + 1 for word in document[:at])
 
 
+@pytest.mark.needs_data("wikitext-2", "conll2003")  # the WordPiece tokenizer's corpus
 def test_the_pipeline_answers_from_a_document_of_thousands_of_tokens(make_config, wordpiece_tokenizer, tmp_path):
     """Through a saved folder, in a document of 4,000 words (over 4,000 tokens, one forward pass), the pipeline returns
     exactly the spans the model's own logits score best, at the right characters, best first. The model is a tiny
@@ -198,6 +199,7 @@ def test_the_pipeline_answers_from_a_document_of_thousands_of_tokens(make_config
         assert len(answer_finder.tokenizer(answer["answer"], add_special_tokens=False)["input_ids"]) <= 5
 
 
+@pytest.mark.needs_data("wikitext-2", "conll2003")  # the WordPiece tokenizer's corpus
 def test_the_pipeline_refuses_bad_calls(make_config, wordpiece_tokenizer):
     model = RANForQuestionAnswering(make_config(vocab_size=len(wordpiece_tokenizer))).eval()
     answer_finder = pipeline("extractive-question-answering", model=model, tokenizer=wordpiece_tokenizer)

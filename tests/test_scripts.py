@@ -185,6 +185,7 @@ def test_bad_conll_lines_are_named(tmp_path, content, message):
         read_conll(tmp_path / "train.txt")
 
 
+@pytest.mark.needs_data("conll2003", "hyperpartisan", "20newsgroups", "eurlex57k")
 def test_readers_on_the_shared_benchmark_sets(data_dir):
     """The shared sets read with their published sizes and label formats."""
     conll = {split: read_conll(data_dir / "conll2003" / f"{split}.txt") for split in ("train", "valid", "test")}
@@ -1136,6 +1137,7 @@ def test_a_null_ner_sentence(tmp_path, tokenizer_dir):
 # ---- long documents: tokenizing costs in proportion to the limit --------------------------------------------------
 
 
+@pytest.mark.needs_data("hyperpartisan", "wikitext-2", "conll2003")
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("max_length", [8, 64, 512])
 def test_cutting_long_documents_keeps_the_truncated_ids(wordpiece_tokenizer, data_dir, side, max_length):

@@ -222,6 +222,7 @@ def test_training_scripts_write_the_files(tokenizer_dir, tmp_path):
         )  # fmt: skip
 
 
+@pytest.mark.needs_data("20newsgroups", "wikitext-2", "conll2003")
 def test_train_embeddings_on_20_newsgroups(data_dir, wordpiece_tokenizer_dir, tmp_path):
     """The example script end to end at toy size: RAN (two pooling choices) and the BERT baseline, scored before and
     after, saved as sentence-transformers folders that keep their pooling."""

@@ -12,6 +12,9 @@ from transformers import pipeline
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification
 from ran_hf.data import read_conll
 
+# Every test reads real sentences or uses the tokenizer trained on them.
+pytestmark = pytest.mark.needs_data("conll2003", "ag_news", "wikitext-2")
+
 # Windows of 8 tokens: every test input spans several windows, so padding and window layout are exercised.
 PIPELINE_CONFIG = {"hidden_size": 32, "num_attention_heads": 2, "head_dim": 16, "window_size": 8, "min_window_size": 2}
 

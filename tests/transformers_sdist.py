@@ -2,7 +2,8 @@
 
 The `tests/` folder is not part of the Transformers wheel, so the sdist of the installed version is downloaded once
 with pip into a cache directory outside the repository (`$RAN_HF_CACHE`, default `~/.cache/ran_hf`), extracted there,
-and its test modules are imported as the package `transformers_sdist_tests`. The few modules they import that the
+and its test modules are imported as the package `transformers_sdist_tests`. Where the package registry cannot be
+reached, `SdistUnavailable` says so and `test_conformance.py` skips with that reason. The few modules they import that the
 sdist does not ship (generation and export mixins, the shared config kwargs) are replaced by small stand-ins.
 """
 
@@ -35,6 +36,10 @@ CONFIG_COMMON_KWARGS = {
 }
 
 
+class SdistUnavailable(RuntimeError):
+    """The sdist is neither cached nor downloadable (no registry, no network)."""
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("RAN_HF_CACHE", "~/.cache/ran_hf")).expanduser()
 
@@ -51,12 +56,15 @@ def sdist_tests_dir(version: str = transformers.__version__) -> Path:
     # half-extracted tree.
     with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".transformers-sdist-") as staging:
         download_dir, extracted = Path(staging) / "download", Path(staging) / "extracted"
-        pip_download = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
-        command = [*pip_download, f"transformers=={version}", "-d", str(download_dir)]
-        result = subprocess.run(command, capture_output=True, text=True)
+        pip_download = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--retries", "1"]
+        command = [*pip_download, "--timeout", "30", f"transformers=={version}", "-d", str(download_dir)]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired as error:
+            raise SdistUnavailable(f"Downloading the Transformers {version} sdist timed out: {command}") from error
         archive_path = download_dir / f"transformers-{version}.tar.gz"
         if result.returncode != 0 or not archive_path.is_file():
-            raise RuntimeError(
+            raise SdistUnavailable(
                 f"Could not download the Transformers {version} sdist, which holds the common model tests that "
                 f"tests/test_conformance.py runs.\nCommand: {' '.join(command)}\n"
                 f"Exit code {result.returncode}.\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
