@@ -26,7 +26,7 @@ from .building_blocks import RANLayerNorm, gather_rows
 from .fused_scan import FusedCellScan, ScanPlan, window_maxima
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 from .scan_op import cell_scan_op
-from .triton_scan import BUILD_FAILURES, KERNEL_BUILD_ERRORS, TRITON_KERNELS, triton_scan_unsupported
+from .triton_scan import BUILD_FAILURES, TRITON_KERNELS, kernel_build_errors, triton_scan_unsupported
 from .triton_scan_kernels import SILU_ACTIVATIONS
 from .window_layout import RANWindowLayout
 
@@ -207,7 +207,7 @@ def triton_cell_scan(
     if reason is None and not torch.compiler.is_compiling():
         try:
             return fused_cell_scan(layer, cell, previous_raw, keys, values, layout, kernels=TRITON_KERNELS)
-        except KERNEL_BUILD_ERRORS as error:  # built on first use: a GPU it cannot be built for gets the fused scan
+        except kernel_build_errors() as error:  # built on first use: a GPU it cannot be built for gets the fused scan
             BUILD_FAILURES.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             reason = triton_scan_unsupported(cell)
     if reason is not None:

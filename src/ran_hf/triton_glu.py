@@ -20,16 +20,13 @@ drop different units, at the same rate.
 Shapes: projected (R, 2 D) rows of [value, gate] as `nn.Linear(D, 2 D)` writes them; residual and output (R, D).
 """
 
+import functools
+
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from .triton_scan_kernels import TRITON_AVAILABLE
-
-if TRITON_AVAILABLE:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels
 
 ROWS_PER_PROGRAM = 16
 BLOCK_COLUMNS = 256  # of the D output columns per program: elementwise, so any width tiles into these
@@ -50,7 +47,21 @@ def branch_activation(activation: nn.Module | None) -> int | None:
     return None
 
 
-if TRITON_AVAILABLE:
+@functools.cache
+def kernels_ready() -> bool:
+    """Imports Triton and defines this module's kernels and the ops that launch them, once, when first asked for: a
+    machine that runs none of them never imports Triton. Whether they exist (False: Triton cannot be imported). Every
+    name defined here is a module global, where `triton.jit` looks up a kernel's helpers."""
+    global triton, tl, triton_op, wrap_triton, glu_backward, glu_forward, _backward, _backward_on_meta, _blocks
+    global _branch, _forward_on_meta, _glu_backward_kernel, _glu_forward_kernel, _grid, _load_value_and_gate
+    global _on_meta, _op, _setup_context, _standardize_rows, _standardize_rows_grad
+    # In a `try`, Triton is not among the packages Transformers requires before it loads a saved folder's code.
+    try:
+        import triton
+        import triton.language as tl
+        from torch.library import triton_op, wrap_triton
+    except ImportError:
+        return False
 
     @triton.jit
     def _branch(residual, branch_at, out_at, ok, seed_at, keep, ACTIVATION: tl.constexpr, DROPOUT: tl.constexpr):
@@ -311,6 +322,7 @@ if TRITON_AVAILABLE:
         return (grad_projected, grad_bias, residual_grad, None, grad_norm_weight, grad_norm_bias) + (None,) * 7
 
     glu_forward.register_autograd(_backward, setup_context=_setup_context)
+    return True
 
 
 def triton_glu(
@@ -331,6 +343,7 @@ def triton_glu(
     `norm`: (weight, bias, eps, then_standardize, dropout) of a RAN LayerNorm applied to the result in the same
     kernel. The result is `out_dtype` (by default the projection's). A plain residual that would change the result's
     shape or dtype is added by PyTorch after."""
+    check_kernels(kernels_ready(), "The Triton gated linear unit")
     if projected.shape[-1] % 2:
         raise ValueError(f"the gated linear unit takes [value, gate] of even width, got {projected.shape[-1]}")
     if not 0.0 <= dropout < 1.0:
@@ -373,4 +386,5 @@ def triton_glu_applies(projected: torch.Tensor) -> bool:
         and TRITON_AVAILABLE
         and projected.device.type in ("cuda", "meta")
         and not torch.compiler.is_compiling()
+        and kernels_ready()
     )

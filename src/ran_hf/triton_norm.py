@@ -14,14 +14,11 @@ as `triton_glu.py` draws it: Philox from a seed drawn on the device, drawn again
 Shapes: R rows (tokens), D hidden size.
 """
 
+import functools
+
 import torch
 
-from .triton_scan_kernels import TRITON_AVAILABLE, register_meta_no_ops
-
-if TRITON_AVAILABLE:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels, register_meta_no_ops
 
 ROWS_PER_PROGRAM = 16
 # On by default on CUDA: its tests pass compiled on an H200, and with the Triton rotary embedding it took a BERT-base
@@ -30,7 +27,20 @@ ROWS_PER_PROGRAM = 16
 ENABLED = True
 
 
-if TRITON_AVAILABLE:
+@functools.cache
+def kernels_ready() -> bool:
+    """Imports Triton and defines this module's kernels and the ops that launch them, once, when first asked for: a
+    machine that runs none of them never imports Triton. Whether they exist (False: Triton cannot be imported). Every
+    name defined here is a module global, where `triton.jit` looks up a kernel's helpers."""
+    global triton, tl, triton_op, wrap_triton, norm_backward, norm_forward, _norm_backward_kernel
+    global _norm_forward_kernel, _standardize, _standardize_grad
+    # In a `try`, Triton is not among the packages Transformers requires before it loads a saved folder's code.
+    try:
+        import triton
+        import triton.language as tl
+        from torch.library import triton_op, wrap_triton
+    except ImportError:
+        return False
 
     @triton.jit
     def _standardize(row, ok, D, eps):
@@ -119,6 +129,7 @@ if TRITON_AVAILABLE:
         )  # fmt: skip
 
     register_meta_no_ops(norm_forward, norm_backward)
+    return True
 
 
 class TritonNorm(torch.autograd.Function):
@@ -130,6 +141,7 @@ class TritonNorm(torch.autograd.Function):
     def forward(
         ctx, x, weight, bias, eps: float, out_dtype: torch.dtype, dropout: float = 0.0, then_standardize=False
     ):
+        check_kernels(kernels_ready(), "The Triton normalisation")
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).contiguous()
         affine = weight is not None
@@ -171,4 +183,5 @@ def triton_norm_applies(hidden_states: torch.Tensor) -> bool:
         and hidden_states.device.type in ("cuda", "meta")
         and not torch.compiler.is_compiling()
         and hidden_states.shape[-1] <= 16384
+        and kernels_ready()
     )

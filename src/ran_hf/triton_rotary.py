@@ -13,14 +13,11 @@ Shapes: states (A, B, C, d), any strides; the rotations' cosines and sines (A, B
 A, B, C; the output (A, B, C, d) contiguous.
 """
 
+import functools
+
 import torch
 
-from .triton_scan_kernels import TRITON_AVAILABLE
-
-if TRITON_AVAILABLE:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels
 
 ROWS_PER_PROGRAM = 16
 # On by default on CUDA: its tests pass compiled on an H200 (benchmarks/cuda/triton_cuda_tests_h200.log), and with
@@ -29,7 +26,20 @@ ROWS_PER_PROGRAM = 16
 ENABLED = True
 
 
-if TRITON_AVAILABLE:
+@functools.cache
+def kernels_ready() -> bool:
+    """Imports Triton and defines this module's kernels and the ops that launch them, once, when first asked for: a
+    machine that runs none of them never imports Triton. Whether they exist (False: Triton cannot be imported). Every
+    name defined here is a module global, where `triton.jit` looks up a kernel's helpers."""
+    global triton, tl, triton_op, wrap_triton, rotate_pairs, _backward, _on_meta, _rotate_pairs_kernel
+    global _setup_context
+    # In a `try`, Triton is not among the packages Transformers requires before it loads a saved folder's code.
+    try:
+        import triton
+        import triton.language as tl
+        from torch.library import triton_op, wrap_triton
+    except ImportError:
+        return False
 
     @triton.jit
     def _rotate_pairs_kernel(states, rotations, out, R, B, C, half, stride_a, stride_b, stride_c, states_a, states_b,
@@ -82,11 +92,13 @@ if TRITON_AVAILABLE:
         return rotate_pairs(grad_out, ctx.rotations, not ctx.inverse), None, None
 
     rotate_pairs.register_autograd(_backward, setup_context=_setup_context)
+    return True
 
 
 def triton_rotate_pairs(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """`apply_interleaved_rotary` in one kernel: states (..., d), rotations (..., d / 2, 2) broadcasting against the
     states' leading axes (at most three of them)."""
+    check_kernels(kernels_ready(), "The Triton rotary embedding")
     leading = states.shape[:-1]
     if len(leading) > 3:
         raise ValueError(f"the Triton rotary embedding takes at most 3 leading axes, got states of shape {leading}")
@@ -115,4 +127,5 @@ def triton_rotary_applies(states: torch.Tensor) -> bool:
         and states.device.type in ("cuda", "meta")
         and not torch.compiler.is_compiling()
         and states.dim() <= 4
+        and kernels_ready()
     )

@@ -24,8 +24,9 @@ microseconds whatever it does, and the step's launches wait on each other.
 Weight gradients are sums over steps, taken after the loop by a few batched products, as in the fused scan.
 
 It computes what `FusedCellScan` computes (same inputs, outputs, dropout masks) in float32, the matrix products in
-IEEE float32 (`input_precision="ieee"`, no TF32). The kernels and their ops are in triton_scan_kernels.py; without
-Triton both modules import, and `TRITON_AVAILABLE` says whether the kernels exist.
+IEEE float32 (`input_precision="ieee"`, no TF32). The kernels and their ops are in triton_scan_kernels.py, defined
+(and Triton imported) when the scan first runs; without Triton both modules import, and `TRITON_AVAILABLE` says
+whether it is installed.
 
 Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots.
 """
@@ -35,17 +36,7 @@ import os
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .triton_scan_kernels import KERNEL_BUILD_ERRORS, TRITON_AVAILABLE
-
-if TRITON_AVAILABLE:
-    from .triton_scan_kernels import (
-        scan_attention_grad,
-        scan_input_grad,
-        scan_output,
-        scan_project,
-        scan_write,
-        scan_write_grad,
-    )
+from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels, kernel_build_errors, kernels_ready
 
 BUILD_FAILURES: list = []  # a kernel that could not be built here: the Triton scan is not tried again
 
@@ -61,6 +52,8 @@ def triton_scan_unsupported(cell: torch.Tensor) -> str | None:
         return f"its kernels run on CUDA devices (the input is on {cell.device.type})"
     if cell.dtype == torch.float64:
         return "it computes in float32, and the input is float64"
+    if not kernels_ready():
+        return "Triton cannot be imported"
     return None
 
 
@@ -86,6 +79,9 @@ class _Absent:
 def triton_scan_forward(plan, cell, previous_raw, step_keys, step_values, output_shift, score_bias, dropout, weights):
     """`fused_scan.scan_forward` in Triton kernels: the same inputs and outputs; the state is what
     `triton_scan_backward` reads (None without `plan.keep_for_backward`)."""
+    check_kernels(kernels_ready(), "The Triton cell scan")
+    from .triton_scan_kernels import scan_output, scan_project, scan_write  # defined by `kernels_ready`
+
     num_steps, batch_size, num_heads, num_slots, head_dim = step_keys.shape
     hidden, eps = cell.shape[-1], plan.eps
     absent = _Absent(cell)
@@ -182,6 +178,8 @@ def step_has_gate(plan, step: int) -> bool:
 
 def triton_scan_backward(plan, state, weights, grads):
     """`fused_scan.scan_backward` in Triton kernels: the same gradients, in the same order."""
+    from .triton_scan_kernels import scan_attention_grad, scan_input_grad, scan_write_grad  # as the forward's
+
     in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
     cell, dropout, rows = state["cell"], state["dropout"], state["rows"]
     keys, qkv_pre = state["keys"], state["qkv_pre"]

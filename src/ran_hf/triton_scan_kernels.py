@@ -7,19 +7,14 @@ runs them on CPU tensors (slowly), which is how CPU tests check them.
 Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots.
 """
 
+import functools
+import importlib.util
+
 import torch
 
-try:  # optional: the reference and fused scans need no Triton
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-
-    TRITON_AVAILABLE = True
-    # What a kernel that cannot be built for this GPU raises (too little shared memory, a compiler error).
-    KERNEL_BUILD_ERRORS = (triton.compiler.errors.CompilationError, triton.runtime.errors.OutOfResources)
-except ImportError:  # pragma: no cover - exercised where Triton is absent
-    TRITON_AVAILABLE = False
-    KERNEL_BUILD_ERRORS = ()
+# Whether Triton is installed (optional: the reference and fused scans need none), asked without importing it.
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+KERNEL_BUILD_ERRORS: tuple = ()  # see `kernel_build_errors`
 
 # `hidden_act` names of SiLU, the one activation the fused and Triton kernels compute
 SILU_ACTIVATIONS = ("silu", "swish")
@@ -47,7 +42,45 @@ def register_meta_no_ops(*ops) -> None:
             pass
 
 
-if TRITON_AVAILABLE:
+def kernel_build_errors() -> tuple:
+    """What a kernel that cannot be built for this GPU raises (too little shared memory, a compiler error): Triton's
+    exceptions, set when the kernels are defined (none before)."""
+    return KERNEL_BUILD_ERRORS
+
+
+def check_kernels(ready: bool, what: str) -> None:
+    """Raise where a module's kernels could not be defined (`ready` is its `kernels_ready()`)."""
+    if not ready:
+        raise ImportError(f"{what} runs Triton kernels, and Triton cannot be imported here (`pip install triton`).")
+
+
+def _block_rows(batch_size: int) -> int:
+    """Rows per program: 16, whatever the batch (more rows are more programs). With 32 rows and 256-long reduction
+    blocks the kernels ran out of shared memory on an H200."""
+    return MIN_BLOCK
+
+
+def _block(size: int) -> int:
+    return max(MIN_BLOCK, triton.next_power_of_2(size))
+
+
+@functools.cache
+def kernels_ready() -> bool:
+    """Imports Triton and defines this module's kernels and the ops that launch them, once, when first asked for: a
+    machine that runs none of them never imports Triton. Whether they exist (False: Triton cannot be imported). Every
+    name defined here is a module global, where `triton.jit` looks up a kernel's helpers."""
+    global triton, tl, triton_op, wrap_triton, KERNEL_BUILD_ERRORS, scan_attention_grad, scan_input_grad, scan_output
+    global scan_project, scan_write, scan_write_grad, _attention_grad_kernel, _input_grad_kernel, _output_kernel
+    global _project_kernel, _rows_times, _sigmoid, _silu_grad, _standardize, _standardize_grad, _write_grad_kernel
+    global _write_grad_rows, _write_kernel, _write_rows
+    # In a `try`, Triton is not among the packages Transformers requires before it loads a saved folder's code.
+    try:
+        import triton
+        import triton.language as tl
+        from torch.library import triton_op, wrap_triton
+    except ImportError:
+        return False
+    KERNEL_BUILD_ERRORS = (triton.compiler.errors.CompilationError, triton.runtime.errors.OutOfResources)
 
     @triton.jit
     def _rows_times(x_ptr, x_stride, w_ptr, stride_k, stride_n, rows, row_ok, cols, col_ok, K,
@@ -517,17 +550,6 @@ if TRITON_AVAILABLE:
             tl.store(grad_prev_raw + where, acc, mask=ok)
 
 
-def _block_rows(batch_size: int) -> int:
-    """Rows per program: 16, whatever the batch (more rows are more programs). With 32 rows and 256-long reduction
-    blocks the kernels ran out of shared memory on an H200."""
-    return MIN_BLOCK
-
-
-def _block(size: int) -> int:
-    return max(MIN_BLOCK, triton.next_power_of_2(size))
-
-
-if TRITON_AVAILABLE:
     # Each launch is one op: `torch.compile`, export and a dispatch counter see it as such. The outputs are
     # preallocated step slices of the scan's buffers, so the ops mutate them and return nothing; on the meta device
     # (shape checks and kernel counts without a GPU) they do nothing.
@@ -698,3 +720,4 @@ if TRITON_AVAILABLE:
         )  # fmt: skip
 
     register_meta_no_ops(scan_project, scan_output, scan_write, scan_write_grad, scan_attention_grad, scan_input_grad)
+    return True

@@ -17,14 +17,11 @@ Shapes: T tokens, K windows, S slots, Q query slots, H heads, d head size. proje
 layer's `qkv_proj` writes them; query (K, H, Q, d), key and value (K, H, S, d), contiguous.
 """
 
+import functools
+
 import torch
 
-from .triton_scan_kernels import SILU_ACTIVATIONS, TRITON_AVAILABLE
-
-if TRITON_AVAILABLE:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+from .triton_scan_kernels import SILU_ACTIVATIONS, TRITON_AVAILABLE, check_kernels
 
 ROWS_PER_PROGRAM = 8
 BLOCK_PAIRS = 256  # (head, pair) columns of a row per program: elementwise, so any width tiles into these
@@ -33,7 +30,21 @@ BLOCK_PAIRS = 256  # (head, pair) columns of a row per program: elementwise, so 
 ENABLED = True
 
 
-if TRITON_AVAILABLE:
+@functools.cache
+def kernels_ready() -> bool:
+    """Imports Triton and defines this module's kernels and the ops that launch them, once, when first asked for: a
+    machine that runs none of them never imports Triton. Whether they exist (False: Triton cannot be imported). Every
+    name defined here is a module global, where `triton.jit` looks up a kernel's helpers."""
+    global triton, tl, triton_op, wrap_triton, window_projection, window_projection_backward, _backward
+    global _forward_on_meta, _grid, _load_pairs, _load_projection, _on_meta, _op, _setup_context, _silu, _silu_grad
+    global _store_column_sums, _window_projection_grad_kernel, _window_projection_kernel
+    # In a `try`, Triton is not among the packages Transformers requires before it loads a saved folder's code.
+    try:
+        import triton
+        import triton.language as tl
+        from torch.library import triton_op, wrap_triton
+    except ImportError:
+        return False
 
     @triton.jit
     def _silu(x):
@@ -302,6 +313,7 @@ if TRITON_AVAILABLE:
         return (grad_projected, grad_bias) + (None,) * 8
 
     window_projection.register_autograd(_backward, setup_context=_setup_context)
+    return True
 
 
 class JoinReadCells(torch.autograd.Function):
@@ -327,6 +339,7 @@ def triton_window_projection(projected, layout, rotations, act_qk: bool, bias: t
     keys and values again as the window attention reads them, (K, H, 1 + S, d) with slot 0 for the read cell
     (`JoinReadCells`). `bias` (3 H d): the projection's bias where the projection left it out (added here, and its
     gradient summed here: one pass over the projection's gradient fewer)."""
+    check_kernels(kernels_ready(), "The Triton window projection")
     rotary = rotations is not None
     if rotations is None:
         rotations = projected.new_zeros(1, 1, 2)
@@ -348,4 +361,5 @@ def triton_window_projection_applies(projected: torch.Tensor, act: str, cached: 
         and not torch.compiler.is_compiling()
         and act in SILU_ACTIVATIONS
         and not cached
+        and kernels_ready()
     )
