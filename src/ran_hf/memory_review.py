@@ -147,17 +147,20 @@ class RANMemoryReview(nn.Module):
 
         reviewed, weights = [], []
         per_chunk = zip(*(split(tensor) for tensor in (token_states, readable_cells, first_readable, salient_rows)))
-        for tokens, readable, first, rows in per_chunk:
+        for index, (tokens, readable, first, rows) in enumerate(per_chunk):
             inputs = (tokens, cell_states, readable, first, salient_table, rows)
             if recompute:
                 states, probs = checkpoint(self.review_chunk, *inputs, use_reentrant=False)
-            else:
+                reviewed.append(states)
+            else:  # written into one output as it comes: the chunks and their concatenation are not alive together
                 states, probs = self.review_chunk(*inputs)
-            reviewed.append(states)
+                if index == 0:
+                    reviewed = states.new_empty(batch_size, length, states.shape[-1])
+                reviewed[:, index * chunk_size : index * chunk_size + states.shape[1]] = states
             if output_attentions:  # kept only when asked for: all chunks' weights together are (tokens x cells)
                 weights.append(probs)
         weights = torch.cat(weights, dim=1) if output_attentions else None
-        return torch.cat(reviewed, dim=1), weights
+        return torch.cat(reviewed, dim=1) if recompute else reviewed, weights
 
     def review_chunk(self, token_states, cell_states, *readable) -> torch.Tensor:
         if self.residual_stream:

@@ -56,8 +56,31 @@ def eager_window_attention(
     return attended.transpose(1, 2).contiguous(), weights
 
 
+def in_row_chunks(function, chunk_rows: int | None, *tensors: torch.Tensor, out: torch.Tensor | None = None):
+    """`function(*tensors)` for a `function` of (R, ...) tensors that works row by row, computed `chunk_rows` rows at a
+    time into one (R, ...) output (`out` where given, which may be an input: a chunk is written once it is read):
+    its intermediates then exist for one chunk at a time, not for all R rows. None: all rows at once."""
+    num_rows = tensors[0].shape[0]
+    if chunk_rows is None or num_rows <= chunk_rows:
+        return function(*tensors)
+    for start in range(0, num_rows, chunk_rows):
+        part = function(*(tensor[start : start + chunk_rows] for tensor in tensors))
+        if out is None:
+            out = part.new_empty(num_rows, *part.shape[1:])
+        out[start : start + chunk_rows] = part
+        del part  # not alive while the next chunk is computed
+    return out
+
+
 class RANLayer(GradientCheckpointingLayer):
     """One RAN layer over all windows of a batch (bidirectional, or causal when `config.is_causal`)."""
+
+    # Inference on the PyTorch path runs the rotary embedding, the window attention and the per-token tail (output
+    # projection, GLU, norms) over chunks of windows or tokens of at most this many features: 8 MiB in float32,
+    # 16,384 tokens at D = 128. Done for all tokens at once, their intermediates are alive together (the tail's
+    # half a dozen (T, D) ones, at 1M tokens and D = 128 0.5 GiB each), and they made the peak of a forward pass.
+    # A class constant: it never changes the outputs (beyond float rounding), so checkpoints need not carry it.
+    inference_chunk_features = 2**21
 
     def __init__(self, config: RANConfig, layer_idx: int):
         super().__init__()
@@ -95,6 +118,13 @@ class RANLayer(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
         self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
+
+    def inference_chunk(self, rows: torch.Tensor) -> int | None:
+        """How many rows of `rows` (R, ...) inference computes at a time (`inference_chunk_features` features); None
+        in training, with gradients and when compiled: all at once."""
+        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        return max(1, self.inference_chunk_features // max(1, rows[0].numel()))
 
     # ---- shared per-position maths -------------------------------------------------------------------------------
 
@@ -161,21 +191,29 @@ class RANLayer(GradientCheckpointingLayer):
             qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
             query, key, value, *joined = triton_window_projection(qkv, layout, rotations, self.qk_activation, bias)
             return query, key, value, None, None, joined
-        qkv = self.project(normed_tokens)  # (T, 3, H, d)
+        qkv = in_row_chunks(self.project, self.inference_chunk(normed_tokens), normed_tokens)  # (T, 3, H, d)
         new_query, new_kv = qkv.split([1, 2], dim=1)  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
-        key, value = gather_rows(layout.sources(new_kv, tail), layout.window_slots).permute(2, 0, 3, 1, 4)
-        query = gather_rows(layout.sources(new_query[:, 0]), layout.query_index).transpose(1, 2)  # (K, H, Q, d)
+        key, value = layout.gather_sources(new_kv, layout.window_slots, tail).permute(2, 0, 3, 1, 4)
+        query = layout.gather_sources(new_query[:, 0], layout.query_index).transpose(1, 2)  # (K, H, Q, d)
+        # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
+        new_kv = new_kv if cache is not None else None
+        del qkv, new_query
         recalled = None
         if config.associative_memory:
             recalled = self.associative_memory.recall(
                 query, key, value, normed_tokens, layout, cache, config.window_overlap
             )
         if rotations is not None:  # (S, d / 2, 2): slot s is position s + 1
-            query = apply_interleaved_rotary(query, rotations[layout.query_slots][:, None])
-            key = apply_interleaved_rotary(key, rotations)
-        # A view of every token's q, k and v: returned without a cache, it would keep them alive through the layer.
-        return query, key, value, new_kv if cache is not None else None, recalled, None
+            # In inference, rotated a chunk of windows at a time in place: the gathered slots are this pass's own.
+            query_rotations = rotations[layout.query_slots][:, None]  # (K, 1, Q, d / 2, 2)
+            chunk = self.inference_chunk(query)
+            out = None if chunk is None else query
+            query = in_row_chunks(apply_interleaved_rotary, chunk, query, query_rotations, out=out)
+            chunk = self.inference_chunk(key)
+            out = None if chunk is None else key
+            key = in_row_chunks(lambda key: apply_interleaved_rotary(key, rotations), chunk, key, out=out)
+        return query, key, value, new_kv, recalled, None
 
     # ---- phase 3 ---------------------------------------------------------------------------------------------------
 
@@ -189,22 +227,30 @@ class RANLayer(GradientCheckpointingLayer):
         an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None; the attended
         values stay in the windows' query slots, (K, Q, H * d).
         """
-        if joined:
-            key, value = JoinReadCells.apply(*joined, cell_key, cell_value)  # (K, H, 1 + S, d)
-        else:
-            key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
-            value = torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
         attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
-        attended, weights = attention(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.head_dim**-0.5,
-        )  # (K, Q, H, d)
+
+        def join(key, value, cell_key, cell_value):
+            if joined:
+                return JoinReadCells.apply(*joined, cell_key, cell_value)  # (K, H, 1 + S, d)
+            key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
+            return key, torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
+
+        def attend(query, key, value, attention_mask):
+            dropout = self.attention_dropout if self.training else 0.0
+            return attention(self, query, key, value, attention_mask, dropout=dropout, scaling=self.head_dim**-0.5)
+
+        chunk = None if joined or output_attentions else self.inference_chunk(key)
+        if chunk is None:
+            key, value = join(key, value, cell_key, cell_value)
+            attended, weights = attend(query, key, value, attention_mask)  # (K, Q, H, d)
+        else:  # inference: a chunk of windows at a time, the keys and values with their read cell for it alone
+
+            def attend_chunk(query, key, value, cell_key, cell_value, attention_mask):
+                return attend(query, *join(key, value, cell_key, cell_value), attention_mask)[0]
+
+            inputs = (query, key, value, cell_key, cell_value, attention_mask)  # every one (K, ...)
+            attended, weights = in_row_chunks(attend_chunk, chunk, *inputs), None
         if weights is not None and output_attentions:
             # The returned weights stay in the graph, as returned hidden states do: the output is recomputed from
             # them, so that gradients with respect to the attention weights exist.
@@ -212,6 +258,21 @@ class RANLayer(GradientCheckpointingLayer):
             dropped = F.dropout(layout.weights_per_window(weights), self.attention_dropout, self.training)
             attended = torch.matmul(dropped, value).transpose(1, 2)
         return attended.flatten(-2), weights  # (K, Q, H * d)
+
+    def per_token_tail(self, token_states, attended, normed_tokens, rows=None) -> torch.Tensor:
+        """The attention's output and the layer's ending before memory review: the residual sum, or the official
+        norms (and, without memory review, the output norm) -> (T, D). In inference on the PyTorch path (`rows` is
+        None: the attended values are per token already) a chunk of tokens at a time (`inference_chunk`)."""
+
+        def tail(states, attended, normed):
+            if self.residual_stream:
+                return states + self.attention_output(attended, normed, rows)
+            states = self.finish_attention(attended, normed, rows)
+            return states if self.config.memory_review else self.output_norm(states)
+
+        if rows is not None:
+            return tail(token_states, attended, normed_tokens)
+        return in_row_chunks(tail, self.inference_chunk(token_states), token_states, attended, normed_tokens)
 
     # ---- the layer -------------------------------------------------------------------------------------------------
 
@@ -260,20 +321,17 @@ class RANLayer(GradientCheckpointingLayer):
         # Back to tokens (T, H * d); on the Triton path the output projection runs on the query slots and the GLU
         # kernel reads its rows by token, so that no gather and no zero-filled scatter move them.
         rows = layout.output_slot if joined else None
-        attended = attended.flatten(0, 1) if joined else layout.from_windows(attended)
+        del query, key, value, joined  # read by the attention only: not kept alive through the rest of the layer
+        attended = attended.flatten(0, 1) if rows is not None else layout.from_windows(attended)
         if recalled is not None:  # the associative memory of the windows before, read with the same queries
             attended = attended + recalled
-        if self.residual_stream:
-            token_states = token_states + self.attention_output(attended, normed_tokens, rows)  # (T, D)
-        else:
-            token_states = self.finish_attention(attended, normed_tokens, rows)  # (T, D)
+        token_states = self.per_token_tail(token_states, attended, normed_tokens, rows)  # (T, D)
+        del attended, normed_tokens
         review_weights, memory = None, None
         if self.config.memory_review:
             token_states, review_weights, memory = self.memory_review.read(
                 token_states, raw_cells, initial_cell, layout, cache, output_attentions
             )
-        elif not self.residual_stream:
-            token_states = self.output_norm(token_states)
         if cache is not None:
             salience = self.memory_review.cell_salience if self.config.memory_review else None
             update_cache(self.config, salience, cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv,

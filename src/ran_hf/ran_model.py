@@ -320,6 +320,7 @@ class RANModel(RANPreTrainedModel):
             token_states = self.embeddings.shift_tokens(token_states, layout, first_cache)
         if initial_cell is not None:
             initial_cell = initial_cell.to(device=embeddings.device, dtype=embeddings.dtype)
+        del embeddings  # (B, L, D): the first layer reads its tokens, and the later ones need it no more
         cell = initial_cell  # None: the first layer starts from its own learned cell
         for layer in self.layers:
             if output_hidden_states:  # recorded, then read back: the recorded states stay in the graph

@@ -295,6 +295,16 @@ class RANWindowLayout:
         parts.append(token_states.new_zeros(1, *token_states.shape[1:]))
         return torch.cat(parts)
 
+    def gather_sources(self, token_states: torch.Tensor, index: torch.Tensor, tail_states=None) -> torch.Tensor:
+        """`sources(token_states, tail_states)` at `index` (window slots or query slots). Without a tail, gathered
+        from the tokens themselves and the empty row's slots filled with zeros: no copy of every token's states is
+        made only to append the empty row to them."""
+        num_tokens = token_states.shape[0]
+        if tail_states is not None or num_tokens == 0:
+            return gather_rows(self.sources(token_states, tail_states), index)
+        empty = (index == num_tokens).view(*index.shape, *(1,) * (token_states.dim() - 1))
+        return gather_rows(token_states, index.clamp(max=num_tokens - 1)).masked_fill_(empty, 0)
+
     def rotary(self, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
         """Rotations (S, d / 2, 2) of window slots (slot s is position s + 1; the cell sits at 0), built once a pass."""
         if self._rotary is None:
