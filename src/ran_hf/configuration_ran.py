@@ -6,7 +6,6 @@ import weakref
 from dataclasses import fields
 
 from transformers import GenerationConfig, PreTrainedConfig
-from transformers.activations import ACT2FN
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -79,6 +78,7 @@ _GENERIC_CONFIG_KEYWORDS = frozenset(
         "tf_legacy_loss",
         "pruned_heads",
         "tie_last_hidden_states",
+        "custom_pipelines",
     }
 )
 
@@ -98,6 +98,9 @@ REMOTE_CODE_AUTO_MAP = {
     "AutoModelForSequenceClassification": "modeling_ran.RANForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_ran.RANForTokenClassification",
 }
+
+# The task of the pipeline in question_answering.py.
+QUESTION_ANSWERING_TASK = "extractive-question-answering"
 
 
 class RANConfig(PreTrainedConfig):
@@ -318,6 +321,11 @@ class RANConfig(PreTrainedConfig):
     cutoffs: list[int] | None = None
     div_val: int = 1
 
+    # Pipeline tasks registered in this process (`import ran_hf` sets it): a loaded config leaves them out of its
+    # `custom_pipelines`, which Transformers would otherwise serve with the folder's copy of the pipeline, and only
+    # with `trust_remote_code=True`.
+    tasks_registered_here = frozenset()
+
     def __post_init__(self, **kwargs):
         if self.tie_word_embeddings is None:
             self.tie_word_embeddings = not self.is_causal
@@ -325,6 +333,10 @@ class RANConfig(PreTrainedConfig):
         self._warn_about_unknown_keywords(kwargs)
         # Every saved folder names the code of every head, so that any Auto class loads it as remote code.
         self.auto_map = dict(REMOTE_CODE_AUTO_MAP)
+        pipelines = kwargs.pop("custom_pipelines", None) or {}
+        pipelines = {task: info for task, info in pipelines.items() if task not in self.tasks_registered_here}
+        if pipelines:
+            kwargs["custom_pipelines"] = pipelines
         super().__post_init__(**kwargs)
 
     @classmethod
@@ -437,6 +449,8 @@ class RANConfig(PreTrainedConfig):
         for name in LAYER_DESIGN_FIELDS:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool or None, got {getattr(self, name)!r}.")
+        from transformers.activations import ACT2FN  # here: importing it costs about as much as Transformers
+
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
             raise ValueError(
                 f"`hidden_act` must be the name of a Transformers activation ({', '.join(sorted(ACT2FN))}), "

@@ -24,7 +24,6 @@ import functools
 
 import torch
 from torch import nn
-from transformers.activations import SiLUActivation
 
 from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels
 
@@ -40,6 +39,8 @@ NO_ACTIVATION, SILU = 0, 1
 
 def branch_activation(activation: nn.Module | None) -> int | None:
     """The kernels' code for a residual branch's activation module, or None where they cannot compute it."""
+    from transformers.activations import SiLUActivation  # here: importing it imports Triton where installed
+
     if activation is None or isinstance(activation, nn.Identity):
         return NO_ACTIVATION
     if isinstance(activation, (nn.SiLU, SiLUActivation)):

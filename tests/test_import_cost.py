@@ -1,0 +1,116 @@
+"""`import ran_hf` stays cheap: it imports the configuration and nothing heavy (no models, pipelines, Triton, ONNX,
+PEFT or sentence-transformers), while every public name still resolves, the Auto classes load RAN models, and the
+`extractive-question-answering` task is registered whenever `transformers.pipelines` is imported, before or after.
+
+Each check runs in a fresh interpreter (this one imported everything long ago). No timing is asserted here: the
+time is measured in benchmarks/import/.
+"""
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+import ran_hf
+
+# Modules that `import ran_hf` must leave unimported. `transformers.modeling_utils` (which the models import) costs
+# about as much as Transformers itself, and imports Triton and `torch.onnx` where they are installed.
+HEAVY_MODULES = (
+    "transformers.modeling_utils",
+    "transformers.pipelines",
+    "triton",
+    "onnx",
+    "onnxscript",
+    "onnxruntime",
+    "torch.onnx",
+    "sentence_transformers",
+    "peft",
+)
+TRITON_MODULES = ("triton_glu", "triton_norm", "triton_rotary", "triton_scan", "triton_window_projection")
+
+
+def run_fresh(script: str) -> dict:
+    """Run `script` in a new interpreter; it prints one JSON object last, returned."""
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_import_ran_hf_imports_nothing_heavy_and_registers_on_first_use():
+    report = run_fresh(
+        f"""
+import json, sys
+import ran_hf
+report = {{"heavy": [name for name in {HEAVY_MODULES!r} if name in sys.modules]}}
+report["ran_hf_modules"] = sorted(name for name in sys.modules if name.startswith("ran_hf"))
+
+# The Triton modules define their kernels (and import Triton) when one is first needed, not on import.
+for name in {TRITON_MODULES!r}:
+    __import__("ran_hf." + name)
+report["triton_after_triton_modules"] = "triton" in sys.modules
+report["kernels_defined"] = [name for name in ("triton_norm", "triton_glu") if hasattr(sys.modules["ran_hf." + name],
+                             "triton_op")]
+
+# The pipeline's task is registered once anything imports the pipelines.
+from transformers import pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+task = PIPELINE_REGISTRY.supported_tasks.get("extractive-question-answering")
+report["pipeline"] = task and task["impl"].__module__ + "." + task["impl"].__name__
+
+# The Auto classes load RAN models (and then hold the models' own classes).
+from transformers import AutoModelForMaskedLM
+config = ran_hf.RANConfig(vocab_size=31, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                          window_size=8, min_window_size=2)
+model = AutoModelForMaskedLM.from_config(config)
+report["model"] = type(model) is ran_hf.RANForMaskedLM
+report["mapping"] = AutoModelForMaskedLM._model_mapping[type(config)] is ran_hf.RANForMaskedLM
+report["auto_class"] = ran_hf.RANForMaskedLM._auto_class
+print(json.dumps(report))
+"""
+    )
+    assert report["heavy"] == []
+    assert report["ran_hf_modules"] == ["ran_hf", "ran_hf.configuration_ran"]
+    assert not report["triton_after_triton_modules"]
+    assert report["kernels_defined"] == []
+    assert report["pipeline"] == "ran_hf.question_answering.ExtractiveQuestionAnsweringPipeline"
+    assert report["model"] and report["mapping"]
+    assert report["auto_class"] == "AutoModelForMaskedLM"
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        pytest.param("import transformers.pipelines\nimport ran_hf", id="pipelines-before-ran_hf"),
+        pytest.param("from ran_hf import ExtractiveQuestionAnsweringPipeline", id="pipeline-class-first"),
+    ],
+)
+def test_the_pipeline_task_is_registered_whichever_is_imported_first(imports):
+    report = run_fresh(
+        f"""
+import json
+{imports}
+import transformers.pipelines
+task = transformers.pipelines.PIPELINE_REGISTRY.supported_tasks.get("extractive-question-answering")
+print(json.dumps({{"pipeline": task and task["impl"].__name__}}))
+"""
+    )
+    assert report["pipeline"] == "ExtractiveQuestionAnsweringPipeline"
+
+
+def test_every_public_name_resolves_to_its_module():
+    assert set(ran_hf.__all__) <= set(dir(ran_hf))
+    for name in ran_hf.__all__:
+        value = getattr(ran_hf, name)
+        module = ran_hf._LAZY_NAMES.get(name, "configuration_ran")
+        assert value is getattr(importlib.import_module(f"ran_hf.{module}"), name), name
+
+
+def test_the_triton_kernels_are_defined_as_module_globals():
+    """`triton.jit` finds a kernel's helpers among its module's globals: every name a module's `kernels_ready`
+    defines must be declared global there (a local would hide the helper from compiled kernels, though not from the
+    CPU interpreter the tests run)."""
+    for name in ("triton_glu", "triton_norm", "triton_rotary", "triton_window_projection", "triton_scan_kernels"):
+        code = importlib.import_module(f"ran_hf.{name}").kernels_ready.__wrapped__.__code__
+        assert code.co_varnames == () and code.co_cellvars == (), name
