@@ -63,14 +63,22 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow (as RUN_SLOW=1 does)")
 
 
-def run_slow(config) -> bool:
-    return config.getoption("--run-slow") or os.environ.get("RUN_SLOW", "").lower() in ("1", "true", "yes")
+SLOW_TESTS_RUN = os.environ.get("RUN_SLOW", "").lower() in ("1", "true", "yes")
+
+
+def pytest_configure(config):
+    global SLOW_TESTS_RUN
+    SLOW_TESTS_RUN = SLOW_TESTS_RUN or config.getoption("--run-slow")
+
+
+def slow_tests_run() -> bool:
+    """Whether this session runs the tests marked slow (for modules that would do slow work at collection)."""
+    return SLOW_TESTS_RUN
 
 
 def pytest_collection_modifyitems(config, items):
-    slow = run_slow(config)
     for item in items:
-        if not slow and item.get_closest_marker("slow"):
+        if not SLOW_TESTS_RUN and item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.skip(reason="slow: run with --run-slow or RUN_SLOW=1 (CI does)"))
         data = item.get_closest_marker("needs_data")
         if data and not data_available(*data.args):

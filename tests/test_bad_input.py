@@ -206,6 +206,7 @@ def test_a_compiled_model_checks_the_values_of_its_inputs(make_config, input_ids
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_an_inductor_compiled_model_refuses_an_additive_mask(make_config, input_ids):
     torch._dynamo.reset()
     compiled = torch.compile(RANModel(make_config()).eval())

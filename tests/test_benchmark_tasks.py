@@ -107,6 +107,7 @@ def test_bad_arguments_name_the_problem():
         BenchmarkArguments(hidden_size=30, num_heads=4)
 
 
+@pytest.mark.slow
 @needs_data
 def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path, wordpiece_tokenizer_dir):
     arguments = [

@@ -325,6 +325,7 @@ report["beam"] = model.generate(prompt, max_new_tokens=6, num_beams=2, do_sample
 """
 
 
+@pytest.mark.slow
 def test_saved_causal_model_generates_as_remote_code_without_ran_hf(tmp_path):
     import json
 

@@ -119,7 +119,8 @@ def test_chunk_weights_are_not_kept_unless_asked_for(monkeypatch):
     review_chunk, alive, most_alive = RANMemoryReview.review_chunk, [], []
 
     def tracked(self, *inputs):
-        gc.collect()
+        # Reference counting frees a chunk's weights as soon as nothing holds them (no gc.collect(): a full collection
+        # per chunk costs seconds in a process that holds a whole test session).
         most_alive.append(sum(ref() is not None for ref in alive))  # earlier chunks' weights still held
         states, probs = review_chunk(self, *inputs)
         alive.append(weakref.ref(probs))

@@ -14,6 +14,8 @@ from torch._dynamo.testing import CompileCounter
 from ran_hf import RANForCausalLM, RANModel
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
+pytestmark = pytest.mark.slow  # inductor compiles each graph for seconds to minutes
+
 TOLERANCE = 1e-5
 # Lengths of 4, 6 and 9 windows of 5 tokens.
 LENGTHS = [18, 28, 43]

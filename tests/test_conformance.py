@@ -24,8 +24,13 @@ from ran_hf import (
     RANForTokenClassification,
     RANModel,
 )
+from conftest import slow_tests_run
 from transformers_sdist import SdistUnavailable, load_common_tests
 
+pytestmark = pytest.mark.slow  # Transformers' whole common test suite
+
+if not slow_tests_run():  # before the sdist is downloaded at collection
+    pytest.skip("slow: run with --run-slow or RUN_SLOW=1 (CI does)", allow_module_level=True)
 try:
     test_modeling_common, test_configuration_common = load_common_tests()
 except SdistUnavailable as error:  # no registry here: nothing to run, which is not a failure of RAN

@@ -21,6 +21,8 @@ import train_tokenizer
 from checkpoints import missing_from_checkpoint
 from ran_trainer import parameter_checksum
 
+pytestmark = pytest.mark.slow  # training scripts in several processes
+
 TINY_OVERRIDES = "hidden_size=16,num_attention_heads=2,head_dim=8,window_size=16,min_window_size=4"
 STEPS = 3
 

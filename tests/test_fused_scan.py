@@ -137,12 +137,17 @@ def test_fused_scan_equals_the_reference_in_float64(overrides, lengths, past_len
     assert_scans_agree(layer, inputs, layout, 1e-10)
 
 
+# Each case takes 10-25 s of finite differences: the default run checks the encoder and a causal one with dropout.
 @pytest.mark.parametrize(
     "overrides,dropout",
-    [(MODES[i].values[0], dropout) for i, dropout in [(0, {}), (1, {}), (5, {}), (0, DROPOUT), (3, DROPOUT)]],
-    ids=["encoder", "encoder-without-cell-input-residual", "causal-without-cell-residual", "encoder-dropout",
-         "causal-dropout"],
-)  # fmt: skip
+    [
+        pytest.param(MODES[0].values[0], {}, id="encoder"),
+        pytest.param(MODES[1].values[0], {}, id="encoder-without-cell-input-residual", marks=pytest.mark.slow),
+        pytest.param(MODES[5].values[0], {}, id="causal-without-cell-residual", marks=pytest.mark.slow),
+        pytest.param(MODES[0].values[0], DROPOUT, id="encoder-dropout", marks=pytest.mark.slow),
+        pytest.param(MODES[3].values[0], DROPOUT, id="causal-dropout"),
+    ],
+)
 def test_fused_scan_passes_gradcheck(overrides, dropout):
     """Finite differences in float64, through the starting cells, the window keys and values and every weight; with
     dropout, every evaluation draws the same masks."""

@@ -14,6 +14,8 @@ import diagnose_memory
 from diagnose_memory import MODELS, TASKS, build_model, make_batch, probe_memory, train_once
 from ran_hf import cell_scan
 
+pytestmark = pytest.mark.slow  # training runs of hundreds of steps
+
 
 def run_arguments(**overrides) -> argparse.Namespace:
     arguments = {

@@ -9,6 +9,8 @@ import export_onnx as export_script  # scripts/export_onnx.py
 from ran_hf import RANForCausalLM, RANForSequenceClassification, RANModel, export_onnx
 from ran_testing import randomize_, tiny_config
 
+pytestmark = pytest.mark.slow  # each export traces and converts a model for tens of seconds
+
 onnxruntime = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 

@@ -253,6 +253,7 @@ report["greedy"] = model.generate(source, max_new_tokens=8, do_sample=False, pad
 """
 
 
+@pytest.mark.slow
 def test_saved_prefix_lm_loads_and_generates_as_remote_code_without_ran_hf(tmp_path):
     from remote_code import run_without_ran_hf
 

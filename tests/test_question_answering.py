@@ -98,6 +98,7 @@ def test_bad_answer_positions_are_named(positions, message):
         model(torch.randint(1, 61, (2, 9)), **positions)
 
 
+@pytest.mark.slow
 def test_save_load_round_trip_and_remote_code(tmp_path):
     model = randomize_(RANForQuestionAnswering(tiny_config()))
     model.save_pretrained(tmp_path / "qa")

@@ -266,6 +266,7 @@ def test_train_tokenizer_reads_conll_words(tmp_path):
 # ---- training scripts ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_run_mlm_from_scratch_then_continued(topic_files, tokenizer_dir, tmp_path):
     """Pretraining writes a loadable model with its code, metrics as JSON and a filled model card; a second run
     continues from it with --model_name_or_path."""
@@ -315,6 +316,7 @@ def test_run_mlm_from_scratch_then_continued(topic_files, tokenizer_dir, tmp_pat
     assert "fine-tuned from a model trained locally (`mlm`)" in continued_card and str(tmp_path) not in continued_card
 
 
+@pytest.mark.slow
 def test_run_clm_then_perplexity_over_a_stream(topic_files, tokenizer_dir, tmp_path):
     """A causal model trains on blocks, and the streamed perplexity equals the one of a single forward pass."""
     output_dir = tmp_path / "clm"
@@ -404,6 +406,7 @@ def test_run_classification_reads_a_dataset_by_name(tokenizer_dir, tmp_path, top
     assert "eval_accuracy" in results["eval"]
 
 
+@pytest.mark.slow
 def test_run_ner_on_conll_files(tmp_path):
     """CoNLL in, seqeval entity scores out, with a prediction for every word of the test file."""
     sentences = [
@@ -451,6 +454,7 @@ def test_subword_tags_go_to_the_first_piece(tokenizer_dir):
     assert run_ner.align_tags(word_ids, tag_ids, inside_of, True) == [-100, 1] + [2] * (pieces - 1) + [0, -100]
 
 
+@pytest.mark.slow
 def test_pipeline_trains_saves_and_reloads_without_ran_hf(tmp_path):
     """The main job end to end on generated data; the classifier loads where `ran_hf` cannot be imported."""
     output_dir = tmp_path / "pipeline"
@@ -631,6 +635,7 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda path: int(path.name.split("-")[1]))
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_with_the_same_state(tokenizer_dir, topic_files, tmp_path, caplog):
     """SIGKILL after the first checkpoint, then --resume_from_checkpoint latest: training continues from the newest
     complete checkpoint (a half-written one after it is skipped) and ends with the weights of an uninterrupted run."""
@@ -753,6 +758,7 @@ def tiny_run(tokenizer_dir, topic_files, output_dir, *extra) -> list[str]:
     )
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_replaced_only_when_asked(tokenizer_dir, topic_files, tmp_path):
     """Re-running into a finished run's folder silently replaced its model and merged its eval metrics into the new
     all_results.json and model card. Now it is refused, naming the folder, and left as it was; with
@@ -777,6 +783,7 @@ def test_a_finished_run_is_replaced_only_when_asked(tokenizer_dir, topic_files, 
     assert json.loads(after["trainer_state.json"])["global_step"] == 3
 
 
+@pytest.mark.slow
 def test_a_folder_with_checkpoints_needs_resume_or_overwrite(tokenizer_dir, topic_files, tmp_path):
     """A run into a folder holding another run's checkpoints warned and started over, mixing its checkpoints with the
     old ones (where `latest` would later pick an old one). Now it is refused, pointing to both ways on; resuming in
@@ -814,6 +821,7 @@ class Killed(BaseException):
     """Stands for SIGKILL: nothing catches it, so only `finally` blocks run."""
 
 
+@pytest.mark.slow
 def test_the_final_save_is_all_or_nothing(tokenizer_dir, topic_files, tmp_path, monkeypatch):
     """A full disk while saving over a model left the new config.json beside the old, cut weights. Now the folder
     keeps the old model, whole, and nothing is left beside it."""
@@ -857,6 +865,7 @@ def test_the_final_save_into_the_working_directory(tokenizer_dir, topic_files, t
     assert (output_dir / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow
 def test_a_kill_between_the_two_renames_is_undone_by_the_next_run(tokenizer_dir, topic_files, tmp_path, monkeypatch):
     """Killed after the old folder was set aside and before the new one took its place: the next run puts the old
     folder back, whole, and resumes from its checkpoint."""
@@ -1035,6 +1044,7 @@ def test_max_samples_keep_the_first_documents_and_the_classes_of_the_whole_split
         run_classification.main(classification_argv(tokenizer_dir, tmp_path / "all", train, validation))
 
 
+@pytest.mark.slow
 def test_max_samples_keep_the_tags_of_the_whole_split(tokenizer_dir, tmp_path):
     sentences = [{"tokens": ["Peter", "spoke"], "ner_tags": ["B-PER", "O"]}]
     sentences += [{"tokens": ["Paris", "and", "Rome"], "ner_tags": ["B-LOC", "O", "B-LOC"]}]

@@ -186,6 +186,7 @@ report["model_class"] = type(model[0].model).__module__
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pooling", [pytest.param(pooling, id=pooling) for pooling in ("cell_transform", "max")])
 def test_loads_where_ran_hf_is_not_installed(classifier_folder, documents, pooling, tmp_path):
     """sentence-transformers needs no code of ours beyond the RAN model code already in the folder."""
@@ -222,6 +223,7 @@ def test_training_scripts_write_the_files(tokenizer_dir, tmp_path):
         )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.needs_data("20newsgroups", "wikitext-2", "conll2003")
 def test_train_embeddings_on_20_newsgroups(data_dir, wordpiece_tokenizer_dir, tmp_path):
     """The example script end to end at toy size: RAN (two pooling choices) and the BERT baseline, scored before and

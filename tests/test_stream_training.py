@@ -65,6 +65,7 @@ def test_stream_training_memory_does_not_grow_with_the_stream(make_config, monke
     assert peaks[-1] - peaks[3] <= 3 * (cell_bytes[-1] - cell_bytes[3])
 
 
+@pytest.mark.slow
 def test_run_clm_trains_on_streams_and_its_loss_goes_down(topic_files, tokenizer_dir, tmp_path):  # noqa: F811
     output_dir = tmp_path / "streams"
     results = run_clm.main(

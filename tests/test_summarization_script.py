@@ -17,6 +17,8 @@ sys.path.insert(0, str(SCRIPTS / "summarization"))
 
 import run_summarization  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the training script end to end, three models
+
 pytest.importorskip("rouge_score")  # the script's ROUGE (the `rouge-score` package)
 
 QUIET = ["--report_to", "none", "--disable_tqdm", "true", "--log_level", "warning", "--save_strategy", "no"]
