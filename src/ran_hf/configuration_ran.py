@@ -2,10 +2,14 @@
 
 import difflib
 import math
+import os
+import shutil
 import weakref
 from dataclasses import fields
+from pathlib import Path
 
 from transformers import GenerationConfig, PreTrainedConfig
+from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -83,6 +87,12 @@ _GENERIC_CONFIG_KEYWORDS = frozenset(
 )
 
 
+def _code_here(module: str) -> bool:
+    """Whether `module`.py is beside this file: always in the package; in a copy loaded from a saved folder, where
+    Transformers fetched that module."""
+    return Path(__file__).with_name(f"{module}.py").is_file()
+
+
 def _generation_keywords() -> frozenset:
     """Generation settings that older configs carry; Transformers moves them to the generation config."""
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
@@ -99,8 +109,14 @@ REMOTE_CODE_AUTO_MAP = {
     "AutoModelForTokenClassification": "modeling_ran.RANForTokenClassification",
 }
 
-# The task of the pipeline in question_answering.py.
+# The pipeline a question-answering model's folder ships (question_answering.py) and names in `custom_pipelines`,
+# so that `pipeline(QUESTION_ANSWERING_TASK, model=folder, trust_remote_code=True)` runs without `ran_hf`.
 QUESTION_ANSWERING_TASK = "extractive-question-answering"
+QUESTION_ANSWERING_PIPELINE = {
+    "impl": "question_answering.ExtractiveQuestionAnsweringPipeline",
+    "pt": ["AutoModelForQuestionAnswering"],
+    "type": "text",
+}
 
 
 class RANConfig(PreTrainedConfig):
@@ -323,7 +339,7 @@ class RANConfig(PreTrainedConfig):
 
     # Pipeline tasks registered in this process (`import ran_hf` sets it): a loaded config leaves them out of its
     # `custom_pipelines`, which Transformers would otherwise serve with the folder's copy of the pipeline, and only
-    # with `trust_remote_code=True`.
+    # with `trust_remote_code=True`. Saving writes them again (`to_dict`).
     tasks_registered_here = frozenset()
 
     def __post_init__(self, **kwargs):
@@ -357,7 +373,30 @@ class RANConfig(PreTrainedConfig):
         # The design these values are, where they are one (else the default they override).
         matching = [design for design, values in LAYER_DESIGNS.items() if values == resolved]
         output["layer_design"] = self.layer_design or (matching[0] if matching else self.resolved_layer_design)
+        # The pipelines a saved folder serves follow from its model, as its `auto_map` does.
+        output.pop("custom_pipelines", None)
+        if "RANForQuestionAnswering" in (self.architectures or ()) and _code_here("question_answering"):
+            output["custom_pipelines"] = {QUESTION_ANSWERING_TASK: dict(QUESTION_ANSWERING_PIPELINE)}
         return output
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs):
+        """Saved with a model (`architectures` set), also writes to the folder the code of every module the config
+        names, with the sibling modules each imports: the `auto_map`'s models (a folder saved from any head loads
+        with any Auto class) and the pipeline of `custom_pipelines` (a question-answering model's folder serves its
+        pipeline), with `trust_remote_code=True` and without `ran_hf`. It writes them before the config: a model's
+        `save_pretrained(push_to_hub=True)` uploads the files written after it started."""
+        if self.architectures and not os.path.isfile(save_directory):
+            named = [reference for reference in self.auto_map.values() if isinstance(reference, str)]
+            named += [info["impl"] for info in self.to_dict().get("custom_pipelines", {}).values()]
+            os.makedirs(save_directory, exist_ok=True)
+            for module in sorted({reference.split("--")[-1].split(".")[0] for reference in named}):
+                if _code_here(module):  # a copy of this code loaded from a folder has only the modules it ran
+                    source = Path(__file__).with_name(f"{module}.py")
+                    for file in (source, *map(Path, get_relative_import_files(source))):
+                        target = Path(save_directory) / file.name
+                        if not target.exists() or not target.samefile(file):
+                            shutil.copyfile(file, target)
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     def _warn_about_unknown_keywords(self, kwargs: dict) -> None:
         """A keyword that is no field (`windowsize=8`) would be stored and read by nothing: say so."""

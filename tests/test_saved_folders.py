@@ -1,0 +1,150 @@
+"""A folder saved from any RAN head carries the modeling code and nothing else, and serves on its own: with `ran_hf`
+unimportable (see `remote_code.py`), every Auto class loads it with `trust_remote_code=True`, and a question-answering
+model's folder serves the `extractive-question-answering` pipeline, with the answers of the installed package."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast, pipeline
+
+import ran_hf
+from ran_testing import tiny_config
+from remote_code import run_without_ran_hf
+
+PACKAGE = Path(ran_hf.__file__).parent
+# Modules that are no model's code (data reading, output folders, checkpoint conversion, export, PEFT and
+# sentence-transformers glue): no saved folder carries them.
+NOT_MODEL_CODE = {
+    "__init__",
+    "convert_rannet",
+    "data",
+    "export",
+    "folders",
+    "lora",
+    "sentence_embeddings",
+    "tf_checkpoint",
+}
+# Code that only the folder of one head carries (its class, its pipeline); every folder carries the rest.
+HEAD_CODE = {"RANForPrefixLM": {"prefix_lm"}, "RANForQuestionAnswering": {"question_answering"}}
+# Each head, the Auto class that loads it, and the output compared.
+HEADS = {
+    "RANModel": ("AutoModel", "last_hidden_state"),
+    "RANForMaskedLM": ("AutoModelForMaskedLM", "logits"),
+    "RANForSequenceClassification": ("AutoModelForSequenceClassification", "logits"),
+    "RANForTokenClassification": ("AutoModelForTokenClassification", "logits"),
+    "RANForQuestionAnswering": ("AutoModelForQuestionAnswering", "start_logits"),
+    "RANForCausalLM": ("AutoModelForCausalLM", "logits"),
+    "RANForPrefixLM": ("AutoModelForSeq2SeqLM", "logits"),
+}
+
+
+def saved_head(name: str, folder: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = getattr(ran_hf, name)(tiny_config(is_causal=name == "RANForCausalLM", window_overlap=1)).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_a_saved_folder_carries_the_modeling_code_only(name, tmp_path):
+    saved_head(name, tmp_path)
+    shipped = {path.stem for path in tmp_path.glob("*.py")}
+    package = {path.stem for path in PACKAGE.glob("*.py")}
+    assert not shipped & NOT_MODEL_CODE
+    other_heads = set().union(*(code for head, code in HEAD_CODE.items() if head != name))
+    assert shipped == package - NOT_MODEL_CODE - other_heads
+    config = json.loads((tmp_path / "config.json").read_text())
+    for reference in config["auto_map"].values():  # every class the config names is in the folder
+        assert reference.split(".")[0] in shipped, reference
+    assert ("custom_pipelines" in config) == (name == "RANForQuestionAnswering")
+
+
+# Runs where `ran_hf` cannot be imported: loads each folder with its Auto class (and the encoder's with a head's)
+# and reports the largest difference from the outputs the parent saved.
+LOAD_EACH_HEAD = r"""
+import torch
+import transformers
+
+root = sys.argv[1]
+expected = torch.load(f"{root}/expected.pt")
+report["differences"], report["modules"] = {}, {}
+for name, (auto_class, output) in json.loads(sys.argv[2]).items():
+    model = getattr(transformers, auto_class).from_pretrained(f"{root}/{name}", trust_remote_code=True).eval()
+    with torch.no_grad():
+        actual = getattr(model(input_ids=expected["input_ids"]), output)
+    report["differences"][name] = (actual - expected[name]).abs().max().item()
+    report["modules"][name] = type(model).__module__ + "." + type(model).__name__
+# A folder saved from the encoder loads with any head's Auto class (its config names them all).
+classifier = transformers.AutoModelForSequenceClassification.from_pretrained(f"{root}/RANModel", trust_remote_code=True)
+report["encoder_as_classifier"] = type(classifier).__name__
+"""
+
+
+@pytest.mark.slow
+def test_every_saved_head_loads_and_runs_without_ran_hf(tmp_path):
+    input_ids = torch.randint(1, 61, (2, 13), generator=torch.Generator().manual_seed(1))
+    expected = {"input_ids": input_ids}
+    for name, (_, output) in HEADS.items():
+        model = saved_head(name, tmp_path / name)
+        with torch.no_grad():
+            expected[name] = getattr(model(input_ids=input_ids), output)
+    torch.save(expected, tmp_path / "expected.pt")
+
+    report = run_without_ran_hf(LOAD_EACH_HEAD, [tmp_path, json.dumps(HEADS)], tmp_path)
+    for name, module in report["modules"].items():
+        assert module.startswith("transformers_modules.") and module.endswith(f".{name}"), module
+    for name, difference in report["differences"].items():
+        assert difference <= 1e-6, f"{name} differs by {difference}"
+    assert report["encoder_as_classifier"] == "RANForSequenceClassification"
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """A fast BERT-style tokenizer over a handful of words ([CLS] question [SEP] context [SEP]), with offsets."""
+    words = "who wrote the report alice bob carol said that it was written by in march".split()
+    vocab = {token: i for i, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    special = dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+
+
+QUESTION = "who wrote the report"
+CONTEXT = "bob said that the report was written in march by alice and carol"
+
+ANSWER_WITH_THE_FOLDER = r"""
+from transformers import pipeline
+
+answer_finder = pipeline("extractive-question-answering", model=sys.argv[1], trust_remote_code=True)
+report["answers"] = answer_finder(question=sys.argv[2], context=sys.argv[3], top_k=3)
+report["pipeline"] = type(answer_finder).__module__ + "." + type(answer_finder).__name__
+"""
+
+
+@pytest.mark.slow
+def test_a_question_answering_folder_serves_its_pipeline_without_ran_hf(tmp_path):
+    tokenizer = word_tokenizer()
+    folder = tmp_path / "qa"
+    saved_head("RANForQuestionAnswering", folder)
+    tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["custom_pipelines"]["extractive-question-answering"]["impl"] == (
+        "question_answering.ExtractiveQuestionAnsweringPipeline"
+    )
+    # In this process the installed package's pipeline serves the task, without `trust_remote_code`.
+    answer_finder = pipeline("extractive-question-answering", model=str(folder))
+    assert type(answer_finder) is ran_hf.ExtractiveQuestionAnsweringPipeline
+    expected = answer_finder(question=QUESTION, context=CONTEXT, top_k=3)
+
+    report = run_without_ran_hf(ANSWER_WITH_THE_FOLDER, [folder, QUESTION, CONTEXT], tmp_path)
+    assert report["pipeline"].startswith("transformers_modules.")
+    assert report["pipeline"].endswith(".question_answering.ExtractiveQuestionAnsweringPipeline")
+    assert [(a["start"], a["end"], a["answer"]) for a in report["answers"]] == [
+        (a["start"], a["end"], a["answer"]) for a in expected
+    ]
+    assert [a["score"] for a in report["answers"]] == pytest.approx([a["score"] for a in expected], abs=1e-6)
