@@ -4,6 +4,7 @@ chunk boundaries (`RANCache.detach`, `lm_data.interleave_streams`, `run_clm.py -
 import json
 
 import numpy as np
+import pytest
 import run_clm
 import torch
 from benchmark_utils import LiveTensorPeak
