@@ -16,6 +16,6 @@ timeout 130 python profile_step.py --device cuda --shape 2x32768 --output_dir "$
     --models ran-triton ran-triton+tokens transformer > "$out/profile_2x32768.log" 2>&1
 echo "2x32768 exit $?" >> "$out/status.txt"
 cd "$root"
-timeout 200 python -m pytest -q -p no:cacheprovider tests/test_triton_scan.py tests/test_triton_rotary.py \
+timeout 200 python -m pytest -q -p no:cacheprovider --run-slow tests/test_triton_scan.py tests/test_triton_rotary.py \
     tests/test_triton_norm.py > "$out/triton_cuda_tests.log" 2>&1
 echo "tests exit $?" >> "$out/status.txt"
