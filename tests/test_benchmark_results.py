@@ -1,6 +1,8 @@
 """Where the benchmark scripts write their results (`benchmark_utils.result_path`, `write_result`): an `--output`
 prefix with dots keeps them, and a result file is replaced whole or not at all."""
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,27 @@ def test_a_failed_write_leaves_the_earlier_result_as_it_was(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         write_result(path, '{"accuracy": 0.1}')
     assert path.read_text() == '{"accuracy": 0.9}'
+
+
+def test_benchmark_commands_times_a_command_against_a_baseline_and_records_where(tmp_path):
+    import benchmark_commands
+
+    output = tmp_path / "commands" / "pair"
+    python = sys.executable
+    result = benchmark_commands.main(
+        ["--output", str(output), "--repeats", "2", "--warmup", "0", "--env", "RAN_HF_PROBE=1"]
+        + ["--command", f"{python} -c 'import os; assert os.environ[\"RAN_HF_PROBE\"] == \"1\"'"]
+        + ["--baseline", f"{python} -c pass"]
+    )
+    saved = json.loads((tmp_path / "commands" / "pair.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert {"command", "commit", "date", "machine"} <= saved.keys()
+    assert [len(spread["runs"]) for spread in saved["wall_seconds"].values()] == [2, 2]
+    assert saved["ratio_to_baseline"]["median"] > 0 and "ratio" in (tmp_path / "commands" / "pair.md").read_text()
+
+
+def test_benchmark_commands_stops_on_a_failing_command(tmp_path):
+    import benchmark_commands
+
+    with pytest.raises(SystemExit, match="exited 3"):
+        benchmark_commands.main(["--output", str(tmp_path / "x"), "--command", f"{sys.executable} -c 'exit(3)'"])
