@@ -115,7 +115,7 @@ class _LazyModelClass(type):
     model's name and module, and anything else asked of it (`from_pretrained`, `_from_config`, a call, `isinstance`)
     imports the model (which replaces the stand-in in the Auto classes) and goes to it."""
 
-    def model(cls):
+    def _load_model(cls):
         module = importlib.import_module(cls.__module__)
         _after_import.fire_now(module.__name__, module)
         return getattr(module, cls.__name__)
@@ -123,16 +123,16 @@ class _LazyModelClass(type):
     def __getattr__(cls, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return getattr(cls.model(), name)
+        return getattr(cls._load_model(), name)
 
     def __call__(cls, *args, **kwargs):
-        return cls.model()(*args, **kwargs)
+        return cls._load_model()(*args, **kwargs)
 
     def __instancecheck__(cls, instance):
-        return isinstance(instance, cls.model())
+        return isinstance(instance, cls._load_model())
 
     def __subclasscheck__(cls, subclass):
-        return issubclass(subclass, cls.model())
+        return issubclass(subclass, cls._load_model())
 
     def __repr__(cls):
         return f"<stand-in for class '{cls.__module__}.{cls.__name__}'>"
