@@ -24,6 +24,13 @@ from ran_hf.folders import check_not_inputs
 
 def load_model(model_dir: str) -> ran_hf.RANPreTrainedModel:
     """The class the folder was saved from (`architectures` in its config.json), in float32 for the comparison."""
+    model_type = ran_hf.RANConfig.get_config_dict(model_dir)[0].get("model_type")
+    if model_type != ran_hf.RANConfig.model_type:  # RANConfig would read another model's config with a warning
+        raise ValueError(
+            f"{model_dir}: its config.json has model_type {model_type!r}, not {ran_hf.RANConfig.model_type!r}: this "
+            "script exports RAN models (a folder saved by ran_hf or its training scripts). Other models export with "
+            "their own tools (`optimum-cli export onnx`, say)."
+        )
     config = ran_hf.RANConfig.from_pretrained(model_dir)
     architecture = (config.architectures or ["RANModel"])[0]
     model_class = getattr(ran_hf, architecture, None)

@@ -18,7 +18,8 @@ import datasets
 import transformers
 from argument_checks import TRAINING_ARGUMENT_RANGES, check_ranges, parse_arguments  # noqa: F401 (scripts import it)
 from ran_trainer import first_nonfinite_weight
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase, TrainingArguments
+from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase, TrainingArguments
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import ran_hf  # noqa: F401 (registers RAN with the Auto classes and marks it for remote code on save)
 from ran_hf import RAN_LORA_TARGET_MODULES, RANConfig, frozen_new_weights, ran_lora_config
@@ -220,8 +221,42 @@ def check_training_length(training_args: transformers.TrainingArguments) -> None
 # ---- tokenizer, config and model ---------------------------------------------------------------------------------
 
 
+def check_model_type(name: str | None, trust_remote_code: bool = False, **hub_kwargs) -> None:
+    """A model folder (or Hub repo) whose config.json names a `model_type` that neither Transformers nor ran_hf has
+    registered is an error naming the folder, its model_type and the fix, before a tokenizer or config is read from
+    it: Transformers' own error names neither (and a folder without a tokenizer failed on that first)."""
+    if name is None:
+        return
+    try:
+        config_dict, _ = PreTrainedConfig.get_config_dict(name, **hub_kwargs)
+    except (OSError, ValueError):  # no config.json (a tokenizer's folder), or unreadable: the loaders say why
+        return
+    model_type = config_dict.get("model_type")
+    remote_code = "AutoConfig" in (config_dict.get("auto_map") or {})
+    if model_type is None or model_type in CONFIG_MAPPING or (remote_code and trust_remote_code):
+        return
+    raise ValueError(
+        f"{name}: its config.json has model_type {model_type!r}, which neither Transformers nor ran_hf knows. "
+        "These scripts train RAN models (model_type 'ran', registered by `import ran_hf`, which they do): give the "
+        "folder of a RAN model (a run of these scripts saves one), or, for a model whose folder or Hub repo ships its "
+        "own code (`auto_map` in config.json), pass --trust_remote_code."
+    )
+
+
+def model_hub_kwargs(model_args: ModelArguments) -> dict:
+    """Where and how `--model_name_or_path` and the like are read (`check_model_type`'s keywords)."""
+    return {
+        "trust_remote_code": model_args.trust_remote_code,
+        "cache_dir": model_args.cache_dir,
+        "revision": model_args.model_revision,
+        "token": model_args.token,
+    }
+
+
 def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
     name = model_args.tokenizer_name or model_args.model_name_or_path
+    for model in (model_args.config_name, model_args.model_name_or_path):
+        check_model_type(model, **model_hub_kwargs(model_args))
     tokenizer = AutoTokenizer.from_pretrained(
         name,
         cache_dir=model_args.cache_dir,
@@ -238,6 +273,7 @@ def load_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, 
     """The model's config with the task's fields (labels, `is_causal`, ...), checked against the tokenizer."""
     hub_kwargs = {"cache_dir": model_args.cache_dir, "revision": model_args.model_revision, "token": model_args.token}
     if model_args.config_name or model_args.model_name_or_path:
+        check_model_type(model_args.config_name or model_args.model_name_or_path, **model_hub_kwargs(model_args))
         config = AutoConfig.from_pretrained(
             model_args.config_name or model_args.model_name_or_path,
             trust_remote_code=model_args.trust_remote_code,
@@ -269,6 +305,7 @@ def trained_labels(model_args: ModelArguments) -> tuple[tuple[str, ...], str | N
     name = model_args.config_name or model_args.model_name_or_path
     if name is None:
         return None
+    check_model_type(name, **model_hub_kwargs(model_args))
     config = AutoConfig.from_pretrained(
         name,
         cache_dir=model_args.cache_dir,

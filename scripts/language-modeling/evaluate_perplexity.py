@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: traini
 from argument_checks import parse_arguments  # noqa: E402
 from checkpoints import is_run_file  # noqa: E402
 from lm_data import end_of_text_id, token_ids  # noqa: E402
-from training_utils import check_tokenizer_matches_config  # noqa: E402
+from training_utils import check_model_type, check_tokenizer_matches_config  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.output_file is not None:
         check_output_file(args)
 
+    check_model_type(args.model_name_or_path, args.trust_remote_code)  # names the folder of an unknown model type
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or args.model_name_or_path)
     config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     architectures = config.architectures or []

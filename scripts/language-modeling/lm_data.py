@@ -7,6 +7,7 @@ up: `../training_utils.py` and its siblings.
 """
 
 import logging
+import math
 
 import numpy as np
 from datasets import Dataset, DatasetDict
@@ -42,6 +43,7 @@ def load_text_datasets(model_args: ModelArguments, data_args) -> DatasetDict:
     if data_args.dataset_name is None:
         check_split_texts(splits, [column], data_args)
     if "validation" not in splits and "train" in splits and data_args.validation_split_percentage > 0:
+        check_held_out_split(len(splits["train"]), data_args)
         held_out = splits["train"].train_test_split(test_size=data_args.validation_split_percentage / 100, seed=0)
         splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
     splits = DatasetDict({split: dataset.select_columns([column]) for split, dataset in splits.items()})
@@ -55,6 +57,24 @@ def load_text_datasets(model_args: ModelArguments, data_args) -> DatasetDict:
         if len(kept[split]) == 0:
             raise ValueError(f"The {split} split holds no text: its {len(splits[split]):,} documents are all blank.")
     return kept
+
+
+def check_held_out_split(documents: int, data_args) -> None:
+    """Holding out `--validation_split_percentage` % of `documents` training documents (at least one, as `datasets`
+    rounds up) must leave one to train on; else an error naming the data and the fix, before any model is loaded
+    (`datasets` itself says only that "the resulting train set will be empty")."""
+    percentage = data_args.validation_split_percentage
+    held_out = math.ceil(percentage / 100 * documents)  # as `Dataset.train_test_split` counts
+    if held_out < documents:
+        return
+    source = data_args.train_file or f"{data_args.dataset_name} (train)"
+    raise ValueError(
+        f"{source} holds {documents:,} document{'' if documents == 1 else 's'}: with no validation split, "
+        f"--validation_split_percentage {percentage} holds out {held_out:,} of {'it' if documents == 1 else 'them'} "
+        "for validation and leaves none to train on. Give a validation file (--validation_file), a corpus of more "
+        "documents (lines, for a text file), or --validation_split_percentage 0 to train on all of it (without "
+        "--do_eval, or with --validation_file)."
+    )
 
 
 # Long texts are tokenized in pieces (`ran_hf.data.split_before_whitespace`), and at most CALL_CHARACTERS characters

@@ -190,6 +190,17 @@ def main(argv: list[str] | None = None) -> dict:
         if data_args.max_eval_samples is not None:
             eval_dataset = eval_dataset.select(range(min(len(eval_dataset), data_args.max_eval_samples)))
 
+    # The adaptive softmax (`cutoffs`) scores each label without building the distribution over the vocabulary, so
+    # with labels the model returns no logits: evaluation reports the loss and perplexity, not the accuracy, which
+    # needs every id's score. Decided here, before training: nothing may fail after a run has been paid for.
+    score_accuracy = training_args.do_eval and getattr(config, "cutoffs", None) is None
+    if training_args.do_eval and not score_accuracy:
+        logger.warning(
+            "The model has an adaptive softmax (config.cutoffs): --do_eval reports eval_loss and perplexity, not "
+            "eval_accuracy, which would need the logits of the whole vocabulary (the adaptive softmax never builds "
+            "them when scoring labels)."
+        )
+
     def preprocess_logits_for_metrics(logits, labels):
         return logits.argmax(dim=-1)
 
@@ -211,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),  # labels = input_ids, -100 on padding
-        compute_metrics=compute_metrics if training_args.do_eval else None,
-        preprocess_logits_for_metrics=preprocess_logits_for_metrics if training_args.do_eval else None,
+        compute_metrics=compute_metrics if score_accuracy else None,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics if score_accuracy else None,
         callbacks=[ParameterChecksumCallback(model_args.parameter_checksum_dir)]
         if model_args.parameter_checksum_dir
         else None,

@@ -106,20 +106,23 @@ class DataTrainingArguments:
         return [column.strip() for column in self.text_column_name.split(",")]
 
 
-def choose_labels(label_values: dict, column: str, class_names, model_args: ModelArguments) -> ClassificationLabels:
+def choose_labels(
+    label_values: dict, column: str, class_names, model_args: ModelArguments, paths: dict | None = None
+) -> ClassificationLabels:
     """The classes, in the order of the model's outputs.
 
     A trained classifier (`--model_name_or_path` with named classes in its `id2label`) keeps its own: the data's
     labels are mapped onto them, labels it lacks are an error, and a split may use only some of them. Otherwise, as
-    with `--ignore_mismatched_sizes` and another number of classes (a new head), they are read off the data.
+    with `--ignore_mismatched_sizes` and another number of classes (a new head), they are read off the data. `paths`
+    (the split's files) let an error name the file and line of a bad label.
     """
     trained = trained_labels(model_args)
     if trained is None:
-        return ClassificationLabels.from_splits(label_values, column, names=class_names)
+        return ClassificationLabels.from_splits(label_values, column, names=class_names, paths=paths)
     names, problem_type = trained
     model = model_args.config_name or model_args.model_name_or_path
     if model_args.ignore_mismatched_sizes and label_values:
-        from_data = ClassificationLabels.from_splits(label_values, column, names=class_names)
+        from_data = ClassificationLabels.from_splits(label_values, column, names=class_names, paths=paths)
         if len(from_data.names) != len(names):
             logger.warning(
                 f"--ignore_mismatched_sizes: the head of {model} for its {len(names)} classes is replaced by a new "
@@ -130,7 +133,9 @@ def choose_labels(label_values: dict, column: str, class_names, model_args: Mode
     if not label_values:  # only predicting unlabelled documents
         return ClassificationLabels(names, multi_label)
     try:
-        labels = ClassificationLabels.from_splits(label_values, column, names=names, names_from=f"the model {model}")
+        labels = ClassificationLabels.from_splits(
+            label_values, column, names=names, names_from=f"the model {model}", paths=paths
+        )
     except UnknownLabelsError as error:
         raise UnknownLabelsError(
             f"{error} Check --label_column_name; to train a new head for the data's classes, start from a model "
@@ -229,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
         label_values[split] = values
     if (training_args.do_train or training_args.do_eval) and not label_values:
         raise ValueError(f"No split has labels in column {label_column!r}.")
-    labels = choose_labels(label_values, label_column, class_names, model_args)
+    paths = None if data_args.dataset_name else files  # a bad label is named by its file and line
+    labels = choose_labels(label_values, label_column, class_names, model_args, paths)
     logger.info(
         f"{'Multi' if labels.multi_label else 'Single'}-label classification with {len(labels.names)} classes: "
         f"{list(labels.names[:10])}{' ...' if len(labels.names) > 10 else ''}"

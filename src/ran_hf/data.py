@@ -16,8 +16,10 @@ diagnosis: where Arrow fails, or a check finds a bad value, the file is read aga
 that every error names the file and line, as Arrow's own errors do not.
 
 Every reader raises `ValueError` naming the file (and line) for an empty file, a malformed line, bytes that are not
-UTF-8, or (with `text_columns`) a text that is null, empty or blank. Labels go through
-`ClassificationLabels.from_splits` / `TagLabels.from_splits`, which reject missing, mixed or unseen labels.
+UTF-8, a column name that a CSV header or a JSON object holds twice (which of the two is meant?), or (with
+`text_columns`) a text that is null, empty or blank, (with `label_columns`) a label that is no class name. Labels go
+through `ClassificationLabels.from_splits` / `TagLabels.from_splits`, which reject missing, mixed or unseen labels;
+given the files, they name a bad label's file and line.
 """
 
 import csv
@@ -110,9 +112,25 @@ def check_text(value, where: str, column: str) -> None:
     raise ValueError(f"{where}: column {column!r} holds {kind}. Every example needs a text; remove or fix it.")
 
 
-def jsonl_records(path: str | Path, text_columns: Iterable[str] = ()) -> Iterator[dict]:
-    """One JSON object per non-blank line; the `text_columns` it holds must be non-blank strings."""
-    text_columns = tuple(text_columns)
+class _RepeatedKeyError(ValueError):
+    """A JSON object names a key twice (raised by `_unique_keys`, reported by `jsonl_records` with the line)."""
+
+
+def _unique_keys(pairs: list[tuple]) -> dict:
+    """`json.loads`' object hook: `json` would keep the last of two equal keys, Arrow the first."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen = set()
+        raise _RepeatedKeyError(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return record
+
+
+def jsonl_records(
+    path: str | Path, text_columns: Iterable[str] = (), label_columns: Iterable[str] = ()
+) -> Iterator[dict]:
+    """One JSON object per non-blank line, no key twice in one object; the `text_columns` it holds must be non-blank
+    strings, the `label_columns` labels (`label_kind`)."""
+    text_columns, label_columns = tuple(text_columns), tuple(label_columns)
     first = True
     for line_number, line in enumerate(read_lines(path), start=1):
         if not line.strip():
@@ -123,9 +141,14 @@ def jsonl_records(path: str | Path, text_columns: Iterable[str] = ()) -> Iterato
                 f"takes JSON Lines, one object per line: convert the array with `jq -c '.[]' {Path(path).name}`."
             )
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}, line {line_number}: not valid JSON ({error.msg}).") from None
+        except _RepeatedKeyError as error:
+            raise ValueError(
+                f"{path}, line {line_number}: an object names the key {error.args[0]!r} more than once, so which "
+                "value is meant is ambiguous (readers keep either the first or the last). Keep one of them."
+            ) from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}, line {line_number}: expected a JSON object, got {type(record).__name__}.")
         for column, value in record.items():
@@ -134,6 +157,8 @@ def jsonl_records(path: str | Path, text_columns: Iterable[str] = ()) -> Iterato
             for string in value if isinstance(value, list) else [value]:
                 if isinstance(string, str):  # a label or a token, too: Arrow could not store it
                     check_unicode(string, f"{path}, line {line_number}", column)
+            if column in label_columns:
+                label_kind(value, f"{path}, line {line_number}", column)
         first = False
         yield record
 
@@ -165,13 +190,17 @@ def long_csv_fields():
         csv.field_size_limit(limit)
 
 
-def delimited_records(path: str | Path, delimiter: str, text_columns: Iterable[str] = ()) -> Iterator[dict]:
-    """A CSV or TSV file whose first row names the columns; the `text_columns` it has must not be blank.
+def delimited_records(
+    path: str | Path, delimiter: str, text_columns: Iterable[str] = (), label_columns: Iterable[str] = ()
+) -> Iterator[dict]:
+    """A CSV or TSV file whose first row names the columns, each once; the `text_columns` it has must not be blank,
+    the `label_columns` not empty.
 
     Quoting is strict (a quote left open or text after a closing quote is an error, reported at the line where the
-    record starts), and fields may be as long as a document is.
+    record starts), and fields may be as long as a document is. `load_records` reads the header here too, so a
+    column named twice is refused whichever way the file is read.
     """
-    text_columns = tuple(text_columns)
+    text_columns, label_columns = tuple(text_columns), tuple(label_columns)
     lines = _LineCounter(read_lines(path))
     reader = csv.reader(lines, delimiter=delimiter, strict=True)
     with long_csv_fields():
@@ -188,6 +217,13 @@ def delimited_records(path: str | Path, delimiter: str, text_columns: Iterable[s
             if not row:
                 continue  # a blank line
             if header is None:
+                repeated = [column for index, column in enumerate(row) if column in row[:index]]
+                if repeated:
+                    raise ValueError(
+                        f"{path}, line {start}: the header names column {repeated[0]!r} more than once ({row}), so "
+                        "which of them is meant is ambiguous (readers take either the first or the last). Rename or "
+                        "remove the duplicate."
+                    )
                 header = row
                 continue
             if len(row) != len(header):
@@ -198,6 +234,9 @@ def delimited_records(path: str | Path, delimiter: str, text_columns: Iterable[s
             for column in text_columns:
                 if column in record:
                     check_text(record[column], f"{path}, line {start}", column)
+            for column in label_columns:
+                if column in record:
+                    label_kind(record[column], f"{path}, line {start}", column)
             yield record
 
 
@@ -206,25 +245,30 @@ def text_records(path: str | Path) -> Iterator[dict]:
     return ({"text": line.strip()} for line in read_lines(path) if line.strip())
 
 
-def iter_records(path: str | Path, text_columns: Iterable[str] = (), limit: int | None = None) -> Iterator[dict]:
+def iter_records(
+    path: str | Path, text_columns: Iterable[str] = (), limit: int | None = None, label_columns: Iterable[str] = ()
+) -> Iterator[dict]:
     """The records of a jsonl / csv / tsv / text file one at a time (see the module docstring), checked as they are
-    read: a null, empty or blank value in one of `text_columns` is an error naming the file and line. With `limit`,
-    reading stops after that many records: the rest of the file is never read."""
+    read: a null, empty or blank value in one of `text_columns`, or a value of one of `label_columns` that is no label
+    (`label_kind`), is an error naming the file and line. With `limit`, reading stops after that many records: the
+    rest of the file is never read."""
     kind = file_format(path)
     if kind == "jsonl":
-        records = jsonl_records(path, text_columns)
+        records = jsonl_records(path, text_columns, label_columns)
     elif kind in ("csv", "tsv"):
-        records = delimited_records(path, "," if kind == "csv" else "\t", text_columns)
+        records = delimited_records(path, "," if kind == "csv" else "\t", text_columns, label_columns)
     else:
         records = text_records(path)
     with closing(records):  # stopping early closes the file (and restores the csv module's field limit) at once
         yield from itertools.islice(records, limit)
 
 
-def read_records(path: str | Path, text_columns: Iterable[str] = (), limit: int | None = None) -> list[dict]:
+def read_records(
+    path: str | Path, text_columns: Iterable[str] = (), limit: int | None = None, label_columns: Iterable[str] = ()
+) -> list[dict]:
     """The records of a jsonl / csv / tsv / text file (`iter_records`, at most `limit`) as a list; an empty file is an
     error."""
-    records = list(iter_records(path, text_columns, limit))
+    records = list(iter_records(path, text_columns, limit, label_columns))
     if not records:
         raise ValueError(f"{path} holds no examples (the file is empty or blank).")
     return records
@@ -439,6 +483,19 @@ def check_columns(records: Iterable[Mapping], columns: Iterable[str], source: st
                 )
 
 
+def label_kind(value, source: str, column: str) -> str:
+    """ "single" or "multi": one example's label, checked: a class name (`label_name`), or for multi-label data a list
+    of them. `source` names the example in an error."""
+    if value is None:
+        raise ValueError(f"{source}: column {column!r} is empty (null); every example needs a label.")
+    kind = "multi" if isinstance(value, list | tuple) else "single"
+    for item in value if kind == "multi" else [value]:
+        if isinstance(item, list | tuple):
+            raise ValueError(f"{source}: column {column!r} holds a nested list {value!r}.")
+        label_name(item, source, column)
+    return kind
+
+
 def label_name(value, source: str, column: str) -> str:
     """A single label as a class name: strings as they are, ints as digits, booleans as "true"/"false"."""
     if isinstance(value, bool):
@@ -470,27 +527,33 @@ class ClassificationLabels:
         column: str,
         names: Sequence[str] | None = None,
         names_from: str = "the dataset's ClassLabel feature",
+        paths: Mapping[str, str | Path | None] | None = None,
     ) -> "ClassificationLabels":
         """Infer the task from the label values of every split (`{"train": [...], "validation": [...]}`).
 
         All values must be of one kind: single labels (str / int / bool) or lists of them (multi-label). Single-label
         classes are those of the training split (or of the first split, without one) and the other splits may only
         use those; multi-label classes are the union over the splits, so that labels seen only in evaluation count as
-        misses. `names` (a Hub `ClassLabel` feature's, or a trained model's) fixes the classes and their order
-        instead: every label must be one of them (`names_from` says whose they are in the error), and a split may
-        use only some.
+        misses, and the training split must use at least one. `names` (a Hub `ClassLabel` feature's, or a trained
+        model's) fixes the classes and their order instead: every label must be one of them (`names_from` says whose
+        they are in the error), and a split may use only some.
+
+        `paths` (`{"train": file, ...}`, the files the splits were read from) lets an error name a file, and a bad
+        label its line: the file is read again, record by record (`iter_records`), up to that label. The split's
+        index alone may blame another record: Arrow reads a column of ints and one float (NaN, say) as floats.
         """
+        paths = {split: path for split, path in (paths or {}).items() if path is not None}
         kinds = {}  # "single" / "multi" -> the first example of that kind
         for split, values in splits.items():
             for index, value in enumerate(values):
                 source = f"{split} example {index + 1}"
-                if value is None:
-                    raise ValueError(f"{source}: column {column!r} is empty (null); every example needs a label.")
-                kind = "multi" if isinstance(value, list | tuple) else "single"
-                for item in value if kind == "multi" else [value]:
-                    if isinstance(item, list | tuple):
-                        raise ValueError(f"{source}: column {column!r} holds a nested list {value!r}.")
-                    label_name(item, source, column)
+                try:
+                    kind = label_kind(value, source, column)
+                except ValueError:
+                    if split in paths:  # the file's reader names the first bad label, with its line
+                        for _ in iter_records(paths[split], label_columns=[column]):
+                            pass
+                    raise
                 kinds.setdefault(kind, source)
                 if len(kinds) > 1:
                     raise ValueError(
@@ -517,10 +580,17 @@ class ClassificationLabels:
                     f"{' ...' if len(names) > 10 else ''})."
                 )
             return cls(names, multi_label)
+        reference = "train" if "train" in splits else next(iter(splits))
         if multi_label:
+            if not any(len(row) for row in splits[reference]):
+                where = paths.get(reference, f"The {reference} split")
+                raise ValueError(
+                    f"{where}: column {column!r} holds only empty lists of labels ({len(splits[reference]):,} "
+                    "examples): a multi-label classifier learns its classes from the labels, and there is none. "
+                    "Check --label_column_name and the file."
+                )
             found = {label_name(item, split, column) for values in splits.values() for row in values for item in row}
             return cls(tuple(sort_names(found)), True)
-        reference = "train" if "train" in splits else next(iter(splits))
         known = {label_name(value, reference, column) for value in splits[reference]}
         for split, values in splits.items():
             unseen = {label_name(value, split, column) for value in values} - known
@@ -600,6 +670,7 @@ __all__ = [
     "check_texts",
     "file_format",
     "iter_records",
+    "label_kind",
     "load_records",
     "open_text",
     "read_conll",

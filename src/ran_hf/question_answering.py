@@ -15,6 +15,8 @@ highest product of start and end probability, the probabilities taken over the d
 `end` are character offsets into `context`, as before.
 """
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 from transformers import Pipeline
@@ -30,6 +32,11 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
 
     def __call__(self, question: str | list[str], context: str | list[str], **kwargs):
         """One answer (or `top_k`) for a question and its context; lists of questions and contexts, pairwise."""
+        for name, texts in (("question", question), ("context", context)):
+            if not isinstance(texts, str) and not (
+                isinstance(texts, list | tuple) and all(isinstance(text, str) for text in texts)
+            ):
+                raise ValueError(f"`{name}` must be a string or a list of strings, got {texts!r:.80}.")
         if isinstance(question, str) != isinstance(context, str) or (
             not isinstance(question, str) and len(question) != len(context)
         ):
@@ -40,14 +47,9 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
 
     def _sanitize_parameters(self, top_k: int | None = None, max_answer_len: int | None = None):
         postprocess = {}
-        if top_k is not None:
-            if top_k < 1:
-                raise ValueError(f"`top_k` must be at least 1, got {top_k}.")
-            postprocess["top_k"] = top_k
-        if max_answer_len is not None:
-            if max_answer_len < 1:
-                raise ValueError(f"`max_answer_len` must be at least 1, got {max_answer_len}.")
-            postprocess["max_answer_len"] = max_answer_len
+        for name, value in (("top_k", top_k), ("max_answer_len", max_answer_len)):
+            if value is not None:
+                postprocess[name] = positive_count(name, value)
         return {}, {}, postprocess
 
     def preprocess(self, inputs: dict) -> dict:
@@ -57,7 +59,15 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
         if not question.strip() or not context.strip():
             raise ValueError("The question and the context must both hold text.")
         encoding = self.tokenizer(question, context, return_offsets_mapping=True, return_tensors="pt")
-        in_context = torch.tensor([sequence == 1 for sequence in encoding.sequence_ids(0)])
+        sequence_ids = encoding.sequence_ids(0)
+        for index, name, text in ((0, "question", question), (1, "context", context)):
+            if index not in sequence_ids:  # zero-width spaces, say: not whitespace to `str.strip`, yet dropped
+                shown = repr(text[:80]) + (" ..." if len(text) > 80 else "")
+                raise ValueError(
+                    f"The {name} {shown} gives no tokens: the tokenizer drops every character of it (zero-width or "
+                    f"control characters, say). Give a {name} that holds text."
+                )
+        in_context = torch.tensor([sequence == 1 for sequence in sequence_ids])
         return {
             "model_inputs": {name: encoding[name] for name in self.tokenizer.model_input_names if name in encoding},
             "offsets": encoding["offset_mapping"][0],
@@ -76,6 +86,9 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
             outputs[name].float().masked_fill(~in_context, -torch.inf).softmax(-1)
             for name in ("start_logits", "end_logits")
         )
+        # No span is longer than the document: longer ones would all score 0, so the work follows the document's
+        # length, not `max_answer_len` (2e7 on a 5-token context built a 3.5 GB score matrix).
+        max_answer_len = min(max_answer_len, int(in_context.sum()))
         # scores[s, k]: the span from token s to token s + k (k < max_answer_len); spans past the end score 0.
         ends = F.pad(end, (0, max_answer_len - 1)).unfold(0, max_answer_len, 1)
         scores = (start[:, None] * ends).flatten()
@@ -95,3 +108,14 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
                 }
             )
         return answers[0] if top_k == 1 else answers
+
+
+def positive_count(name: str, value) -> int:
+    """A count argument of the pipeline (`top_k`, `max_answer_len`) as an int: an integer, or a float that holds one
+    (`2e7`), at least 1; anything else (2.5, "3", True) is an error naming the argument."""
+    whole = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r} ({type(value).__name__}).")
+    if value < 1:
+        raise ValueError(f"`{name}` must be at least 1, got {value}.")
+    return int(value)
