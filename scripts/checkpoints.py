@@ -18,9 +18,7 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-import ran_hf
-from ran_hf.folders import check_not_inputs, contents, lock_folder, recover_interrupted, set_aside
-from ran_hf.sentence_embeddings import SENTENCE_TRANSFORMERS_FILES
+from ran_hf.folders import MODEL_FILES, check_not_inputs, contents, lock_folder, recover_interrupted, set_aside
 
 logger = logging.getLogger(__name__)
 
@@ -33,36 +31,12 @@ WEIGHTS_NAMES = (
 RESUME_LATEST = ("latest", "true")
 CHECKPOINT_PATTERN = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 # What a run writes at the top of its output folder besides checkpoints: a new final save replaces all of it, so that
-# the folder never shows one run's model with another run's metrics or card.
-RUN_FILES = frozenset(
-    {
-        *WEIGHTS_NAMES,
-        "config.json",
-        "generation_config.json",
-        "training_args.bin",
-        "trainer_state.json",
-        "README.md",
-        "predict_results.txt",
-        "predictions.txt",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "vocab.txt",
-        "vocab.json",
-        "merges.txt",
-        "tokenizer.model",
-        "chat_template.jinja",
-        "chat_template.json",
-    }
-)
-# The model's code, which `save_pretrained` copies beside the weights for remote code: any module of the package.
-RUN_FILES = RUN_FILES | {path.name for path in Path(ran_hf.__file__).parent.glob("*.py")}
-# `--sentence_transformers_pooling` adds sentence-transformers' files (and `1_Pooling/` for mean and max pooling).
-RUN_FILES = RUN_FILES | {*SENTENCE_TRANSFORMERS_FILES, "1_Pooling"}
+# the folder never shows one run's model with another run's metrics or card: a saved model's files
+# (`ran_hf.folders.MODEL_FILES`: weights, adapter, config, tokenizer, the model's code, its card, the
+# sentence-transformers files of `--sentence_transformers_pooling`), and what Trainer writes beside them.
+RUN_FILES = MODEL_FILES | {"training_args.bin", "trainer_state.json", "predict_results.txt", "predictions.txt"}
 # A LoRA run (`--lora_r`) saves the adapter (and the head modules it trains in full), not the model.
 ADAPTER_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
-RUN_FILES = RUN_FILES | {*ADAPTER_NAMES, "adapter_config.json"}
 WEIGHT_SHARD_PATTERN = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
 # Files `Trainer` loads to resume, checked to load before a checkpoint is chosen.
 RESUMED_TORCH_FILES = re.compile(
@@ -312,9 +286,11 @@ def prepare_output_dir(training_args: transformers.TrainingArguments, *arguments
     Then a training run into a folder that already holds something (a finished run's model and metrics, or the
     checkpoints of another run) is refused unless it continues the run in that folder (`--resume_from_checkpoint`
     naming one of its checkpoints, or `latest` finding one) or `--overwrite_output_dir` is given. When overwriting,
-    the old checkpoints are set aside now (a later `latest` would otherwise pick them) and deleted once the final save
-    is complete; the old model, metrics and card are replaced by the final save (`RANTrainer.save_model`), never
-    merged with the new run's.
+    the old checkpoints are set aside now (`ran_hf.folders.set_aside`, beside the folder, where `latest` never looks)
+    and deleted once the final save is complete. They come back only if this run fails with an error before its first
+    checkpoint; after that (`RANTrainer._save_checkpoint` retires them), or after a kill, never: a later `latest`
+    continues this run. The old model, metrics and card are replaced by the final save (`RANTrainer.save_model`),
+    never merged with the new run's.
     """
     output_dir = Path(training_args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
@@ -341,10 +317,15 @@ def prepare_output_dir(training_args: transformers.TrainingArguments, *arguments
             f"run's model and mix their metrics. {resume}--overwrite_output_dir to replace it, or choose another "
             "--output_dir."
         )
+    aside = ""
     if training_args.should_save and old_checkpoints:
-        set_aside(output_dir, [path.name for path in old_checkpoints])
-    names = ", ".join(path.name for path in old_checkpoints)
-    aside = f"Set its checkpoints aside ({names}), to be deleted once this run's model is saved; " if names else ""
+        retired = set_aside(output_dir, [path.name for path in old_checkpoints])
+        names = ", ".join(path.name for path in old_checkpoints)
+        aside = (
+            f"Moved its checkpoints ({names}) to {retired}, where --resume_from_checkpoint latest never finds them "
+            "(put back only if this run fails before its first checkpoint), to be deleted once this run's model is "
+            "saved; "
+        )
     logger.warning(
         f"--overwrite_output_dir: {output_dir} held a previous run. {aside}its model, metrics and model card are "
         "replaced when this run saves its model."

@@ -17,7 +17,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rannet_dir", required=True, help="folder with config.json, vocab.txt and model.ckpt.*")
     parser.add_argument("--output_dir", required=True, help="the Transformers folder to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace --output_dir if it exists and is not empty")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the model in --output_dir if it exists and is not empty (other files there stay)",
+    )
     args = parser.parse_args(argv)
     try:
         output_dir = convert_rannet_checkpoint(args.rannet_dir, args.output_dir, overwrite=args.overwrite)

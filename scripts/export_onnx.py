@@ -40,12 +40,12 @@ def load_model(model_dir: str) -> ran_hf.RANPreTrainedModel:
 
 
 def check_output(model_dir: str, output: str) -> None:
-    """Refuse an --output that is not a `.onnx` file, or that is (links resolved) a file the model is read from: the
-    export would overwrite the weights or config with the graph."""
-    if not output.endswith(".onnx"):
-        raise ValueError(f"--output must name a .onnx file, got {output}.")
-    if Path(output).is_dir():
-        raise ValueError(f"--output {output} is a folder; name the .onnx file to write.")
+    """Refuse an --output that is not a `.onnx` file or an earlier graph (`ran_hf.export.check_onnx_output`, which
+    `ran_hf.export_onnx` checks too), or that is (links resolved) a file the model is read from: the export would
+    overwrite the weights or config with the graph."""
+    from ran_hf.export import check_onnx_output
+
+    check_onnx_output(output, "--output")
     if not Path(model_dir).is_dir():
         return  # load_model says what is missing
     earlier_export = (".onnx", ".onnx.data")  # replaced, not read

@@ -10,8 +10,8 @@ folder with `AutoModelForMaskedLM.from_pretrained(..., trust_remote_code=True)` 
 
 A longer text is read up to its first `--max_tokens` tokens (a RAN's memory grows with what it reads; only that part
 of the file is read at all). The folder is written as the training scripts write theirs (`ran_hf.folders`): locked
-for the run, replaced whole once the new model is saved, and a folder that holds anything but an earlier
-quickstart's model is refused without `--overwrite_output_dir`.
+for the run, its model and tokenizer replaced once the new ones are saved (other files there, your notes for one, stay),
+and a folder that holds anything but an earlier quickstart's model is refused without `--overwrite_output_dir`.
 """
 
 import argparse
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from argument_checks import in_range
+from checkpoints import is_run_file
 from data_loading import cut_at_whitespace, cut_for_tokenizer
 from train_tokenizer import SPECIAL_TOKENS, TokenizerArguments, build_tokenizer
 from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline, set_seed
@@ -62,7 +63,7 @@ def check_output_dir(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--output_dir {args.output_dir} holds files that an earlier quickstart did not write ({shown}): saving "
             "the quickstart's untrained model there would replace them. Choose another --output_dir, or pass "
-            "--overwrite_output_dir to replace them."
+            "--overwrite_output_dir to replace the model, tokenizer and results there (other files stay)."
         )
 
 
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     guesses = ", ".join(f"{g['token_str']} ({g['score']:.3f})" for g in fill_mask(prompt, top_k=3))
     print(f"fill-mask (untrained weights) for {prompt!r}: {guesses}")
 
-    with write_folder(args.output_dir, "saving") as staging:
+    # What a run writes (model, tokenizer, results) is replaced; other entries (a user's notes) stay.
+    with write_folder(args.output_dir, "saving", carry_over=lambda name: not is_run_file(name)) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         read = {"text_file": str(args.text_file.resolve()), "tokens": encoded.input_ids.shape[1]}

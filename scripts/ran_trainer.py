@@ -17,9 +17,11 @@ import torch.distributed as dist
 from checkpoints import is_run_file, refuse_changed_config
 from model_cards import write_model_card
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ran_hf import RANConfig
-from ran_hf.folders import discard_set_aside, write_folder
+from ran_hf.folders import discard_set_aside, retire_set_aside, write_folder
 from ran_hf.sentence_embeddings import write_sentence_transformers_config
 
 logger = logging.getLogger(__name__)
@@ -210,6 +212,18 @@ class RANTrainer(StopsDivergedRuns, Trainer):
     def write_sentence_transformers_files(self, folder: str | Path) -> None:
         if self.sentence_transformers_pooling is not None:
             write_sentence_transformers_config(folder, pooling=self.sentence_transformers_pooling)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Before a checkpoint is written: the old run's checkpoints that `--overwrite_output_dir` set aside are
+        retired (never put back, not even if this run fails or is killed: `latest` must continue this run), and a
+        `checkpoint-N` of the same step already there (a run resumed from an earlier checkpoint saves it again, in
+        place) loses its `trainer_state.json` first, which Trainer writes last: a kill while it is rewritten leaves
+        a folder that `latest` skips, never new weights beside the old optimizer and trainer state."""
+        if self.args.should_save:
+            retire_set_aside(self.args.output_dir)
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            (folder / TRAINER_STATE_NAME).unlink(missing_ok=True)
+        super()._save_checkpoint(model, trial)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The final save (into `--output_dir`) goes through `ran_hf.folders.write_folder`: the model is written

@@ -530,15 +530,19 @@ def test_a_failure_while_writing_leaves_nothing(rannet_copy, tmp_path, monkeypat
 
 
 def test_an_existing_folder_is_replaced_only_when_asked(rannet_copy, tmp_path):
+    """Refused unasked; with overwrite=True the old model's files go (weights in another format too) and the rest
+    (a user's notes) stays."""
     output = tmp_path / "converted"
     output.mkdir()
     (output / "old.txt").write_text("keep me")
+    (output / "pytorch_model.bin").write_bytes(b"an older model")
     with pytest.raises(FileExistsError, match="overwrite=True"):
         convert_rannet_checkpoint(rannet_copy, output)
     assert (output / "old.txt").read_text() == "keep me"
 
     convert_rannet_checkpoint(rannet_copy, output, overwrite=True)
-    assert not (output / "old.txt").exists() and (output / "model.safetensors").is_file()
+    assert (output / "old.txt").read_text() == "keep me" and (output / "model.safetensors").is_file()
+    assert not (output / "pytorch_model.bin").exists()
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
 
 
@@ -615,7 +619,8 @@ def test_what_a_killed_conversion_left_is_cleaned_up(rannet_copy, tmp_path, capl
 
     running.rmdir()
     convert_rannet_checkpoint(rannet_copy, output, overwrite=True)
-    assert (output / "model.safetensors").is_file() and not (output / "old.txt").exists()
+    assert (output / "model.safetensors").is_file()
+    assert (output / "old.txt").read_text() == "the model converted before"  # not a model's file: it stays
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
 
 

@@ -452,3 +452,236 @@ def test_write_folder_keeps_a_new_folder_it_cannot_put_in_place(tmp_path, monkey
     monkeypatch.setattr(os, "replace", replace)
     (kept,) = tmp_path.glob("out.new-*")
     assert files_of(kept) == {"new.txt": b"new"} and files_of(target) == {"old.txt": b"old"}
+
+
+# ---- round three (issue 46): a user's files, the library's exporter, runs an overwrite replaced ---------------------
+
+
+def test_quickstart_keeps_a_users_file_in_its_earlier_output(tmp_path):
+    """Re-running quickstart.py into its own earlier output deleted a user's `my_notes.txt` there (exit 0, no word).
+    Now the folder is written as the training scripts write theirs: the model and tokenizer are replaced, other
+    entries stay."""
+    import quickstart
+
+    text = tmp_path / "text.txt"
+    text.write_text("the model reads long documents window by window .\n" * 40, encoding="utf-8")
+    output_dir = tmp_path / "quickstart"
+    argv = ["--text_file", str(text), "--output_dir", str(output_dir), "--vocab_size", "60", "--max_tokens", "64"]
+    quickstart.main(argv)
+    first = files_of(output_dir)
+    (output_dir / "my_notes.txt").write_text("what I found")
+    (output_dir / "plots").mkdir()
+    (output_dir / "plots" / "loss.png").write_bytes(b"a plot")
+    quickstart.main([*argv, "--seed", "1"])
+    after = files_of(output_dir)
+    assert after["my_notes.txt"] == b"what I found" and after["plots/loss.png"] == b"a plot"
+    assert set(after) == set(first) | {"my_notes.txt", "plots/loss.png"}
+    assert after["model.safetensors"] != first["model.safetensors"]
+    assert_no_leftovers(output_dir)
+
+
+def test_the_converter_keeps_a_users_file_when_overwriting(tmp_path):
+    """`convert_rannet_checkpoint.py --overwrite` over its earlier output deleted a user's `notes.txt`. Now the
+    converted model's files are replaced and the rest stays, as the training scripts do; a stale file of the old
+    model (weights in another format, sentence-transformers' settings) does not."""
+    import convert_rannet_checkpoint as converter_script
+
+    output_dir = tmp_path / "converted"
+    argv = ["--rannet_dir", str(RANNET_FIXTURE), "--output_dir", str(output_dir)]
+    converter_script.main(argv)
+    first = files_of(output_dir)
+    (output_dir / "notes.txt").write_text("where the checkpoint came from")
+    (output_dir / "pytorch_model.bin").write_bytes(b"weights of an older model")
+    (output_dir / "modules.json").write_text("[]")
+    converter_script.main([*argv, "--overwrite"])
+    after = files_of(output_dir)
+    assert after.pop("notes.txt") == b"where the checkpoint came from"
+    assert after == first
+    assert_no_leftovers(output_dir)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "weights.bin", "link.onnx", "not-onnx.onnx"])
+def test_the_library_exporter_refuses_to_write_over_what_is_not_its_graph(saved_model, name):
+    """`ran_hf.export_onnx(model, "<dir>/model.safetensors")` replaced the weights with the ONNX graph: only the
+    script checked its --output. Now the function refuses, before exporting, a path that is not a `.onnx` file or
+    that holds something other than an ONNX graph (through a link too)."""
+    from ran_hf import export_onnx as export_library
+
+    (saved_model / "link.onnx").symlink_to(saved_model / "model.safetensors")
+    (saved_model / "not-onnx.onnx").write_text('{"my": "settings"}')
+    before = files_of(saved_model)
+    model = RANForSequenceClassification.from_pretrained(saved_model)
+    with pytest.raises(ValueError, match=rf"{saved_model / name}.* (is not a \.onnx file|is not an ONNX graph)"):
+        export_library(model, saved_model / name)
+    assert files_of(saved_model) == before
+    assert not [path for path in saved_model.parent.iterdir() if path.name.startswith(".")]
+
+
+def test_the_exporter_script_refuses_a_file_that_is_not_an_onnx_graph(saved_model):
+    (saved_model / "settings.onnx").write_text('{"my": "settings"}')
+    with pytest.raises(ValueError, match=r"settings\.onnx .*is not an ONNX graph"):
+        export_onnx.check_output(str(saved_model), str(saved_model / "settings.onnx"))
+
+
+def rename_to_a_finished_process(folder: Path) -> None:
+    """What a SIGKILL leaves: this process's temporary folders beside or inside `folder`, under a pid that is gone."""
+    dead = finished_process_id()
+    for where in (folder.parent, folder):
+        for path in list(where.iterdir()) if where.is_dir() else []:
+            if path.name.startswith(f".{folder.name}.") and f"-{os.getpid()}-" in path.name:
+                path.rename(path.with_name(path.name.replace(f"-{os.getpid()}-", f"-{dead}-")))
+
+
+def finished_process_id() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing catches it, so only `finally` blocks run."""
+
+
+@pytest.mark.slow
+def test_a_killed_overwrite_resumes_its_own_run_not_the_old_one(
+    tokenizer_dir, topic_files, tmp_path, monkeypatch, caplog
+):
+    """An old run with checkpoints 1 to 5; a new run with --overwrite_output_dir killed after its checkpoint 1; then
+    `--resume_from_checkpoint latest`. The old run's checkpoints came back beside the new one's and resume continued
+    the *old* run from its checkpoint 5. Now the old checkpoints are retired before the new run writes one: a kill
+    never brings them back, `latest` continues the new run from its checkpoint 1, and they are deleted once that
+    run's model is saved."""
+    import transformers
+
+    output_dir = tmp_path / "run"
+    old_run = classification_run(tokenizer_dir, topic_files, output_dir, "--max_steps", "5", "--save_steps", "1")
+    run_classification.main(old_run)
+    old = files_of(output_dir)
+    assert {name.split("/")[0] for name in old if name.startswith("checkpoint-")} == {
+        f"checkpoint-{step}" for step in range(1, 6)
+    }
+
+    new_run = classification_run(
+        tokenizer_dir, topic_files, output_dir, "--max_steps", "5", "--save_steps", "1", "--seed", "7"
+    )
+    save_checkpoint = transformers.Trainer._save_checkpoint
+
+    def killed_after_the_first_checkpoint(self, *args, **kwargs):
+        save_checkpoint(self, *args, **kwargs)
+        if self.state.global_step == 1:
+            raise Killed
+
+    monkeypatch.setattr(transformers.Trainer, "_save_checkpoint", killed_after_the_first_checkpoint)
+    with pytest.raises(Killed):
+        run_classification.main([*new_run, "--overwrite_output_dir"])
+    monkeypatch.setattr(transformers.Trainer, "_save_checkpoint", save_checkpoint)
+    rename_to_a_finished_process(output_dir)
+    assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-1"]
+    new_checkpoint = files_of(output_dir / "checkpoint-1")
+
+    with caplog.at_level("INFO"):
+        results = run_classification.main([*new_run, "--resume_from_checkpoint", "latest"])
+    assert f"Resuming from {output_dir / 'checkpoint-1'}" in caplog.text
+    assert results["train"]["train_samples"] > 0
+    after = files_of(output_dir)
+    assert {name: after[f"checkpoint-1/{name}"] for name in new_checkpoint} == new_checkpoint
+    assert json.loads(after["trainer_state.json"])["global_step"] == 5
+    for step in range(2, 6):  # the new run's, not the old run's
+        assert after[f"checkpoint-{step}/model.safetensors"] != old[f"checkpoint-{step}/model.safetensors"]
+    assert [path.name for path in tmp_path.iterdir()] == ["run"]  # the retired checkpoints are gone now
+
+
+def test_retired_entries_are_never_put_back_and_go_with_the_next_save(tmp_path):
+    """The folder writer's side of it: what `set_aside` moved away stays away after a kill (`recover_interrupted`
+    names it and leaves it), is put back by the process itself when it fails before it `retire_set_aside`s, and is
+    deleted by the next completed save's `discard_set_aside`."""
+    from ran_hf import folders
+
+    target = tmp_path / "run"
+    for name in ("checkpoint-4", "checkpoint-5"):
+        (target / name).mkdir(parents=True)
+        (target / name / "trainer_state.json").write_text(name)
+    folders.set_aside(target, ["checkpoint-4", "checkpoint-5"])
+    folders.restore_set_aside(target)  # failed before writing anything of its own: put back
+    assert sorted(files_of(target)) == ["checkpoint-4/trainer_state.json", "checkpoint-5/trainer_state.json"]
+    assert [path.name for path in tmp_path.iterdir()] == ["run"]
+
+    folders.set_aside(target, ["checkpoint-4", "checkpoint-5"])
+    folders.retire_set_aside(target)
+    (target / "checkpoint-1").mkdir()
+    folders.restore_set_aside(target)  # failed after writing: the old entries stay retired
+    assert [path.name for path in target.iterdir()] == ["checkpoint-1"]
+    rename_to_a_finished_process(target)
+    (retired,) = [path for path in tmp_path.iterdir() if path.name != "run"]
+    assert retired.name.startswith(".run.retired-")
+    notes = folders.recover_interrupted(target, carry_over=lambda name: True)
+    assert [path.name for path in target.iterdir()] == ["checkpoint-1"]
+    assert any(str(retired) in note and "checkpoint-4, checkpoint-5" in note for note in notes), notes
+    folders.discard_set_aside(target)  # the next completed save
+    assert [path.name for path in tmp_path.iterdir()] == ["run"]
+
+
+@pytest.mark.slow
+def test_latest_skips_a_checkpoint_a_kill_left_half_rewritten(
+    tokenizer_dir, topic_files, tmp_path, monkeypatch, caplog
+):
+    """A run resumed from checkpoint-2 of a folder that also holds checkpoint-4 saves checkpoint-4 again, in place.
+    Killed after the new weights and before the new optimizer state, the folder held the new weights beside the old
+    optimizer, scheduler, RNG and trainer state, every file intact: `latest` took it. Now the old trainer state is
+    removed first, so that such a folder is incomplete and `latest` skips it."""
+    import transformers
+
+    output_dir = tmp_path / "run"
+    argv = classification_run(tokenizer_dir, topic_files, output_dir, "--max_steps", "4", "--save_steps", "2")
+    run_classification.main(argv)
+    save_optimizer = transformers.Trainer._save_optimizer_and_scheduler
+
+    def killed_while_saving_checkpoint_4(self, output_dir):
+        if output_dir.endswith("checkpoint-4"):
+            raise Killed
+        save_optimizer(self, output_dir)
+
+    monkeypatch.setattr(transformers.Trainer, "_save_optimizer_and_scheduler", killed_while_saving_checkpoint_4)
+    with pytest.raises(Killed):
+        run_classification.main(
+            [*argv, "--learning_rate", "1e-3", "--resume_from_checkpoint", str(output_dir / "checkpoint-2")]
+        )
+    monkeypatch.setattr(transformers.Trainer, "_save_optimizer_and_scheduler", save_optimizer)
+    with caplog.at_level("INFO"):
+        run_classification.main([*argv, "--learning_rate", "1e-3", "--resume_from_checkpoint", "latest"])
+    assert f"Skipping {output_dir / 'checkpoint-4'}: it lacks a readable trainer_state.json" in caplog.text
+    assert f"Resuming from {output_dir / 'checkpoint-2'}" in caplog.text
+
+
+# ---- a truncated weights file is named --------------------------------------------------------------------------
+
+
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_truncated_weights_file_is_named_by_from_pretrained(saved_model):
+    """`from_pretrained` on a folder whose model.safetensors a full disk or a killed copy cut raised safetensors'
+    "incomplete metadata, file not fully covered", without saying which file. Now the error names it and says why."""
+    from transformers import AutoModelForSequenceClassification
+
+    weights = saved_model / "model.safetensors"
+    cut_in_half(weights)
+    damaged = rf"{weights} .*is damaged or cut short \(incomplete metadata"
+    with pytest.raises(OSError, match=damaged):
+        RANForSequenceClassification.from_pretrained(saved_model)
+    with pytest.raises(OSError, match=damaged):
+        AutoModelForSequenceClassification.from_pretrained(saved_model)
+    with pytest.raises(SystemExit) as exit_info:
+        export_onnx.main(["--model_dir", str(saved_model), "--output", str(saved_model / "model.onnx")])
+    assert exit_info.value.code == 1
+
+
+def test_a_training_script_names_a_truncated_weights_file(tokenizer_dir, topic_files, tmp_path):
+    model_dir = tmp_path / "model"
+    run_classification.main(classification_run(tokenizer_dir, topic_files, model_dir, "--save_strategy", "no"))
+    cut_in_half(model_dir / "model.safetensors")
+    argv = ["--model_name_or_path", str(model_dir), "--train_file", str(topic_files["train"]), "--do_train"]
+    argv += ["--max_steps", "1", "--output_dir", str(tmp_path / "out"), *QUIET]
+    with pytest.raises(OSError, match=rf"{model_dir / 'model.safetensors'} .*is damaged or cut short"):
+        run_classification.main(argv)

@@ -48,7 +48,15 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging
 
 from .configuration_ran import LAYER_DESIGN_FIELDS, RANConfig
-from .folders import check_not_inputs, contents, lock_folder, recover_interrupted, releases_folder_locks, write_folder
+from .folders import (
+    check_not_inputs,
+    contents,
+    keeps_user_files,
+    lock_folder,
+    recover_interrupted,
+    releases_folder_locks,
+    write_folder,
+)
 from .modeling_ran import RANForCausalLM, RANForMaskedLM
 from .tf_checkpoint import TFCheckpointReader
 
@@ -605,13 +613,15 @@ def convert_rannet_checkpoint(
     Everything is read and checked before anything is written; the folder is written next to `output_dir` under a
     temporary name and moved into place at the end, so a failed conversion leaves no partial folder (and what a killed
     one left beside `output_dir` is cleaned up by the next run). An existing, non-empty `output_dir` is replaced only
-    with `overwrite=True`; an `output_dir` that is `rannet_dir`, contains it or lies inside it is always refused.
+    with `overwrite=True`, and then only a saved model's files go (`ran_hf.folders.keeps_user_files`): your notes and
+    other files there stay. An `output_dir` that is `rannet_dir`, contains it or lies inside it is always refused.
 
     Args:
         rannet_dir: folder with `config.json`, `vocab.txt` and a TensorFlow checkpoint (`model.ckpt.index` and
             `model.ckpt.data-*`, or the checkpoint a `checkpoint` state file names).
         output_dir: the folder to write.
-        overwrite: replace `output_dir` if it exists and is not empty.
+        overwrite: replace the model in `output_dir` if it exists and is not empty (files that are not a saved
+            model's stay).
 
     Returns:
         The path of the written folder.
@@ -658,8 +668,9 @@ def convert_rannet_checkpoint(
     source_files = [config_path, vocab_path] + checkpoint_files
 
     # 2. Write into a temporary folder, then put it in place (an existing folder, empty or replaced on request, is
-    # set aside until the new one is in place; a mount point keeps its place and gets new contents).
-    with write_folder(output_dir, "converting") as staging:
+    # set aside until the new one is in place, and its entries that are not a model's files moved over; a mount point
+    # keeps its place and gets new contents).
+    with write_folder(output_dir, "converting", carry_over=keeps_user_files) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / "README.md").write_text(model_card(config, rannet_dir, source_files), encoding="utf-8")

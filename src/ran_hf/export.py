@@ -11,15 +11,32 @@ and generation stays in PyTorch.
 
 import inspect
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
-from .folders import lock_folder, resolved
+from .folders import check_file_output, write_file
 from .modeling_ran import RANPreTrainedModel
 
 INPUT_NAMES = ("input_ids", "attention_mask")
+# The first bytes of an ONNX `ModelProto`: field 1 (`ir_version`, a small varint), then the tag of one of the fields
+# that follow it (producer name and version, domain, model version, doc string, graph, opset, metadata, ...).
+ONNX_SECOND_FIELDS = {0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42, 0x72, 0xA2, 0xCA}
+
+
+def is_onnx_graph(path: Path) -> bool:
+    """Whether the file `path` begins as an ONNX model does (what `export_onnx` wrote there before): not model
+    weights (safetensors, `torch.save`), JSON or other text."""
+    with open(path, "rb") as file:
+        start = file.read(3)
+    return len(start) == 3 and start[0] == 0x08 and 0 < start[1] < 0x80 and start[2] in ONNX_SECOND_FIELDS
+
+
+def check_onnx_output(path: str | os.PathLike, flag: str = "path") -> None:
+    """Refuse an export to `path` that would replace something other than an ONNX graph: a name (or a link's target)
+    without `.onnx` (model weights, a config), a folder, or an existing file that is not an ONNX graph. Its external
+    data (`PATH.data`, models over 2 GB) is replaced with it."""
+    check_file_output(path, flag, ".onnx", is_onnx_graph, "an ONNX graph")
 
 
 def example_inputs(model: RANPreTrainedModel) -> dict:
@@ -39,8 +56,12 @@ def export_onnx(model: RANPreTrainedModel, path: str | os.PathLike | None = None
     """Export `model` (`RANModel` or any head) with dynamic batch size and sequence length; returns the
     `torch.onnx.ONNXProgram` and, with `path`, saves it there (`save_atomically`).
 
-    `export_kwargs` go to `torch.onnx.export` (e.g. `opset_version`). The model is put in eval mode.
+    `path` must be a `.onnx` file, new or an earlier graph: anything else (the model's weights, a config, a folder) is
+    refused with a `ValueError` before the export (`check_onnx_output`). `export_kwargs` go to `torch.onnx.export`
+    (e.g. `opset_version`). The model is put in eval mode.
     """
+    if path is not None:
+        check_onnx_output(path)
     model.eval()
     inputs = example_inputs(model)
     with torch.no_grad():
@@ -67,19 +88,9 @@ def export_onnx(model: RANPreTrainedModel, path: str | os.PathLike | None = None
 
 
 def save_atomically(program, path: Path) -> None:
-    """Save into a folder beside `path` (links resolved: a link's target is written, on its file system), then move
-    the files into place, the graph last: a killed export never leaves a half-written file, nor a graph whose external
-    weights (models over 2 GB) are missing. The file is locked meanwhile (`ran_hf.folders.lock_folder`)."""
-    path = resolved(path)
-    lock = lock_folder(path)
-    try:
-        staging = path.parent / f".{path.name}.exporting-{os.getpid()}"
-        staging.mkdir(parents=True)
-        try:
-            program.save(staging / path.name)
-            for written in sorted(staging.iterdir(), key=lambda file: file.name == path.name):
-                os.replace(written, path.parent / written.name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    finally:
-        lock.release()
+    """Save through `ran_hf.folders.write_file`, the guarded writer of the package's single files: `path` is checked
+    (`check_onnx_output`) and locked, the graph saved into a folder beside it (links resolved: a link's target is
+    written, on its file system) and the files moved into place, the graph last: a killed export never leaves a
+    half-written file, nor a graph whose external weights (models over 2 GB) are missing."""
+    with write_file(path, "path", ".onnx", is_onnx_graph, "an ONNX graph") as staged:
+        program.save(staged)

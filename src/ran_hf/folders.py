@@ -13,11 +13,19 @@ Every script, the converter and the exporter write through this module:
   link. Usually the temporary folder sits beside the target and replaces it with renames (atomic within one file
   system); an existing folder is renamed aside and deleted once the new one is in place. A folder that cannot be
   renamed (a mount point: a Docker or Kubernetes volume, a tmpfs, a bind mount) keeps its place and has its *contents*
-  replaced, from a temporary folder inside it, so every rename stays on its file system.
+  replaced, from a temporary folder inside it, so every rename stays on its file system. Entries of the old folder
+  that the writer does not write (a user's notes, checkpoints) stay when its `carry_over` says so:
+  `keeps_user_files` keeps all but a saved model's files.
+* `write_file` does the same for a file (an ONNX graph and its external data): refused unless it is a file of its
+  kind (its suffix, and what an existing file holds), written beside it and moved into place.
+* `set_aside` moves entries out of a folder's way for a run that replaces them (the old run's checkpoints under
+  `--overwrite_output_dir`); `retire_set_aside` marks the point from which they never come back (the new run writes
+  its own), and `discard_set_aside` deletes them once the new run's output is complete.
 
 Temporary names say what they are and which process made them, `.NAME.KIND-PID-RANDOM` (KIND in `LEFTOVER_KINDS`), so
 that the next run cleans up after a killed one (`recover_interrupted`): it puts back what was set aside when the new
 content never arrived, finishes a replacement whose new content was complete, and deletes half-written folders.
+What a run retired (`.NAME.retired-*`) is never put back: it waits, named in the log, for the next completed save.
 Folders of a process that is still running are left alone.
 """
 
@@ -45,11 +53,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LEFTOVER_KINDS",
+    "MODEL_FILES",
     "FolderInUseError",
+    "check_file_output",
     "check_not_inputs",
     "contents",
     "discard_set_aside",
+    "is_model_file",
     "is_mount_point",
+    "keeps_user_files",
     "lock_folder",
     "normal_permissions",
     "recover_interrupted",
@@ -57,19 +69,69 @@ __all__ = [
     "restore_set_aside",
     "replace_folder",
     "resolved",
+    "retire_set_aside",
     "set_aside",
     "staging_folder",
+    "write_file",
     "write_folder",
 ]
 
 # `ready`: a new folder inside a mount point whose old entries have all been set aside (into `previous`).
-LEFTOVER_KINDS = ("converting", "saving", "previous", "ready")
+# `retired`: entries a run moved out of its way for good (`set_aside`): never put back, deleted by a completed save.
+LEFTOVER_KINDS = ("converting", "saving", "previous", "ready", "retired")
 # A rename that cannot move the folder itself: a mount point (EBUSY), or a target on another file system (EXDEV).
 UNMOVABLE = (errno.EBUSY, errno.EXDEV)
 
 
 def _never(name: str) -> bool:
     return False
+
+
+# What `save_pretrained` of a model or tokenizer (weights, config, tokenizer files, the model's code, its card) and
+# `ran_hf.sentence_embeddings` write at the top of a folder: a new save replaces all of them, so that a folder never
+# shows one model's weights with another's tokenizer or settings. Anything else there is the user's.
+MODEL_FILES = frozenset(
+    {
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+        "adapter_model.safetensors",
+        "adapter_model.bin",
+        "adapter_config.json",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.txt",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "chat_template.jinja",
+        "chat_template.json",
+        "README.md",
+        "modules.json",
+        "sentence_bert_config.json",
+        "config_sentence_transformers.json",
+        "1_Pooling",
+    }
+)
+# The model's code, which `save_pretrained` copies beside the weights for remote code: any module of the package.
+MODEL_FILES = MODEL_FILES | {path.name for path in Path(__file__).parent.glob("*.py")}
+WEIGHT_SHARD = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
+
+
+def is_model_file(name: str) -> bool:
+    """Whether `name`, an entry at the top of a folder, is one that saving a model or tokenizer writes."""
+    return name in MODEL_FILES or bool(WEIGHT_SHARD.match(name))
+
+
+def keeps_user_files(name: str) -> bool:
+    """A `carry_over` for `write_folder` that saves a model: the old folder's entries that are not a saved model's
+    files (a user's notes, plots, checkpoints) stay; its model files go, whether or not the new save writes them."""
+    return not is_model_file(name)
 
 
 def resolved(path: str | os.PathLike) -> Path:
@@ -428,39 +490,143 @@ def _keep_visible(staging: Path, target: Path) -> Path | None:
     return kept
 
 
+def check_file_output(
+    target: str | os.PathLike, flag: str, suffix: str, is_ours: Callable[[Path], bool], what: str
+) -> None:
+    """Refuse a file output `target` that would replace something other than a file of its kind: a name (as given,
+    or its link's target) without `suffix`, a folder, or an existing non-empty file that `is_ours` does not
+    recognize as `what` (model weights, a config, anything else)."""
+    path = resolved(target)
+    for name, shown in ((Path(target).name, ""), (path.name, f": it links to {path}")):
+        if not name.endswith(suffix):
+            raise ValueError(
+                f"{flag} {target} is not a {suffix} file{shown}; writing {what} there would replace what it holds. "
+                f"Name a {suffix} file."
+            )
+    if path.is_dir():
+        raise ValueError(f"{flag} {target} is a folder; name the {suffix} file to write.")
+    if path.is_file() and path.stat().st_size and not is_ours(path):
+        raise ValueError(
+            f"{flag} {target} already exists and is not {what}: writing there would replace it. Move it away, or "
+            "choose another path."
+        )
+
+
+@contextmanager
+def write_file(
+    target: str | os.PathLike,
+    flag: str = "path",
+    suffix: str = "",
+    is_ours: Callable[[Path], bool] = lambda path: True,
+    what: str = "the new file",
+) -> Iterator[Path]:
+    """Write the file `target` (links resolved), and the files that go with it (named `target`'s name and more: an
+    ONNX graph's external data), through a temporary folder beside it: `with write_file(path, "--output", ".onnx",
+    ...) as staged: program.save(staged)`, where `staged` is the file to write, in that folder.
+
+    `target` is checked first (`check_file_output`), locked meanwhile (`lock_folder`), and what a killed write left
+    beside it is cleaned up. When the block ends normally, the files written are moved into place, `target` last: a
+    killed write never leaves a half-written file, nor a file without its companions. When it raises, nothing is
+    replaced.
+    """
+    check_file_output(target, flag, suffix, is_ours, what)
+    path = resolved(target)
+    lock = lock_folder(path)
+    try:
+        for note in recover_interrupted(path):
+            logger.warning(f"Before writing {path}: {note}.")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = staging_folder(path, "saving")
+        try:
+            yield staging / path.name
+            written = sorted(staging.iterdir(), key=lambda file: file.name == path.name)
+            strays = [file.name for file in written if not file.name.startswith(path.name) or file.is_dir()]
+            if strays:
+                raise ValueError(f"Writing {path} made {strays}, which are not files named after it: not moved")
+            normal_permissions(staging)
+            for file in written:
+                os.replace(file, path.parent / file.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        lock.release()
+
+
+# Per folder: the folders `set_aside` made in this process, and whether they are retired (never put back).
 _SET_ASIDE: dict[Path, list[Path]] = {}
+_RETIRED: set[Path] = set()
 
 
-def set_aside(target: str | os.PathLike, names: Iterable[str]) -> None:
-    """Move the entries `names` of the folder `target` out of its way, without deleting them yet: a run that
-    replaces a folder's old checkpoints deletes them with `discard_set_aside` once its own output is complete; one that
-    dies before gets them back from `recover_interrupted` (which treats them as an old folder set aside)."""
+def set_aside(target: str | os.PathLike, names: Iterable[str]) -> Path:
+    """Move the entries `names` of the folder `target` out of its way (into `.NAME.retired-PID-RANDOM`), without
+    deleting them yet: a run that replaces a folder's old checkpoints deletes them with `discard_set_aside` once its
+    own output is complete. Until `retire_set_aside`, a run that fails puts them back (`restore_set_aside`); after a
+    kill they are never put back (`recover_interrupted` leaves them, naming them): a later `latest` must resume the
+    run that replaced them, never them. Returns the folder they are in."""
     target = resolved(target)
-    previous = staging_folder(target, "previous")
-    into = previous if previous.parent == target else previous / target.name
+    retired = staging_folder(target, "retired")
+    into = retired if retired.parent == target else retired / target.name
     into.mkdir(exist_ok=True)
     for name in names:
         os.replace(target / name, into / name)
-    _SET_ASIDE.setdefault(target, []).append(previous)
+    _SET_ASIDE.setdefault(target, []).append(retired)
+    return retired
+
+
+def retire_set_aside(target: str | os.PathLike) -> None:
+    """From now on, what `set_aside` moved out of `target`'s way in this process is not put back even if the run
+    fails: call it before the run writes an entry of its own (its first checkpoint) beside which they would mix."""
+    target = resolved(target)
+    if _SET_ASIDE.get(target):
+        _RETIRED.add(target)
+
+
+def _set_aside_entries(folder: Path, target: Path) -> tuple[Path, list[str]]:
+    into = folder if folder.parent == target else folder / target.name
+    return into, sorted(os.listdir(into)) if into.is_dir() else []
 
 
 def restore_set_aside(target: str | os.PathLike) -> None:
-    """Put back what `set_aside` moved out of `target`'s way in this process (a run that failed): entries the run
-    wrote under the same names since are kept, and the old ones stay where they were set aside."""
+    """Put back what `set_aside` moved out of `target`'s way in this process, for a run that failed before
+    `retire_set_aside` (before it wrote anything of its own): entries the run wrote under the same names since are
+    kept, and the old ones stay where they were set aside. Once retired, they stay set aside (the log says where)
+    until a later run's completed save deletes them."""
     target = resolved(target)
-    for previous in _SET_ASIDE.pop(target, []):
-        into = previous if previous.parent == target else previous / target.name
-        for entry in list(into.iterdir()) if into.is_dir() else []:
-            if not os.path.lexists(target / entry.name):
-                os.replace(entry, target / entry.name)
-        if not any(into.iterdir()):
-            shutil.rmtree(previous, ignore_errors=True)
+    retired = target in _RETIRED
+    _RETIRED.discard(target)
+    for folder in _SET_ASIDE.pop(target, []):
+        into, names = _set_aside_entries(folder, target)
+        if retired:
+            if names:
+                logger.warning(
+                    f"{target}: kept {', '.join(names)} of the run this one replaced in {folder}, not put back beside "
+                    f"this run's own; deleted once a run into {target} saves its model."
+                )
+            continue
+        for name in names:
+            if not os.path.lexists(target / name):
+                os.replace(into / name, target / name)
+        if into.is_dir() and not any(into.iterdir()):
+            shutil.rmtree(folder, ignore_errors=True)
+        elif names:
+            logger.warning(f"{target}: put back what this run had set aside, except {', '.join(os.listdir(into))}.")
 
 
 def discard_set_aside(target: str | os.PathLike) -> None:
-    """Delete what `set_aside` moved out of `target`'s way in this process."""
-    for previous in _SET_ASIDE.pop(resolved(target), []):
-        shutil.rmtree(previous, ignore_errors=True)
+    """Delete what `set_aside` moved out of `target`'s way: in this process, and what runs into `target` that are no
+    longer running retired (a killed run's old checkpoints). Call it once the new output is complete."""
+    target = resolved(target)
+    _RETIRED.discard(target)
+    for folder in _SET_ASIDE.pop(target, []):
+        shutil.rmtree(folder, ignore_errors=True)
+    places = [target.parent, target] if target.is_dir() else [target.parent]
+    for place in places:
+        if place.is_dir():
+            _, leftovers = _not_running(_leftovers(place, target))
+            for kind, path, _ in leftovers:
+                if kind == "retired":
+                    logger.info(f"Deleted {path}: what an earlier run into {target} had retired.")
+                    shutil.rmtree(path, ignore_errors=True)
 
 
 # ---- recovery ------------------------------------------------------------------------------------------------------
@@ -500,6 +666,7 @@ def recover_interrupted(target: str | os.PathLike, carry_over: Callable[[str], b
       folder's entries for which `carry_over(name)` is true are moved over as `replace_folder` would have, and the
       rest is deleted.
     * `.NAME.converting-*` / `.NAME.saving-*` hold a new folder that never reached `target`: deleted.
+    * `.NAME.retired-*` holds what a run retired (`set_aside`): never put back, left alone and named.
 
     Inside `target` (a mount point, whose contents are replaced):
     * `.NAME.ready-*` holds new entries whose old ones were all set aside: moved in, and the set-aside ones deleted.
@@ -511,6 +678,8 @@ def recover_interrupted(target: str | os.PathLike, carry_over: Callable[[str], b
     if not target.parent.is_dir():
         return []
     notes, beside = _not_running(_leftovers(target.parent, target))
+    notes += [_retired_note(path, target) for kind, path, _ in beside if kind == "retired"]
+    beside = [item for item in beside if item[0] != "retired"]
     for kind, path, _ in sorted(beside, key=lambda item: item[0] != "previous"):  # set-aside folders first
         old = path / target.name
         if kind == "previous" and old.exists():
@@ -541,8 +710,19 @@ def _not_running(leftovers: list) -> tuple[list[str], list]:
     return notes, others
 
 
+def _retired_note(path: Path, target: Path) -> str:
+    _, names = _set_aside_entries(path, target)
+    return (
+        f"left {path} alone: it holds {', '.join(names) or 'nothing'}, which a run that replaced {target} retired "
+        f"(never put back: resuming continues the run that replaced them); deleted once a run into {target} saves its "
+        "model"
+    )
+
+
 def _recover_contents(target: Path) -> list[str]:
     notes, inside = _not_running(_leftovers(target, target))
+    notes += [_retired_note(path, target) for kind, path, _ in inside if kind == "retired"]
+    inside = [item for item in inside if item[0] != "retired"]
     ready = [path for kind, path, _ in inside if kind == "ready"]
     for path in ready:
         _move_entries(path, target)

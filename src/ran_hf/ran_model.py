@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -151,6 +152,16 @@ class RANPreTrainedModel(PreTrainedModel):
         "memory_attentions": OutputRecorder(RANLayer, index=4),
     }
 
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs):
+        """Transformers' loading (`from_pretrained`, the Auto classes), with a damaged weights file named:
+        safetensors' own error ("incomplete metadata, file not fully covered" for a file that a full disk or an
+        interrupted copy cut short) does not say which file it read."""
+        try:
+            return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs)
+        except SafetensorError as error:
+            raise damaged_weights_error(checkpoint_files or [], error) from error
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
         super()._init_weights(module)
@@ -165,6 +176,23 @@ class RANPreTrainedModel(PreTrainedModel):
         elif isinstance(module, RANTokenShift):
             init.zeros_(module.weight)
             init.zeros_(module.bias)
+
+
+def damaged_weights_error(files: list[str], error: Exception) -> OSError:
+    """An `OSError` naming the first of the safetensors `files` that does not open (or all of them, with `error`)."""
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as weights:
+                weights.keys()
+        except (SafetensorError, OSError) as problem:
+            reason = str(problem).removeprefix("Error while deserializing header: ")
+            break
+    else:
+        file, reason = ", ".join(map(str, files)) or "a weights file", str(error)
+    return OSError(
+        f"{file} is damaged or cut short ({reason}): the model's weights cannot be read. A full disk or an "
+        "interrupted save, copy or download leaves a file so; save, copy or download it again."
+    )
 
 
 def memory_attentions_with_attentions(forward):
