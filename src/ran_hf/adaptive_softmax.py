@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .input_checks import check_num_items_in_batch
+
 
 def cluster_bounds(vocab_size: int, cutoffs: list[int], div_val: int) -> list[int]:
     """[0, c_1, ..., vocab_size]: cluster i holds ids [bounds[i], bounds[i + 1]). One cluster when `div_val == 1`."""
@@ -124,7 +126,11 @@ def adaptive_lm_loss(
 ) -> torch.Tensor:
     """Next-token loss with Transformers' conventions (`ForCausalLMLoss`): position t predicts `labels[t + 1]` (or
     `shift_labels[t]`), `ignore_index` is skipped, the summed loss is divided by `num_items_in_batch` when given
-    (gradient accumulation over a whole batch) and otherwise averaged over the scored tokens (0 when none)."""
+    (gradient accumulation over a whole batch) and otherwise averaged over the scored tokens (0 when none).
+
+    `num_items_in_batch` of 0 (or less) is refused: Transformers' losses would divide by it and give inf or NaN.
+    """
+    check_num_items_in_batch(num_items_in_batch, read_device=True)  # the loss synchronises anyway (`nonzero`)
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])

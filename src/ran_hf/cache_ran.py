@@ -1,6 +1,9 @@
 """The recurrent cache of a causal RAN: constant-size state per layer, plus a key and value per finished window (or
 per each of the last `memory_review_cells` windows)."""
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -49,6 +52,7 @@ def check_cache(past_key_values, config) -> None:
             f"`past_key_values` was made by another model ({'; '.join(differing)}): its state cannot be continued "
             "by this one. Pass the cache this model returned, or None to start a new text."
         )
+    past_key_values.check_graph()
 
 
 def after_last_finished(steps: torch.Tensor, finished_here: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -188,6 +192,7 @@ class RANCache(Cache):
         self.window_overlap = config.window_overlap
         self.lengths = None  # (B,) real tokens read by each row
         self.seen_positions = 0  # padded positions read, what `generate` slices its inputs by
+        self.graph_probe = None  # the autograd node `watch_graph` put after the last forward that built a graph
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_positions
@@ -215,7 +220,11 @@ class RANCache(Cache):
             return torch.zeros(batch_size, dtype=torch.long, device=device)
         if self.lengths.shape[0] != batch_size:
             raise ValueError(
-                f"The cache holds {self.lengths.shape[0]} sequences but the inputs have {batch_size} rows."
+                f"`past_key_values` holds {self.lengths.shape[0]} sequences, but the inputs have {batch_size} rows: a "
+                "cache continues the batch it was made with, one row per sequence. Continue it with inputs of "
+                f"{self.lengths.shape[0]} rows, pass `past_key_values=None` to start new texts, or pick the rows to "
+                "go on with first (`cache.batch_select_indices(rows)`, on a `copy.deepcopy(cache)` to keep the "
+                "original)."
             )
         return self.lengths
 
@@ -244,7 +253,7 @@ class RANCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.lengths, self.seen_positions = None, 0
+        self.lengths, self.seen_positions, self.graph_probe = None, 0, None
 
     def detach(self) -> "RANCache":
         """Cut backpropagation here, keeping the state: training on a stream in chunks then backpropagates through
@@ -252,7 +261,52 @@ class RANCache(Cache):
         Returns the cache itself."""
         for layer in self.layers:
             layer._map(torch.Tensor.detach)
+        self.graph_probe = None
         return self
+
+    # ---- one transaction per forward ----------------------------------------------------------------------------
+
+    def snapshot(self) -> tuple:
+        """What a forward may change, by reference: every update replaces a tensor, none writes into one."""
+        return [dict(vars(layer)) for layer in self.layers], self.lengths, self.seen_positions, self.graph_probe
+
+    def restore(self, snapshot: tuple) -> None:
+        layers, self.lengths, self.seen_positions, self.graph_probe = snapshot
+        for layer, state in zip(self.layers, layers):
+            vars(layer).clear()
+            vars(layer).update(state)
+
+    # ---- a graph that backward has freed -------------------------------------------------------------------------
+
+    def watch_graph(self, token_states: torch.Tensor) -> torch.Tensor:
+        """`token_states` (on the way to the outputs) through an identity node whose saved tensor backward frees: if
+        a later forward finds it freed while the cache still carries this forward's graph, the backward of that
+        forward would run into freed buffers (`check_graph`)."""
+        if not (torch.is_grad_enabled() and token_states.requires_grad) or torch.compiler.is_compiling():
+            return token_states
+        token_states = _GraphProbe.apply(token_states)
+        self.graph_probe = token_states.grad_fn
+        return token_states
+
+    def check_graph(self) -> None:
+        """Refuse, naming the fix, to continue a cache whose tensors carry the autograd graph of an earlier forward
+        that a backward has since freed: PyTorch would fail in the next backward with "Trying to backward through the
+        graph a second time", without a word about the cache."""
+        if self.graph_probe is None or not torch.is_grad_enabled():
+            return
+        try:
+            self.graph_probe.saved_tensors
+            return
+        except RuntimeError:
+            pass
+        if any(tensor.requires_grad for layer in self.layers for tensor in layer.tensors().values()):
+            raise RuntimeError(
+                "`past_key_values` carries the autograd graph of an earlier forward, through which a backward has "
+                "already run and freed it: a backward through this forward would fail (\"Trying to backward through "
+                "the graph a second time\"). Training on chunks of a stream, call `cache.detach()` after each "
+                "backward (truncated backpropagation through time, docs/training.md); or call `backward()` once, on "
+                "the sum of the chunks' losses (or with `retain_graph=True`)."
+            )
 
     def nbytes(self) -> int:
         """Bytes held by all cached tensors."""
@@ -262,4 +316,38 @@ class RANCache(Cache):
         return total
 
 
-__all__ = ["RANCache", "RANCacheLayer", "check_cache"]
+class _GraphProbe(torch.autograd.Function):
+    """Identity; its saved tensor tells whether a backward has run through it (`RANCache.watch_graph`)."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.save_for_backward(tensor)
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def cache_transaction(forward):
+    """A forward given a `RANCache` either completes or leaves the cache as it was: its layers update the cache one
+    after another, and an exception in a later layer (or in the head, or an interrupt) would leave the earlier
+    layers' state a step ahead of the others."""
+    position = list(inspect.signature(forward).parameters).index("past_key_values")  # `self` included
+
+    @functools.wraps(forward)
+    def transaction(*args, **kwargs):
+        cache = kwargs.get("past_key_values", args[position] if len(args) > position else None)
+        if not isinstance(cache, RANCache) or torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        snapshot = cache.snapshot()
+        try:
+            return forward(*args, **kwargs)
+        except BaseException:
+            cache.restore(snapshot)
+            raise
+
+    return transaction
+
+
+__all__ = ["RANCache", "RANCacheLayer", "cache_transaction", "check_cache"]

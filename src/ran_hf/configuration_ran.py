@@ -4,6 +4,9 @@ import difflib
 import math
 import os
 import shutil
+import sys
+import types
+import typing
 import weakref
 from dataclasses import fields
 from pathlib import Path
@@ -47,6 +50,12 @@ LAYER_DESIGN_FIELDS = tuple(LAYER_DESIGNS["official"])
 # was trained without it.
 _LATER_MEMORY_FIELDS = ("cell_max_pool", "review_salience", "token_shift")
 _CELL_POOLINGS = ("last", "mean", "max")
+_PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+# The size check (`RANConfig.estimated_parameters`): a config describing a larger model is refused unless this
+# environment variable raises the bound.
+MAX_PARAMETERS_VARIABLE = "RAN_HF_MAX_PARAMETERS"
+DEFAULT_MAX_PARAMETERS = 10**11
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
 _TOKEN_POOLINGS = ("max", "mean")
 
 # Keywords every Transformers config may receive besides its fields (from `from_pretrained`, `AutoConfig`, configs
@@ -283,6 +292,16 @@ class RANConfig(PreTrainedConfig):
             With `cutoffs`: cluster i embeds its ids in `hidden_size // div_val**i` dimensions. With 1, as in the
             official layers, there is one embedding and one tied softmax over the whole vocabulary, whatever `cutoffs`.
 
+    Sizes: a config whose model would hold more than 10^11 parameters (`estimated_parameters()`, about 400 GB in
+    float32) is refused when it is made, naming the field that makes it so large (`num_hidden_layers=10**6` is a typo
+    more often than a plan). To build a larger model, raise the bound with the environment variable
+    `RAN_HF_MAX_PARAMETERS` (e.g. `RAN_HF_MAX_PARAMETERS=1e12`); it applies to every config made after it is set,
+    saved folders loaded as remote code included.
+
+    `update_from_string` (the training scripts' `--config_overrides`) reads every field by its type:
+    `"window_size=128,cutoffs=[2000,10000],memory_review_cells=4,layer_design=none"` (a list of ints also as
+    `2000;10000`, a None field as `none`), and names a field whose value does not parse.
+
     Example:
 
     ```python
@@ -354,6 +373,7 @@ class RANConfig(PreTrainedConfig):
         if pipelines:
             kwargs["custom_pipelines"] = pipelines
         super().__post_init__(**kwargs)
+        self.validate_label_fields()  # `num_labels` is Transformers' and set by the call above
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -509,6 +529,142 @@ class RANConfig(PreTrainedConfig):
             raise ValueError(f"`head_dim` must be even (rotary embedding rotates pairs), got {self.head_dim}.")
         if self.rope_theta <= 0:
             raise ValueError(f"`rope_theta` must be > 0, got {self.rope_theta}.")
+        self._validate_size()
+
+    def validate_label_fields(self) -> None:
+        """`num_labels` and `problem_type`, which the classification heads read (checked again when one is built:
+        they may be set on a config after it is made)."""
+        num_labels = self.num_labels
+        if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
+            raise ValueError(
+                f"`num_labels` must be >= 1, got {num_labels!r}: a classification head needs a class (1 for "
+                "regression)."
+            )
+        if self.problem_type is not None and self.problem_type not in _PROBLEM_TYPES:
+            raise ValueError(
+                f"`problem_type` must be one of {', '.join(map(repr, _PROBLEM_TYPES))} or None (inferred from the "
+                f"labels as Transformers does), got {self.problem_type!r}."
+            )
+
+    def estimated_parameters(self, **sizes) -> int:
+        """About how many parameters (within a few percent) a `RANModel` of this config holds, task heads aside;
+        `sizes` replace fields of `_SIZE_FIELDS`. Pure arithmetic: nothing is built."""
+        values = {name: sizes.get(name, getattr(self, name)) for name in _SIZE_FIELDS}
+        vocab, width, depth = values["vocab_size"], values["hidden_size"], values["num_hidden_layers"]
+        heads = values["num_attention_heads"] * values["head_dim"]
+        cutoffs = self.cutoffs if isinstance(self.cutoffs, list | tuple) else None
+        if cutoffs and self.div_val > 1 and cutoffs[-1] < vocab:
+            bounds = [0, *cutoffs, vocab]
+            dims = [width // self.div_val**i for i in range(len(bounds) - 1)]
+            embedding = sum((high - low + width) * dim for low, high, dim in zip(bounds[:-1], bounds[1:], dims))
+        else:
+            embedding = vocab * width
+        layer = 4 * heads * width + 4 * width * width + 3 * heads + 12 * width  # window attention, GLUs, norms
+        if self.memory_review:
+            layer += 6 * width * width + 9 * width
+        if self.associative_memory:
+            layer += values["num_attention_heads"] * (width + 2)
+        return embedding + depth * layer + 4 * width * width  # and the pooler
+
+    def _validate_size(self) -> None:
+        """Refuse a config whose model would not fit any machine (`RAN_HF_MAX_PARAMETERS`), naming the field."""
+        setting = os.environ.get(MAX_PARAMETERS_VARIABLE)
+        bound = DEFAULT_MAX_PARAMETERS
+        if setting is not None:
+            try:
+                bound = float(setting)
+            except ValueError:
+                bound = math.nan
+            if not bound >= 1:
+                raise ValueError(
+                    f"The environment variable {MAX_PARAMETERS_VARIABLE} (the most parameters a RAN config may "
+                    f"describe) must be a number >= 1, e.g. 1e12, got {setting!r}."
+                )
+        estimate = self.estimated_parameters()
+        if estimate <= bound:
+            return
+        # The field that, set to its default, shrinks the model most.
+        culprit = min(_SIZE_FIELDS, key=lambda name: self.estimated_parameters(**{name: getattr(type(self), name)}))
+        sizes = ", ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS)
+        raise ValueError(
+            f"This config describes a model of about {estimate:.2g} parameters ({estimate * 4 / 1e9:.2g} GB in "
+            f"float32), more than the bound of {bound:.2g}, mostly through `{culprit}={getattr(self, culprit)}` "
+            f"({sizes}). If a model this large is meant, raise the bound with the environment variable "
+            f"{MAX_PARAMETERS_VARIABLE} (e.g. {MAX_PARAMETERS_VARIABLE}={max(estimate, 1) * 10:.0e})."
+        )
+
+    def update_from_string(self, update_str: str) -> None:
+        """Set fields from `"name=value,name=value"` (the training scripts' `--config_overrides`), each value read by
+        its field's type: ints, numbers, `true`/`false`, strings, `none` for a field that may be None, and lists of
+        ints as `[2000,10000]` or `2000;10000` (`cutoffs`). Unlike Transformers' version, every field can be set and a
+        value that does not parse is named with the type expected; nothing is set unless all parse and the config
+        they make is valid."""
+        parsed = {}
+        for item in _split_overrides(update_str):
+            name, equals, text = (part.strip() for part in item.partition("="))
+            if not equals or not name:
+                raise ValueError(
+                    f"`{item.strip()}` is not an override: write it `name=value` (several joined by commas)."
+                )
+            if not hasattr(self, name) or name.startswith("_"):
+                close = difflib.get_close_matches(name, [field.name for field in fields(self)], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"`{name}` is not a field of RANConfig{hint}.")
+            parsed[name] = self._parse_override(name, text)
+        previous = {name: getattr(self, name) for name in parsed}
+        for name, value in parsed.items():
+            setattr(self, name, value)
+        try:
+            self._validate_ran_fields()
+            self.validate_label_fields()
+        except ValueError:
+            for name, value in previous.items():
+                setattr(self, name, value)
+            raise
+
+    def _parse_override(self, name: str, text: str):
+        """One `--config_overrides` value, read by the field's annotated type (or, for Transformers' properties such
+        as `num_labels`, by the type of its value now)."""
+        annotation = _field_annotation(type(self), name)
+        kinds = _override_kinds(annotation) if annotation is not None else None
+        if kinds is None:
+            value = getattr(self, name)
+            kinds = [kind for kind, cls in (("bool", bool), ("int", int), ("float", float), ("str", str))
+                     if type(value) is cls]  # fmt: skip
+            if not kinds:
+                raise ValueError(
+                    f"`{name}` (now {value!r}) cannot be set by `update_from_string` (`--config_overrides`): set it on "
+                    "the config in Python."
+                )
+        word = text.lower()
+        for kind in kinds:
+            if kind == "none" and word in ("none", "null"):
+                return None
+            if kind == "bool" and word in ("true", "false", "1", "0", "yes", "no"):
+                return word in ("true", "1", "yes")
+            if kind == "int":
+                try:
+                    return int(text)
+                except ValueError:
+                    pass
+            if kind == "float":
+                try:
+                    return float(text)
+                except ValueError:
+                    pass
+            if kind == "list":
+                items = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+                try:
+                    return [int(item) for item in items.replace(";", ",").split(",") if item.strip()]
+                except ValueError:
+                    pass
+            if kind == "str":
+                return text
+            if isinstance(kind, tuple) and text in kind:
+                return text
+        described = sorted(kinds, key=lambda kind: kind == "none")  # "an int or none"
+        expected = " or ".join(_OVERRIDE_KIND_NAMES.get(kind) or f"one of {', '.join(kind)}" for kind in described)
+        raise ValueError(f"`{name}` must be {expected}, got {text!r}.")
 
     def _validate_adaptive_softmax(self) -> None:
         if isinstance(self.div_val, bool) or not isinstance(self.div_val, int) or self.div_val < 1:
@@ -612,6 +768,66 @@ class RANConfig(PreTrainedConfig):
     def max_window_length(self) -> int:
         """Longest window a layer can see: a full window plus a merged tail, plus the enrichment tokens."""
         return self.window_size + self.min_window_size - 1 + self.window_overlap
+
+
+_OVERRIDE_KIND_NAMES = {
+    "int": "an int",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "none": "none",
+    "list": "a list of ints (written [2000,10000] or 2000;10000)",
+}
+
+
+def _field_annotation(cls: type, name: str):
+    """The type annotation of field `name`, resolved where it is a string (Transformers' own fields); None where
+    there is none (a property such as `num_labels`) or it does not resolve."""
+    for owner in cls.__mro__:
+        annotation = vars(owner).get("__annotations__", {}).get(name)
+        if annotation is not None:
+            break
+    else:
+        return None
+    if isinstance(annotation, str):
+        try:
+            annotation = eval(annotation, vars(sys.modules[owner.__module__]))  # what `typing.get_type_hints` does
+        except Exception:
+            return None
+    return annotation
+
+
+def _override_kinds(annotation) -> list | None:
+    """What a field's type annotation accepts, as `_parse_override` kinds (a tuple: a `Literal`'s choices); None
+    where it is none of those (a dict, a dtype)."""
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    kinds = []
+    for member in members or (annotation,):
+        if member is type(None):
+            kinds.append("none")
+        elif member in (bool, int, float, str):
+            kinds.append(member.__name__)
+        elif typing.get_origin(member) is list and typing.get_args(member) in ((int,), ()):
+            kinds.append("list")
+        elif typing.get_origin(member) is typing.Literal:
+            kinds.append(tuple(map(str, typing.get_args(member))))
+        else:
+            return None
+    return sorted(kinds, key=lambda kind: kind != "none")  # `none` first: a None field reads "none" as None
+
+
+def _split_overrides(text: str) -> list[str]:
+    """`"a=1,cutoffs=[2,3],b=x"` -> `["a=1", "cutoffs=[2,3]", "b=x"]`: commas inside brackets belong to a list."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth <= 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    items.append(current)
+    return [item for item in items if item.strip()]
 
 
 # What `validate_if_changed` compares: the fields RANConfig declares, not those every Transformers config has.

@@ -62,6 +62,8 @@ def export_onnx(model: RANPreTrainedModel, path: str | os.PathLike | None = None
     """
     if path is not None:
         check_onnx_output(path)
+    if getattr(model, "onnx_export_refusal", None):  # a head that cannot be exported says so (RANForPrefixLM)
+        raise NotImplementedError(model.onnx_export_refusal)
     model.eval()
     inputs = example_inputs(model)
     with torch.no_grad():

@@ -7,6 +7,7 @@ reads with its own sizes, in the forward pass's one host synchronisation, before
 (`assert_on_device`); an exported graph (`torch.export`, ONNX) checks none.
 """
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -20,6 +21,12 @@ def input_batch_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tenso
     """(batch_size, sequence_length) of the inputs, checking only what needs no look at their values."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+    for name, value in (("input_ids", input_ids), ("inputs_embeds", inputs_embeds)):
+        if value is not None and not torch.is_tensor(value):
+            raise ValueError(
+                f"`{name}` must be a tensor, got {type(value).__name__}: pass `torch.tensor(...)`, or call the "
+                "tokenizer with `return_tensors=\"pt\"`."
+            )
     if input_ids is not None:
         if input_ids.dim() != 2:
             raise ValueError(
@@ -85,9 +92,22 @@ def check_token_type_ids(token_type_ids, batch_shape: tuple, attention_mask, con
             "`token_type_ids` mark the source (0) and target (1) of a prefix LM, whose source reads itself both ways; "
             "a causal model (`is_causal=True`) reads every token causally: pass no `token_type_ids`."
         )
-    if not torch.is_tensor(token_type_ids) or tuple(token_type_ids.shape) != batch_shape:
-        shape = tuple(token_type_ids.shape) if torch.is_tensor(token_type_ids) else type(token_type_ids)
-        raise ValueError(f"`token_type_ids` must have the inputs' shape {batch_shape}, got {shape}.")
+    if not torch.is_tensor(token_type_ids):
+        raise ValueError(
+            f"`token_type_ids` must be a tensor of the inputs' shape {batch_shape} (0 source, 1 target), got "
+            f"{type(token_type_ids).__name__}: pass `torch.tensor(...)`."
+        )
+    if tuple(token_type_ids.shape) != batch_shape:
+        raise ValueError(
+            f"`token_type_ids` must have the inputs' shape {batch_shape}, got {tuple(token_type_ids.shape)}."
+        )
+    if attention_mask is not None and tuple(attention_mask.shape) != batch_shape:
+        # A prefix LM reads whole texts (no cache): its mask covers exactly its inputs, as `token_type_ids` do.
+        raise ValueError(
+            f"`attention_mask` must have the inputs' shape {batch_shape}, as `token_type_ids` do (1 for real tokens, "
+            f"0 for padding), got {tuple(attention_mask.shape)}. Pass the mask that was made with these `input_ids` "
+            "(the tokenizer's, or the collator's)."
+        )
     if token_type_ids.is_floating_point() or token_type_ids.is_complex():
         raise ValueError(
             f"`token_type_ids` must hold integers (0 source, 1 target), got dtype {token_type_ids.dtype}."
@@ -130,7 +150,7 @@ def assert_on_device(config: RANConfig, input_ids, attention_mask, inputs_embeds
         in_vocabulary = ((input_ids >= 0) & (input_ids < config.vocab_size)).all()
         torch._assert_async(in_vocabulary, f"`input_ids` holds a token id outside [0, {config.vocab_size - 1}].")
     else:
-        torch._assert_async(torch.isfinite(inputs_embeds).all(), "`inputs_embeds` holds NaN or infinite values.")
+        assert_float_input(inputs_embeds, "inputs_embeds", config.hidden_size)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         binary = ((attention_mask == 0) | (attention_mask == 1)).all()
         message = f"`attention_mask` must hold 1 for real tokens and 0 for padding. {ADDITIVE_MASK_HINT}"
@@ -152,6 +172,12 @@ def validate_ran_inputs(
         config._validate_salient_cells()  # what compiled code checks; an eager forward checks every field
     else:
         config.validate_if_changed()  # fields set on a built model (`model.config.window_size = 0`) checked again
+    if attention_mask is not None and not torch.is_tensor(attention_mask):
+        raise ValueError(
+            f"`attention_mask` must be a tensor (1 for real tokens, 0 for padding), got "
+            f"{type(attention_mask).__name__}: pass `torch.tensor(...)`, or call the tokenizer with "
+            "`return_tensors=\"pt\"`."
+        )
     if attention_mask is not None and tuple(attention_mask.shape) not in (
         shape,
         (shape[0], past_positions + shape[1]),
@@ -172,7 +198,8 @@ def validate_ran_inputs(
         checks = [input_ids.min(), input_ids.max()]
     else:
         # One NaN spreads through the window attention and the cells to every later token of its sequence.
-        checks = [(~torch.isfinite(inputs_embeds)).any()]
+        embeds_check = float_input_check(inputs_embeds, "inputs_embeds", config.hidden_size)
+        checks = [embeds_check.values[0]]
     not_binary = None
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         # Anything but 0/1 is read as "real token" where nonzero: an additive mask (0 / -10000) would be inverted.
@@ -193,8 +220,8 @@ def validate_ran_inputs(
                     f"`input_ids` holds token id {low if low < 0 else high}, outside the vocabulary "
                     f"[0, {config.vocab_size - 1}]."
                 )
-        elif found[0]:
-            raise ValueError("`inputs_embeds` holds NaN or infinite values.")
+        else:
+            embeds_check.judge(found[:1])
         if not_binary is not None and found[-1]:
             value = attention_mask[not_binary][0].item()
             raise ValueError(
@@ -229,14 +256,54 @@ def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_
         )
     if torch.compiler.is_compiling():
         if not torch.compiler.is_exporting():
-            torch._assert_async(torch.isfinite(initial_cell).all(), "`initial_cell` holds NaN or infinite values.")
+            assert_float_input(initial_cell, "initial_cell", hidden_size)
         return None
+    return float_input_check(initial_cell, "initial_cell", hidden_size)
+
+
+def float_input_bound(hidden_size: int) -> float:
+    """The largest magnitude a float input (`inputs_embeds`, `initial_cell`) may hold: RAN's norms
+    (`standard_normalize`) sum the squares of `hidden_size` values in float32, whatever the input's dtype, and beyond
+    this bound that sum overflows: the norm then silently turns a state into zeros, or later ops into inf and NaN."""
+    return math.sqrt(torch.finfo(torch.float32).max / hidden_size)
+
+
+def float_input_check(tensor: torch.Tensor, name: str, hidden_size: int) -> InputChecks:
+    """The one check of a float input's values: finite, and of a magnitude the norms can square
+    (`float_input_bound`). Returned as `InputChecks`, read with the inputs' checks; the bad value is read only on
+    the way to the error."""
+    bound = float_input_bound(hidden_size)
+    bad = ~float_input_within(tensor, bound)
 
     def judge(found: list) -> None:
-        if found[0]:
-            raise ValueError("`initial_cell` holds NaN or infinite values.")
+        if not found[0]:
+            return
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"`{name}` holds NaN or infinite values.")
+        largest = tensor.abs().max().item()
+        raise ValueError(
+            f"`{name}` holds a value of magnitude {largest:.2g}, beyond {bound:.2g}: RAN's norms sum the squares of "
+            f"hidden_size={hidden_size} values in float32, which overflows there (the state becomes zeros, inf or "
+            "NaN). Scale it down: embeddings and cells are of order 1."
+        )
 
-    return InputChecks((~torch.isfinite(initial_cell)).any().long()[None], judge)
+    return InputChecks(bad.any().long()[None], judge)
+
+
+def float_input_within(tensor: torch.Tensor, bound: float) -> torch.Tensor:
+    """Whether every value of `tensor` is in [-bound, bound], as a 0-d bool tensor on its device, from its minimum
+    and maximum (no copy of a long input; NaN propagates into both and fails the comparisons), compared in float32
+    (a half-precision tensor would round the bound to infinity)."""
+    low, high = torch.aminmax(tensor)
+    return (low.float() >= -bound) & (high.float() <= bound)
+
+
+def assert_float_input(tensor: torch.Tensor, name: str, hidden_size: int) -> None:
+    """`float_input_check` for compiled code: asserted on the device, without the bad value."""
+    bound = float_input_bound(hidden_size)
+    message = f"`{name}` holds NaN, infinite values or values of magnitude above {bound:.2g} (hidden_size="
+    message += f"{hidden_size})."
+    torch._assert_async(float_input_within(tensor, bound), message)
 
 
 def joined_checks(*checks: InputChecks | None) -> InputChecks | None:
@@ -269,10 +336,29 @@ def loss_of_nothing(logits: torch.Tensor) -> torch.Tensor:
     return logits.new_zeros(()) + logits.sum() * 0.0  # + 0.0: never a negative zero
 
 
+def check_num_items_in_batch(num_items_in_batch, read_device: bool = False) -> None:
+    """Refuse a `num_items_in_batch` below 1, which a summed loss would be divided by (inf or NaN, as Transformers'
+    losses give). A number, or a tensor on the CPU, is read; one on an accelerator only where the caller
+    synchronises anyway (`read_device`)."""
+    count = num_items_in_batch
+    if torch.is_tensor(count):
+        if count.device.type != "cpu" and not read_device:
+            return
+        count = count.min().item() if count.numel() else 0
+    if count is not None and not count > 0:
+        raise ValueError(
+            f"`num_items_in_batch` (the number of scored labels the loss is divided by) must be >= 1, got "
+            f"{count!r}: the summed loss divided by it would be inf or NaN, as Transformers' losses "
+            "give. Pass the number of labels that are not -100 (Trainer counts them), or None to average over this "
+            "batch."
+        )
+
+
 def scored_token_loss(loss_function, logits, labels, scored, **kwargs) -> torch.Tensor:
     """A token head's loss without reading the device to find a batch with nothing to score: unless the caller
     (Trainer) counts the items itself, `num_items_in_batch` is the number of scored labels, at least 1, so the loss
     is the mean over scored tokens, and 0 with zero gradients where there are none (not the NaN of an empty mean)."""
+    check_num_items_in_batch(kwargs.get("num_items_in_batch"))
     if kwargs.get("num_items_in_batch") is None:
         kwargs["num_items_in_batch"] = (scored != -100).sum().clamp(min=1)
     return loss_function(logits, labels, **kwargs)
@@ -362,16 +448,71 @@ def check_sequence_labels(labels: torch.Tensor, batch_size: int, attention_mask,
     return labels, InputChecks(torch.stack([value.long().to(device) for value in values]), judge)
 
 
-def answer_positions_on_text(positions: torch.Tensor, attention_mask, batch_size: int, length: int, name: str):
-    """Answer positions as Transformers' span loss reads them, with those on padding moved to `length`: like one past
-    the end of the input, an answer on padding is ignored (the loss clamps positions to [0, length], ignores length)."""
-    if positions.is_floating_point() or positions.dtype == torch.bool or positions.numel() != batch_size:
-        raise ValueError(
-            f"`{name}` must hold one integer token index per example ({batch_size}), got {positions.dtype} of "
-            f"shape {tuple(positions.shape)}."
-        )
-    positions = positions.reshape(batch_size).clamp(0, length)
-    if attention_mask is None:
-        return positions
-    on_text = F.pad(attention_mask.bool(), (0, 1)).to(positions.device).gather(1, positions[:, None]).squeeze(1)
-    return positions.masked_fill(~on_text, length)
+def check_answer_positions(start_positions, end_positions, attention_mask, batch_shape: tuple):
+    """A span head's answers, in Transformers' convention: a position at or past the end of the input
+    (`sequence_length`, where its loss clamps them) marks an answer the loss ignores; here so does a position on
+    padding. Shapes and dtypes are checked now; whether a position is negative (Transformers would clamp it to 0 and
+    score the first token), or an answer ignored at one end only, or ends before it starts, is returned as
+    `InputChecks`, read with the inputs' checks. Returns both positions with the ignored ones at `sequence_length`,
+    how many answers are scored (at least 1: the divisor of a loss that is 0 when there are none), and the checks."""
+    batch_size, length = batch_shape
+    positions = {"start_positions": start_positions, "end_positions": end_positions}
+    for name, value in positions.items():
+        if not torch.is_tensor(value):
+            example = f"torch.tensor({value!r})" if isinstance(value, list | tuple) else "torch.tensor([...])"
+            raise ValueError(
+                f"`{name}` must be a tensor of shape (batch_size,), one token index per example, e.g. {example}, got "
+                f"{type(value).__name__}."
+            )
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.numel() != batch_size:
+            raise ValueError(
+                f"`{name}` must hold one integer token index per example ({batch_size}), got {value.dtype} of "
+                f"shape {tuple(value.shape)}."
+            )
+    start, end = (value.reshape(batch_size).long() for value in positions.values())
+    real = None
+    if attention_mask is not None and tuple(attention_mask.shape) == batch_shape:  # else refused with the inputs
+        real = F.pad(attention_mask.bool(), (0, 1)).to(start.device)
+
+    def on_text(position: torch.Tensor) -> torch.Tensor:
+        inside = (position >= 0) & (position < length)
+        if real is None:
+            return inside
+        return inside & real.gather(1, position.clamp(0, length)[:, None]).squeeze(1)
+
+    start_on_text, end_on_text = on_text(start), on_text(end)
+    negative = (start < 0) | (end < 0)
+    half = start_on_text != end_on_text
+    reversed_span = start_on_text & end_on_text & (start > end)
+    values = torch.stack([negative.any(), half.any(), reversed_span.any()]).long()
+
+    def judge(found: list) -> None:
+        if found[0]:
+            for name, value in (("start_positions", start), ("end_positions", end)):
+                if (value < 0).any():
+                    row = int((value < 0).nonzero()[0, 0])
+                    raise ValueError(
+                        f"`{name}` holds {int(value[row])} (example {row}): a negative position is outside the input "
+                        f"(Transformers' loss would clamp it to 0 and score the first token). To leave an answer out "
+                        f"of the loss, give both positions `sequence_length` ({length}) or more."
+                    )
+        if found[1]:
+            row = int(half.nonzero()[0, 0])
+            inside, outside = ("start", "end") if start_on_text[row] else ("end", "start")
+            shown = {"start": int(start[row]), "end": int(end[row])}
+            raise ValueError(
+                f"The answer of example {row} has its `{inside}_positions` ({shown[inside]}) on the text, but its "
+                f"`{outside}_positions` ({shown[outside]}) is not on it (past the input or on padding), which marks "
+                f"an ignored answer. Ignore an answer as a whole (both positions `sequence_length` ({length}) or "
+                "more), or give both of its tokens."
+            )
+        if found[2]:
+            row = int(reversed_span.nonzero()[0, 0])
+            raise ValueError(
+                f"The answer of example {row} starts after it ends: `start_positions` ({int(start[row])}) after "
+                f"`end_positions` ({int(end[row])}). Give the indices of its first and last tokens."
+            )
+
+    scored = start_on_text.sum().clamp(min=1)
+    ignoring = start.masked_fill(~start_on_text, length), end.masked_fill(~end_on_text, length)
+    return *ignoring, scored, InputChecks(values, judge)

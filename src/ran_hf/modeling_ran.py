@@ -19,10 +19,10 @@ from transformers.utils.generic import can_return_tuple
 
 from .adaptive_softmax import RANAdaptiveSoftmax, RANOutputMapping, adaptive_lm_loss
 from .building_blocks import RANLayerNorm
-from .cache_ran import RANCache
+from .cache_ran import RANCache, cache_transaction
 from .configuration_ran import RANConfig
 from .input_checks import (
-    answer_positions_on_text,
+    check_answer_positions,
     check_sequence_labels,
     check_token_labels,
     ignore_padding,
@@ -84,6 +84,16 @@ class RANLanguageModelBase(RANPreTrainedModel):
     def get_output_embeddings(self):
         return None if self.config.cutoffs is not None else self.decoder  # an adaptive softmax has no one matrix
 
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        if self.config.cutoffs is not None:
+            raise NotImplementedError(
+                f"An adaptive vocabulary (`cutoffs={self.config.cutoffs}`) cannot be resized by "
+                "`resize_token_embeddings`: its ids are cut into clusters at fixed ids, each with its own embedding, "
+                "projection and softmax bias. Build a model from a config with the new `vocab_size` (and `cutoffs` "
+                "below it) and train it, or use `cutoffs=None` (one embedding, which resizes)."
+            )
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+
     def set_output_embeddings(self, new_embeddings: nn.Linear):
         self.decoder = new_embeddings
 
@@ -144,6 +154,7 @@ class RANForMaskedLM(RANLanguageModelBase):
 )
 class RANForSequenceClassification(RANPreTrainedModel):
     def __init__(self, config: RANConfig):
+        config.validate_label_fields()  # set on the config after it was made, perhaps
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = RANModel(config)
@@ -212,6 +223,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
 @auto_docstring(custom_intro="RAN with a linear classifier on every token state (e.g. named-entity recognition).")
 class RANForTokenClassification(RANPreTrainedModel):
     def __init__(self, config: RANConfig):
+        config.validate_label_fields()  # set on the config after it was made, perhaps
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = RANModel(config, add_pooling_layer=False)
@@ -299,6 +311,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             model_inputs.pop("initial_cell", None)  # read by the prompt's pass; the cache carries the cells since
         return model_inputs
 
+    @cache_transaction  # a forward that fails, in the layers or in the loss, leaves `past_key_values` as it was
     @can_return_tuple
     @auto_docstring
     def forward(
@@ -420,21 +433,31 @@ class RANForQuestionAnswering(RANPreTrainedModel):
     ) -> RANQuestionAnsweringModelOutput:
         r"""
         start_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
-            Index of the answer's first token. A position past the input or on padding is ignored by the loss.
+            Index of the answer's first token. As in Transformers, a position at or past the end of the input
+            (`sequence_length`) leaves the answer out of the loss; so does one on padding. A negative position, an
+            answer left out at one end only, or one that starts after it ends is refused. A batch whose answers are
+            all left out has a loss of 0.
         end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
-            Index of the answer's last token, ignored in the same way.
+            Index of the answer's last token.
         initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
             The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
             earlier call's `last_cell`; see [`RANModel.forward`].
         """
         if (start_positions is None) != (end_positions is None):
             raise ValueError("Give both `start_positions` and `end_positions` for a loss, or neither.")
+        label_checks = None  # read with the inputs' checks, in one synchronisation
+        if start_positions is not None:
+            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
+            start_positions, end_positions, answered, label_checks = check_answer_positions(
+                start_positions, end_positions, attention_mask, batch_shape
+            )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             inputs_embeds=inputs_embeds,
             initial_cell=initial_cell,
             return_dict=True,
+            label_checks=label_checks,
             **kwargs,
         )
         logits = self.qa_outputs(self.dropout(outputs.last_hidden_state))
@@ -447,11 +470,10 @@ class RANForQuestionAnswering(RANPreTrainedModel):
 
         loss = None
         if start_positions is not None:
-            batch_size, length = start_logits.shape
-            start_positions, end_positions = (
-                answer_positions_on_text(positions, attention_mask, batch_size, length, name)
-                for positions, name in ((start_positions, "start_positions"), (end_positions, "end_positions"))
-            )
+            if kwargs.get("num_items_in_batch") is None:
+                # Summed over the answers, divided by their number: their mean, and 0 (not NaN) when none is scored.
+                kwargs["num_items_in_batch"] = answered
+            start_positions, end_positions = start_positions.to(logits.device), end_positions.to(logits.device)
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
         return RANQuestionAnsweringModelOutput(
             loss=loss,

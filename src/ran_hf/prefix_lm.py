@@ -42,8 +42,16 @@ def prefix_lm_features(
     `Seq2SeqLMDataLoader` lays them out: the source as the tokenizer encodes it alone (`[CLS] source [SEP]`), then
     the target's tokens and an end of text (`[SEP]`, the tokenizer's `sep_token`), which `generate()` stops at.
 
-    Without a target this is what `generate()` reads. The labels are -100 over the source.
+    Without a target this is what `generate()` reads. The labels are -100 over the source. `max_source_length` and
+    `max_target_length` (None: no limit) count the special tokens: a target keeps `max_target_length - 1` tokens and
+    its end of text.
     """
+    for name, value in (("max_source_length", max_source_length), ("max_target_length", max_target_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"`{name}` must be an int >= 1 (it counts the special tokens: a target's end of text is one), or None "
+                f"for no limit; got {value!r}."
+            )
     source_ids = tokenizer(source, truncation=max_source_length is not None, max_length=max_source_length)["input_ids"]
     features = {"input_ids": list(source_ids), "token_type_ids": [SOURCE] * len(source_ids)}
     if target is None:
@@ -68,6 +76,13 @@ def prefix_lm_features(
     """
 )
 class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
+    # What `ran_hf.export_onnx` (and `torch.export`) answer at once: tracing it fails after minutes on `aten.cummax`.
+    onnx_export_refusal = (
+        "RANForPrefixLM cannot be exported to ONNX: its graph would need `token_type_ids` as an input, and the prefix "
+        "mask they build is not exportable. Export the encoder the prefix LM was trained from (`RANForMaskedLM`, "
+        "`RANModel`), or generate with the PyTorch model."
+    )
+
     def __init__(self, config: RANConfig):
         if config.is_causal:
             logger.warning(
@@ -102,8 +117,16 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
             The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
             earlier call's `last_cell`; see [`RANModel.forward`].
         """
+        if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+            raise NotImplementedError(self.onnx_export_refusal)
         batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
         device = (input_ids if input_ids is not None else inputs_embeds).device
+        if labels is not None and token_type_ids is None:
+            raise ValueError(
+                "`labels` score the target tokens, which `token_type_ids` mark (0 source, 1 target); without them the "
+                "whole input is source and nothing would be scored (a loss of 0). Pass the `token_type_ids` of each "
+                "(source, target) text, as `ran_hf.prefix_lm_features` makes them."
+            )
         if token_type_ids is None:
             token_type_ids = torch.full(batch_shape, SOURCE, dtype=torch.long, device=device)
         label_checks = None  # read with the inputs' checks, in one synchronisation

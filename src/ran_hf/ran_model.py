@@ -21,7 +21,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .adaptive_softmax import RANAdaptiveEmbedding
 from .building_blocks import RANGatedLinearUnit, RANLayerNorm
-from .cache_ran import RANCache, RANCacheLayer, check_cache
+from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache
 from .configuration_ran import RANConfig
 from .input_checks import (
     check_exportable,
@@ -251,6 +251,7 @@ class RANModel(RANPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
+    @cache_transaction  # a forward that fails leaves `past_key_values` as it was
     @memory_attentions_with_attentions
     @capture_outputs
     @auto_docstring
@@ -363,6 +364,7 @@ class RANModel(RANPreTrainedModel):
 
         if past_key_values is not None:
             past_key_values.advance(layout.lengths, padded_length)
+            token_states = past_key_values.watch_graph(token_states)  # tells a later forward when backward freed it
         if self.norm is not None:
             token_states = self.norm(token_states)
         last_hidden_state = self.padded_states(token_states, layout)  # with hidden states, recorded as the last
