@@ -10,6 +10,7 @@ from transformers import AutoConfig
 
 import benchmark_long_context as bench
 from benchmark_long_context import KEY, QUESTION, Vocabulary, answer_logits, mqar_batch, passkey_batch
+from benchmark_utils import check_result
 
 from conftest import DATA_DIR as DATA
 
@@ -179,6 +180,8 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
     results = bench.main(arguments + ["--output", str(output), "--mqar_steps", "2", "--save_models", str(models)])
     assert [r["model"] for r in results] == bench.DEFAULT_MODELS
     saved = json.loads(output.with_suffix(".json").read_text())
+    check_result(saved)
+    assert saved["settings"]["key_digits"] == 2 and saved["device"] == "cpu"
     for result in saved["results"]:
         assert {row["length"] for row in result["passkey"]} == {128, 256}
         assert len(result["mqar"]) == 4 and all(0 <= row["accuracy"] <= 1 for row in result["mqar"])

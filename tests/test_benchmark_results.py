@@ -1,12 +1,13 @@
 """Where the benchmark scripts write their results (`benchmark_utils.result_path`, `write_result`): an `--output`
-prefix with dots keeps them, and a result file is replaced whole or not at all."""
+prefix with dots keeps them, and a result file is replaced whole or not at all. What a result holds is checked in
+test_result_files.py."""
 
 import json
 import sys
 from pathlib import Path
 
 import pytest
-from benchmark_utils import result_path, write_result
+from benchmark_utils import check_result, result_path, write_result
 
 
 def test_a_prefix_with_dots_keeps_them_so_two_runs_write_two_files():
@@ -48,9 +49,12 @@ def test_benchmark_commands_times_a_command_against_a_baseline_and_records_where
     )
     saved = json.loads((tmp_path / "commands" / "pair.json").read_text())
     assert saved == json.loads(json.dumps(result))
-    assert {"command", "commit", "date", "machine"} <= saved.keys()
-    assert [len(spread["runs"]) for spread in saved["wall_seconds"].values()] == [2, 2]
-    assert saved["ratio_to_baseline"]["median"] > 0 and "ratio" in (tmp_path / "commands" / "pair.md").read_text()
+    check_result(saved)
+    assert saved["command"].startswith("python scripts/benchmarks/benchmark_commands.py --output")
+    assert saved["settings"]["env"] == ["RAN_HF_PROBE=1"] and saved["machine_info"]["cores"] >= 1
+    figures = saved["results"]
+    assert [len(spread["runs"]) for spread in figures["wall_seconds"].values()] == [2, 2]
+    assert figures["ratio_to_baseline"]["median"] > 0 and "ratio" in (tmp_path / "commands" / "pair.md").read_text()
 
 
 def test_benchmark_commands_stops_on_a_failing_command(tmp_path):

@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))  # also done by conftes
 import benchmark_tasks  # noqa: E402
 from baseline_models import count_parameters  # noqa: E402
 from benchmark_tasks import BenchmarkArguments, build_model, make_probe  # noqa: E402
+from benchmark_utils import check_result  # noqa: E402
 
 needs_data = pytest.mark.needs_data("wikitext-2", "conll2003")  # the tokenizer's corpus
 
@@ -136,8 +137,9 @@ def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path, wordpiece_token
         assert run["steps"] >= 1 and run["train_tokens"] > 0
         value = next(iter(run["metrics"].values()))
         assert value == value and value >= 0  # finite, not NaN
-    assert 0.0 <= payload["summary"]["hyperpartisan"]["ran"]["mean"] <= 1.0
-    assert payload["summary"]["lm"]["ran-causal"]["mean"] > 1.0
+    check_result(payload)
+    assert 0.0 <= payload["results"]["summary"]["hyperpartisan"]["ran"]["mean"] <= 1.0
+    assert payload["results"]["summary"]["lm"]["ran-causal"]["mean"] > 1.0
     for run in (r for r in runs if r["task"] == "lm"):  # the same tokens, with and without the carried cache
         assert run["metrics"]["stream_perplexity"] > 1.0
         assert run["metrics"]["stream_perplexity"] != run["metrics"]["perplexity"]

@@ -18,13 +18,12 @@ error is also measured with the float32 pass's choice of tokens kept under autoc
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from benchmark_utils import NON_NEGATIVE, POSITIVE, machine_info, machine_line
+from benchmark_utils import NON_NEGATIVE, POSITIVE, command_line, machine_info, machine_line, result_record
 
 HEADS = ["masked-lm", "sequence-classification", "token-classification", "causal-lm"]
 NUM_LABELS = 5
@@ -199,9 +198,11 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     stem = args.output_dir / f"bf16_{device.type}"
     settings = {key: value for key, value in vars(args).items() if key not in ("output_dir", "scan")}
-    command = ("python scripts/benchmarks/benchmark_bf16_gradients.py " + " ".join(sys.argv[1:])).strip()
+    command = command_line(__file__)
+    dtype = "float32 vs bfloat16 autocast"
+    record = result_record(command, settings, results, device=device.type, dtype=dtype, info=info)
     with open(f"{stem}.json", "w") as file:
-        json.dump({"machine_info": info, "command": command, "settings": settings, "results": results}, file, indent=2)
+        json.dump(record, file, indent=2)
     lines = [
         f"# Gradient error under bfloat16 autocast ({device.type})",
         "",

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark_utils import POSITIVE, machine_info, result_path, write_result
+from benchmark_utils import POSITIVE, command_line, machine_info, result_path, result_record, write_result
 from tqdm.auto import tqdm
 
 
@@ -64,25 +64,23 @@ def main(argv=None) -> dict:
         for command in commands:
             seconds[command].append(run_once(command, env))
 
-    result = {
-        "command": " ".join(shlex.quote(arg) for arg in ["python", *sys.argv]),
-        "commit": machine_info()["git_sha"],
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {**machine_info(), "cores": os.cpu_count(), "load_average_1min": os.getloadavg()[0]},
-        "environment": args.env,
-        "wall_seconds": {command: spread(values) for command, values in seconds.items()},
-    }
+    figures = {"wall_seconds": {command: spread(values) for command, values in seconds.items()}}
     if args.baseline:
         ratios = [a / b for a, b in zip(seconds[args.command], seconds[args.baseline])]
-        result["ratio_to_baseline"] = spread(ratios)
+        figures["ratio_to_baseline"] = spread(ratios)
+    info = machine_info() | {"load_average_1min": os.getloadavg()[0]}
+    info["date"] = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())  # several runs a day: the minute too
+    # Whole commands, timed from outside: no model runs in this process, in no dtype.
+    result = result_record(command_line(__file__, argv), vars(args), figures, device="cpu", dtype="none", info=info)
 
     lines = [f"# {Path(args.output).name}", "", f"`{result['command']}`", ""]
-    lines += [f"commit {result['commit']}, {result['date']}, {result['machine']['cpu']}, {os.cpu_count()} cores", ""]
+    machine = result["machine_info"]
+    lines += [f"commit {result['commit']}, {result['date']}, {machine['cpu']}, {machine['cores']} cores", ""]
     lines += ["| command | min s | median s | max s |", "|---|---:|---:|---:|"]
-    for command, values in result["wall_seconds"].items():
+    for command, values in figures["wall_seconds"].items():
         lines.append(f"| `{command}` | {values['min']:.2f} | {values['median']:.2f} | {values['max']:.2f} |")
     if args.baseline:
-        ratio = result["ratio_to_baseline"]
+        ratio = figures["ratio_to_baseline"]
         lines += ["", f"ratio (pair by pair): median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f})"]
     text = "\n".join(lines) + "\n"
     print(text)

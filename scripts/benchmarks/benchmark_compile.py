@@ -16,7 +16,6 @@ Writes benchmarks/compile/compile_<device>.{json,md}.
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from benchmark_utils import POSITIVE, machine_info, machine_line, sized_ran_config
+from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record, sized_ran_config
 
 
 def build_model(args, device):
@@ -132,8 +131,9 @@ def main():
     stem = args.output_dir / f"compile_{device.type}"
     settings = {key: value for key, value in vars(args).items() if key != "output_dir"}
     summary = {"graphs": explanation.graph_count, "graph_breaks": explanation.graph_break_count, "breaks": breaks}
-    command = ("python scripts/benchmarks/benchmark_compile.py " + " ".join(sys.argv[1:])).strip()
-    report = {"machine_info": info, "command": command, "settings": settings, "explain": summary, "results": results}
+    command = command_line(__file__)
+    figures = {"explain": summary, "timings": results}
+    report = result_record(command, settings, figures, device=device.type, dtype="float32", info=info)
     with open(f"{stem}.json", "w") as file:
         json.dump(report, file, indent=2)
     lines = [

@@ -108,20 +108,20 @@ def median_of(runs: list[dict]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    info = report["machine_info"]
+    info, settings = report["machine_info"], report["settings"]
     lines = [
-        f"# Reading `{report['file']}`",
+        f"# Reading `{settings['file']}`",
         "",
         f"Command: `{report['command']}`  ",
         (
-            f"Commit {info['git_sha']}, {info['date']}; {info['cpu']} x{info['threads']} threads, "
+            f"Commit {report['commit']}, {report['date']}; {info['cpu']} x{info['threads']} threads, "
             f"{info['memory_gib']} GiB; Python {info['python']}, datasets {info['datasets']}, "
             f"pyarrow {info['pyarrow']}, transformers {info['transformers']}, torch {info['torch']}. Load average "
             f"{info['load_average']} (other work on the machine slows the timings, not the memory figures)."
         ),
         "",
         (
-            f"Median of {report['repeats']} fresh processes each. `seconds`: the reading alone; `peak MiB`: the "
+            f"Median of {settings['repeats']} fresh processes each. `seconds`: the reading alone; `peak MiB`: the "
             "process's peak resident memory; `imports MiB`: resident once the imports are done (the same for every "
             "method)."
         ),
@@ -158,7 +158,7 @@ def main() -> None:
 
     import datasets
     import pyarrow
-    from benchmark_utils import machine_info, result_path, write_result
+    from benchmark_utils import command_line, machine_info, result_path, result_record, write_result
 
     info = machine_info("cpu")
     info.update(
@@ -187,15 +187,17 @@ def main() -> None:
                 flush=True,
             )
     info["load_average"] = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
-    command = "python scripts/benchmarks/benchmark_data_loading.py " + " ".join(sys.argv[1:])
-    report = {
-        "machine_info": info,
-        "command": command.strip(),
+    settings = {
         "file": os.path.relpath(args.file, SCRIPTS.parent),
+        "first": args.first,
+        "methods": args.methods,
         "repeats": args.repeats,
-        "results": results,
+        "output": args.output,
     }
+    # No model runs: the figures are of reading files, in no dtype.
+    report = result_record(command_line(__file__), settings, results, device="cpu", dtype="none", info=info)
     output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
     write_result(result_path(output, ".json"), json.dumps(report, indent=2) + "\n")
     write_result(result_path(output, ".md"), markdown(report))
     print(f"Wrote {output}.json and .md")

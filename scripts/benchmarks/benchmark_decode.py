@@ -15,7 +15,6 @@ bytes the cache object holds. Writes a table to stdout and JSON + PNG under --ou
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-from benchmark_utils import POSITIVE, machine_info, machine_line
+from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record
 from ran_hf import RANConfig, RANForCausalLM
 
 
@@ -142,7 +141,8 @@ def main():
         eos_token_id=None,
     )
     gpt2 = GPT2LMHeadModel(gpt2_config).to(device).eval()
-    print(machine_line(machine_info(str(device))))
+    info = machine_info(str(device))
+    print(machine_line(info))
     print(f"RAN {ran.num_parameters():,} parameters, GPT-2 {gpt2.num_parameters():,} (incl. position table)")
 
     ran_decode(ran, 64, 8, args.prefill_chunk, device)  # warm-up: allocator, lazy initialisation
@@ -179,9 +179,7 @@ def main():
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = f"decode_{device.type}"
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    command = ("python scripts/benchmarks/benchmark_decode.py " + " ".join(sys.argv[1:])).strip()
-    report = {"machine_info": machine_info(str(device)), "command": command, "settings": settings, "results": results}
+    report = result_record(command_line(__file__), vars(args), results, device=device.type, dtype="float32", info=info)
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json and .png")

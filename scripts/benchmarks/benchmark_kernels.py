@@ -52,8 +52,10 @@ from benchmark_utils import (
     NON_NEGATIVE_FLOAT,
     POSITIVE,
     TRAINING_DROPOUT,
+    command_line,
     machine_info,
     machine_line,
+    result_record,
     sized_ran_config,
 )
 
@@ -420,10 +422,11 @@ def main():
         f"{MEMORY_BYTES_PER_SECOND / 1e12:.0f} TB/s."
     )
     print(assumptions)
-    command = "python " + " ".join(sys.argv)
+    command = command_line(__file__)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    report = {"machine_info": info, "command": command, "settings": {**vars(args), "output_dir": str(args.output_dir)},
-              "assumptions": assumptions, "results": results}  # fmt: skip
+    settings = {**vars(args), "assumptions": assumptions}
+    # Counted on the meta device in float32 (the projection halves the other bytes for bf16).
+    report = result_record(command, settings, results, device="meta", dtype="float32", info=info)
     name = "kernels_meta_pytorch_token_ops" if args.pytorch_token_ops else "kernels_meta"
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
     markdown = f"# Kernels per MLM training step\n\n`{command}`\n\n{machine_line(info)}, {info['date']}\n\n"

@@ -41,7 +41,6 @@ import json
 import math
 import multiprocessing
 import statistics
-import sys
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -54,7 +53,7 @@ from transformers import AutoModelForCausalLM
 
 from causal_baselines import causal_baseline
 
-from benchmark_utils import machine_info, machine_line, result_path, write_result
+from benchmark_utils import command_line, machine_info, machine_line, result_path, result_record, write_result
 from ran_hf import RANConfig, RANForCausalLM
 from benchmark_tasks import OFFICIAL_CAUSAL_SCAN  # importing it registers the official causal scan
 
@@ -758,9 +757,9 @@ def earlier_results(path: Path, args) -> dict:
     if not path.exists():
         return {}
     earlier = json.loads(path.read_text())
-    earlier["arguments"] = ARGUMENTS_ADDED_LATER | earlier["arguments"]
-    compared = (vars(args).keys() | earlier["arguments"].keys()) - set(PER_RUN_ARGUMENTS)
-    differing = sorted(k for k in compared if earlier["arguments"].get(k) != vars(args).get(k))
+    settings = ARGUMENTS_ADDED_LATER | earlier["settings"]
+    compared = (vars(args).keys() | settings.keys()) - set(PER_RUN_ARGUMENTS)
+    differing = sorted(k for k in compared if settings.get(k) != vars(args).get(k))
     if differing:
         print(f"{path} was run with other {', '.join(differing)}: its results are replaced, not merged")
         return {}
@@ -769,7 +768,7 @@ def earlier_results(path: Path, args) -> dict:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    info = machine_info()
+    info = machine_info(args.device)
     print(machine_line(info))
     output = Path(args.output)
     results = earlier_results(result_path(output, ".json"), args)
@@ -784,10 +783,11 @@ def main(argv=None) -> list[dict]:
             tqdm.write(f"{result['model']}: trained in {seconds:.0f} s")
     results = [results[name] for name in MODELS if name in results]
     output.parent.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/benchmarks/benchmark_long_context.py " + " ".join(sys.argv[1:])
-    payload = {"machine_info": info, "command": command.strip(), "arguments": vars(args), "results": results}
+    command = command_line(__file__, argv)
+    device = torch.device(args.device).type
+    payload = result_record(command, vars(args), results, device=device, dtype="float32", info=info)
     write_result(result_path(output, ".json"), json.dumps(payload, indent=1))
-    table = markdown(results, info, args, command.strip())
+    table = markdown(results, info, args, command)
     write_result(result_path(output, ".md"), table)
     plot(results, args, result_path(output, ".png"))
     print(table)

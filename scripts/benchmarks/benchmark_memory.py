@@ -18,14 +18,22 @@ with the number of chunks. Writes a table to stdout and JSON + a log-log plot un
 import argparse
 import contextlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from benchmark_utils import LiveTensorPeak, POSITIVE, PeakMemory, machine_info, machine_line, run_in_subprocess
+from benchmark_utils import (
+    LiveTensorPeak,
+    POSITIVE,
+    PeakMemory,
+    command_line,
+    machine_info,
+    machine_line,
+    result_record,
+    run_in_subprocess,
+)
 
 
 def ran_config(args, **fields):
@@ -245,18 +253,19 @@ def main():
     name = f"memory_{args.device}"
     settings = {key: value for key, value in vars(args).items() if key not in ("single", "mode")}
     # A mode given no lengths (`--training_lengths` with none) keeps its results from the last report, so that one
-    # mode can be measured again alone; the report says which run measured each mode.
+    # mode can be measured again alone; `settings["earlier_runs"]` then says which run measured each kept mode.
     measured = {mode for mode, _ in runs}
     report_path = args.output_dir / f"{name}.json"
     earlier = json.loads(report_path.read_text()) if report_path.is_file() else {}
     kept = [r for r in earlier.get("results", []) if r["mode"] not in measured]
-    older = {key: earlier[key] for key in ("machine_info", "config") if key in earlier}  # reports of one run
-    runs_by_mode = {mode: earlier.get("runs_by_mode", {}).get(mode, older) for mode in {r["mode"] for r in kept}}
-    command = ("python scripts/benchmarks/benchmark_memory.py " + " ".join(sys.argv[1:])).strip()
-    config = settings | {"output_dir": str(args.output_dir)}
-    runs_by_mode |= {mode: {"machine_info": info, "command": command, "config": config} for mode in measured}
+    if kept:
+        earlier_settings = dict(earlier["settings"])
+        earlier_runs = earlier_settings.pop("earlier_runs", {})
+        run = {key: earlier[key] for key in ("command", "commit", "date", "machine_info")}
+        run["settings"] = earlier_settings
+        settings["earlier_runs"] = {mode: earlier_runs.get(mode, run) for mode in sorted({r["mode"] for r in kept})}
     results = kept + results
-    report = {"runs_by_mode": runs_by_mode, "results": results}
+    report = result_record(command_line(__file__), settings, results, device=args.device, dtype="float32", info=info)
     report_path.write_text(json.dumps(report, indent=2))
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json and .png")

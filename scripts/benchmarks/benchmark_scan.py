@@ -18,14 +18,13 @@ one forward and backward (`torch.profiler`, those not called from inside another
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmark_utils import FRACTION, NON_NEGATIVE, POSITIVE, machine_info, machine_line
+from benchmark_utils import FRACTION, NON_NEGATIVE, POSITIVE, command_line, machine_info, machine_line, result_record
 
 from ran_hf import RANConfig
 from ran_hf.cell_scan import ALL_SCAN_FUNCTIONS
@@ -191,11 +190,10 @@ def main():
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = f"scan_{device.type}" + ("_dropout" if args.dropout else "")
-    command = "python scripts/benchmarks/benchmark_scan.py " + " ".join(sys.argv[1:])
-    settings = {**vars(args), "output_dir": str(args.output_dir)}
-    report = {"machine_info": info, "command": command.strip(), "settings": settings, "results": results}
+    command = command_line(__file__)
+    report = result_record(command, vars(args), results, device=device.type, dtype="float32", info=info)
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
-    (args.output_dir / f"{name}.md").write_text(markdown_table(results, info, command.strip()))
+    (args.output_dir / f"{name}.md").write_text(markdown_table(results, info, command))
     print(f"wrote {args.output_dir / name}.json and .md")
 
 

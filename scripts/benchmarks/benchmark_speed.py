@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -40,8 +39,10 @@ from benchmark_utils import (
     POSITIVE,
     POSITIVE_FLOAT,
     PeakMemory,
+    command_line,
     machine_info,
     machine_line,
+    result_record,
     run_in_subprocess,
     sized_ran_config,
 )
@@ -355,11 +356,11 @@ def main():
     print_ratios(results)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = f"speed_{torch.device(args.device).type}"
-    command = "python scripts/benchmarks/benchmark_speed.py " + " ".join(sys.argv[1:])
-    report = {"machine_info": info, "command": command, "settings": {**vars(args), "output_dir": str(args.output_dir)},
-              "results": results}  # fmt: skip
+    command = command_line(__file__)
+    device = torch.device(args.device).type
+    report = result_record(command, vars(args), results, device=device, dtype=args.dtype, info=info)
     (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
-    (args.output_dir / f"{name}.md").write_text(markdown_table(results, info, command.strip()))
+    (args.output_dir / f"{name}.md").write_text(markdown_table(results, info, command))
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json, .md and .png")
 

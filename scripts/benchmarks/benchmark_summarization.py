@@ -18,7 +18,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmark_utils import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, machine_info, machine_line
+import torch
+
+from benchmark_utils import (
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_FLOAT,
+    command_line,
+    machine_info,
+    machine_line,
+    result_record,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "summarization" / "run_summarization.py"
@@ -69,7 +79,7 @@ def markdown(report: dict) -> str:
         "",
         f"`{report['command']}`",
         "",
-        machine_line(report["machine_info"]) + f", {report['machine_info']['date']}",
+        machine_line({**report["machine_info"], "git_sha": report["commit"]}) + f", {report['date']}",
         "",
         "| model | parameters | train loss | eval loss (title tokens) | ROUGE-1 | ROUGE-2 | ROUGE-L | wall time |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -134,7 +144,8 @@ def main() -> None:
             parser.error(f"--{name} {getattr(args, name)}: no such file")
     if args.hidden_size % args.num_heads:
         parser.error("--hidden_size must be a multiple of --num_heads")
-    info = machine_info()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the Trainer of run_summarization.py trains
+    info = machine_info(device)
     print(machine_line(info))
     from ran_hf.convert_rannet import build_rannet_tokenizer
 
@@ -142,10 +153,7 @@ def main() -> None:
         tokenizer = Path(work) / "tokenizer"
         build_rannet_tokenizer(VOCABULARY).save_pretrained(tokenizer)
         results = [run_kind(kind, args, tokenizer, Path(work)) for kind in args.kinds]
-    settings = {**vars(args), "train_file": str(args.train_file), "validation_file": str(args.validation_file)}
-    settings["output_dir"] = str(args.output_dir)
-    command = "python scripts/benchmarks/benchmark_summarization.py " + " ".join(sys.argv[1:])
-    report = {"machine_info": info, "command": command.strip(), "settings": settings, "results": results}
+    report = result_record(command_line(__file__), vars(args), results, device=device, dtype="float32", info=info)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "eurlex_titles.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.output_dir / "eurlex_titles.md").write_text(markdown(report))

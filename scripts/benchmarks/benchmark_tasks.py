@@ -59,7 +59,7 @@ from baseline_models import (  # noqa: E402
     count_parameters,
 )
 from benchmark_tasks_report import write_report  # noqa: E402
-from benchmark_utils import machine_info  # noqa: E402
+from benchmark_utils import command_line, machine_info  # noqa: E402
 
 from ran_hf.cell_scan import RANScanInterface, reference_cell_scan  # noqa: E402
 
@@ -792,10 +792,7 @@ def main(argv: list[str] | None = None) -> dict:
     keys = {run["key"] for run in runs}
     results = [json.loads(line) for line in runs_file.read_text().splitlines() if line.strip()]
     results = with_window_study_reuse([result for result in results if result["key"] in keys], args)
-    command = "python scripts/benchmarks/benchmark_tasks.py" + (
-        " " + " ".join(argv) if argv else " " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else ""
-    )
-    return write_report(results, args, info, output_dir / args.output_name, command.strip())
+    return write_report(results, args, info, output_dir / args.output_name, command_line(__file__, argv))
 
 
 if __name__ == "__main__":

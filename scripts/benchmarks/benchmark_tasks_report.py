@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmark_utils import machine_line, result_path, write_result
+from benchmark_utils import machine_line, result_path, result_record, write_result
 
 # The metric each task is ranked by, and whether lower is better.
 MAIN_METRIC = {
@@ -281,18 +281,11 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def write_report(results: list[dict], args, info: dict, stem: Path, command: str) -> dict:
-    """Write <stem>.json (summary and every run), <stem>.md and <stem>.png; return the summary."""
+    """Write <stem>.json (summary and every run), <stem>.md and <stem>.png; return the record written."""
     summary = summarize(results)
-    payload = {
-        "command": command,
-        "machine": info,
-        "settings": {
-            key: value for key, value in vars(args).items() if key not in ("output_dir", "cache_dir", "data_dir")
-        },
-        "summary": summary,
-        "classification_average": classification_average(summary),
-        "runs": results,
-    }
+    settings = {key: value for key, value in vars(args).items() if key not in ("output_dir", "cache_dir", "data_dir")}
+    figures = {"summary": summary, "classification_average": classification_average(summary), "runs": results}
+    payload = result_record(command, settings, figures, device=args.device, dtype="float32", info=info)
     write_result(result_path(stem, ".json"), json.dumps(payload, indent=1) + "\n")
     write_result(result_path(stem, ".md"), markdown(summary, results, args, info, command))
     plot(summary, result_path(stem, ".png"))

@@ -1,9 +1,13 @@
-"""What the benchmark scripts share: the machine line, peak-memory readings, one measurement per process."""
+"""What the benchmark scripts share: the machine line, the one result format, peak-memory readings, one measurement
+per process."""
 
 import json
 import datetime
+import os
 import platform
+import re
 import resource
+import shlex
 import subprocess
 import sys
 import weakref
@@ -55,6 +59,7 @@ def machine_info(device: str = "cpu") -> dict:
 
     info = {
         "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -68,6 +73,108 @@ def machine_info(device: str = "cpu") -> dict:
     except (OSError, subprocess.CalledProcessError):
         info["git_sha"] = "unknown"
     return info
+
+
+# The one result format: every benchmark JSON is one record with exactly these fields, made by `result_record` and
+# checked by `check_result` (tests/test_result_files.py checks every file under benchmarks/).
+RESULT_FIELDS = {
+    "command": "the exact command line that wrote the file, run from the repository root (str)",
+    "commit": "the git revision the run started from, as `git rev-parse --short HEAD` prints it (str)",
+    "date": "the UTC day of the run, ISO 8601: YYYY-MM-DD, a time may follow (str)",
+    "machine_info": "the machine: cpu, threads (torch's), torch, transformers, gpu where one was used; may add more "
+    "(dict)",
+    "device": "where the model ran: cpu, cuda, meta (str)",
+    "dtype": "what the model computed in: float32, bfloat16; 'bfloat16 autocast' for float32 weights under "
+    "torch.autocast, 'float32 vs bfloat16 autocast' where a run compares both, 'none' where no model runs (str)",
+    "settings": "the run's arguments (dict)",
+    "results": "the figures (any JSON)",
+}
+OPTIONAL_RESULT_FIELDS = {
+    "provenance_note": "for a file whose provenance was recovered after the run: where each recovered field came "
+    "from, and for a field left null, '<field>: null' and why (str)",
+}
+# Fields a file may leave null, only with a `provenance_note` that says '<field>: null' and why.
+NULLABLE_RESULT_FIELDS = ("command", "commit", "date")
+MACHINE_FIELDS = ("cpu", "threads", "torch", "transformers")  # and "gpu" on CUDA
+RUN_FIELDS = ("git_sha", "date", "device")  # what `machine_info()` adds for the machine line; the record has its own
+
+
+def command_line(script: str | Path, argv: list | None = None) -> str:
+    """The command that ran `script` (a script's `__file__`) with `argv` (default: this process's arguments), as
+    typed from the repository root, quoted as a shell needs."""
+    path = Path(script).resolve()
+    root = Path(__file__).resolve().parents[2]
+    if path.is_relative_to(root):
+        path = path.relative_to(root)
+    arguments = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", str(path), *map(str, arguments)])
+
+
+def result_record(command: str, settings: dict, results, *, device: str, dtype: str, info: dict | None = None) -> dict:
+    """One benchmark result in the one format (`RESULT_FIELDS`): `info` is the `machine_info()` the run printed
+    (taken now if not given), whose revision, day and device become the record's `commit`, `date` and `device`.
+    Paths and other objects in `settings` and `results` are saved as their strings."""
+    info = dict(info or machine_info(device))
+    commit, date = info.pop("git_sha", None), info.pop("date", None)
+    info.pop("device", None)
+    record = {
+        "command": command,
+        "commit": None if commit in (None, "unknown") else commit,
+        "date": date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "machine_info": info,
+        "device": str(device),
+        "dtype": dtype,
+        "settings": json.loads(json.dumps(settings, default=str)),
+        "results": json.loads(json.dumps(results, default=str)),
+    }
+    if record["commit"] is None:
+        record["provenance_note"] = "commit: null, the run's folder was not a git checkout"
+    check_result(record)
+    return record
+
+
+def check_result(record) -> None:
+    """Raise ValueError naming what does not fit the one result format (`RESULT_FIELDS`)."""
+    problems = []
+    if not isinstance(record, dict):
+        raise ValueError(f"a result is a JSON object, not {type(record).__name__}")
+    missing = [field for field in RESULT_FIELDS if field not in record]
+    unknown = [field for field in record if field not in RESULT_FIELDS and field not in OPTIONAL_RESULT_FIELDS]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if unknown:
+        problems.append(f"unknown field(s) {', '.join(unknown)} (figures go under results, arguments under settings)")
+    note = record.get("provenance_note")
+    if "provenance_note" in record and not (isinstance(note, str) and note.strip()):
+        problems.append("provenance_note must be a non-empty string")
+    for field in ("command", "commit", "date", "device", "dtype"):
+        value = record.get(field)
+        if value is None:
+            if field in record and (field not in NULLABLE_RESULT_FIELDS or f"{field}: null" not in str(note)):
+                problems.append(f"{field} is null without a provenance_note saying '{field}: null' and why")
+        elif not isinstance(value, str) or not value.strip():
+            problems.append(f"{field} must be a non-empty string, not {value!r}")
+    commit, date = record.get("commit"), record.get("date")
+    if isinstance(commit, str) and not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+        problems.append(f"commit {commit!r} is not a git revision")
+    if isinstance(date, str):
+        try:
+            datetime.datetime.fromisoformat(date)
+        except ValueError:
+            problems.append(f"date {date!r} is not ISO 8601 (YYYY-MM-DD)")
+    machine = record.get("machine_info")
+    if not isinstance(machine, dict):
+        problems.append("machine_info must be an object")
+    else:
+        needed = MACHINE_FIELDS + (("gpu",) if str(record.get("device", "")).startswith("cuda") else ())
+        if absent := [key for key in needed if machine.get(key) in (None, "")]:
+            problems.append(f"machine_info lacks {', '.join(absent)}")
+        if doubled := [key for key in RUN_FIELDS if key in machine]:
+            problems.append(f"machine_info holds {', '.join(doubled)}: the record's commit, date and device say it")
+    if not isinstance(record.get("settings"), dict):
+        problems.append("settings must be an object")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 RESULT_SUFFIXES = (".json", ".md", ".png")

@@ -23,7 +23,6 @@ Writes benchmarks/memory_diagnosis/memory_diagnosis.{json,md,png}.
 
 import argparse
 import json
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -38,9 +37,11 @@ from benchmark_utils import (
     NON_NEGATIVE,
     POSITIVE,
     POSITIVE_FLOAT,
+    command_line,
     machine_info,
     machine_line,
     result_path,
+    result_record,
     write_result,
 )
 from ran_hf import RANConfig, RANForCausalLM
@@ -412,11 +413,11 @@ def main(argv=None) -> list[dict]:
     rows = summarize(results)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/benchmarks/diagnose_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    payload = {"machine_info": info, "command": command.strip(), "arguments": vars(args), "results": rows}
-    payload["runs"] = [r.__dict__ for r in results]
+    command = command_line(__file__, argv)
+    figures = {"summary": rows, "runs": [r.__dict__ for r in results]}
+    payload = result_record(command, vars(args), figures, device="cpu", dtype="float32", info=info)
     write_result(result_path(output, ".json"), json.dumps(payload, indent=1))
-    table = markdown(rows, info, args, command.strip()) + probe_markdown(results)
+    table = markdown(rows, info, args, command) + probe_markdown(results)
     write_result(result_path(output, ".md"), table)
     plot(results, result_path(output, ".png"))
     print(table)

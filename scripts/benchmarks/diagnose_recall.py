@@ -34,7 +34,6 @@ Writes benchmarks/recall/recall_diagnosis.{json,md,png}.
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,9 +44,11 @@ from benchmark_utils import (
     NON_NEGATIVE,
     POSITIVE,
     POSITIVE_FLOAT,
+    command_line,
     machine_info,
     machine_line,
     result_path,
+    result_record,
     write_result,
 )
 from causal_baselines import causal_baseline
@@ -560,13 +561,8 @@ def parse_args(argv=None):
 def save(results: list[RunResult], gradients: list[dict], info: dict, args, command: str) -> dict:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "command": command,
-        "machine_info": info,
-        "arguments": vars(args),
-        "gradients_at_init": gradients,
-        "results": [r.__dict__ for r in results],
-    }
+    figures = {"gradients_at_init": gradients, "runs": [r.__dict__ for r in results]}
+    payload = result_record(command, vars(args), figures, device="cpu", dtype="float32", info=info)
     write_result(result_path(output, ".json"), json.dumps(payload, indent=1))
     write_result(result_path(output, ".md"), markdown(results, gradients, info, args, command))
     if results:
@@ -579,10 +575,10 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     info = machine_info()
     print(machine_line(info))
-    command = "python scripts/benchmarks/diagnose_recall.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line(__file__, argv)
     gradients = [gradients_at_init(layout, 8, args.hidden_size) for layout in WINDOWS if layout != "spread"]
     results = []
-    save(results, gradients, info, args, command.strip())
+    save(results, gradients, info, args, command)
     if not args.gradients_only:
         for experiment in args.experiments:
             for seed in args.seeds:
@@ -590,9 +586,9 @@ def main(argv=None) -> dict:
                 results.append(result)
                 print(f"{experiment} seed {seed}: {100 * result.accuracy:.1f}% after {result.steps} steps "
                       f"({result.seconds:.0f} s)", flush=True)  # fmt: skip
-                save(results, gradients, info, args, command.strip())  # after every run: a long run keeps its part
-    payload = save(results, gradients, info, args, command.strip())
-    print(markdown(results, gradients, info, args, command.strip()))
+                save(results, gradients, info, args, command)  # after every run: a long run keeps its part
+    payload = save(results, gradients, info, args, command)
+    print(markdown(results, gradients, info, args, command))
     return payload
 
 

@@ -15,14 +15,21 @@ launched, and the kernels that take the most time. Writes `profile_<model>_<shap
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmark_utils import POSITIVE, TRAINING_DROPOUT, machine_info, machine_line, sized_ran_config
+from benchmark_utils import (
+    POSITIVE,
+    TRAINING_DROPOUT,
+    command_line,
+    machine_info,
+    machine_line,
+    result_record,
+    sized_ran_config,
+)
 
 from benchmark_kernels import BlockAttentionMLM
 from ran_hf import RANForMaskedLM, triton_glu, triton_norm, triton_rotary
@@ -101,9 +108,8 @@ def main():
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    settings = vars(args) | {"output_dir": str(args.output_dir)}
-    command = "python " + " ".join(sys.argv)
-    report = {"machine_info": info, "command": command, "settings": settings, "results": results}
+    dtype = "bfloat16 autocast"
+    report = result_record(command_line(__file__), vars(args), results, device=device.type, dtype=dtype, info=info)
     (args.output_dir / f"profile_{args.shape}.json").write_text(json.dumps(report, indent=2, default=str))
 
 

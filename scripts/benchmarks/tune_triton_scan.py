@@ -10,7 +10,6 @@ backward and inference, per window, at BERT-base width; the fused scan is the ba
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ import torch
 import ran_hf.triton_scan as triton_scan
 import ran_hf.triton_scan_kernels as triton_kernels
 from benchmark_scan import measure
-from benchmark_utils import FRACTION, POSITIVE, machine_info, machine_line
+from benchmark_utils import FRACTION, POSITIVE, command_line, machine_info, machine_line, result_record
 
 OPS = ["scan_project", "scan_output", "scan_write", "scan_write_grad", "scan_attention_grad", "scan_input_grad"]
 CASES = [
@@ -60,7 +59,7 @@ def main():
             print(f"{r['case']:<34}{r['variant']:<28}train {r['train_ms_per_step']:7.3f} ms/window   "
                   f"infer {r['infer_ms_per_step']:7.3f} ms/window   ops {r['ops_per_step']:6.1f}")  # fmt: skip
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    report = {"machine_info": info, "command": "python " + " ".join(sys.argv), "results": results}
+    report = result_record(command_line(__file__), vars(args), results, device="cuda", dtype="float32", info=info)
     args.output.write_text(json.dumps(report, indent=2))
 
 
