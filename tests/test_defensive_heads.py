@@ -46,11 +46,10 @@ def test_prefix_lm_mask_of_the_wrong_shape_is_named():
 
 
 @pytest.fixture(scope="module")
-def wordpiece(tmp_path_factory):
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b", "c", "d", "e", "f"]
-    vocab = tmp_path_factory.mktemp("vocab") / "vocab.txt"
-    vocab.write_text("\n".join(words) + "\n")
-    return BertTokenizerFast(vocab_file=str(vocab))
+def wordpiece():
+    """A WordPiece tokenizer of 16 ids: [PAD] = 0, the letters a to k."""
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijk"]
+    return BertTokenizerFast(vocab={word: index for index, word in enumerate(words)})
 
 
 @pytest.mark.parametrize("max_target_length", [0, -1, 2.5])
@@ -375,6 +374,27 @@ def test_config_overrides_parse_every_field(overrides, expected):
 def test_bad_config_overrides_are_named(overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny_config().update_from_string(overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ("window_size=abc", r"`window_size` must be an int, got 'abc'"),
+        ("cutoffs=[10,12],div_val=2", {"cutoffs": [10, 12], "div_val": 2}),
+        ("cutoffs=10;12", {"cutoffs": [10, 12]}),
+    ],
+)
+def test_the_scripts_config_overrides(wordpiece, overrides, expected):
+    """`--config_overrides` as the training scripts read it (`training_utils.load_config`), for a causal LM."""
+    from training_utils import ModelArguments, load_config
+
+    arguments = ModelArguments(tokenizer_name="unused", config_overrides=overrides)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            load_config(arguments, wordpiece, is_causal=True)
+        return
+    config = load_config(arguments, wordpiece, is_causal=True)
+    assert {name: getattr(config, name) for name in expected} == expected
 
 
 def test_overrides_that_make_an_invalid_config_change_nothing():
