@@ -5,7 +5,7 @@ import functools
 import inspect
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
 # The config fields that decide what a cache holds and how a forward reads it: a cache made by a model that differs
 # in any of them is another model's state (cells of another width, another number of layers, windows cut elsewhere).
@@ -66,8 +66,9 @@ def after_last_finished(steps: torch.Tensor, finished_here: torch.Tensor, start:
     return torch.where(has_finished, steps[last, rows], start)
 
 
-class RANCacheLayer:
-    """What one causal RAN layer needs to continue a sequence.
+class RANCacheLayer(LinearAttentionCacheLayerMixin):
+    """What one causal RAN layer needs to continue a sequence: a recurrent layer in Transformers' cache API, whose
+    recurrent state (`recurrent_states[0]`, `get_recurrent_state`) is the cell, with the rest of its state beside it.
 
     Per row of the batch:
         cell (B, D): the cell the current window reads (the last finished window's, or the learned initial cell);
@@ -86,11 +87,11 @@ class RANCacheLayer:
             the last finished window, and the write strengths of the tail's tokens (written when their window ends).
     """
 
-    is_compileable = False
+    is_compileable = False  # the window tail and the cells written so far grow from pass to pass
     is_sliding = False
 
     def __init__(self):
-        self.cell = None
+        super().__init__(number_of_states=1)  # no convolution state; the one recurrent state is the cell
         self.previous_raw_cell = None
         self.cell_states = None
         self.salient_cell_states = None
@@ -102,13 +103,39 @@ class RANCacheLayer:
         self.tail_betas = None
 
     @property
+    def cell(self) -> torch.Tensor | None:
+        return self.recurrent_states[0]
+
+    @cell.setter
+    def cell(self, cell: torch.Tensor | None) -> None:
+        self.recurrent_states[0] = cell
+        self.is_recurrent_states_initialized[0] = self.has_previous_state[0] = cell is not None
+        if cell is not None:
+            self.device, self.dtype = cell.device, cell.dtype
+
+    @property
     def is_initialized(self) -> bool:
         return self.cell is not None
+
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
+        if conv_states is not None or state_idx != 0:
+            raise ValueError("A RAN cache layer holds one recurrent state (its cell, `state_idx=0`) and no conv state.")
+        if recurrent_states is not None:
+            self.device, self.dtype = recurrent_states.device, recurrent_states.dtype
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        raise ValueError("A RAN layer has no convolution state: its recurrent state is the cell.")
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Set the cell the next window reads, (B, D)."""
+        self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        self.cell = recurrent_states
+        return recurrent_states
 
     def update_cell(self, cells, raw_cells, finished_here: torch.Tensor, start: tuple) -> None:
         """Keep the cell after each row's last window finished in this pass (`finished_here` (B,) of the pass's
         (N, B, D) `cells`), and its raw cell; a row that finished none keeps the `start` (cell, raw cell) it read."""
-        self.cell = after_last_finished(cells, finished_here, start[0])
+        self.update_recurrent_state(after_last_finished(cells, finished_here, start[0]))
         self.previous_raw_cell = after_last_finished(raw_cells, finished_here, start[1])
 
     def update_binding(self, states, finished_here: torch.Tensor, start: torch.Tensor, tail_betas) -> None:
@@ -157,11 +184,18 @@ class RANCacheLayer:
     def reset(self) -> None:
         self.__init__()
 
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("A RAN cache cannot be cropped: its cells have already read the tokens to remove.")
+
+    def activate_past_recording(self) -> None:
+        raise ValueError("A RAN cache cannot record past states to roll back to: its cells read every token.")
+
     def offload(self) -> None:
         self._map(lambda tensor: tensor.to("cpu", non_blocking=True))
 
     def prefetch(self) -> None:
-        return None
+        if self.device is not None:
+            self._map(lambda tensor: tensor.to(self.device, non_blocking=True))
 
 
 class RANCache(Cache):
@@ -267,14 +301,16 @@ class RANCache(Cache):
     # ---- one transaction per forward ----------------------------------------------------------------------------
 
     def snapshot(self) -> tuple:
-        """What a forward may change, by reference: every update replaces a tensor, none writes into one."""
-        return [dict(vars(layer)) for layer in self.layers], self.lengths, self.seen_positions, self.graph_probe
+        """What a forward may change, by reference: every update replaces a tensor, none writes into one (the base
+        layer's per-state dicts are copied, their tensors are not)."""
+        layers = [{name: shallow(value) for name, value in vars(layer).items()} for layer in self.layers]
+        return layers, self.lengths, self.seen_positions, self.graph_probe
 
     def restore(self, snapshot: tuple) -> None:
         layers, self.lengths, self.seen_positions, self.graph_probe = snapshot
         for layer, state in zip(self.layers, layers):
             vars(layer).clear()
-            vars(layer).update(state)
+            vars(layer).update({name: shallow(value) for name, value in state.items()})
 
     # ---- a graph that backward has freed -------------------------------------------------------------------------
 
@@ -314,6 +350,11 @@ class RANCache(Cache):
         for layer in self.layers:
             total += sum(t.numel() * t.element_size() for t in layer.tensors().values())
         return total
+
+
+def shallow(value):
+    """A dict copied (its tensors shared), anything else as it is."""
+    return dict(value) if isinstance(value, dict) else value
 
 
 class _GraphProbe(torch.autograd.Function):
