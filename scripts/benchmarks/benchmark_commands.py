@@ -1,10 +1,12 @@
-"""Wall time of whole commands, start-up included: the test suite, `import ran_hf`, the main job.
+"""Wall and CPU time of whole commands, start-up included: `import ran_hf`, the test suite, the main job.
 
-Each command runs `--repeats` times as a fresh process; with `--baseline`, the command and the baseline run in turn
-(A B A B ...) and their ratio is taken pair by pair, so that a machine whose speed drifts during the run still gives a
-fair ratio. Prints and saves min / median / max (quote the median) with the command, commit, date and machine:
+Each command runs `--repeats` times as a fresh process, timed from outside: wall seconds from start to exit, and the
+CPU seconds (user + system) the kernel counts for it and its children (`os.wait4`, what `/usr/bin/time` reports).
+With `--baseline`, the command and the baseline run in turn (A B A B ...) and their ratio is taken pair by pair, so
+that a machine whose speed drifts during the run still gives a fair ratio. Prints and saves min / median / max (quote
+the median) with the command, commit, date and machine. What import ran_hf costs against importing Transformers:
 
-    python scripts/benchmarks/benchmark_commands.py --output benchmarks/commands/import_time --repeats 10 \\
+    python scripts/benchmarks/benchmark_commands.py --output benchmarks/import/import_time --repeats 10 --warmup 2 \\
         --command ".venv/bin/python -c 'import ran_hf'" \\
         --baseline ".venv/bin/python -c 'import torch, transformers; from transformers import AutoModel'"
 """
@@ -38,37 +40,52 @@ def parse_args(argv=None):
     return args
 
 
-def run_once(command: str, env: dict) -> float:
-    """Seconds from start to exit of one run; a run that fails stops the benchmark with its output."""
-    start = time.perf_counter()
-    result = subprocess.run(shlex.split(command), env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if result.returncode != 0:
-        sys.exit(f"{command!r} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return seconds
+KINDS = ("wall_seconds", "cpu_seconds")
+
+
+def run_once(command: str, env: dict, log: Path) -> dict:
+    """Wall and CPU seconds of one run, its output appended to `log`; a run that fails stops the benchmark."""
+    with log.open("a") as output:
+        start = time.perf_counter()
+        process = subprocess.Popen(shlex.split(command), env=env, stdout=output, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+    if (code := os.waitstatus_to_exitcode(status)) != 0:
+        sys.exit(f"{command!r} exited {code}; its output is in {log}:\n{log.read_text()[-3000:]}")
+    return {"wall_seconds": wall, "cpu_seconds": usage.ru_utime + usage.ru_stime}
 
 
 def spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "runs": values}
 
 
+def fmt(values) -> str:
+    return " / ".join(f"{value:.2f}" for value in values)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     env = {**os.environ, **dict(item.split("=", 1) for item in args.env)}
     commands = [args.command] + ([args.baseline] if args.baseline else [])
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    log = result_path(args.output, ".log")
+    log.unlink(missing_ok=True)
+    load_before = os.getloadavg()
     for _ in range(args.warmup):
         for command in commands:
-            run_once(command, env)
-    seconds = {command: [] for command in commands}
+            run_once(command, env, log)
+    runs = {command: [] for command in commands}
     for _ in tqdm(range(args.repeats), desc="runs", unit="run"):
         for command in commands:
-            seconds[command].append(run_once(command, env))
+            runs[command].append(run_once(command, env, log))
+    log.unlink()  # kept only when a run failed
 
-    figures = {"wall_seconds": {command: spread(values) for command, values in seconds.items()}}
+    figures = {kind: {command: spread([run[kind] for run in runs[command]]) for command in commands} for kind in KINDS}
     if args.baseline:
-        ratios = [a / b for a, b in zip(seconds[args.command], seconds[args.baseline])]
-        figures["ratio_to_baseline"] = spread(ratios)
-    info = machine_info() | {"load_average_1min": os.getloadavg()[0]}
+        pairs = list(zip(runs[args.command], runs[args.baseline]))
+        figures["ratio_to_baseline"] = {kind: spread([a[kind] / b[kind] for a, b in pairs]) for kind in KINDS}
+    figures["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    info = machine_info()
     info["date"] = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())  # several runs a day: the minute too
     # Whole commands, timed from outside: no model runs in this process, in no dtype.
     result = result_record(command_line(__file__, argv), vars(args), figures, device="cpu", dtype="none", info=info)
@@ -76,15 +93,17 @@ def main(argv=None) -> dict:
     lines = [f"# {Path(args.output).name}", "", f"`{result['command']}`", ""]
     machine = result["machine_info"]
     lines += [f"commit {result['commit']}, {result['date']}, {machine['cpu']}, {machine['cores']} cores", ""]
-    lines += ["| command | min s | median s | max s |", "|---|---:|---:|---:|"]
-    for command, values in figures["wall_seconds"].items():
-        lines.append(f"| `{command}` | {values['min']:.2f} | {values['median']:.2f} | {values['max']:.2f} |")
+    lines += [f"Load average (1, 5, 15 min): {fmt(load_before)} before the runs, {fmt(os.getloadavg())} after.", ""]
+    lines += [f"{args.repeats} runs of each after {args.warmup} not counted. Seconds, min / median / max:", ""]
+    lines += ["| command | wall | CPU (user + system) |", "|---|---|---|"]
+    rows = [(f"`{command}`", {kind: figures[kind][command] for kind in KINDS}) for command in commands]
     if args.baseline:
-        ratio = figures["ratio_to_baseline"]
-        lines += ["", f"ratio (pair by pair): median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f})"]
+        rows.append(("ratio, pair by pair", figures["ratio_to_baseline"]))
+    for label, row in rows:
+        cells = [fmt(row[kind][at] for at in ("min", "median", "max")) for kind in KINDS]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     write_result(result_path(args.output, ".json"), json.dumps(result, indent=2) + "\n")
     write_result(result_path(args.output, ".md"), text)
     return result
