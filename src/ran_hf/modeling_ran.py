@@ -5,14 +5,12 @@ modules it imports, so that `trust_remote_code=True` loads every head below with
 is in prefix_lm.py.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.modeling_outputs import QuestionAnsweringModelOutput
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
@@ -33,12 +31,46 @@ from .input_checks import (
 from .outputs_ran import (
     RANCausalLMOutputWithPast,
     RANMaskedLMOutput,
+    RANQuestionAnsweringModelOutput,
     RANSequenceClassifierOutput,
     RANTokenClassifierOutput,
 )
 from .ran_model import RANModel, RANPreTrainedModel
 
 logger = logging.get_logger(__name__)
+
+# The arguments every head takes besides Transformers' own (`auto_docstring` documents those).
+HEAD_ARGS = r"""
+    initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
+        The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
+        earlier call's `last_cell`; see [`RANModel.forward`].
+"""
+
+
+def head_outputs(head: RANPreTrainedModel, label_checks=None, **inputs):
+    """The prelude every head shares: its base model's outputs as a `RANModelOutput` (the head reads fields by name,
+    whatever `return_dict` the caller or the config asks for), with the head's label checks (`InputChecks`) read in
+    the same host synchronisation as the inputs'."""
+    return head.model(**inputs, return_dict=True, label_checks=label_checks)
+
+
+def token_label_checks(head: RANPreTrainedModel, labels, input_ids, inputs_embeds, num_classes: int, name: str):
+    """A token head's labels (one `name` of `num_classes` per token, -100 ignored): their shape and dtype now, their
+    range as `InputChecks` for `head_outputs`; None without labels."""
+    if labels is None:
+        return None
+    batch_shape = input_batch_shape(input_ids, inputs_embeds, head.config.hidden_size)
+    return check_token_labels(labels, batch_shape, num_classes, name)
+
+
+def head_output(output_class, outputs, **fields):
+    """A head's `output_class` from its own `fields` and the base model's recorded outputs."""
+    return output_class(
+        **fields,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        memory_attentions=outputs.memory_attentions,
+    )
 
 
 class RANPredictionHead(nn.Module):
@@ -101,7 +133,7 @@ class RANLanguageModelBase(RANPreTrainedModel):
 @auto_docstring(custom_intro="RAN with the official masked-language-modelling head, tied to the token embedding.")
 class RANForMaskedLM(RANLanguageModelBase):
     @can_return_tuple
-    @auto_docstring
+    @auto_docstring(custom_args=HEAD_ARGS)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -114,24 +146,12 @@ class RANForMaskedLM(RANLanguageModelBase):
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
-        label_checks = None  # read with the inputs' checks, in one synchronisation
-        if labels is not None:
-            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            label_checks = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
-        # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
-            return_dict=True,
-            label_checks=label_checks,
-            **kwargs,
-        )
+        label_checks = token_label_checks(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
+        outputs = head_outputs(
+            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell, **kwargs,
+        )  # fmt: skip
         logits = self.decoder(self.head(outputs.last_hidden_state))
 
         loss = None
@@ -140,13 +160,7 @@ class RANForMaskedLM(RANLanguageModelBase):
             loss = scored_token_loss(
                 self.loss_function, logits, labels, labels, vocab_size=self.config.vocab_size, **kwargs
             )
-        return RANMaskedLMOutput(
-            loss=loss,
-            logits=logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            memory_attentions=outputs.memory_attentions,
-        )
+        return head_output(RANMaskedLMOutput, outputs, loss=loss, logits=logits)
 
 
 @auto_docstring(
@@ -163,7 +177,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    @auto_docstring
+    @auto_docstring(custom_args=HEAD_ARGS)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -178,24 +192,15 @@ class RANForSequenceClassification(RANPreTrainedModel):
             `(batch_size,)` class ids for single-label classification, `(batch_size, num_labels)` 0/1 targets for
             multi-label classification, or float targets for regression (`num_labels == 1`); the problem type follows
             `config.problem_type` and is inferred as in Transformers when unset.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
-        label_checks, found = None, {}  # read with the inputs' checks, in one synchronisation
+        label_checks, found = None, {}
         if labels is not None:
             batch_size = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)[0]
             labels, label_checks = check_sequence_labels(labels, batch_size, attention_mask, self.config, found)
-        # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
-            return_dict=True,
-            label_checks=label_checks,
-            **kwargs,
-        )
+        outputs = head_outputs(
+            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell, **kwargs,
+        )  # fmt: skip
         logits = self.classifier(self.dropout(outputs.pooler_output))
 
         loss = None
@@ -211,13 +216,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
                 loss = loss_of_nothing(logits)
             else:
                 loss = self.loss_function(labels=labels, pooled_logits=loss_logits, config=self.config, **kwargs)
-        return RANSequenceClassifierOutput(
-            loss=loss,
-            logits=logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            memory_attentions=outputs.memory_attentions,
-        )
+        return head_output(RANSequenceClassifierOutput, outputs, loss=loss, logits=logits)
 
 
 @auto_docstring(custom_intro="RAN with a linear classifier on every token state (e.g. named-entity recognition).")
@@ -232,7 +231,7 @@ class RANForTokenClassification(RANPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    @auto_docstring
+    @auto_docstring(custom_args=HEAD_ARGS)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -245,37 +244,19 @@ class RANForTokenClassification(RANPreTrainedModel):
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Class id of every token; -100 (and every padding position) is ignored.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
-        label_checks = None  # read with the inputs' checks, in one synchronisation
-        if labels is not None:
-            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            label_checks = check_token_labels(labels, batch_shape, self.num_labels, "class id")
-        # The head reads fields by name, whatever `return_dict` the caller or the config asks for.
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
-            return_dict=True,
-            label_checks=label_checks,
-            **kwargs,
-        )
+        label_checks = token_label_checks(self, labels, input_ids, inputs_embeds, self.num_labels, "class id")
+        outputs = head_outputs(
+            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell, **kwargs,
+        )  # fmt: skip
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
 
         loss = None
         if labels is not None:
             labels = ignore_padding(labels, attention_mask)
             loss = scored_token_loss(self.loss_function, logits, labels, labels, config=self.config, **kwargs)
-        return RANTokenClassifierOutput(
-            loss=loss,
-            logits=logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            memory_attentions=outputs.memory_attentions,
-        )
+        return head_output(RANTokenClassifierOutput, outputs, loss=loss, logits=logits)
 
 
 @auto_docstring(
@@ -313,7 +294,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
 
     @cache_transaction  # a forward that fails, in the layers or in the loss, leaves `past_key_values` as it was
     @can_return_tuple
-    @auto_docstring
+    @auto_docstring(custom_args=HEAD_ARGS)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -331,36 +312,23 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             Usually `input_ids`: the loss predicts token t + 1 from tokens up to t; -100 and padding are ignored.
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
-        label_checks = None  # read with the inputs' checks, in one synchronisation
-        if labels is not None:
-            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            label_checks = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
-            if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-                raise ValueError(
-                    "`labels` are scored at every position, but `logits_to_keep` keeps only some logits: pass "
-                    "`logits_to_keep=0` (the default) with `labels`."
-                )
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            return_dict=True,
-            label_checks=label_checks,
-            **kwargs,
-        )
+        label_checks = token_label_checks(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
+        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError(
+                "`labels` are scored at every position, but `logits_to_keep` keeps only some logits: pass "
+                "`logits_to_keep=0` (the default) with `labels`."
+            )
+        outputs = head_outputs(
+            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell, past_key_values=past_key_values, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
         hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         if self.config.cutoffs is None:
-            logits = self.decoder(self.head(hidden_states[:, keep]))
+            logits = self.decoder(self.head(slice_logits_to_keep(hidden_states, logits_to_keep)))
         elif labels is None:  # float32 log-probabilities of every id
-            logits = self.decoder(self.head(hidden_states[:, keep]), self.model.embeddings.word_embeddings)
+            kept = slice_logits_to_keep(hidden_states, logits_to_keep)
+            logits = self.decoder(self.head(kept), self.model.embeddings.word_embeddings)
         else:
             logits = None  # the adaptive softmax scores each label without building the whole distribution
 
@@ -380,28 +348,9 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             loss = scored_token_loss(
                 self.loss_function, logits, labels, scored, vocab_size=self.config.vocab_size, **kwargs
             )
-        return RANCausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            memory_attentions=outputs.memory_attentions,
+        return head_output(
+            RANCausalLMOutputWithPast, outputs, loss=loss, logits=logits, past_key_values=outputs.past_key_values
         )
-
-
-@dataclass
-class RANQuestionAnsweringModelOutput(QuestionAnsweringModelOutput):
-    """
-    [`QuestionAnsweringModelOutput`] with the memory-review weights; `start_logits` and `end_logits` are the lowest
-    float at padding positions.
-
-    Args:
-        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
-            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
-    """
-
-    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
 
 
 @auto_docstring(
@@ -420,7 +369,7 @@ class RANForQuestionAnswering(RANPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    @auto_docstring
+    @auto_docstring(custom_args=HEAD_ARGS)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -439,27 +388,19 @@ class RANForQuestionAnswering(RANPreTrainedModel):
             all left out has a loss of 0.
         end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Index of the answer's last token.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         if (start_positions is None) != (end_positions is None):
             raise ValueError("Give both `start_positions` and `end_positions` for a loss, or neither.")
-        label_checks = None  # read with the inputs' checks, in one synchronisation
+        label_checks = None
         if start_positions is not None:
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
             start_positions, end_positions, answered, label_checks = check_answer_positions(
                 start_positions, end_positions, attention_mask, batch_shape
             )
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            initial_cell=initial_cell,
-            return_dict=True,
-            label_checks=label_checks,
-            **kwargs,
-        )
+        outputs = head_outputs(
+            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell, **kwargs,
+        )  # fmt: skip
         logits = self.qa_outputs(self.dropout(outputs.last_hidden_state))
         if attention_mask is not None:
             # Padding is never an answer: without it in the softmax over positions, the loss and the span
@@ -475,13 +416,8 @@ class RANForQuestionAnswering(RANPreTrainedModel):
                 kwargs["num_items_in_batch"] = answered
             start_positions, end_positions = start_positions.to(logits.device), end_positions.to(logits.device)
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
-        return RANQuestionAnsweringModelOutput(
-            loss=loss,
-            start_logits=start_logits,
-            end_logits=end_logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            memory_attentions=outputs.memory_attentions,
+        return head_output(
+            RANQuestionAnsweringModelOutput, outputs, loss=loss, start_logits=start_logits, end_logits=end_logits
         )
 
 

@@ -6,6 +6,7 @@ import torch
 from transformers.modeling_outputs import (
     CausalLMOutputWithPast,
     MaskedLMOutput,
+    QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
@@ -62,53 +63,30 @@ class RANModelOutput(ModelOutput):
     past_key_values: RANCache | None = None
 
 
-@dataclass
-class RANMaskedLMOutput(MaskedLMOutput):
-    """
-    [`MaskedLMOutput`] with the memory-review weights.
-
-    Args:
+MEMORY_ATTENTIONS_DOC = """
         memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
-            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
-    """
-
-    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`]."""
 
 
-@dataclass
-class RANSequenceClassifierOutput(SequenceClassifierOutput):
-    """
-    [`SequenceClassifierOutput`] with the memory-review weights.
-
-    Args:
-        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
-            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
-    """
-
-    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
-
-
-@dataclass
-class RANTokenClassifierOutput(TokenClassifierOutput):
-    """
-    [`TokenClassifierOutput`] with the memory-review weights.
-
-    Args:
-        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
-            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
-    """
-
-    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+def with_memory_attentions(output_class: type[ModelOutput], name: str, note: str = "") -> type[ModelOutput]:
+    """Transformers' `output_class` with one more field, last: `memory_attentions`, the memory-review weights that
+    every RAN head returns beside `attentions`."""
+    namespace = {
+        "__annotations__": {"memory_attentions": tuple[torch.FloatTensor, ...] | None},
+        "memory_attentions": None,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"\n    [`{output_class.__name__}`] with the memory-review weights{note}.\n\n    Args:{MEMORY_ATTENTIONS_DOC}\n",
+    }
+    return dataclass(type(name, (output_class,), namespace))
 
 
-@dataclass
-class RANCausalLMOutputWithPast(CausalLMOutputWithPast):
-    """
-    [`CausalLMOutputWithPast`] with the memory-review weights.
-
-    Args:
-        memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
-            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
-    """
-
-    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+RANMaskedLMOutput = with_memory_attentions(MaskedLMOutput, "RANMaskedLMOutput")
+RANSequenceClassifierOutput = with_memory_attentions(SequenceClassifierOutput, "RANSequenceClassifierOutput")
+RANTokenClassifierOutput = with_memory_attentions(TokenClassifierOutput, "RANTokenClassifierOutput")
+RANCausalLMOutputWithPast = with_memory_attentions(CausalLMOutputWithPast, "RANCausalLMOutputWithPast")
+RANQuestionAnsweringModelOutput = with_memory_attentions(
+    QuestionAnsweringModelOutput,
+    "RANQuestionAnsweringModelOutput",
+    "; `start_logits` and `end_logits` are the lowest float at padding positions",
+)

@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin
 from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_ran import RANConfig
-from .input_checks import check_token_labels, input_batch_shape, scored_token_loss
-from .modeling_ran import RANLanguageModelBase
+from .input_checks import input_batch_shape, scored_token_loss
+from .modeling_ran import HEAD_ARGS, RANLanguageModelBase, head_output, head_outputs, token_label_checks
 from .outputs_ran import RANCausalLMOutputWithPast
 
 logger = logging.get_logger(__name__)
@@ -93,7 +94,7 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
         super().__init__(config)
 
     @can_return_tuple
-    @auto_docstring
+    @auto_docstring(custom_args=HEAD_ARGS)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -113,9 +114,6 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
             token t + 1, as in causal LMs); labels of source tokens, -100 and padding are ignored.
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
-        initial_cell (`torch.FloatTensor` of shape `(batch_size, hidden_size)`, *optional*):
-            The cell the first layer starts from instead of its learned one (`rannet`'s `with_cell=True`), e.g. an
-            earlier call's `last_cell`; see [`RANModel.forward`].
         """
         if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
             raise NotImplementedError(self.onnx_export_refusal)
@@ -129,26 +127,17 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
             )
         if token_type_ids is None:
             token_type_ids = torch.full(batch_shape, SOURCE, dtype=torch.long, device=device)
-        label_checks = None  # read with the inputs' checks, in one synchronisation
-        if labels is not None:
-            label_checks = check_token_labels(labels, batch_shape, self.config.vocab_size, "token id")
-            if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-                raise ValueError(
-                    "`labels` are scored at every target position, but `logits_to_keep` keeps only some logits: pass "
-                    "`logits_to_keep=0` (the default) with `labels`."
-                )
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            token_type_ids=token_type_ids,
-            initial_cell=initial_cell,
-            return_dict=True,
-            label_checks=label_checks,
-            **kwargs,
-        )
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.decoder(self.head(outputs.last_hidden_state[:, keep]))
+        label_checks = token_label_checks(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
+        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError(
+                "`labels` are scored at every target position, but `logits_to_keep` keeps only some logits: pass "
+                "`logits_to_keep=0` (the default) with `labels`."
+            )
+        outputs = head_outputs(
+            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids, initial_cell=initial_cell, **kwargs,
+        )  # fmt: skip
+        logits = self.decoder(self.head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)))
 
         loss = None
         if labels is not None:
@@ -158,13 +147,7 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
                 ForCausalLMLoss, logits, labels, shifted, vocab_size=self.config.vocab_size, shift_labels=shifted,
                 **kwargs,
             )  # fmt: skip
-        return RANCausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            memory_attentions=outputs.memory_attentions,
-        )
+        return head_output(RANCausalLMOutputWithPast, outputs, loss=loss, logits=logits)
 
     # ---- generation: the prompt is the source, every generated token is target ------------------------------------
 
