@@ -169,7 +169,7 @@ BAD_CONFIGS = [
     pytest.param({"cutoffs": "10"}, "`cutoffs` must be a list", id="string"),
     pytest.param({"cutoffs": [10.0]}, "`cutoffs` must be a list", id="float"),
     pytest.param({"cutoffs": [10], "is_causal": False}, "belong to the causal LM", id="encoder"),
-    pytest.param({"cutoffs": [10], "div_val": 0}, "`div_val` must be an int >= 1", id="div-val-0"),
+    pytest.param({"cutoffs": [10], "div_val": 0}, "`div_val` must be >= 1, got 0", id="div-val-0"),
     pytest.param({"cutoffs": [5, 10, 20, 30, 40], "div_val": 2}, "1 dimensions|0 dimensions", id="too-narrow"),
 ]
 

@@ -83,19 +83,32 @@ def test_a_cache_of_a_model_of_the_same_shape_continues(tokens):
 
 
 @pytest.mark.parametrize(
+    "name, value, message",
+    [
+        pytest.param("window_size", 0, r"`window_size` must be >= 1, got 0", id="window_size 0"),
+        pytest.param("window_overlap", -1, r"`window_overlap` must be >= 0", id="negative overlap"),
+        pytest.param("hidden_dropout_prob", float("nan"), r"`hidden_dropout_prob` must be finite", id="nan dropout"),
+        pytest.param("cell_pooling", "median", r"`cell_pooling` must be one of", id="unknown pooling"),
+    ],
+)
+def test_a_bad_value_set_on_a_built_models_config_is_refused_when_set(tokens, name, value, message):
+    model = tiny_causal_lm()
+    with pytest.raises(ValueError, match=message):
+        setattr(model.config, name, value)
+    assert model(tokens).logits.shape == (2, 13, 50)  # the config was left as it was
+
+
+@pytest.mark.parametrize(
     "changes, message",
     [
-        pytest.param({"window_size": 0}, r"`window_size` must be >= 1, got 0", id="window_size 0"),
         pytest.param(
             {"window_size": 4, "min_window_size": 6}, r"`min_window_size` \(6\) must be smaller", id="min over window"
         ),
-        pytest.param({"window_overlap": -1}, r"`window_overlap` must be >= 0", id="negative overlap"),
-        pytest.param({"hidden_dropout_prob": float("nan")}, r"`hidden_dropout_prob` must be finite", id="nan dropout"),
-        pytest.param({"cell_pooling": "median"}, r"`cell_pooling` must be one of", id="unknown pooling"),
         pytest.param({"memory_salient_cells": 2}, r"`memory_salient_cells` keeps salient cells", id="salient alone"),
     ],
 )
 def test_a_config_field_changed_after_building_is_checked_when_the_model_runs(tokens, changes, message):
+    """A rule between fields is checked when the model runs (each field alone is checked when set)."""
     model = tiny_causal_lm()
     model(tokens)
     for name, value in changes.items():
@@ -106,7 +119,7 @@ def test_a_config_field_changed_after_building_is_checked_when_the_model_runs(to
 
 def test_a_valid_change_runs_and_a_fix_is_seen(tokens):
     model = tiny_causal_lm()
-    model.config.window_size = 0
+    model.config.window_size = 2  # not above `min_window_size`
     with pytest.raises(ValueError, match="window_size"):
         model(tokens)
     model.config.window_size = 4  # a valid value: the model runs with windows of 4

@@ -402,7 +402,7 @@ CONFIG_ERRORS = [
     ),
     pytest.param(
         {"is_causal": True, "memory_review_cells": 4, "memory_salient_cells": 0},
-        "must be an int >= 1",
+        "`memory_salient_cells` must be >= 1, got 0",
         id="salient-zero",
     ),
     pytest.param(
@@ -432,12 +432,12 @@ CONFIG_TYPE_ERRORS = [
         {"attention_probs_dropout_prob": "0.1"}, "`attention_probs_dropout_prob` must be a number", id="dropout-str"
     ),
     pytest.param({"hidden_dropout_prob": float("nan")}, "`hidden_dropout_prob` must be finite", id="dropout-nan"),
-    pytest.param({"initializer_range": -0.02}, "`initializer_range` .* must be >= 0, got -0.02", id="negative-init"),
+    pytest.param({"initializer_range": -0.02}, "`initializer_range` must be >= 0, got -0.02", id="negative-init"),
     pytest.param({"initializer_range": True}, "`initializer_range` must be a number, got True", id="init-bool"),
     pytest.param({"hidden_size": None}, "`hidden_size` must be an int, got None", id="hidden-size-none"),
     pytest.param({"num_hidden_layers": "2"}, "`num_hidden_layers` must be an int, got '2'", id="layers-string"),
     pytest.param({"hidden_act": "swishy"}, "`hidden_act` must be the name of a Transformers act", id="unknown-act"),
-    pytest.param({"hidden_act": None}, "`hidden_act` must be the name of a Transformers activation", id="act-none"),
+    pytest.param({"hidden_act": None}, "`hidden_act` must be a string, got None", id="act-none"),
     pytest.param({"tie_word_embeddings": "yes"}, "`tie_word_embeddings` must be a bool", id="tie-not-bool"),
     pytest.param({"pad_token_id": 64}, r"`pad_token_id` \(64\) is outside the vocabulary \[0, 63\]", id="pad-id-64"),
     pytest.param({"pad_token_id": -1}, r"`pad_token_id` \(-1\) is outside the vocabulary", id="pad-id-negative"),
@@ -471,13 +471,12 @@ def test_config_accepts_valid_special_token_ids(make_config):
     assert config.eos_token_id == [2, 63] and config.pad_token_id is None
 
 
-def test_a_keyword_that_is_no_field_warns(make_config, caplog):
-    """A typo such as `windowsize=8` was stored silently (and the window stayed at its default)."""
-    with caplog.at_level(logging.WARNING):
-        config = make_config(windowsize=8, cell_pool="mean")
-    assert "'cell_pool' (did you mean 'cell_pooling'?)" in caplog.text
-    assert "'windowsize' (did you mean 'window_size'?)" in caplog.text
-    assert config.window_size == 4
+def test_a_keyword_that_is_no_field_is_refused(make_config):
+    """A typo such as `windowsize=8` was stored silently (and the window stayed at its default), then only warned."""
+    with pytest.raises(ValueError, match=r"`windowsize` is not a field of RANConfig \(did you mean 'window_size'\?\)"):
+        make_config(windowsize=8)
+    with pytest.raises(ValueError, match=r"`cell_pool` is not a field of RANConfig \(did you mean 'cell_pooling'\?\)"):
+        make_config(cell_pool="mean")
 
 
 def test_loading_and_labelling_a_config_does_not_warn(make_config, tmp_path, caplog):

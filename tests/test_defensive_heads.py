@@ -365,7 +365,7 @@ def test_config_overrides_parse_every_field(overrides, expected):
     [
         ("window_size=abc", r"`window_size` must be an int, got 'abc'"),
         ("hidden_dropout_prob=x", r"`hidden_dropout_prob` must be a number, got 'x'"),
-        ("use_rotary=maybe", r"`use_rotary` must be true or false, got 'maybe'"),
+        ("use_rotary=maybe", r"`use_rotary` must be a bool, got 'maybe'"),
         ("cutoffs=[20,x]", r"`cutoffs` must be a list of ints .*\[2000,10000\].*got '\[20,x\]'"),
         ("windowsize=8", r"`windowsize` is not a field of RANConfig \(did you mean 'window_size'\?\)"),
         ("window_size", r"`window_size` .* `name=value`"),

@@ -169,9 +169,7 @@ def validate_ran_inputs(
     """
     shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
     if torch.compiler.is_compiling():
-        config._validate_salient_cells()  # what compiled code checks; an eager forward checks every field
-    else:
-        config.validate_if_changed()  # fields set on a built model (`model.config.window_size = 0`) checked again
+        config.validate_review_bounds()  # what compiled code checks; an eager forward checks the config in the model
     if attention_mask is not None and not torch.is_tensor(attention_mask):
         raise ValueError(
             f"`attention_mask` must be a tensor (1 for real tokens, 0 for padding), got "

@@ -273,10 +273,11 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
     def __init__(self, config: RANConfig):
         if not config.is_causal:
             logger.warning(
-                "RANForCausalLM is a causal model: setting `config.is_causal=True` (its other fields stay as they "
-                f"are, `tie_word_embeddings={config.tie_word_embeddings}` included)."
+                "RANForCausalLM is a causal model: it runs on a copy of the config with `is_causal=True` (the config "
+                "handed to it is unchanged; fields left to the layer design take the causal one's, the others stay "
+                f"as they are, `tie_word_embeddings={config.tie_word_embeddings}` included)."
             )
-            config.is_causal = True
+            config = config.with_causal(True)
         super().__init__(config)
 
     @classmethod

@@ -87,10 +87,10 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
     def __init__(self, config: RANConfig):
         if config.is_causal:
             logger.warning(
-                "RANForPrefixLM reads its source both ways: setting `config.is_causal=False` (its other fields stay "
-                "as they are)."
+                "RANForPrefixLM reads its source both ways: it runs on a copy of the config with `is_causal=False` "
+                "(the config handed to it is unchanged; fields left to the layer design take the encoder's)."
             )
-            config.is_causal = False
+            config = config.with_causal(False)
         super().__init__(config)
 
     @can_return_tuple
