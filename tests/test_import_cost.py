@@ -71,7 +71,7 @@ print(json.dumps(report))
 """
     )
     assert report["heavy"] == []
-    assert report["ran_hf_modules"] == ["ran_hf", "ran_hf.configuration_ran"]
+    assert report["ran_hf_modules"] == ["ran_hf", "ran_hf.config_checks", "ran_hf.configuration_ran"]
     assert not report["triton_after_triton_modules"]
     assert report["kernels_defined"] == []
     assert report["pipeline"] == "ran_hf.question_answering.ExtractiveQuestionAnsweringPipeline"

@@ -1,151 +1,43 @@
 """Configuration of the Recurrent Attention Network (RAN)."""
 
 import copy
-import difflib
-import functools
-import math
 import os
 import shutil
-import typing
-from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
-from huggingface_hub.dataclasses import as_validated_field, strict
-from huggingface_hub.errors import StrictDataclassError, StrictDataclassFieldValidationError
+from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.dynamic_module_utils import get_relative_import_files
+
+from .config_checks import SIZE_FIELDS, activation_name, apply_overrides, check_built, check_size, close_field
+from .config_checks import estimated_parameters, interval, value_errors
 
 
 # The layer's two designs, as data: the value each gives the fields that differ between them. "official" is the layer
 # of the paper and of its checkpoints; "learnable_memory" the causal layer whose memory learns to carry what a later
 # window needs (docs/memory.md). `layer_design` picks one when the config is made; a field set on its own overrides it.
+_OFF_IN_OFFICIAL = ("residual_stream", "review_qk_norm", "cell_max_pool", "review_salience", "token_shift")
+_ON_IN_OFFICIAL = ("cell_input_residual", "review_initial_cell", "attention_qk_activation", "memory_value_activation")
 LAYER_DESIGNS = {
-    "official": dict.fromkeys(("residual_stream", "review_qk_norm", "cell_max_pool", "review_salience", "token_shift"), False)
-    | dict.fromkeys(("cell_input_residual", "review_initial_cell", "attention_qk_activation", "memory_value_activation"), True),
-}  # fmt: skip
-LAYER_DESIGNS["learnable_memory"] = {name: not value for name, value in LAYER_DESIGNS["official"].items()}
+    "official": {**dict.fromkeys(_OFF_IN_OFFICIAL, False), **dict.fromkeys(_ON_IN_OFFICIAL, True)},
+    "learnable_memory": {**dict.fromkeys(_OFF_IN_OFFICIAL, True), **dict.fromkeys(_ON_IN_OFFICIAL, False)},
+}
 LAYER_DESIGNS["learnable_memory"]["review_initial_cell"] = True
 LAYER_DESIGN_FIELDS = tuple(LAYER_DESIGNS["official"])
-# Design fields added after others were saved: a saved config naming the older fields but not one of these was
-# trained without it.
+# Design fields added after the others: a saved config naming the others but not one of these was trained without it.
 _LATER_MEMORY_FIELDS = ("cell_max_pool", "review_salience", "token_shift")
-# The size check (`RANConfig.estimated_parameters`): a larger model is refused unless this variable raises the bound.
-MAX_PARAMETERS_VARIABLE = "RAN_HF_MAX_PARAMETERS"
-DEFAULT_MAX_PARAMETERS = 10**11
-_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
-REMOTE_CODE_AUTO_MAP = {
-    "AutoConfig": "configuration_ran.RANConfig",
-    "AutoModel": "modeling_ran.RANModel",
-    **{f"AutoModelFor{task}": f"modeling_ran.RANFor{task}" for task in ("CausalLM", "MaskedLM", "QuestionAnswering")},
-    **{f"AutoModelFor{task}": f"modeling_ran.RANFor{task}" for task in ("SequenceClassification", "TokenClassification")},
-}  # fmt: skip
+_HEADS = ("CausalLM", "MaskedLM", "QuestionAnswering", "SequenceClassification", "TokenClassification")
+REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_ran.RANConfig", "AutoModel": "modeling_ran.RANModel"}
+REMOTE_CODE_AUTO_MAP |= {f"AutoModelFor{head}": f"modeling_ran.RANFor{head}" for head in _HEADS}
 # The pipeline a question-answering model's folder ships and names in `custom_pipelines`, so that
 # `pipeline(QUESTION_ANSWERING_TASK, model=folder, trust_remote_code=True)` runs without `ran_hf`.
 QUESTION_ANSWERING_TASK = "extractive-question-answering"
-QUESTION_ANSWERING_PIPELINE = {"impl": "question_answering.ExtractiveQuestionAnsweringPipeline", "pt": ["AutoModelForQuestionAnswering"], "type": "text"}  # fmt: skip
-
-
-def interval(min: float | None = None, max: float | None = None, exclude_min: bool = False, exclude_max: bool = False):
-    """Transformers' `interval` validator (`transformers.utils.type_validators`, which imports the activations and
-    with them Triton: `import ran_hf` stays cheap), finite values only, None passing (an unset optional field)."""
-    low, high = ("(" if exclude_min else "[", ")" if exclude_max else "]")
-    words = f"in {low}{min}, {max}{high}" if None not in (min, max) else f"{'>' if exclude_min else '>='} {min}"
-
-    @as_validated_field
-    def check(value):
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"must be finite, got {value}.")
-        if value is not None and not ((min < value if exclude_min else min <= value) if min is not None else True) or (
-            value is not None and max is not None and not (value < max if exclude_max else value <= max)
-        ):
-            raise ValueError(f"must be {words}, got {value}.")
-
-    return check
-
-
-@as_validated_field
-def activation_name(value: str):
-    from transformers.activations import ACT2FN  # here: importing it costs about as much as Transformers
-
-    if value not in ACT2FN:
-        raise ValueError(f"must be the name of a Transformers activation ({', '.join(sorted(ACT2FN))}), got {value!r}.")
-
-
-def _expected(annotation) -> str:
-    """What a field's type accepts, in words, for the error naming a value of another type."""
-    words = {int: "an int", float: "a number", bool: "a bool", str: "a string", type(None): "None",
-             list[int]: "a list of ints (written [2000,10000] or 2000;10000)"}  # fmt: skip
-    if getattr(annotation, "__origin__", None) is Literal:
-        return f"one of {', '.join(map(repr, annotation.__args__))}"
-    members = [member for member in getattr(annotation, "__args__", (annotation,)) if member is not int or float not in getattr(annotation, "__args__", ())]  # fmt: skip
-    return " or ".join(dict.fromkeys(words.get(member) or _expected(member) for member in members))
-
-
-def _value_errors(cls):
-    """`@strict` raises `StrictDataclassError`; a RAN config raises `ValueError` naming the field and the value."""
-    setattr_, validate = cls.__setattr__, cls.validate
-
-    def __setattr__(self, name, value):
-        try:
-            setattr_(self, name, value)
-        except StrictDataclassFieldValidationError as error:
-            cause = error.__cause__
-            if isinstance(cause, TypeError):
-                raise ValueError(f"`{name}` must be {_expected(cls.__dataclass_fields__[name].type)}, got {value!r}.") from error
-            raise ValueError(f"`{name}` {cause}") from error  # fmt: skip
-
-    @functools.wraps(validate)
-    def checked(self):
-        try:
-            validate(self)
-        except StrictDataclassError as error:
-            raise ValueError(str(error.__cause__)) from error
-
-    cls.__setattr__, cls.validate = __setattr__, checked
-    return cls
-
-
-def _close_field(name: str, names) -> str | None:
-    """The field a name not among `names` most likely misspells (`windowsize`, `cell_pool`), or None."""
-    plain = name.replace("_", "").lower()
-    for field in names:
-        other = field.replace("_", "").lower()
-        if plain == other or (min(len(plain), len(other)) > 4 and abs(len(plain) - len(other)) <= 3 and (other.startswith(plain) or plain.startswith(other))):  # fmt: skip
-            return field
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.9)
-    return close[0] if close else None
-
-
-def _parse_override(annotation, text: str):
-    """One `--config_overrides` value read as the type `annotation` accepts (a string where nothing else reads it:
-    setting it then names the type expected)."""
-    kinds, word = typing.get_args(annotation) or (annotation,), text.lower()
-    if type(None) in kinds and word in ("none", "null"):
-        return None
-    if bool in kinds and word in ("true", "false", "1", "0", "yes", "no"):
-        return word in ("true", "1", "yes")
-    for kind in (int, float) if bool not in kinds else ():
-        if kind in kinds:
-            try:
-                return kind(text)
-            except ValueError:
-                pass
-    if list[int] in kinds:
-        try:
-            return [int(item) for item in text.strip("[]").replace(";", ",").split(",") if item.strip()]
-        except ValueError:
-            pass
-    return text
-
-
-def _split_overrides(text: str) -> list[str]:
-    """`"a=1,cutoffs=[2,3],b=x"` -> `["a=1", "cutoffs=[2,3]", "b=x"]`: commas inside brackets belong to a list."""
-    items, depth, current = [], 0, ""
-    for char in text:
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        items, current = (items + [current], "") if char == "," and depth <= 0 else (items, current + char)
-    return [item for item in [*items, current] if item.strip()]
+QUESTION_ANSWERING_PIPELINE = {
+    "impl": "question_answering.ExtractiveQuestionAnsweringPipeline",
+    "pt": ["AutoModelForQuestionAnswering"],
+    "type": "text",
+}
 
 
 def _code_here(module: str) -> bool:
@@ -154,7 +46,7 @@ def _code_here(module: str) -> bool:
     return Path(__file__).with_name(f"{module}.py").is_file()
 
 
-@_value_errors
+@value_errors
 @strict
 class RANConfig(PreTrainedConfig):
     r"""
@@ -301,7 +193,7 @@ class RANConfig(PreTrainedConfig):
         """A name that is no attribute but looks like a field (`config.windowsize = 3`) is refused, as `@strict`
         refuses unknown fields; other new names pass, as Transformers and its integrations attach their own."""
         if name not in self.__dataclass_fields__ and not name.startswith("_") and name not in self.__dict__:
-            close = None if hasattr(type(self), name) else _close_field(name, list(self.__dataclass_fields__))
+            close = None if hasattr(type(self), name) else close_field(name, list(self.__dataclass_fields__))
             if close is not None:
                 raise ValueError(f"`{name}` is not a field of RANConfig (did you mean {close!r}?).")
         super().__setattr__(name, value)
@@ -313,8 +205,8 @@ class RANConfig(PreTrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         # Fields given to `from_pretrained` are fields of the config made, checked with the others.
-        config_dict = {**config_dict, **{name: kwargs.pop(name) for name in cls.__dataclass_fields__ if name in kwargs}}
-        # A config that names its memory design but not a later field was saved before it existed, trained without it.
+        config_dict = {**config_dict, **{name: kwargs.pop(name) for name in RAN_FIELDS if name in kwargs}}
+        # A config that names its memory design but not a later field was saved before that field existed.
         if "residual_stream" in config_dict:
             config_dict = {**dict.fromkeys(_LATER_MEMORY_FIELDS, False), **config_dict}
         return super().from_dict(config_dict, **kwargs)
@@ -329,28 +221,41 @@ class RANConfig(PreTrainedConfig):
         return output
 
     def validate_architecture(self):
-        """The rules between fields (`@strict` runs it when the config is made and saved)."""
-        rules = [
-            (self.min_window_size >= self.window_size, f"`min_window_size` ({self.min_window_size}) must be smaller than `window_size` ({self.window_size})."),
-            (self.window_overlap >= self.window_size, f"`window_overlap` ({self.window_overlap}) must be smaller than `window_size` ({self.window_size})."),
-            (self.head_dim % 2, f"`head_dim` must be even (rotary embedding rotates pairs), got {self.head_dim}."),
-            (not self.scan_implementation, "`scan_implementation` must be a cell-scan name, got ''."),
-            (self.memory_review_cells is not None and not self.is_causal, "`memory_review_cells` bounds what a causal model's tokens review (and its cache keeps); the bidirectional encoder reviews every cell of its text. Set `is_causal=True` or leave it None."),
-            (self.associative_memory and not self.is_causal, "`associative_memory` binds what earlier windows held for later tokens of a causal model; the bidirectional encoder reads every window already. Set `is_causal=True` or leave it False."),
-        ]  # fmt: skip
-        self.validate_review_bounds()
-        cutoffs = self.cutoffs
+        """The rules between fields (`@strict` runs them when the config is made and saved)."""
+        window, cutoffs = self.window_size, self.cutoffs
+        rules = {
+            f"`min_window_size` ({self.min_window_size}) must be smaller than `window_size` ({window}).": (
+                self.min_window_size >= window
+            ),
+            f"`window_overlap` ({self.window_overlap}) must be smaller than `window_size` ({window}).": (
+                self.window_overlap >= window
+            ),
+            f"`head_dim` must be even (rotary embedding rotates pairs), got {self.head_dim}.": self.head_dim % 2,
+            "`scan_implementation` must be a cell-scan name, got ''.": not self.scan_implementation,
+            "`memory_review_cells` bounds what a causal model's tokens review (and its cache keeps); the "
+            "bidirectional encoder reviews every cell of its text. Set `is_causal=True` or leave it None.": (
+                self.memory_review_cells is not None and not self.is_causal
+            ),
+            "`associative_memory` binds what earlier windows held for later tokens of a causal model; the "
+            "bidirectional encoder reads every window already. Set `is_causal=True` or leave it False.": (
+                self.associative_memory and not self.is_causal
+            ),
+        }
         if cutoffs is not None:
             smallest = self.hidden_size // self.div_val ** len(cutoffs)
-            rules += [
-                (cutoffs != sorted(set(cutoffs)) or (cutoffs and not 0 < cutoffs[0] <= cutoffs[-1] < self.vocab_size), f"`cutoffs` must be strictly increasing ids in (0, vocab_size={self.vocab_size}), got {cutoffs}."),
-                (not self.is_causal, "`cutoffs` (adaptive embeddings and softmax) belong to the causal LM: set `is_causal=True` (RANForCausalLM), or leave `cutoffs` None."),
-                (self.div_val > 1 and smallest < 1, f"With `div_val={self.div_val}` the last of {len(cutoffs) + 1} clusters would embed its ids in hidden_size // div_val**{len(cutoffs)} = {smallest} dimensions: use fewer cutoffs or a smaller div_val."),
-            ]  # fmt: skip
-        for broken, message in rules:
+            inside = not cutoffs or 0 < cutoffs[0] <= cutoffs[-1] < self.vocab_size
+            message = f"`cutoffs` must be strictly increasing ids in (0, vocab_size={self.vocab_size}), got {cutoffs}."
+            rules[message] = cutoffs != sorted(set(cutoffs)) or not inside
+            message = "`cutoffs` (adaptive embeddings and softmax) belong to the causal LM: set `is_causal=True` "
+            rules[message + "(RANForCausalLM), or leave `cutoffs` None."] = not self.is_causal
+            message = f"With `div_val={self.div_val}` the last of {len(cutoffs) + 1} clusters would embed its ids in "
+            message += f"hidden_size // div_val**{len(cutoffs)} = {smallest} dimensions: use fewer cutoffs or a "
+            rules[message + "smaller div_val."] = self.div_val > 1 and smallest < 1
+        for message, broken in rules.items():
             if broken:
                 raise ValueError(message)
-        self._validate_size()
+        self.validate_review_bounds()
+        check_size(self)
 
     def validate_review_bounds(self):
         """`memory_salient_cells` adds to a bounded review and ranks by salience (both editable on a trained model)."""
@@ -380,7 +285,10 @@ class RANConfig(PreTrainedConfig):
         """`num_labels` and `problem_type`, which the classification heads read (also checked when one is built)."""
         problem_types = ("regression", "single_label_classification", "multi_label_classification")
         if self.problem_type not in (None, *problem_types):
-            raise ValueError(f"`problem_type` must be one of {', '.join(map(repr, problem_types))} or None (inferred from the labels), got {self.problem_type!r}.")  # fmt: skip
+            raise ValueError(
+                f"`problem_type` must be one of {', '.join(map(repr, problem_types))} or None (inferred from the "
+                f"labels), got {self.problem_type!r}."
+            )
         if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int) or self.num_labels < 1:
             raise ValueError(
                 f"`num_labels` must be >= 1, got {self.num_labels!r}: a classification head needs a class (1 for "
@@ -391,34 +299,20 @@ class RANConfig(PreTrainedConfig):
     def architecture_fields(cls) -> tuple[str, ...]:
         """The fields a built model's weights or modules depend on: changing one on a built model is refused when it
         runs or saves. The others (`memory_review_cells`, windows, dropout, the scan, output flags) can be changed."""
-        return (*_SIZE_FIELDS, "hidden_act", "is_causal", "memory_review", "associative_memory", "use_cell_residual",
-                "token_pooling", "layer_norm_eps", "tie_word_embeddings", "cutoffs", "div_val", "layer_design",
-                *LAYER_DESIGN_FIELDS)  # fmt: skip
+        built = ("hidden_act", "is_causal", "memory_review", "associative_memory", "use_cell_residual")
+        built += ("token_pooling", "layer_norm_eps", "tie_word_embeddings", "cutoffs", "div_val", "layer_design")
+        return (*SIZE_FIELDS, *built, *LAYER_DESIGN_FIELDS)
 
     def snapshot(self) -> tuple:
-        """The RAN fields' values (lists as tuples), as a model built from this config records them (`check_built`)."""
-        return tuple(tuple(value) if isinstance(value, list) else value for value in map(self.__dict__.get, RAN_FIELDS))
+        """The RAN fields' values (lists as tuples), as a model built from this config records them."""
+        values = map(self.__dict__.get, RAN_FIELDS)
+        return tuple(tuple(value) if isinstance(value, list) else value for value in values)
 
     def check_built(self, snapshot: tuple) -> tuple:
         """Compare the fields with a model's `snapshot` of them: a changed `architecture_fields()` field raises, naming
-        it and the fix; other changes are validated. Returns the snapshot the model keeps. A tuple comparison when
-        nothing changed."""
-        values = self.snapshot()
-        if values == snapshot:
-            return snapshot
-        for name, built, value in zip(RAN_FIELDS, snapshot, values):
-            if built != value and name in self.architecture_fields():
-                raise ValueError(
-                    f"`{name}` was changed from {built!r} to {value!r} after the model was built: its weights and "
-                    f"modules were made for `{name}={built!r}`, and would run or save half-changed. Build a new model "
-                    f"from the config, or load the trained one with `from_pretrained(..., {name}={value!r})`; to keep "
-                    f"this model, set `{name}` back to {built!r}."
-                )
-        try:
-            self.validate()
-        except ValueError as error:
-            raise ValueError(f"The model's config was changed after the model was built and is not valid: {error}") from error
-        return values
+        it and the fix; other changes are validated. Returns the snapshot the model keeps (a tuple comparison when
+        nothing changed)."""
+        return check_built(self, snapshot, RAN_FIELDS)
 
     def with_causal(self, is_causal: bool) -> "RANConfig":
         """A copy with `is_causal` set (for a head that needs it; the config handed over stays as it is). Fields left
@@ -444,66 +338,14 @@ class RANConfig(PreTrainedConfig):
 
     def estimated_parameters(self, **sizes) -> int:
         """About how many parameters (within a few percent) a `RANModel` of this config holds, task heads aside;
-        `sizes` replace fields of `_SIZE_FIELDS`. Pure arithmetic: nothing is built."""
-        values = {name: sizes.get(name, getattr(self, name)) for name in _SIZE_FIELDS}
-        vocab, width, depth = values["vocab_size"], values["hidden_size"], values["num_hidden_layers"]
-        heads = values["num_attention_heads"] * values["head_dim"]
-        if self.cutoffs and self.div_val > 1 and self.cutoffs[-1] < vocab:
-            bounds = [0, *self.cutoffs, vocab]
-            dims = [width // self.div_val**i for i in range(len(bounds) - 1)]
-            embedding = sum((high - low + width) * dim for low, high, dim in zip(bounds[:-1], bounds[1:], dims))
-        else:
-            embedding = vocab * width
-        layer = 4 * heads * width + 4 * width * width + 3 * heads + 12 * width  # window attention, GLUs, norms
-        layer += (6 * width * width + 9 * width) * self.memory_review
-        layer += values["num_attention_heads"] * (width + 2) * self.associative_memory
-        return embedding + depth * layer + 4 * width * width  # and the pooler
-
-    def _validate_size(self) -> None:
-        """Refuse a config whose model would not fit any machine (`RAN_HF_MAX_PARAMETERS`), naming the field."""
-        setting = os.environ.get(MAX_PARAMETERS_VARIABLE)
-        try:
-            bound = DEFAULT_MAX_PARAMETERS if setting is None else float(setting)
-        except ValueError:
-            bound = math.nan
-        if not bound >= 1:
-            raise ValueError(
-                f"The environment variable {MAX_PARAMETERS_VARIABLE} (the most parameters a RAN config may "
-                f"describe) must be a number >= 1, e.g. 1e12, got {setting!r}."
-            )
-        if (estimate := self.estimated_parameters()) <= bound:
-            return
-        # The field that, set to its default, shrinks the model most.
-        culprit = min(_SIZE_FIELDS, key=lambda name: self.estimated_parameters(**{name: self.__dataclass_fields__[name].default}))  # fmt: skip
-        sizes = ", ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS)
-        raise ValueError(
-            f"This config describes a model of about {estimate:.2g} parameters ({estimate * 4 / 1e9:.2g} GB in "
-            f"float32), more than the bound of {bound:.2g}, mostly through `{culprit}={getattr(self, culprit)}` "
-            f"({sizes}). If a model this large is meant, raise the bound with the environment variable "
-            f"{MAX_PARAMETERS_VARIABLE} (e.g. {MAX_PARAMETERS_VARIABLE}={max(estimate, 1) * 10:.0e})."
-        )
+        `sizes` replace the size fields. Pure arithmetic: nothing is built."""
+        return estimated_parameters(self, **sizes)
 
     def update_from_string(self, update_str: str) -> None:
         """Set fields from `"name=value,name=value"` (`--config_overrides`), each value read by its field's type:
         ints, numbers, `true`/`false`, strings, `none`, lists of ints as `[2000,10000]` or `2000;10000`. Unlike
         Transformers' version, every field can be set; nothing is set unless all parse and make a valid config."""
-        previous = dict(self.__dict__)
-        try:
-            for item in _split_overrides(update_str):
-                name, equals, text = (part.strip() for part in item.partition("="))
-                if not equals or not name:
-                    raise ValueError(f"`{item.strip()}` is not an override: write it `name=value` (joined by commas).")
-                if not hasattr(self, name) or name.startswith("_"):
-                    close = difflib.get_close_matches(name, list(self.__dataclass_fields__), n=1)
-                    raise ValueError(f"`{name}` is not a field of RANConfig" + (f" (did you mean {close[0]!r}?)." if close else "."))  # fmt: skip
-                field = self.__dataclass_fields__.get(name)
-                annotation = field.type if field is not None and not isinstance(field.type, str) else type(getattr(self, name))  # fmt: skip
-                setattr(self, name, _parse_override(annotation, text))
-            self.validate()
-        except ValueError:
-            self.__dict__.clear()
-            self.__dict__.update(previous)
-            raise
+        apply_overrides(self, update_str)
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs):
         """Saved with a model (`architectures` set), also writes the code of every module the config names (the
@@ -525,5 +367,6 @@ class RANConfig(PreTrainedConfig):
 
 
 # The fields RANConfig declares besides those of every Transformers config: what a built model records.
-RAN_FIELDS = tuple(name for name in RANConfig.__dataclass_fields__ if name not in PreTrainedConfig.__dataclass_fields__)
+_COMMON_FIELDS = PreTrainedConfig.__dataclass_fields__
+RAN_FIELDS = tuple(name for name in RANConfig.__dataclass_fields__ if name not in _COMMON_FIELDS)
 __all__ = ["RANConfig"]

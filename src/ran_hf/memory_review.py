@@ -101,11 +101,13 @@ class RANMemoryReview(nn.Module):
             self.config, self.cell_salience, cells, initial, layout, cache
         )
         # Ranges per token, (B, L), not a (B, L, C) mask: the review builds the mask one chunk of tokens at a time.
+        real_tokens = None  # (B, L, 1): the review weights are none at padding
+        if output_attentions:
+            real_tokens = layout.to_padded(token_states.new_ones(layout.token_index.numel(), 1))
         reviewed, weights = self(
-            layout.to_padded(token_states), read_cells, readable_cells, output_attentions, first_readable, salient
-        )
-        if weights is not None:
-            weights = weights * layout.to_padded(weights.new_ones(layout.token_index.numel(), 1))  # none at padding
+            layout.to_padded(token_states), read_cells, readable_cells, output_attentions, first_readable, salient,
+            real_tokens,
+        )  # fmt: skip
         return layout.from_padded(reviewed), weights, memory
 
     def forward(
@@ -116,13 +118,15 @@ class RANMemoryReview(nn.Module):
         output_attentions: bool = False,
         first_readable: torch.Tensor | None = None,
         salient: tuple[torch.Tensor, torch.Tensor] | None = None,
+        real_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # token_states (B, L, D); cell_states (B, C, 2 D) from `project_cells`; readable_cells (B, L): each token
         # reads cells [0, readable_cells), or [first_readable, readable_cells) with a bounded memory
         # (`memory_review_cells`; the starting cell stays in reach). `salient`, with `memory_salient_cells`: a
         # (B, R, C) table of the further cells each of R reading windows may read, and (B, L) each token's row of
         # it. Returns the reviewed states (B, L, D) and, with `output_attentions`, the review weights (B, L, C),
-        # which then exist whole.
+        # which then exist whole, zero where `real_tokens` (B, L, 1) is: what `output_attentions=True` records as
+        # `memory_attentions`.
         batch_size, length = token_states.shape[:2]
         # Compiled: one chunk, so that a new length or number of cells needs no new graph (memory O(tokens x cells)).
         num_cells = cell_states.shape[1]
@@ -134,7 +138,7 @@ class RANMemoryReview(nn.Module):
             reviewed, weights = self.review_chunk(
                 token_states, cell_states, readable_cells, first_readable, salient_table, salient_rows
             )
-            return reviewed, weights if output_attentions else None
+            return reviewed, (weights if real_tokens is None else weights * real_tokens) if output_attentions else None
         # With several chunks, each one's backward recomputes it (same dropout mask: checkpoint restores the RNG
         # state) so that training keeps (chunk x windows) probabilities for one chunk at a time, not for them all.
         # The tokens are split, not sliced: the backward of a split is one concatenation, where each slice's would
@@ -160,6 +164,8 @@ class RANMemoryReview(nn.Module):
             if output_attentions:  # kept only when asked for: all chunks' weights together are (tokens x cells)
                 weights.append(probs)
         weights = torch.cat(weights, dim=1) if output_attentions else None
+        if weights is not None and real_tokens is not None:
+            weights = weights * real_tokens  # none at padding
         return torch.cat(reviewed, dim=1) if recompute else reviewed, weights
 
     def review_chunk(self, token_states, cell_states, *readable) -> torch.Tensor:

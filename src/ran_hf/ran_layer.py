@@ -72,6 +72,60 @@ def in_row_chunks(function, chunk_rows: int | None, *tensors: torch.Tensor, out:
     return out
 
 
+class RANWindowAttention(nn.Module):
+    """The window attention of a RAN layer: its tokens read their window's cell and slots through one of
+    Transformers' attention functions. Holds no weights (the projections are the layer's); its weights, where the
+    implementation gives them, are what `output_attentions=True` records as `attentions`."""
+
+    def __init__(self, config: RANConfig):
+        super().__init__()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.attention_dropout = config.attention_probs_dropout_prob
+        self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
+
+    def forward(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions: bool,
+                joined=None, chunk: int | None = None):  # fmt: skip
+        """Token attention of all windows in one call: window k's keys are its read cell followed by its slots
+        (`joined`: the Triton projection's keys and values with room for the cell, written into it in place).
+
+        Packed windows are a batch of K sequences, so any of Transformers' attention functions runs them
+        (`config._attn_implementation`). Returns the attended values (T, H * d) and, with `output_attentions` and
+        an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None; the attended
+        values stay in the windows' query slots, (K, Q, H * d). With `chunk`, `chunk` windows at a time.
+        """
+        attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
+
+        def join(key, value, cell_key, cell_value):
+            if joined:
+                return JoinReadCells.apply(*joined, cell_key, cell_value)  # (K, H, 1 + S, d)
+            key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
+            return key, torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
+
+        def attend(query, key, value, attention_mask):
+            dropout = self.attention_dropout if self.training else 0.0
+            return attention(self, query, key, value, attention_mask, dropout=dropout, scaling=self.head_dim**-0.5)
+
+        if chunk is None:
+            key, value = join(key, value, cell_key, cell_value)
+            attended, weights = attend(query, key, value, attention_mask)  # (K, Q, H, d)
+        else:  # inference: a chunk of windows at a time, the keys and values with their read cell for it alone
+
+            def attend_chunk(query, key, value, cell_key, cell_value, attention_mask):
+                return attend(query, *join(key, value, cell_key, cell_value), attention_mask)[0]
+
+            inputs = (query, key, value, cell_key, cell_value, attention_mask)  # every one (K, ...)
+            attended, weights = in_row_chunks(attend_chunk, chunk, *inputs), None
+        if weights is not None and output_attentions:
+            # The returned weights stay in the graph, as returned hidden states do: the output is recomputed from
+            # them, so that gradients with respect to the attention weights exist.
+            weights = layout.weights_per_token(weights)  # (B, H, L, 1 + S)
+            dropped = F.dropout(layout.weights_per_window(weights), self.attention_dropout, self.training)
+            attended = torch.matmul(dropped, value).transpose(1, 2)
+        return attended.flatten(-2), weights  # (K, Q, H * d)
+
+
 class RANLayer(GradientCheckpointingLayer):
     """One RAN layer over all windows of a batch (bidirectional, or causal when `config.is_causal`)."""
 
@@ -116,8 +170,8 @@ class RANLayer(GradientCheckpointingLayer):
         self.qk_activation = config.layer_option("attention_qk_activation")
         self.written_act = self.act if config.layer_option("memory_value_activation") else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.attention_dropout = config.attention_probs_dropout_prob
-        self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
+        self.attention_dropout = config.attention_probs_dropout_prob  # the scan's window attention reads it too
+        self.window_attention = RANWindowAttention(config)
 
     def inference_chunk(self, rows: torch.Tensor) -> int | None:
         """How many rows of `rows` (R, ...) inference computes at a time (`inference_chunk_features` features); None
@@ -219,45 +273,11 @@ class RANLayer(GradientCheckpointingLayer):
 
     def attend_windows(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions,
                        joined=None):  # fmt: skip
-        """Token attention of all windows in one call: window k's keys are its read cell followed by its slots
-        (`joined`: the Triton projection's keys and values with room for the cell, written into it in place).
-
-        Packed windows are a batch of K sequences, so any of Transformers' attention functions runs them
-        (`config._attn_implementation`). Returns the attended values (T, H * d) and, with `output_attentions` and
-        an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None; the attended
-        values stay in the windows' query slots, (K, Q, H * d).
-        """
-        attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
-
-        def join(key, value, cell_key, cell_value):
-            if joined:
-                return JoinReadCells.apply(*joined, cell_key, cell_value)  # (K, H, 1 + S, d)
-            key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
-            return key, torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
-
-        def attend(query, key, value, attention_mask):
-            dropout = self.attention_dropout if self.training else 0.0
-            return attention(self, query, key, value, attention_mask, dropout=dropout, scaling=self.head_dim**-0.5)
-
+        """Token attention of all windows in one call (`RANWindowAttention`); in inference on the PyTorch path a
+        chunk of windows at a time (`inference_chunk`). Returns the attended values in the windows' query slots,
+        (K, Q, H * d), and the weights (B, H, L, 1 + S) or None."""
         chunk = None if joined or output_attentions else self.inference_chunk(key)
-        if chunk is None:
-            key, value = join(key, value, cell_key, cell_value)
-            attended, weights = attend(query, key, value, attention_mask)  # (K, Q, H, d)
-        else:  # inference: a chunk of windows at a time, the keys and values with their read cell for it alone
-
-            def attend_chunk(query, key, value, cell_key, cell_value, attention_mask):
-                return attend(query, *join(key, value, cell_key, cell_value), attention_mask)[0]
-
-            inputs = (query, key, value, cell_key, cell_value, attention_mask)  # every one (K, ...)
-            attended, weights = in_row_chunks(attend_chunk, chunk, *inputs), None
-        if weights is not None and output_attentions:
-            # The returned weights stay in the graph, as returned hidden states do: the output is recomputed from
-            # them, so that gradients with respect to the attention weights exist.
-            weights = layout.weights_per_token(weights)  # (B, H, L, 1 + S)
-            dropped = F.dropout(layout.weights_per_window(weights), self.attention_dropout, self.training)
-            attended = torch.matmul(dropped, value).transpose(1, 2)
-        return attended.flatten(-2), weights  # (K, Q, H * d)
+        return self.window_attention(query, key, value, cell_key, cell_value, layout, output_attentions, joined, chunk)
 
     def per_token_tail(self, token_states, attended, normed_tokens, rows=None) -> torch.Tensor:
         """The attention's output and the layer's ending before memory review: the residual sum, or the official

@@ -17,6 +17,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
+from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .adaptive_softmax import RANAdaptiveEmbedding
@@ -33,7 +34,7 @@ from .input_checks import (
 )
 from .memory_review import RANMemoryReview
 from .outputs_ran import RANModelOutput
-from .ran_layer import RANLayer
+from .ran_layer import RANLayer, RANWindowAttention
 from .window_layout import RANWindowLayout
 
 logger = logging.get_logger(__name__)
@@ -142,36 +143,17 @@ class RANPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     # The cell scan runs window after window through the whole sequence: it cannot be split across ranks by length.
     _supports_context_parallel = False
-    # Transformers' output capture records these (`output_hidden_states`, `output_attentions`). The layers work on
-    # packed real tokens (T, D): hidden states are recorded in their (B, L, D) form.
+    # Transformers' output capture records these (`output_hidden_states`, `output_attentions`) from the modules that
+    # compute them: the window attention's weights, where the implementation gives them (its output's second item,
+    # as for Llama's attention), and the memory review's. The layers work on packed real tokens (T, D): hidden states
+    # are recorded in their (B, L, D) form.
     _can_record_outputs = {
         "hidden_states": OutputRecorder(
             RANPaddedStates, capture_initial_hidden_state=False, num_hidden_layers_key="num_hidden_states"
         ),
-        "attentions": OutputRecorder(RANLayer, index=3),  # window attention, where the implementation gives weights
-        "memory_attentions": OutputRecorder(RANLayer, index=4),
+        "attentions": RANWindowAttention,
+        "memory_attentions": OutputRecorder(RANMemoryReview, index=1),
     }
-
-    def post_init(self):
-        super().post_init()
-        # The config's fields as built: a forward or save after a field it was built from changed is refused.
-        self._built_config = self.config.snapshot()
-
-    def check_config(self):
-        """Refuse to run or save after a field the model was built from changed (`RANConfig.check_built`, naming the
-        field and the fix); validate other changes. Host-only: compiled code skips it."""
-        self._built_config = self.config.check_built(self._built_config)
-
-    def save_pretrained(self, *args, **kwargs):
-        self.check_config()
-        return super().save_pretrained(*args, **kwargs)
-
-    def resize_token_embeddings(self, *args, **kwargs):
-        embeddings = super().resize_token_embeddings(*args, **kwargs)
-        for module in self.modules():  # `vocab_size` now matches the resized embedding
-            if isinstance(module, RANPreTrainedModel):
-                module._built_config = module.config.snapshot()
-        return embeddings
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs):
@@ -274,6 +256,7 @@ class RANModel(RANPreTrainedModel):
 
     @cache_transaction  # a forward that fails leaves `past_key_values` as it was
     @memory_attentions_with_attentions
+    @merge_with_config_defaults
     @capture_outputs
     @auto_docstring
     def forward(
@@ -319,16 +302,10 @@ class RANModel(RANPreTrainedModel):
             all-zero cells with its learned one, here pass None for that. Causal models: with the first call only
             (a cache carries the cells after it); memory review's starting cell stays the learned one.
         """
-        if not torch.compiler.is_compiling():
-            self.check_config()  # a field the model was built from, changed since, is named
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
         check_cache(past_key_values, self.config)
-        if self.gradient_checkpointing and self.training and use_cache and past_key_values is None:
-            # A checkpointed layer runs twice; the second run would update a fresh cache again.
-            logger.warning_once("`use_cache=True` does not work with gradient checkpointing in training: no cache.")
-            use_cache = False
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         # A head's labels (`check_token_labels`, ...) are read with the inputs: one host synchronisation for all.
         label_checks = kwargs.pop("label_checks", None)

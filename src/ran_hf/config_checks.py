@@ -1,0 +1,214 @@
+"""The field machinery `RANConfig` declares its fields with: validators, `ValueError`s naming the field, the size
+estimate and bound, and `--config_overrides` parsing. Imports nothing heavy (`import ran_hf` stays cheap)."""
+
+import difflib
+import functools
+import math
+import os
+import typing
+from typing import Literal
+
+from huggingface_hub.dataclasses import as_validated_field
+from huggingface_hub.errors import StrictDataclassError, StrictDataclassFieldValidationError
+
+# The size check (`estimated_parameters`): a larger model is refused unless this variable raises the bound.
+MAX_PARAMETERS_VARIABLE = "RAN_HF_MAX_PARAMETERS"
+DEFAULT_MAX_PARAMETERS = 10**11
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
+
+
+def interval(min: float | None = None, max: float | None = None, exclude_min: bool = False, exclude_max: bool = False):
+    """Transformers' `interval` validator (`transformers.utils.type_validators`, which imports the activations and
+    with them Triton: `import ran_hf` stays cheap), finite values only, None passing (an unset optional field)."""
+    low, high = ("(" if exclude_min else "[", ")" if exclude_max else "]")
+    words = f"in {low}{min}, {max}{high}" if None not in (min, max) else f"{'>' if exclude_min else '>='} {min}"
+
+    @as_validated_field
+    def check(value):
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"must be finite, got {value}.")
+        if value is not None and not ((min < value if exclude_min else min <= value) if min is not None else True) or (
+            value is not None and max is not None and not (value < max if exclude_max else value <= max)
+        ):
+            raise ValueError(f"must be {words}, got {value}.")
+
+    return check
+
+
+@as_validated_field
+def activation_name(value: str):
+    from transformers.activations import ACT2FN  # here: importing it costs about as much as Transformers
+
+    if value not in ACT2FN:
+        names = ", ".join(sorted(ACT2FN))
+        raise ValueError(f"must be the name of a Transformers activation ({names}), got {value!r}.")
+
+
+def expected(annotation) -> str:
+    """What a field's type accepts, in words, for the error naming a value of another type."""
+    words = {int: "an int", float: "a number", bool: "a bool", str: "a string", type(None): "None"}
+    words[list[int]] = "a list of ints (written [2000,10000] or 2000;10000)"
+    if annotation in words:
+        return words[annotation]
+    if typing.get_origin(annotation) is Literal:
+        return f"one of {', '.join(map(repr, typing.get_args(annotation)))}"
+    members = typing.get_args(annotation)
+    members = [member for member in members if member is not int or float not in members]  # `float | int`: a number
+    return " or ".join(dict.fromkeys(map(expected, members))) or getattr(annotation, "__name__", str(annotation))
+
+
+def value_errors(cls):
+    """`@strict` raises `StrictDataclassError`; a RAN config raises `ValueError` naming the field and the value."""
+    setattr_, validate = cls.__setattr__, cls.validate
+
+    def __setattr__(self, name, value):
+        try:
+            setattr_(self, name, value)
+        except StrictDataclassFieldValidationError as error:
+            cause = error.__cause__
+            if isinstance(cause, TypeError):
+                accepted = expected(cls.__dataclass_fields__[name].type)
+                raise ValueError(f"`{name}` must be {accepted}, got {value!r}.") from error
+            raise ValueError(f"`{name}` {cause}") from error
+
+    @functools.wraps(validate)
+    def checked(self):
+        try:
+            validate(self)
+        except StrictDataclassError as error:
+            raise ValueError(str(error.__cause__)) from error
+
+    cls.__setattr__, cls.validate = __setattr__, checked
+    return cls
+
+
+def close_field(name: str, names) -> str | None:
+    """The field a name not among `names` most likely misspells (`windowsize`, `cell_pool`), or None."""
+    plain = name.replace("_", "").lower()
+    for field in names:
+        other = field.replace("_", "").lower()
+        shorter, longer = sorted((plain, other), key=len)
+        if plain == other or (len(shorter) > 4 and len(longer) - len(shorter) <= 3 and longer.startswith(shorter)):
+            return field
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.9)
+    return close[0] if close else None
+
+
+def parse_override(annotation, text: str):
+    """One `--config_overrides` value read as the type `annotation` accepts (a string where nothing else reads it:
+    setting it then names the type expected)."""
+    kinds, word = typing.get_args(annotation) or (annotation,), text.lower()
+    if type(None) in kinds and word in ("none", "null"):
+        return None
+    if bool in kinds and word in ("true", "false", "1", "0", "yes", "no"):
+        return word in ("true", "1", "yes")
+    for kind in (int, float) if bool not in kinds else ():
+        if kind in kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    if list[int] in kinds:
+        try:
+            return [int(item) for item in text.strip("[]").replace(";", ",").split(",") if item.strip()]
+        except ValueError:
+            pass
+    return text
+
+
+def split_overrides(text: str) -> list[str]:
+    """`"a=1,cutoffs=[2,3],b=x"` -> `["a=1", "cutoffs=[2,3]", "b=x"]`: commas inside brackets belong to a list."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        items, current = (items + [current], "") if char == "," and depth <= 0 else (items, current + char)
+    return [item for item in [*items, current] if item.strip()]
+
+
+def estimated_parameters(config, **sizes) -> int:
+    """About how many parameters (within a few percent) a `RANModel` of this config holds, task heads aside;
+    `sizes` replace fields of `SIZE_FIELDS`. Pure arithmetic: nothing is built."""
+    values = {name: sizes.get(name, getattr(config, name)) for name in SIZE_FIELDS}
+    vocab, width, depth = values["vocab_size"], values["hidden_size"], values["num_hidden_layers"]
+    heads = values["num_attention_heads"] * values["head_dim"]
+    if config.cutoffs and config.div_val > 1 and config.cutoffs[-1] < vocab:
+        bounds = [0, *config.cutoffs, vocab]
+        dims = [width // config.div_val**i for i in range(len(bounds) - 1)]
+        embedding = sum((high - low + width) * dim for low, high, dim in zip(bounds[:-1], bounds[1:], dims))
+    else:
+        embedding = vocab * width
+    layer = 4 * heads * width + 4 * width * width + 3 * heads + 12 * width  # window attention, GLUs, norms
+    layer += (6 * width * width + 9 * width) * config.memory_review
+    layer += values["num_attention_heads"] * (width + 2) * config.associative_memory
+    return embedding + depth * layer + 4 * width * width  # and the pooler
+
+
+def check_size(config) -> None:
+    """Refuse a config whose model would not fit any machine (`RAN_HF_MAX_PARAMETERS`), naming the field."""
+    setting = os.environ.get(MAX_PARAMETERS_VARIABLE)
+    try:
+        bound = DEFAULT_MAX_PARAMETERS if setting is None else float(setting)
+    except ValueError:
+        bound = math.nan
+    if not bound >= 1:
+        raise ValueError(
+            f"The environment variable {MAX_PARAMETERS_VARIABLE} (the most parameters a RAN config may "
+            f"describe) must be a number >= 1, e.g. 1e12, got {setting!r}."
+        )
+    if (estimate := estimated_parameters(config)) <= bound:
+        return
+    # The field that, set to its default, shrinks the model most.
+    defaults = {name: config.__dataclass_fields__[name].default for name in SIZE_FIELDS}
+    culprit = min(SIZE_FIELDS, key=lambda name: estimated_parameters(config, **{name: defaults[name]}))
+    sizes = ", ".join(f"{name}={getattr(config, name)}" for name in SIZE_FIELDS)
+    raise ValueError(
+        f"This config describes a model of about {estimate:.2g} parameters ({estimate * 4 / 1e9:.2g} GB in "
+        f"float32), more than the bound of {bound:.2g}, mostly through `{culprit}={getattr(config, culprit)}` "
+        f"({sizes}). If a model this large is meant, raise the bound with the environment variable "
+        f"{MAX_PARAMETERS_VARIABLE} (e.g. {MAX_PARAMETERS_VARIABLE}={max(estimate, 1) * 10:.0e})."
+    )
+
+
+def apply_overrides(config, update_str: str) -> None:
+    """`RANConfig.update_from_string`: set fields from `"name=value,..."`, all or none."""
+    previous = dict(config.__dict__)
+    try:
+        for item in split_overrides(update_str):
+            name, equals, text = (part.strip() for part in item.partition("="))
+            if not equals or not name:
+                raise ValueError(f"`{item.strip()}` is not an override: write it `name=value` (joined by commas).")
+            if not hasattr(config, name) or name.startswith("_"):
+                close = difflib.get_close_matches(name, list(config.__dataclass_fields__), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"`{name}` is not a field of RANConfig{hint}.")
+            field = config.__dataclass_fields__.get(name)
+            # A RAN field by its type; Transformers' (annotated as strings) and properties by their value's.
+            typed = field is not None and not isinstance(field.type, str)
+            annotation = field.type if typed else type(getattr(config, name))
+            setattr(config, name, parse_override(annotation, text))
+        config.validate()
+    except ValueError:
+        config.__dict__.clear()
+        config.__dict__.update(previous)
+        raise
+
+
+def check_built(config, snapshot: tuple, names: tuple) -> tuple:
+    """`RANConfig.check_built`: `snapshot` holds the values of the fields `names` when the model was built."""
+    values = config.snapshot()
+    if values == snapshot:
+        return snapshot
+    for name, built, value in zip(names, snapshot, values):
+        if built != value and name in config.architecture_fields():
+            raise ValueError(
+                f"`{name}` was changed from {built!r} to {value!r} after the model was built: its weights and "
+                f"modules were made for `{name}={built!r}`, and would run or save half-changed. Build a new model "
+                f"from the config, or load the trained one with `from_pretrained(..., {name}={value!r})`; to keep "
+                f"this model, set `{name}` back to {built!r}."
+            )
+    try:
+        config.validate()
+    except ValueError as error:
+        message = f"The model's config was changed after the model was built and is not valid: {error}"
+        raise ValueError(message) from error
+    return values
