@@ -7,12 +7,14 @@ naming the field and the fix. Fields meant to change on a trained model stay edi
 refused; a head never changes the config object it was handed.
 """
 
+import json
 import logging
 
 import pytest
 import torch
 
 from ran_hf import RANConfig, RANForCausalLM, RANForMaskedLM, RANForPrefixLM, RANForSequenceClassification, RANModel
+from ran_hf.configuration_ran import LAYER_DESIGN_FIELDS
 
 TINY = {"vocab_size": 50, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 8}
 TINY |= {"window_size": 4, "min_window_size": 2}
@@ -53,8 +55,9 @@ PROBES = [
 @pytest.mark.parametrize("make_model, field, value", PROBES)
 def test_an_architecture_field_edited_on_a_built_model_is_refused_when_it_runs(make_model, field, value):
     model = make_model()
-    model.config.__setattr__(field, value)
-    with pytest.raises(ValueError, match=rf"`{field}` was changed from .* after the model was built.*{FIX.format(field=field)}"):
+    setattr(model.config, field, value)
+    message = rf"`{field}` was changed from .* after the model was built.*{FIX.format(field=field)}"
+    with pytest.raises(ValueError, match=message):
         model(tokens())
 
 
@@ -83,7 +86,8 @@ def test_the_fix_named_in_the_error_loads_the_trained_model_with_the_field(tmp_p
     changed = RANForMaskedLM.from_pretrained(tmp_path, hidden_act="gelu").eval()
     assert changed.config.hidden_act == "gelu"
     changed(tokens())  # built with it: runs
-    torch.testing.assert_close(changed.model.embeddings.word_embeddings.weight, model.model.embeddings.word_embeddings.weight)  # fmt: skip
+    embedding = changed.model.embeddings.word_embeddings.weight
+    torch.testing.assert_close(embedding, model.model.embeddings.word_embeddings.weight)
 
 
 @pytest.mark.parametrize(
@@ -173,3 +177,26 @@ def test_the_architecture_fields_are_fields():
     assert {"memory_review_cells", "memory_salient_cells", "scan_implementation"}.isdisjoint(
         RANConfig.architecture_fields()
     )
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["encoder", "causal"])
+def test_a_config_json_of_older_code_loads(tmp_path, is_causal):
+    """Written before the design was resolved when the config is made (design fields null or absent, keys of older
+    Transformers versions): it loads as it did, its design resolved by `is_causal`."""
+    model_class = RANForCausalLM if is_causal else RANForMaskedLM
+    model = model_class(RANConfig(**TINY, is_causal=is_causal)).eval()
+    model.save_pretrained(tmp_path)
+    config_file = tmp_path / "config.json"
+    saved = json.loads(config_file.read_text())
+    for name in ("layer_design", *LAYER_DESIGN_FIELDS):
+        saved.pop(name)
+    saved |= {"finetuning_task": None, "tokenizer_class": None, "torchscript": False}
+    config_file.write_text(json.dumps(saved))
+    loaded = model_class.from_pretrained(tmp_path).eval()
+    assert loaded.config.layer_design == ("learnable_memory" if is_causal else "official")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens()).logits, model(tokens()).logits)
+    saved["windowsize"] = 4  # a key that misspells a field is named
+    config_file.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"`windowsize` is not a field of RANConfig \(did you mean 'window_size'\?\)"):
+        model_class.from_pretrained(tmp_path)
