@@ -132,9 +132,9 @@ def test_generation_returns_no_weights_but_runs_eager(make_config):
 def test_a_registered_scan_is_the_one_that_runs(make_config):
     calls = []
 
-    def counting_scan(layer, *args):
-        calls.append(layer.layer_idx)
-        return reference_cell_scan(layer, *args)
+    def counting_scan(cell_scan, weights, *args):
+        calls.append(cell_scan)
+        return reference_cell_scan(cell_scan, weights, *args)
 
     RANScanInterface.register("counting", counting_scan)
     try:
@@ -146,7 +146,7 @@ def test_a_registered_scan_is_the_one_that_runs(make_config):
         torch.testing.assert_close(
             counting(ids, attention_mask=mask).last_hidden_state, reference(ids, attention_mask=mask).last_hidden_state
         )
-        assert calls == [0, 1]
+        assert calls == [layer.cell_scan for layer in counting.layers]
     finally:
         del RANScanInterface._global_mapping["counting"]
     assert "counting" not in ALL_SCAN_FUNCTIONS

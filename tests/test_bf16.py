@@ -15,7 +15,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from ran_hf import RANForCausalLM, RANModel
-from ran_hf.building_blocks import RANLayerNorm
+from ran_hf.building_blocks import RANCenteredRMSNorm
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmarks"))
@@ -41,7 +41,7 @@ def test_the_cell_scan_runs_in_float32_under_autocast(scan, caplog):
 def test_normalisation_stays_float32_under_autocast():
     """Cast back to bf16, the token states lose what context adds to a token's identity, and max pooling ties."""
     states = torch.randn(3, 7, 16).bfloat16()
-    norm = RANLayerNorm(16, 1e-6)
+    norm = RANCenteredRMSNorm(16, 1e-6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert norm(states).dtype == torch.float32
     assert norm.to(torch.bfloat16)(states).dtype == torch.bfloat16  # a bf16 model without autocast stays bf16

@@ -10,8 +10,9 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from ran_hf import RANCache, RANForCausalLM, RANModel
-from ran_hf.cell_scan import fused_cell_scan, fused_scan_unsupported, reference_cell_scan
-from ran_hf import building_blocks, ran_layer
+from ran_hf import building_blocks, cell_scan
+from ran_hf.cell_scan import fused_cell_scan, reference_cell_scan
+from ran_hf.kernels import fused_scan_unsupported
 from ran_hf.ran_layer import RANLayer
 from ran_hf.window_layout import RANWindowLayout
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
@@ -56,13 +57,23 @@ def layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float32, seed
     return layer, inputs, layout
 
 
+def run_scan(scan, layer, *inputs):
+    """`scan` (an implementation in `ALL_SCAN_FUNCTIONS`) on `layer`'s scan and weights."""
+    return scan(layer.cell_scan, layer.cell_scan_weights(), *inputs)
+
+
+def unsupported(layer):
+    """Why the fused scan cannot run `layer`, or None."""
+    return fused_scan_unsupported(layer.config.hidden_act, layer.cell_scan_weights())
+
+
 def outputs_and_gradients(scan, layer, inputs, layout):
     """The scan's four outputs and the gradients of a fixed random probe of all of them."""
     layer.zero_grad(set_to_none=True)
     for tensor in inputs:
         tensor.grad = None
     torch.manual_seed(11)  # the same dropout masks for both scans
-    outputs = scan(layer, *inputs, layout)
+    outputs = run_scan(scan, layer, *inputs, layout)
     generator = torch.Generator().manual_seed(9)
     probes = [torch.randn(output.shape, generator=generator, dtype=output.dtype) for output in outputs]
     probes = [probe.to(output.device) for probe, output in zip(probes, outputs)]
@@ -95,7 +106,7 @@ def assert_scans_agree(layer, inputs, layout, tolerance, scan=fused_cell_scan):
 @pytest.mark.parametrize("overrides", MODES)
 def test_fused_scan_equals_the_reference(overrides, lengths, past_lengths):
     layer, inputs, layout = layer_and_inputs(overrides, lengths, past_lengths)
-    assert fused_scan_unsupported(layer, inputs[0]) is None
+    assert unsupported(layer) is None
     assert_scans_agree(layer, inputs, layout, TOLERANCE)
 
 
@@ -107,15 +118,15 @@ DROPOUT = {"hidden_dropout_prob": 0.3, "attention_probs_dropout_prob": 0.2}
 def test_fused_scan_equals_the_reference_with_dropout(overrides, lengths, past_lengths):
     layer, inputs, layout = layer_and_inputs(overrides, lengths, past_lengths, **DROPOUT)
     layer.train()
-    assert fused_scan_unsupported(layer, inputs[0]) is None
+    assert unsupported(layer) is None
     # Kept units are scaled by 1 / (1 - rate), and float32 rounding with them (up to 3.3e-5 relative, in the keys'
     # gradient of a causal scan); the float64 gradcheck below checks the maths with dropout exactly.
     assert_scans_agree(layer, inputs, layout, 5 * TOLERANCE)
     # and dropout did drop: eval mode gives other cells
     with torch.no_grad():
         torch.manual_seed(11)
-        trained = fused_cell_scan(layer, *inputs, layout)[3]
-        evaluated = fused_cell_scan(layer.eval(), *inputs, layout)[3]
+        trained = run_scan(fused_cell_scan, layer, *inputs, layout)[3]
+        evaluated = run_scan(fused_cell_scan, layer.eval(), *inputs, layout)[3]
     assert (trained - evaluated).abs().max() > 0.1
 
 
@@ -131,7 +142,7 @@ def test_fused_scan_equals_the_reference_in_float64(overrides, lengths, past_len
         centred = states - states.mean(-1, keepdim=True)
         return centred * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
 
-    monkeypatch.setattr(ran_layer, "standard_normalize", standard_normalize)
+    monkeypatch.setattr(cell_scan, "standard_normalize", standard_normalize)
     monkeypatch.setattr(building_blocks, "standard_normalize", standard_normalize)
     layer, inputs, layout = layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float64)
     assert_scans_agree(layer, inputs, layout, 1e-10)
@@ -166,7 +177,7 @@ def test_fused_scan_passes_gradcheck(overrides, dropout):
 
         def forward(self, *tensors):
             torch.manual_seed(5)
-            return fused_cell_scan(self.layer, *tensors, layout)
+            return run_scan(fused_cell_scan, self.layer, *tensors, layout)
 
     scan = Scan()
 
@@ -245,7 +256,7 @@ def test_fused_scan_falls_back_to_the_reference_and_warns_once(fields, train, re
     reference = RANModel(tiny_config(**{**config_fields, "scan_implementation": "reference"})).train(train)
     reference.load_state_dict(model.state_dict())
     ids, mask = pad_batch([random_ids(n, 61, seed=n) for n in (13, 6)])
-    with caplog.at_level(logging.WARNING, logger="ran_hf.cell_scan"):
+    with caplog.at_level(logging.WARNING, logger="ran_hf.kernels"):
         torch.manual_seed(1)
         fused = model(ids, attention_mask=mask).last_hidden_state
         model(ids, attention_mask=mask)
@@ -261,8 +272,8 @@ def test_dropout_does_not_send_the_fused_scan_back_to_the_reference(train, caplo
     transformers_logging.warning_once.cache_clear()
     model = RANModel(tiny_config(scan_implementation="fused", hidden_dropout_prob=0.1)).train(train)
     layer = next(module for module in model.modules() if isinstance(module, RANLayer))
-    assert fused_scan_unsupported(layer, torch.zeros(1, 16)) is None
-    with caplog.at_level(logging.WARNING, logger="ran_hf.cell_scan"):
+    assert unsupported(layer) is None
+    with caplog.at_level(logging.WARNING, logger="ran_hf.kernels"):
         model(*pad_batch([random_ids(9, 61, seed=0)]))
     assert "fused cell scan" not in caplog.text
 
@@ -273,10 +284,11 @@ def test_a_wrapped_projection_sends_the_fused_scan_back_to_the_reference(caplog)
     transformers_logging.warning_once.cache_clear()
     layer, inputs, layout = layer_and_inputs({}, [23, 7], None)
     layer.qkv_proj.register_forward_hook(lambda module, args, output: output + 0.5)
-    assert "qkv_proj" in fused_scan_unsupported(layer, inputs[0])
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ran_hf.cell_scan"):
-        fused = fused_cell_scan(layer, *inputs, layout)
-        expected = reference_cell_scan(layer, *inputs, layout)
+    assert "qkv_proj" in unsupported(layer)
+    layer.config.scan_implementation = "fused"
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ran_hf.kernels"):
+        fused = layer.cell_scan(layer.cell_scan_weights(), *inputs, layout)
+        expected = run_scan(reference_cell_scan, layer, *inputs, layout)
     for got, want in zip(fused, expected):
         torch.testing.assert_close(got, want)
     assert "qkv_proj" in caplog.text

@@ -6,12 +6,18 @@ program's block, float32 and float16. On a CPU the kernels run in Triton's inter
 import pytest
 import torch
 
-from ran_hf import triton_glu
-from ran_hf.building_blocks import RANGatedLinearUnit, RANLayerNorm, standard_normalize
+from ran_hf import kernels, triton_glu
+from ran_hf.building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, standard_normalize
+from ran_hf.kernels import choose
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def force(monkeypatch, op: str, use_triton: bool) -> None:
+    """Make `kernels.choose(op, ...)` give the Triton kernel (in Triton's interpreter on a CPU) or PyTorch's ops."""
+    monkeypatch.setitem(kernels.FORCED, op, "triton" if use_triton else "pytorch")
 
 
 @pytest.mark.parametrize(
@@ -42,9 +48,7 @@ def test_triton_glu_equals_the_pytorch_glu(shape, dtype, residual, monkeypatch):
     other = None if other is None else torch.randn(other, generator=generator).to(DEVICE, dtype)
 
     def run(use_triton):  # the module's own dispatch, told where the kernel applies (on a CPU: nowhere)
-        monkeypatch.setattr(
-            "ran_hf.building_blocks.triton_glu_applies", lambda projected, use_triton=use_triton: use_triton
-        )
+        force(monkeypatch, "glu", use_triton)
         leaf = x.clone().requires_grad_()
         other_leaf = None if other is None else other.clone().requires_grad_()
         glu.zero_grad()
@@ -75,8 +79,8 @@ def test_the_triton_glu_runs_on_cuda_unless_switched_off(monkeypatch):
     """On CUDA (and the meta device, which stands in for it) by default; never on the CPU; off when switched off;
     on meta it is one op each way in place of the PyTorch ops, the residual's sum included."""
     meta = torch.empty(2, 3, 16, device="meta")
-    assert triton_glu.triton_glu_applies(meta)
-    assert not triton_glu.triton_glu_applies(torch.empty(2, 3, 16))
+    assert choose("glu", meta) == "triton"
+    assert choose("glu", torch.empty(2, 3, 16)) == "pytorch"
     with torch.device("meta"):
         glu = RANGatedLinearUnit(8)
         x, residual = torch.empty(2, 3, 8, requires_grad=True), torch.empty(2, 3, 8, requires_grad=True)
@@ -93,8 +97,8 @@ def test_the_triton_glu_runs_on_cuda_unless_switched_off(monkeypatch):
     assert out.shape == (2, 3, 8) and x.grad.shape == residual.grad.shape == x.shape
     assert seen.count("ran_hf::glu_forward") == seen.count("ran_hf::glu_backward") == 1
     assert not {"aten::sigmoid", "aten::sigmoid_backward", "aten::mul", "aten::add"} & set(seen)
-    monkeypatch.setattr(triton_glu, "ENABLED", False)
-    assert not triton_glu.triton_glu_applies(meta)
+    monkeypatch.setitem(kernels.TRITON, "glu", False)
+    assert choose("glu", meta) == "pytorch"
 
 
 @pytest.mark.parametrize("activation", ["none", "silu"])
@@ -117,9 +121,7 @@ def test_the_residual_branch_in_the_kernel_equals_its_pytorch_ops(activation, dr
     drop = torch.nn.Dropout(dropout).train()
 
     def run(use_triton, mask=None):
-        monkeypatch.setattr(
-            "ran_hf.building_blocks.triton_glu_applies", lambda projected, use_triton=use_triton: use_triton
-        )
+        force(monkeypatch, "glu", use_triton)
         leaf, branch_leaf = x.clone().requires_grad_(), branch_input.clone().requires_grad_()
         glu.zero_grad()
         if use_triton:
@@ -161,9 +163,7 @@ def test_a_branch_the_kernel_cannot_compute_runs_in_pytorch_ops(monkeypatch):
     for act, residual in ((torch.nn.GELU(), branch), (torch.nn.SiLU(), branch[:1])):
         results = []
         for use_triton in (True, False):
-            monkeypatch.setattr(
-                "ran_hf.building_blocks.triton_glu_applies", lambda projected, use_triton=use_triton: use_triton
-            )
+            force(monkeypatch, "glu", use_triton)
             results.append(glu(x, residual, act, torch.nn.Dropout(0.5)))
         assert torch.allclose(*results, atol=1e-6)
 
@@ -181,7 +181,7 @@ def test_a_residual_read_through_a_row_map_equals_the_gathered_residual(dropout,
     order = torch.randperm(rows + extra, generator=generator)[:rows].to(DEVICE)  # each residual row read once at most
     probe = torch.randn(rows, width, generator=generator).to(DEVICE)
     act, drop = torch.nn.SiLU(), torch.nn.Dropout(dropout).train()
-    monkeypatch.setattr("ran_hf.building_blocks.triton_glu_applies", lambda projected: True)
+    force(monkeypatch, "glu", True)
 
     def run(mapped):
         leaf, residual_leaf = x.clone().requires_grad_(), residual.clone().requires_grad_()
@@ -212,7 +212,7 @@ def test_the_norm_after_the_glu_in_its_kernel_equals_the_pytorch_ops(then_standa
     equal the PyTorch ops' under the kernel's masks (read off constant inputs with the same seed)."""
     rows, width, extra = 21, 40, 5  # a width below the kernel's whole-row block
     generator = torch.Generator().manual_seed(13)
-    glu, norm = RANGatedLinearUnit(width).to(DEVICE), RANLayerNorm(width, 1e-7).to(DEVICE)
+    glu, norm = RANGatedLinearUnit(width).to(DEVICE), RANCenteredRMSNorm(width, 1e-7).to(DEVICE)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(width, generator=generator))
         norm.bias.copy_(torch.randn(width, generator=generator))
@@ -228,8 +228,8 @@ def test_the_norm_after_the_glu_in_its_kernel_equals_the_pytorch_ops(then_standa
     norm_mask = triton_glu.triton_glu(zeros, norm=(ones[0], ones[0], 1e-7, False, dropout))
 
     def run(use_triton):
-        monkeypatch.setattr("ran_hf.building_blocks.triton_glu_applies", lambda states: use_triton)
-        monkeypatch.setattr("ran_hf.building_blocks.triton_norm_applies", lambda states: use_triton)
+        force(monkeypatch, "glu", use_triton)
+        force(monkeypatch, "norm", use_triton)
         leaf, residual_leaf = x.clone().requires_grad_(), residual.clone().requires_grad_()
         glu.zero_grad()
         norm.zero_grad()

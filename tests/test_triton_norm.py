@@ -1,11 +1,12 @@
 """The Triton normalisation (triton_norm.py) equals RAN's PyTorch one: outputs and the gradients of input, weight
 and bias, with and without the learned scale and shift, for row counts that do and do not fill a program's rows.
-On a CPU the kernels run in Triton's interpreter; on CUDA compiled, and `RANLayerNorm` then uses them."""
+On a CPU the kernels run in Triton's interpreter; on CUDA compiled, and `RANCenteredRMSNorm` then uses them."""
 
 import pytest
 import torch
 
-from ran_hf.building_blocks import RANLayerNorm, standard_normalize
+from ran_hf import kernels
+from ran_hf.building_blocks import RANCenteredRMSNorm, standard_normalize
 from ran_hf.triton_norm import TritonNorm
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
@@ -13,12 +14,17 @@ pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not inst
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def force(monkeypatch, op: str, use_triton: bool) -> None:
+    """Make `kernels.choose(op, ...)` give the Triton kernel (in Triton's interpreter on a CPU) or PyTorch's ops."""
+    monkeypatch.setitem(kernels.FORCED, op, "triton" if use_triton else "pytorch")
+
+
 @pytest.mark.parametrize("affine", [True, False], ids=["layer-norm", "standardise"])
 @pytest.mark.parametrize("shape", [(3, 7, 24), (40, 16), (1, 5)], ids=str)
 def test_triton_norm_equals_the_pytorch_normalisation(affine, shape):
     generator = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(shape, generator=generator) * 3 + 1).to(DEVICE).requires_grad_()
-    norm = RANLayerNorm(shape[-1], 1e-7)
+    norm = RANCenteredRMSNorm(shape[-1], 1e-7)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(shape[-1], generator=generator))
         norm.bias.copy_(torch.randn(shape[-1], generator=generator))
@@ -49,14 +55,14 @@ def test_triton_norm_equals_the_pytorch_normalisation(affine, shape):
 
 @pytest.mark.parametrize("affine", [True, False], ids=["layer-norm", "standardise"])
 def test_dropout_in_the_norm_kernel_equals_the_pytorch_ops_with_its_mask(affine, monkeypatch):
-    """`RANLayerNorm(x, dropout)` and `standard_normalize(x, eps, dropout)` drop units inside the kernel: the output
-    and every gradient equal the PyTorch ops' given the kernel's mask (read off a run with weight 1 and bias 1, the
-    same seed), which keeps units at the rate asked for, is the one the backward applies, and repeats for a seed."""
+    """`RANCenteredRMSNorm(x, dropout)` and `standard_normalize(x, eps, dropout)` drop units inside the kernel: the
+    output and every gradient equal the PyTorch ops' given the kernel's mask (read off a run with weight 1 and bias 1,
+    the same seed), which keeps units at the rate asked for, is the one the backward applies, and repeats for a seed."""
     rows, hidden = 50, 40
     generator = torch.Generator().manual_seed(11)
     x = (torch.randn(rows, hidden, generator=generator) * 3 + 1).to(DEVICE)
     probe = torch.randn(rows, hidden, generator=generator).to(DEVICE)
-    norm = RANLayerNorm(hidden, 1e-7)
+    norm = RANCenteredRMSNorm(hidden, 1e-7)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden, generator=generator))
         norm.bias.copy_(torch.randn(hidden, generator=generator))
@@ -64,7 +70,7 @@ def test_dropout_in_the_norm_kernel_equals_the_pytorch_ops_with_its_mask(affine,
     drop = torch.nn.Dropout(0.25).train()
 
     def run(use_triton, mask=None):
-        monkeypatch.setattr("ran_hf.building_blocks.triton_norm_applies", lambda states: use_triton)
+        force(monkeypatch, "norm", use_triton)
         leaf = x.clone().requires_grad_()
         norm.zero_grad()
         dropout = drop if use_triton else None
@@ -96,13 +102,13 @@ def test_dropout_in_the_norm_kernel_equals_the_pytorch_ops_with_its_mask(affine,
 @pytest.mark.parametrize("shape", [(3, 7, 24), (40, 16)], ids=str)
 @pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no-dropout", "dropout"])
 def test_layer_norm_then_standardisation_in_one_kernel_equals_the_two(shape, dropout, monkeypatch):
-    """`RANLayerNorm(x, dropout, then_standardize=True)`, the official layer's ending, is one kernel each way: the
-    output and the gradients of input, weight and bias equal `standard_normalize(layer_norm(x), eps, dropout)` in
+    """`RANCenteredRMSNorm(x, dropout, then_standardize=True)`, the official layer's ending, is one kernel each way:
+    the output and the gradients of input, weight and bias equal `standard_normalize(layer_norm(x), eps, dropout)` in
     PyTorch ops (with the kernel's dropout mask, read off as in the test above)."""
     generator = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(shape, generator=generator) * 3 + 1).to(DEVICE)
     probe = torch.randn(shape, generator=generator).to(DEVICE)
-    norm = RANLayerNorm(shape[-1], 1e-7)
+    norm = RANCenteredRMSNorm(shape[-1], 1e-7)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(shape[-1], generator=generator))
         norm.bias.copy_(torch.randn(shape[-1], generator=generator))
@@ -113,7 +119,7 @@ def test_layer_norm_then_standardisation_in_one_kernel_equals_the_two(shape, dro
     mask = TritonNorm.apply(torch.zeros(shape, device=DEVICE), ones, ones, 1e-7, torch.float32, dropout)
 
     def run(use_triton):
-        monkeypatch.setattr("ran_hf.building_blocks.triton_norm_applies", lambda states: use_triton)
+        force(monkeypatch, "norm", use_triton)
         leaf = x.clone().requires_grad_()
         norm.zero_grad()
         torch.manual_seed(2)

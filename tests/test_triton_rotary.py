@@ -5,8 +5,9 @@ powers of two, float32 and float16. On a CPU the kernel runs in Triton's interpr
 import pytest
 import torch
 
-from ran_hf import triton_rotary
+from ran_hf import kernels
 from ran_hf.building_blocks import apply_interleaved_rotary, rotary_rotations
+from ran_hf.kernels import choose
 from ran_hf.triton_rotary import triton_rotate_pairs
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
@@ -81,7 +82,7 @@ def test_triton_rotary_refuses_rotations_that_do_not_fit():
 def test_the_triton_rotary_runs_on_cuda_unless_switched_off(monkeypatch):
     """On CUDA (and the meta device, which stands in for it) by default; never on the CPU; off when switched off."""
     meta_states = torch.empty(2, 3, 5, 8, device="meta")
-    assert triton_rotary.triton_rotary_applies(meta_states)
-    assert not triton_rotary.triton_rotary_applies(torch.empty(2, 3, 5, 8))
-    monkeypatch.setattr(triton_rotary, "ENABLED", False)
-    assert not triton_rotary.triton_rotary_applies(meta_states)
+    assert choose("rotary", meta_states) == "triton"
+    assert choose("rotary", torch.empty(2, 3, 5, 8)) == "pytorch"
+    monkeypatch.setitem(kernels.TRITON, "rotary", False)
+    assert choose("rotary", meta_states) == "pytorch"

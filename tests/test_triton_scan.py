@@ -88,10 +88,12 @@ def test_a_kernel_that_cannot_be_built_sends_the_scan_to_the_fused_one(monkeypat
     def out_of_resources(*args, **kwargs):
         raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
 
+    def as_the_layer_runs_it(cell_scan, weights, *inputs):  # the implementation `kernels.choose` picks
+        return cell_scan(weights, *inputs)
+
     monkeypatch.setattr(triton_scan, "BUILD_FAILURES", [])
-    monkeypatch.setattr("ran_hf.cell_scan.BUILD_FAILURES", triton_scan.BUILD_FAILURES)
     monkeypatch.setattr("ran_hf.cell_scan.TRITON_KERNELS", (out_of_resources, out_of_resources))
-    layer, inputs, layout = layer_and_inputs({}, [23, 7], None, device=DEVICE)
-    assert_scans_agree(layer, inputs, layout, TOLERANCE, scan=triton_cell_scan)
+    layer, inputs, layout = layer_and_inputs({}, [23, 7], None, device=DEVICE, scan_implementation="triton")
+    assert_scans_agree(layer, inputs, layout, TOLERANCE, scan=as_the_layer_runs_it)
     assert triton_scan.BUILD_FAILURES and "OutOfResources" in triton_scan.BUILD_FAILURES[0]
     assert "could not be built" in triton_scan_unsupported(inputs[0])

@@ -8,7 +8,8 @@ and whole models with it equal models without it. On a CPU the kernels run in Tr
 import pytest
 import torch
 
-from ran_hf import RANForCausalLM, RANModel, triton_window_projection
+from ran_hf import RANForCausalLM, RANModel, kernels, triton_window_projection
+from ran_hf.kernels import choose
 from ran_hf.ran_layer import RANLayer
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_hf.window_layout import RANWindowLayout
@@ -30,7 +31,7 @@ CASES = {
 
 
 def use_kernel(monkeypatch, on: bool):
-    monkeypatch.setattr("ran_hf.ran_layer.triton_window_projection_applies", lambda *args: on)
+    monkeypatch.setitem(kernels.FORCED, "window_projection", "triton" if on else "pytorch")
 
 
 @pytest.mark.parametrize("overrides, lengths", CASES.values(), ids=CASES.keys())
@@ -110,11 +111,13 @@ def test_models_with_the_triton_window_projection_equal_the_pytorch_ones(model_c
 def test_the_triton_window_projection_runs_on_cuda_unless_switched_off(monkeypatch):
     """On CUDA (and meta, which stands in for it) for SiLU and a pass without a cache; not on the CPU, not for
     another activation, not when continuing cached tokens, not when switched off."""
-    applies = triton_window_projection.triton_window_projection_applies
+    def applies(*args):
+        return choose("window_projection", *args) == "triton"
+
     meta, cpu = torch.empty(3, 8, device="meta"), torch.empty(3, 8)
     assert applies(meta, "silu", False)
     assert not applies(cpu, "silu", False)
     assert not applies(meta, "gelu", False)
     assert not applies(meta, "silu", True)
-    monkeypatch.setattr(triton_window_projection, "ENABLED", False)
+    monkeypatch.setitem(kernels.TRITON, "window_projection", False)
     assert not applies(meta, "silu", False)

@@ -59,7 +59,7 @@ from benchmark_utils import (
     sized_ran_config,
 )
 
-from ran_hf import RANConfig, RANForMaskedLM, triton_glu, triton_norm, triton_rotary, triton_window_projection
+from ran_hf import RANConfig, RANForMaskedLM, kernels
 from ran_hf.memory_review import RANMemoryReview
 from ran_hf.window_layout import RANWindowLayout
 
@@ -388,8 +388,8 @@ def main():
 
     if args.breakdown < 0 or args.breakdown > TOP:
         parser.error(f"--breakdown takes 0 to {TOP} (the operators and parts kept per result), got {args.breakdown}")
-    for kernels in (triton_norm, triton_glu, triton_rotary, triton_window_projection):
-        kernels.ENABLED = not args.pytorch_token_ops
+    for op in kernels.TRITON_TOKEN_OPS:
+        kernels.TRITON[op] = not args.pytorch_token_ops
     info = machine_info("meta")
     print(machine_line(info))
     results = []

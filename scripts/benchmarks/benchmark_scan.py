@@ -103,7 +103,11 @@ def measure(case, scan_name: str, args, device: torch.device) -> dict:
     name, hidden_size, num_heads, window, lengths = case
     layer, inputs = scan_inputs(hidden_size, num_heads, window, lengths, device, args.dropout)
     layer.config.scan_implementation = scan_name
-    scan = ALL_SCAN_FUNCTIONS[scan_name]
+    implementation = ALL_SCAN_FUNCTIONS[scan_name]
+
+    def scan(layer, *scan_inputs):  # the implementation itself, on the layer's scan module and weights
+        return implementation(layer.cell_scan, layer.cell_scan_weights(), *scan_inputs)
+
     layout = inputs[-1]
     with torch.no_grad():
         shapes = [output.shape for output in scan(layer, *inputs)]

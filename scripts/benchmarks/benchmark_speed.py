@@ -58,22 +58,22 @@ def ran_config(args, window_size, **fields):
     return sized_ran_config(args, window_size, VOCAB_SIZE, **fields)
 
 
-def scan_without_recurrence(self, cell, previous_raw, keys, values, layout):
+def scan_without_recurrence(cell_scan, weights, cell, previous_raw, keys, values, layout):
     """A cell scan where every window reads the starting cell: one batched step, no loop.
 
     The per-window work is the scan's (cell projections, attention over the window, output projection, norms, the
     residual GLU against the previous window's raw cell), so what remains between RAN and this is the recurrence.
     """
-    scale = 1.0 / math.sqrt(self.head_dim)
-    normed = self.normalize_input(cell[layout.window_sequence])  # (K, D)
-    query, key, value = self.project(normed).unbind(-3)  # (K, H, d)
+    scale = 1.0 / math.sqrt(cell_scan.head_dim)
+    normed = weights.input_norm(cell[layout.window_sequence], cell_scan.dropout)  # (K, D)
+    query, key, value = cell_scan.project(weights.qkv_proj, normed).unbind(-3)  # (K, H, d)
     token_scores = torch.einsum("khd,khsd->khs", query, keys).masked_fill(~layout.slot_mask[:, None], float("-inf"))
     cell_score = (query * key).sum(-1, keepdim=True)
     probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (K, H, 1 + S)
     attended = probs[..., :1] * value + torch.einsum("khs,khsd->khd", probs[..., 1:], values)
-    raw = self.finish_attention(attended.flatten(-2), normed)  # (K, D)
+    raw = cell_scan.write_cell(weights, attended.flatten(-2), normed)  # (K, D)
     previous = torch.cat([raw[:1], raw[:-1]])  # the window before (ignored across sequences: timing only)
-    cells = self.cell_norm(raw + self.cell_glu(previous))
+    cells = weights.cell_norm(raw + weights.cell_glu(previous))
 
     def step_major(per_window):  # (K, ...) -> (N, B, ...)
         return torch.cat([per_window, per_window[:1] * 0])[layout.step_windows]

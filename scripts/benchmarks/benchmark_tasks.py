@@ -429,11 +429,11 @@ def ran_config(args: BenchmarkArguments, task: dict, model: str, window: int, **
     )
 
 
-def official_causal_scan(layer, cell, previous_raw, keys, values, layout):
+def official_causal_scan(cell_scan, weights, cell, previous_raw, keys, values, layout):
     """The official causal design: the cell sits at position 0 under the triangular mask, so it reads only itself."""
     # The scan sees windows without token slots: the cell's attention is over itself alone.
     blind = dataclasses.replace(layout, slot_mask=layout.slot_mask[:, :0])
-    return reference_cell_scan(layer, cell, previous_raw, keys[:, :, :0], values[:, :, :0], blind)
+    return reference_cell_scan(cell_scan, weights, cell, previous_raw, keys[:, :, :0], values[:, :, :0], blind)
 
 
 RANScanInterface.register(OFFICIAL_CAUSAL_SCAN, official_causal_scan)

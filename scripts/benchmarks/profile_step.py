@@ -32,7 +32,7 @@ from benchmark_utils import (
 )
 
 from benchmark_kernels import BlockAttentionMLM
-from ran_hf import RANForMaskedLM, triton_glu, triton_norm, triton_rotary
+from ran_hf import RANForMaskedLM, kernels
 
 
 def main():
@@ -57,7 +57,8 @@ def main():
     results = []
     for name in args.models:
         scan, _, options = name.removeprefix("ran-").partition("+")
-        triton_norm.ENABLED = triton_glu.ENABLED = triton_rotary.ENABLED = options != "pytorch-token-ops"
+        for op in ("norm", "glu", "rotary"):
+            kernels.TRITON[op] = options != "pytorch-token-ops"
         if name == "transformer":
             model = BlockAttentionMLM(args.vocab_size, args.hidden_size, args.num_layers, args.num_heads,
                                       args.window_size)  # fmt: skip

@@ -1,18 +1,19 @@
 """RAN's building blocks, shared by the layer and the cell scans: the official normalisation (`standard_normalize`,
-`RANLayerNorm`, langml's), unit vectors, the gated linear unit, the interleaved rotary embedding and the row
-gather every layout uses.
+`RANCenteredRMSNorm`, langml's `LayerNormalization`), unit vectors, the gated linear unit, the interleaved rotary
+embedding and the row gather every layout uses.
 
 On CUDA the normalisations, the gated linear unit and the rotary embedding run as one Triton kernel each way
-(`triton_norm.py`, `triton_glu.py`, `triton_rotary.py`; their `ENABLED` switches them off).
+(`triton_norm.py`, `triton_glu.py`, `triton_rotary.py`), where `kernels.choose` says so (kernels.py).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .triton_glu import NO_ACTIVATION, branch_activation, triton_glu, triton_glu_applies
-from .triton_norm import TritonNorm, triton_norm_applies
-from .triton_rotary import triton_rotary_applies, triton_rotate_pairs
+from .kernels import PLAIN_WEIGHT_MODULES, choose
+from .triton_glu import NO_ACTIVATION, branch_activation, triton_glu
+from .triton_norm import TritonNorm
+from .triton_rotary import triton_rotate_pairs
 
 
 def standard_normalize(hidden_states: torch.Tensor, eps: float, dropout: nn.Dropout | None = None) -> torch.Tensor:
@@ -27,7 +28,7 @@ def standard_normalize(hidden_states: torch.Tensor, eps: float, dropout: nn.Drop
     input_dtype = hidden_states.dtype
     # (the meta device, which checks shapes and counts kernels, has no autocast state to ask)
     autocast = hidden_states.device.type != "meta" and torch.is_autocast_enabled(hidden_states.device.type)
-    if triton_norm_applies(hidden_states):  # one kernel each way instead of seven to nine ops (and dropout's two)
+    if choose("norm", hidden_states) == "triton":  # one kernel each way, not seven to nine ops (and dropout's two)
         out_dtype = torch.float32 if autocast else input_dtype
         return TritonNorm.apply(hidden_states, None, None, eps, out_dtype, dropout_rate(dropout))
     hidden_states = hidden_states.float()
@@ -49,10 +50,15 @@ def unit_vectors(states: torch.Tensor) -> torch.Tensor:
     return F.normalize(states.float(), dim=-1).to(states.dtype)
 
 
-class RANLayerNorm(nn.Module):
-    """`standard_normalize` followed by a learned scale and shift (langml's LayerNorm, which RAN checkpoints use);
-    then, where `forward` is asked to, `standard_normalize` again (the official layer's ending) and the `dropout`
-    given (inside the kernel on CUDA)."""
+class RANCenteredRMSNorm(nn.Module):
+    """weight * (x - mean(x)) / sqrt(mean(x^2) + eps) + bias: `standard_normalize` followed by a learned scale and
+    shift; then, where `forward` is asked to, `standard_normalize` again (the official layer's ending) and the
+    `dropout` given (inside the kernel on CUDA).
+
+    The official code (langml) and the paper call it LayerNorm (langml's `LayerNormalization`), and RAN checkpoints
+    name its weights that way. It is not `nn.LayerNorm`: the input is centred, but divided by its root mean square
+    (of the uncentred input), not by its standard deviation; nor is it an RMS norm, which does not centre.
+    """
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -63,7 +69,7 @@ class RANLayerNorm(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, dropout: nn.Dropout | None = None, then_standardize: bool = False
     ) -> torch.Tensor:
-        if triton_norm_applies(hidden_states):
+        if choose("norm", hidden_states) == "triton":
             autocast = hidden_states.device.type == "cuda" and torch.is_autocast_enabled("cuda")
             normalized_dtype = torch.float32 if autocast else hidden_states.dtype
             out_dtype = torch.promote_types(self.weight.dtype, normalized_dtype)
@@ -75,10 +81,13 @@ class RANLayerNorm(nn.Module):
         return normalized if dropout is None else dropout(normalized)
 
 
+PLAIN_WEIGHT_MODULES[RANCenteredRMSNorm] = ()  # the fused scans read its weight and bias
+
+
 class RANGatedLinearUnit(nn.Module):
     """GLU(x) = (A x + a) * sigmoid(G x + g), with A and G fused into one projection; plus a residual branch
-    dropout(activation(residual)) where a residual is given; then, where given, a `norm` (`RANLayerNorm`, with its
-    `then_standardize` and `norm_dropout`). One kernel each way on CUDA, where the branch's activation, dropout and
+    dropout(activation(residual)) where a residual is given; then, where given, a `norm` (`RANCenteredRMSNorm`, with
+    its `then_standardize` and `norm_dropout`). One kernel each way on CUDA, where the branch's activation, dropout and
     sum, and the norm, would be kernels of their own. With `residual_rows`, the residual is rows of another order:
     output row r adds row `residual_rows[r]` (read through the map by the kernel, not gathered)."""
 
@@ -93,11 +102,11 @@ class RANGatedLinearUnit(nn.Module):
         residual_activation: nn.Module | None = None,
         residual_dropout: nn.Dropout | None = None,
         residual_rows: torch.Tensor | None = None,
-        norm: RANLayerNorm | None = None,
+        norm: RANCenteredRMSNorm | None = None,
         norm_dropout: nn.Dropout | None = None,
         then_standardize: bool = False,
     ) -> torch.Tensor:
-        fused = triton_glu_applies(hidden_states)
+        fused = choose("glu", hidden_states) == "triton"
         # On the kernel's path the bias is added by the kernel, which also sums its gradient: one pass over the
         # projection's gradient fewer. A wrapped projection (LoRA, quantised) runs as it is.
         bias = self.proj.bias if fused and type(self.proj) is nn.Linear else None
@@ -112,7 +121,8 @@ class RANGatedLinearUnit(nn.Module):
         )
         if fused and activation is not None and fits:  # the whole branch, and the norm, in the kernel
             out_dtype, norm_args = projected.dtype, None
-            if norm is not None and type(norm) is RANLayerNorm and triton_norm_applies(projected[..., :width]):
+            norm_fused = norm is not None and type(norm) is RANCenteredRMSNorm
+            if norm_fused and choose("norm", projected[..., :width]) == "triton":
                 autocast = projected.device.type == "cuda" and torch.is_autocast_enabled("cuda")
                 out_dtype = torch.promote_types(norm.weight.dtype, torch.float32 if autocast else projected.dtype)
                 norm_args = (norm.weight, norm.bias, norm.eps, then_standardize, dropout_rate(norm_dropout))
@@ -134,6 +144,19 @@ class RANGatedLinearUnit(nn.Module):
         return out if norm is None else norm(out, norm_dropout, then_standardize)
 
 
+PLAIN_WEIGHT_MODULES[RANGatedLinearUnit] = ("proj",)  # the fused scans read its projection's weight and bias
+
+
+def project_heads(qkv: torch.Tensor, num_heads: int, head_dim: int, act: nn.Module, qk_activation: bool):
+    """A query/key/value projection's output (..., 3 H d) -> (..., 3, H, d) queries, keys and values; the values
+    activated, and the queries and keys where `qk_activation` (`config.attention_qk_activation`)."""
+    qkv = qkv.unflatten(-1, (3, num_heads, head_dim))
+    if qk_activation:
+        return act(qkv)
+    query_key, value = qkv.split([2, 1], dim=-3)
+    return torch.cat([query_key, act(value)], dim=-3)
+
+
 def rotary_rotations(num_positions: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """(num_positions, head_dim / 2, 2): cosine and sine of each pair's rotation at positions 0, 1, ..."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
@@ -148,7 +171,7 @@ def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> t
     RAN rotates neighbouring pairs, not the two halves of the head as Llama does. Real arithmetic, not a complex
     product: ONNX has no complex numbers.
     """
-    if triton_rotary_applies(states):  # one kernel each way instead of about fifteen and twenty ops
+    if choose("rotary", states) == "triton":  # one kernel each way instead of about fifteen and twenty ops
         return triton_rotate_pairs(states, rotations)
     x, y = states.float().unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = rotations.unbind(-1)

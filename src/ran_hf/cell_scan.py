@@ -1,36 +1,63 @@
 """The cell scan: the one sequential part of a RAN layer, window by window.
 
-A scan function has the signature of `reference_cell_scan`. It takes the layer (whose projections and norms it
-uses) and returns, per scan step, the key and value of the cell each window reads, its raw cell and its cell. The
-layer calls the function that `config.scan_implementation` names in `ALL_SCAN_FUNCTIONS`; other implementations
-(a benchmark's variant of the design) join with `RANScanInterface.register`, as attention functions join
-Transformers' `AttentionInterface`.
+`RANCellScan` is the layer's scan (`layer.cell_scan`): the shapes and switches of the cell's maths, and its dropout.
+It has no parameters of its own. The weights it uses are the layer's (`CellScanWeights`: the input norm, the
+projections, the attention's GLU and norm, the cell's GLU and norm), handed to it by the layer at every call, so
+that a module an adapter has replaced (PEFT's LoRA replaces `qkv_proj` and `o_proj`) is the one the scan calls, and
+so that state-dict keys are those of the layer.
 
-Registered here: "reference", the plain loop that autograd records op by op; "fused", the same maths as one
-autograd node with a hand-written backward (fused_scan.py), which runs the reference, warning once, where it cannot;
-"triton", that node with each window's steps in Triton kernels (triton_scan.py), which runs the fused scan where it
-cannot; and "auto" (the default), Triton on CUDA where it can run, the reference elsewhere. The fused and Triton
-scans take tensors and plain weights: `fused_scan` below reads them from the layer.
+Every implementation has one signature, `scan(cell_scan, weights, cell, previous_raw, keys, values, layout)`, and
+returns `CellScanOutputs`; `ALL_SCAN_FUNCTIONS` holds them by name:
+- "reference": the plain loop that autograd records op by op (`reference_cell_scan`);
+- "fused": the same maths as one autograd node with a hand-written backward (fused_scan.py; under `torch.compile`
+  one custom op, scan_op.py);
+- "triton": that node with each window's steps in Triton kernels, two launches per window forward and two
+  backward (triton_scan.py);
+- "export": the reference as one `scan` operator over the steps, for `torch.export` and ONNX.
+Which one runs is chosen in one place, `kernels.choose("scan", ...)` (kernels.py), from `config.scan_implementation`
+("auto" by default), the device, Triton, the activation and whether the layer's modules are plain. Other
+implementations (a benchmark's variant of the design) join with `RANScanInterface.register`, as attention functions
+join Transformers' `AttentionInterface`, and run where the config names them.
 """
 
 import math
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.utils import logging
+from transformers.activations import ACT2FN
 from transformers.utils.generic import GeneralInterface
 
-from .building_blocks import RANLayerNorm, gather_rows
+from .building_blocks import gather_rows, project_heads, standard_normalize
 from .fused_scan import FusedCellScan, ScanPlan, window_maxima
+from .kernels import choose
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 from .scan_op import cell_scan_op
-from .triton_scan import BUILD_FAILURES, TRITON_KERNELS, kernel_build_errors, triton_scan_unsupported
-from .triton_scan_kernels import SILU_ACTIVATIONS
+from .triton_scan import TRITON_KERNELS, kernel_build_errors, record_build_failure
 from .window_layout import RANWindowLayout
 
-logger = logging.get_logger(__name__)
+
+class CellScanWeights(NamedTuple):
+    """The layer's modules whose weights a cell scan uses (None: the layer's design has no such step)."""
+
+    input_norm: nn.Module  # the cell's input norm (the layer's concat norm of tokens and cells)
+    qkv_proj: nn.Module  # queries, keys and values of the cell, as of the tokens
+    o_proj: nn.Module  # the output projection that writes the raw cell
+    attention_glu: nn.Module | None  # with `cell_input_residual`: the gated residual of the cell's input ...
+    attention_norm: nn.Module | None  # ... and the norm after it
+    cell_glu: nn.Module | None  # with `use_cell_residual`: the gated residual of the raw cell before ...
+    cell_norm: nn.Module | None  # ... and the norm that writes the cell
+
+
+class CellScanOutputs(NamedTuple):
+    """Per scan step j (the j-th window of every sequence in this pass), stacked as (N, B, ...)."""
+
+    read_keys: torch.Tensor  # (N, B, H, d) the key of the cell the window reads
+    read_values: torch.Tensor  # (N, B, H, d) its value
+    raw_cells: torch.Tensor  # (N, B, D) the raw cell ĉ the window writes
+    cells: torch.Tensor  # (N, B, D) the cell c the window writes
 
 
 def step_major(keys: torch.Tensor, values: torch.Tensor, layout: RANWindowLayout):
@@ -49,64 +76,51 @@ def step_major(keys: torch.Tensor, values: torch.Tensor, layout: RANWindowLayout
 
 
 def reference_cell_scan(
-    layer: nn.Module,  # a RANLayer
+    scan: "RANCellScan",
+    weights: CellScanWeights,
     cell: torch.Tensor,
     previous_raw: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     layout: RANWindowLayout,
-):
+) -> CellScanOutputs:
     """Window by window, the cell attends over itself and its window's tokens, then is updated (paper eq. 5-7).
 
     `cell` (B, D) is the cell the first window reads; `previous_raw` (B, D) the raw output of the window before it,
-    if any (continuing a cached sequence); `keys`/`values` (K, H, S, d) the window slots' keys and values. Returns,
-    per step j (the j-th window of every sequence in this pass), stacked as (N, B, ...): the key and value of the
-    cell the window reads, its raw cell ĉ and its cell c.
+    if any (continuing a cached sequence); `keys`/`values` (K, H, S, d) the window slots' keys and values.
 
     Under autocast the loop runs in the layer's weights' dtype (float32 in mixed precision), and so do the cells it
-    returns. Under `torch.compile`, where the fused scan applies, its single op runs instead (the same results to
-    float rounding): traced, this loop would be unrolled, one copy per window and a new graph per window count.
+    returns.
     """
-    if torch.compiler.is_exporting():
-        return exportable_cell_scan(layer, cell, previous_raw, keys, values, layout)
-    if torch.compiler.is_compiling():
-        reason = fused_scan_unsupported(layer, cell)
-        if reason is None:
-            return fused_scan(layer, cell, previous_raw, *step_major(keys, values, layout), layout)
-        logger.warning_once(
-            f"Compiled, the cell scan is unrolled into the graph, which is then rebuilt for every number of windows: "
-            f"its single-op form cannot run here, as {reason}."
-        )
     device = cell.device.type
     if device != "meta" and torch.is_autocast_enabled(device):  # meta: no autocast state to ask
         # The cell is a running state rewritten every window, through standardisations that divide by a mean of
         # squares: in bfloat16 its gradients were up to 28% off their float32 values.
-        dtype = layer.qkv_proj.weight.dtype
+        dtype = weights.qkv_proj.weight.dtype
         with torch.autocast(device, enabled=False):
             read_keys, read_values, raw_cells, cells = reference_cell_scan(
-                layer, cell.to(dtype), previous_raw.to(dtype), keys.to(dtype), values.to(dtype), layout
+                scan, weights, cell.to(dtype), previous_raw.to(dtype), keys.to(dtype), values.to(dtype), layout
             )
-        return read_keys.to(keys.dtype), read_values.to(values.dtype), raw_cells, cells
+        return CellScanOutputs(read_keys.to(keys.dtype), read_values.to(values.dtype), raw_cells, cells)
     # Step-major views of every sequence's windows. `unbind` (not indexing inside the loop) keeps the backward pass
     # linear in the number of steps.
     step_keys, step_values, step_mask = step_major(keys, values, layout)
-    maxima = window_maxima(step_values, step_mask).unbind(0) if layer.config.layer_option("cell_max_pool") else None
+    maxima = window_maxima(step_values, step_mask).unbind(0) if scan.cell_max_pool else None
     step_keys, step_values, step_mask = step_keys.unbind(0), step_values.unbind(0), step_mask.unbind(0)
     # Every window after a sequence's first has a cell residual; at step 0 only sequences continued from a cache.
-    use_residual = layer.config.use_cell_residual
     first_step_continues = layout.first_window[:, None] > 0  # (B, 1)
-    dropout = draw_scan_dropout(layer, layout.num_steps, cell.shape[0], keys.shape[-2], cell.dtype, cell.device)
+    dropout = draw_scan_dropout(scan, layout.num_steps, cell.shape[0], keys.shape[-2], cell.dtype, cell.device)
 
     read_keys, read_values, raw_cells, cells = [], [], [], []
     for step in range(layout.num_steps):
-        if not use_residual or (step == 0 and layout.continued_rows == 0):
+        if not scan.use_cell_residual or (step == 0 and layout.continued_rows == 0):
             continues = None
         elif step == 0 and layout.continued_rows < layout.batch_size:
             continues = first_step_continues
         else:
             continues = True
         key, value, raw, cell = cell_step(
-            layer, cell, previous_raw, step_keys[step], step_values[step], step_mask[step],
+            scan, weights, cell, previous_raw, step_keys[step], step_values[step], step_mask[step],
             None if maxima is None else maxima[step], dropout.step(step), continues,
         )  # fmt: skip
         previous_raw = raw
@@ -114,10 +128,10 @@ def reference_cell_scan(
         read_values.append(value)
         raw_cells.append(raw)
         cells.append(cell)
-    return torch.stack(read_keys), torch.stack(read_values), torch.stack(raw_cells), torch.stack(cells)
+    return CellScanOutputs(*(torch.stack(per_step) for per_step in (read_keys, read_values, raw_cells, cells)))
 
 
-def cell_step(layer, cell, previous_raw, keys, values, mask, maxima, masks: ScanDropout, continues):
+def cell_step(scan, weights, cell, previous_raw, keys, values, mask, maxima, masks: ScanDropout, continues):
     """One window of the scan: the cell reads itself and the window's slots, then writes its raw cell.
 
     `keys`/`values` (B, H, S, d) and `mask` (B, S) are the window's slots, `maxima` (B, H, d) or None their soft
@@ -125,154 +139,80 @@ def cell_step(layer, cell, previous_raw, keys, values, mask, maxima, masks: Scan
     None (no row: the cell is the raw cell), True (every row) or a (B, 1) boolean. Returns the key and value of the
     cell read (B, H, d), the raw cell and the cell (B, D).
     """
-    normed = drop(layer.input_norm(cell), masks.input)  # (B, D)
-    query, key, value = layer.project(normed).unbind(-3)  # (B, H, d) each
+    normed = drop(weights.input_norm(cell), masks.input)  # (B, D)
+    query, key, value = scan.project(weights.qkv_proj, normed).unbind(-3)  # (B, H, d) each
     token_scores = torch.einsum("bhd,bhsd->bhs", query, keys)  # (B, H, S)
     token_scores = token_scores.masked_fill(~mask[:, None, :], float("-inf"))
     cell_score = (query * key).sum(-1, keepdim=True)  # (B, H, 1)
-    scale = 1.0 / math.sqrt(layer.head_dim)
+    scale = 1.0 / math.sqrt(scan.head_dim)
     probs = torch.softmax(torch.cat([cell_score, token_scores], -1) * scale, dim=-1)  # (B, H, 1 + S)
     probs = drop(probs, masks.probs)
     attended = probs[..., :1] * value + torch.einsum("bhs,bhsd->bhd", probs[..., 1:], values)
     if maxima is not None:
         attended = attended + maxima
-    raw = layer.write_cell(attended.flatten(-2), normed, masks.output, masks.written)  # (B, D)
+    raw = scan.write_cell(weights, attended.flatten(-2), normed, masks.output, masks.written)  # (B, D)
     if continues is None:
         return key, value, raw, raw
-    updated = drop(layer.cell_norm(raw + layer.cell_glu(previous_raw)), masks.cell)
+    updated = drop(weights.cell_norm(raw + weights.cell_glu(previous_raw)), masks.cell)
     return key, value, raw, updated if continues is True else torch.where(continues, updated, raw)
 
 
-def exportable_cell_scan(layer, cell, previous_raw, keys, values, layout):
+def exportable_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
     """`reference_cell_scan` as one `scan` operator over the steps (ONNX `Scan`), for `torch.export` and ONNX, where
     a Python loop would be unrolled for the example's number of windows. Inference only, without a cache."""
-    from torch._higher_order_ops.scan import scan
+    from torch._higher_order_ops.scan import scan as scan_operator
 
     step_keys, step_values, step_mask = step_major(keys, values, layout)
     # (N, B, 1): a row adds the cell residual of the window before from its second window on.
     continues = torch.arange(step_mask.shape[0], device=cell.device)[:, None, None] > 0
     per_step = [step_keys, step_values, step_mask, continues.expand(-1, cell.shape[0], 1)]
-    if layer.config.layer_option("cell_max_pool"):
+    if scan.cell_max_pool:
         per_step.append(window_maxima(step_values, step_mask))
 
     def step(carry, inputs):
         window_keys, window_values, mask, window_continues, *maxima = inputs
         key, value, raw, cell = cell_step(
-            layer, *carry, window_keys, window_values, mask, maxima[0] if maxima else None, NO_DROPOUT,
-            window_continues if layer.config.use_cell_residual else None,
+            scan, weights, *carry, window_keys, window_values, mask, maxima[0] if maxima else None, NO_DROPOUT,
+            window_continues if scan.use_cell_residual else None,
         )  # fmt: skip
         # The scan's outputs may alias neither each other (views of one projection) nor the carried state.
         return (cell, raw), tuple(output.clone() for output in (key, value, raw, cell))
 
-    _, (read_keys, read_values, raw_cells, cells) = scan(step, (cell, previous_raw), per_step)
-    return read_keys, read_values, raw_cells, cells
+    _, outputs = scan_operator(step, (cell, previous_raw), per_step)
+    return CellScanOutputs(*outputs)
 
 
-def fused_cell_scan(
-    layer: nn.Module,  # a RANLayer
-    cell: torch.Tensor,
-    previous_raw: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    layout: RANWindowLayout,
-    kernels=None,
-):
-    """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py).
-
-    Where the fused scan does not apply (an activation other than SiLU), it runs the reference and says why,
-    once. It computes in float32 whatever the inputs' dtype and autocast.
-    """
-    reason = fused_scan_unsupported(layer, cell)
-    if reason is not None:
-        logger.warning_once(f"The fused cell scan runs the reference scan instead: {reason}.")
-        return reference_cell_scan(layer, cell, previous_raw, keys, values, layout)
-    return fused_scan(layer, cell, previous_raw, *step_major(keys, values, layout), layout, kernels)
+def fused_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
+    """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py), for a
+    SiLU layer whose modules are plain (`kernels.fused_scan_unsupported`). It computes in float32 whatever the
+    inputs' dtype and autocast; under `torch.compile` as one custom op (scan_op.py)."""
+    return fused_scan(scan, weights, cell, previous_raw, *step_major(keys, values, layout), layout)
 
 
-def triton_cell_scan(
-    layer: nn.Module,  # a RANLayer
-    cell: torch.Tensor,
-    previous_raw: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    layout: RANWindowLayout,
-):
-    """`reference_cell_scan`'s results from Triton kernels, three launches per window each way (triton_scan.py).
-
-    Where they cannot run (no Triton, no CUDA device, float64, an activation other than SiLU, wrapped projections)
-    it runs the fused scan, or the reference where that cannot run either, saying why once. Under `torch.compile`
-    it runs the fused scan's single custom op, whose graph does not grow with the number of windows.
-    """
-    reason = triton_scan_unsupported(cell)
-    if reason is None and not torch.compiler.is_compiling():
-        try:
-            return fused_cell_scan(layer, cell, previous_raw, keys, values, layout, kernels=TRITON_KERNELS)
-        except kernel_build_errors() as error:  # built on first use: a GPU it cannot be built for gets the fused scan
-            BUILD_FAILURES.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-            reason = triton_scan_unsupported(cell)
-    if reason is not None:
-        logger.warning_once(f"The Triton cell scan runs the fused scan instead: {reason}.")
-    return fused_cell_scan(layer, cell, previous_raw, keys, values, layout)
-
-
-def auto_cell_scan(
-    layer: nn.Module,  # a RANLayer
-    cell: torch.Tensor,
-    previous_raw: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    layout: RANWindowLayout,
-):
-    """The default: the Triton scan on a CUDA device where Triton is installed, the reference scan elsewhere (on a
-    CPU the reference is as fast as any other for a whole model, and it is the one the tests are written from)."""
-    if cell.device.type == "cuda" and triton_scan_unsupported(cell) is None:
-        return triton_cell_scan(layer, cell, previous_raw, keys, values, layout)
-    return reference_cell_scan(layer, cell, previous_raw, keys, values, layout)
+def triton_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
+    """`fused_cell_scan` with each window's steps in Triton kernels: two launches per window forward and two backward
+    (triton_scan.py), plus one launch at each end of the scan each way."""
+    return fused_scan(scan, weights, cell, previous_raw, *step_major(keys, values, layout), layout, TRITON_KERNELS)
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The layer-to-kernel adapter: the fused and Triton scans take tensors and plain weights, read from the layer here.
+# The layer-to-kernel adapter: the fused and Triton scans take tensors and plain weights, read from `weights` here.
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def scan_modules(layer) -> dict:
-    """The modules whose weights the fused scan reads directly, by name."""
-    names = ["input_norm", "qkv_proj", "o_proj"]
-    if layer.cell_input_residual:
-        names += ["attention_glu.proj", "attention_norm"]
-    if layer.config.use_cell_residual:
-        names += ["cell_glu.proj", "cell_norm"]
-    return {name: layer.get_submodule(name) for name in names}
-
-
-def fused_scan_unsupported(layer, cell: torch.Tensor) -> str | None:
-    """Why the fused scan cannot run this layer on this input, or None if it can."""
-    if layer.config.hidden_act not in SILU_ACTIVATIONS:
-        return f"it computes SiLU activations only (`hidden_act` is {layer.config.hidden_act!r})"
-    # It reads weights, not modules: a wrapped projection (LoRA adapters, quantisation, hooks) would be bypassed.
-    for name, module in scan_modules(layer).items():
-        if type(module) not in (nn.Linear, RANLayerNorm) or module._forward_hooks or module._forward_pre_hooks:
-            kind = f"{type(module).__module__}.{type(module).__qualname__}"
-            return f"it reads plain weights, and `{name}` is wrapped ({kind}, or forward hooks): adapters would be skipped"
-    return None
-
-
-def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, layout, kernels=None):
-    """Run `FusedCellScan` for `layer`, its steps computed by `kernels` (a forward and a backward function with
-    `scan_forward`'s and `scan_backward`'s signatures, such as the Triton scan's) or by fused_scan.py's: the step-major
-    slots (N, B, H, S, d) and their mask (N, B, S) as in the reference scan. Returns what `reference_cell_scan`
-    returns."""
-    config = layer.config
-    num_heads = layer.num_heads
+def fused_scan(scan, weights, cell, previous_raw, step_keys, step_values, step_mask, layout, kernels=None):
+    """Run `FusedCellScan` for the scan `scan` with the modules `weights`, its steps computed by `kernels` (a forward
+    and a backward function with `scan_forward`'s and `scan_backward`'s signatures, such as the Triton scan's) or by
+    fused_scan.py's: the step-major slots (N, B, H, S, d) and their mask (N, B, S) as in the reference scan. Returns
+    what `reference_cell_scan` returns."""
+    num_heads = scan.num_heads
     num_steps, batch_size = step_mask.shape[:2]
-    attention_glu = attention_norm = cell_glu = cell_norm = (None, None)
-    if layer.cell_input_residual:
-        attention_glu = (layer.attention_glu.proj.weight, layer.attention_glu.proj.bias)
-        attention_norm = (layer.attention_norm.weight, layer.attention_norm.bias)
+
+    def weight_and_bias(module):
+        return (None, None) if module is None else (module.weight, module.bias)
+
     first_step_residual = False
-    if config.use_cell_residual:
-        cell_glu = (layer.cell_glu.proj.weight, layer.cell_glu.proj.bias)
-        cell_norm = (layer.cell_norm.weight, layer.cell_norm.bias)
+    if scan.use_cell_residual:
         if layout.continued_rows == batch_size:
             first_step_residual = True
         elif layout.continued_rows > 0:
@@ -280,12 +220,12 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
     plan = ScanPlan(
         num_steps=num_steps,
         num_heads=num_heads,
-        head_dim=layer.head_dim,
-        eps=config.layer_norm_eps,
-        cell_input_residual=layer.cell_input_residual,
-        use_cell_residual=config.use_cell_residual,
-        qk_activation=config.layer_option("attention_qk_activation"),
-        output_activation=config.layer_option("memory_value_activation"),
+        head_dim=scan.head_dim,
+        eps=scan.eps,
+        cell_input_residual=scan.cell_input_residual,
+        use_cell_residual=scan.use_cell_residual,
+        qk_activation=scan.qk_activation,
+        output_activation=scan.output_activation,
         first_step_residual=first_step_residual,
         keep_for_backward=torch.is_grad_enabled(),
         kernels=kernels,
@@ -297,54 +237,99 @@ def fused_scan(layer, cell, previous_raw, step_keys, step_values, step_mask, lay
     score_bias = torch.zeros(visible.shape, dtype=compute_dtype, device=cell.device)
     score_bias = score_bias.masked_fill_(~visible, float("-inf"))
     score_bias = score_bias[:, :, None, None].expand(-1, -1, num_heads, 1, -1).flatten(1, 2)  # (N, B H, 1, 1 + S)
-    weights = (
-        layer.input_norm.weight, layer.input_norm.bias, layer.qkv_proj.weight, layer.qkv_proj.bias,
-        layer.o_proj.weight, layer.o_proj.bias, *attention_glu, *attention_norm, *cell_glu, *cell_norm,
-    )  # fmt: skip
-    weights = tuple(None if weight is None else weight.to(compute_dtype) for weight in weights)
-    dropout = draw_scan_dropout(layer, num_steps, batch_size, step_keys.shape[-2], compute_dtype, cell.device)
+    attention_glu = None if weights.attention_glu is None else weights.attention_glu.proj
+    cell_glu = None if weights.cell_glu is None else weights.cell_glu.proj
+    modules = (weights.input_norm, weights.qkv_proj, weights.o_proj, attention_glu, weights.attention_norm, cell_glu,
+               weights.cell_norm)  # fmt: skip
+    plain = tuple(tensor for module in modules for tensor in weight_and_bias(module))  # the 14 weights
+    plain = tuple(None if weight is None else weight.to(compute_dtype) for weight in plain)
+    dropout = draw_scan_dropout(scan, num_steps, batch_size, step_keys.shape[-2], compute_dtype, cell.device)
     output_shift = None
-    if config.layer_option("cell_max_pool"):  # the reference adds the maxima before `o_proj`: the same, by linearity
+    if scan.cell_max_pool:  # the reference adds the maxima before `o_proj`: the same, by linearity
         maxima = window_maxima(step_values, step_mask).flatten(-2).to(compute_dtype)  # (N, B, H d)
-        output_shift = torch.mm(maxima.flatten(0, 1), weights[4].t()).view(num_steps, batch_size, -1)
-    inputs = (cell, previous_raw, step_keys, step_values)
+        output_shift = torch.mm(maxima.flatten(0, 1), plain[4].t()).view(num_steps, batch_size, -1)
+    inputs = tuple(tensor.to(compute_dtype) for tensor in (cell, previous_raw, step_keys, step_values))
     # (the meta device, which checks shapes and counts kernels, has no autocast to switch off)
-    no_autocast = nullcontext() if cell.device.type == "meta" else torch.autocast(cell.device.type, enabled=False)
-    with no_autocast:
+    device = cell.device.type
+    with torch.autocast(device, enabled=False) if device != "meta" else nullcontext():
         if torch.compiler.is_compiling():
             # One opaque op for dynamo: the steps are not unrolled into the graph, whose shapes then follow the
             # number of windows instead of being rebuilt for each one.
-            outputs = cell_scan_op(
-                plan, *(tensor.to(compute_dtype) for tensor in inputs), output_shift, score_bias, dropout, weights
-            )
+            outputs = cell_scan_op(plan, *inputs, output_shift, score_bias, dropout, plain)
         else:
-            outputs = FusedCellScan.apply(
-                plan, *(tensor.to(compute_dtype) for tensor in inputs), output_shift, score_bias, dropout, *weights
-            )
+            outputs = FusedCellScan.apply(plan, *inputs, output_shift, score_bias, dropout, *plain)
     # The cells keep the dtype of the cell read (float32 under autocast); the keys and values that of the tokens'.
     dtypes = (step_keys.dtype, step_values.dtype, cell.dtype, cell.dtype)
-    return tuple(output.to(dtype) for output, dtype in zip(outputs, dtypes))
+    return CellScanOutputs(*(output.to(dtype) for output, dtype in zip(outputs, dtypes)))
 
 
 class RANScanInterface(GeneralInterface):
-    """The cell scans a RAN layer can run, by name (`config.scan_implementation`)."""
+    """The cell scans a RAN layer can run, by name (`config.scan_implementation`; "auto" is `kernels.choose`'s)."""
 
     _global_mapping = {
-        "auto": auto_cell_scan,
         "reference": reference_cell_scan,
         "fused": fused_cell_scan,
         "triton": triton_cell_scan,
+        "export": exportable_cell_scan,
     }
 
 
 ALL_SCAN_FUNCTIONS = RANScanInterface()
 
 
-def scan_function(name: str):
-    """The cell scan registered under `name` in `ALL_SCAN_FUNCTIONS`."""
-    if name not in ALL_SCAN_FUNCTIONS:
-        raise ValueError(
-            f"`config.scan_implementation` is {name!r}, which is not a registered cell scan; registered: "
-            f"{sorted(ALL_SCAN_FUNCTIONS)}. Add one with `ran_hf.cell_scan.RANScanInterface.register(name, function)`."
-        )
-    return ALL_SCAN_FUNCTIONS[name]
+class RANCellScan(nn.Module):
+    """The cell scan of one layer: what shapes its maths (heads, switches of the layer's design) and its dropout.
+    Its weights are the layer's, passed at every call as `CellScanWeights`; it has no parameters of its own."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.hidden_size, self.eps = config.hidden_size, config.layer_norm_eps
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.cell_input_residual = config.layer_option("cell_input_residual")
+        self.use_cell_residual = config.use_cell_residual
+        self.qk_activation = config.layer_option("attention_qk_activation")
+        self.output_activation = config.layer_option("memory_value_activation")  # of what the cell writes
+        self.cell_max_pool = config.layer_option("cell_max_pool")
+        self.act = ACT2FN[config.hidden_act]
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.attention_dropout = config.attention_probs_dropout_prob
+
+    def project(self, qkv_proj: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., 3, H, d) queries, keys and values, as the layer projects its tokens."""
+        return project_heads(qkv_proj(normed), self.num_heads, self.head_dim, self.act, self.qk_activation)
+
+    def write_cell(self, weights, attended: torch.Tensor, normed_cell: torch.Tensor, output_mask=None,
+                   written_mask=None):  # fmt: skip
+        """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D); the masks are the scan's dropout
+        (scan_dropout.py), None where nothing is dropped.
+
+        Without `cell_input_residual` the cell is what its attention read from the window: the gated residual of
+        the cell's own input would add a term that is the same for every text in the first window and drowns it.
+        With it (and the official activation of what the cell writes), this is the layer's `finish_attention` for
+        the cell.
+        """
+        written = weights.o_proj(attended)
+        written = drop(self.act(written) if self.output_activation else written, output_mask)
+        if self.cell_input_residual:
+            written = weights.attention_norm(written + weights.attention_glu(normed_cell))
+        return drop(standard_normalize(written, self.eps), written_mask)
+
+    def forward(self, weights: CellScanWeights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
+        """Run the implementation `kernels.choose` picks; see `reference_cell_scan` for the arguments."""
+        requested = self.config.scan_implementation
+        if requested != "auto" and requested not in ALL_SCAN_FUNCTIONS:
+            raise ValueError(
+                f"`config.scan_implementation` is {requested!r}, which is not a registered cell scan; registered: "
+                f"{sorted(ALL_SCAN_FUNCTIONS)}. Add one with `ran_hf.cell_scan.RANScanInterface.register(name, "
+                f"function)`."
+            )
+        name = choose("scan", requested, self.config.hidden_act, weights, cell)
+        try:
+            outputs = ALL_SCAN_FUNCTIONS[name](self, weights, cell, previous_raw, keys, values, layout)
+        except kernel_build_errors() as error:  # built on first use: a GPU they cannot be built for
+            if name != "triton":
+                raise
+            record_build_failure(error)  # from now on `choose` gives the fused scan, and says why
+            return self(weights, cell, previous_raw, keys, values, layout)
+        return CellScanOutputs(*outputs)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
-from .building_blocks import RANGatedLinearUnit, RANLayerNorm, unit_vectors
+from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, unit_vectors
 from .cache_ran import RANCacheLayer
 from .causal_memory import memory_to_read
 from .configuration_ran import RANConfig
@@ -48,7 +48,7 @@ class RANMemoryReview(nn.Module):
         self.kv_proj = nn.Linear(hidden_size, 2 * hidden_size)
         self.o_proj = nn.Linear(hidden_size, hidden_size)
         self.glu = RANGatedLinearUnit(hidden_size)
-        self.norm = RANLayerNorm(hidden_size, config.layer_norm_eps)
+        self.norm = RANCenteredRMSNorm(hidden_size, config.layer_norm_eps)
         self.act = ACT2FN[config.hidden_act]
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob

@@ -16,7 +16,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
 from .adaptive_softmax import RANAdaptiveSoftmax, RANOutputMapping, adaptive_lm_loss
-from .building_blocks import RANLayerNorm
+from .building_blocks import RANCenteredRMSNorm
 from .cache_ran import RANCache, cache_transaction
 from .configuration_ran import RANConfig
 from .input_checks import (
@@ -81,7 +81,7 @@ class RANPredictionHead(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.act = ACT2FN[config.hidden_act]
-        self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.norm = RANCenteredRMSNorm(config.hidden_size, config.layer_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.norm(self.act(self.dense(self.dropout(hidden_states))))

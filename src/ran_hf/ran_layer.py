@@ -10,6 +10,8 @@ Shapes: B batch, L padded length, T real tokens in the batch, K windows in the b
 sequence, S slots of a window (enrichment tokens + the longest window), H heads, d head size, D hidden size.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,21 +20,36 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .associative_memory import RANAssociativeMemory
-from .building_blocks import (
-    RANGatedLinearUnit,
-    RANLayerNorm,
-    apply_interleaved_rotary,
-    gather_rows,
-    standard_normalize,
-)
+from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, apply_interleaved_rotary, project_heads
 from .cache_ran import RANCacheLayer
 from .causal_memory import update_cache
-from .cell_scan import scan_function
+from .cell_scan import CellScanWeights, RANCellScan
 from .configuration_ran import RANConfig
+from .kernels import choose
 from .memory_review import RANMemoryReview
-from .scan_dropout import drop
-from .triton_window_projection import JoinReadCells, triton_window_projection, triton_window_projection_applies
+from .triton_window_projection import JoinReadCells, triton_window_projection
 from .window_layout import RANWindowLayout
+
+
+class WindowProjections(NamedTuple):
+    """What `RANLayer.project_windows` gives the scan and the window attention."""
+
+    query: torch.Tensor  # (K, H, Q, d) the queries of the slots whose output is needed, rotated
+    key: torch.Tensor  # (K, H, S, d) the keys of every window slot, rotated
+    value: torch.Tensor  # (K, H, S, d)
+    new_kv: torch.Tensor | None  # (T, 2, H, d) the new tokens' un-rotated keys and values, with a cache; else None
+    recalled: torch.Tensor | None  # (T, H * d) with `config.associative_memory`: what each token recalls; else None
+    joined: list | None  # from the Triton projection: keys and values again with slot 0 for the read cell; else None
+
+
+class LayerOutputs(NamedTuple):
+    """What `RANLayer.forward` returns."""
+
+    token_states: torch.Tensor  # (T, D)
+    raw_cells: torch.Tensor  # (N, B, D) the raw cells of this pass's windows
+    last_cell: torch.Tensor  # (B, D) each sequence's last cell (the starting one for a row of padding only)
+    attention_weights: torch.Tensor | None  # (B, H, L, 1 + S) with `output_attentions` where attention gives them
+    review_weights: torch.Tensor | None  # (B, L, C) with `output_attentions` and memory review
 
 
 def eager_window_attention(
@@ -150,26 +167,26 @@ class RANLayer(GradientCheckpointingLayer):
         # exists that gets no gradient, so distributed training needs no unused-parameter search for it.
         if config.is_causal or layer_idx == 0:
             self.initial_cell = nn.Parameter(torch.zeros(hidden_size))
-        self.input_norm = RANLayerNorm(hidden_size, eps)
+        self.input_norm = RANCenteredRMSNorm(hidden_size, eps)
         self.qkv_proj = nn.Linear(hidden_size, 3 * inner_size)
         self.o_proj = nn.Linear(inner_size, hidden_size)
         self.attention_glu = RANGatedLinearUnit(hidden_size)
         if not self.residual_stream or self.cell_input_residual:
-            self.attention_norm = RANLayerNorm(hidden_size, eps)
+            self.attention_norm = RANCenteredRMSNorm(hidden_size, eps)
         if config.use_cell_residual:
             self.cell_glu = RANGatedLinearUnit(hidden_size)
-            self.cell_norm = RANLayerNorm(hidden_size, eps)
+            self.cell_norm = RANCenteredRMSNorm(hidden_size, eps)
         if config.associative_memory:
             self.associative_memory = RANAssociativeMemory(config)
         if config.memory_review:
             self.memory_review = RANMemoryReview(config)
         elif not self.residual_stream:
-            self.output_norm = RANLayerNorm(hidden_size, eps)
+            self.output_norm = RANCenteredRMSNorm(hidden_size, eps)
 
         self.act = ACT2FN[config.hidden_act]
         self.qk_activation = config.layer_option("attention_qk_activation")
-        self.written_act = self.act if config.layer_option("memory_value_activation") else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.cell_scan = RANCellScan(config)  # no parameters: it runs on this layer's (`cell_scan_weights`)
         self.attention_dropout = config.attention_probs_dropout_prob  # the scan's window attention reads it too
         self.window_attention = RANWindowAttention(config)
 
@@ -189,11 +206,7 @@ class RANLayer(GradientCheckpointingLayer):
     def project(self, normed: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., 3, H, d) queries, keys and values; the values activated, and the queries and keys with
         `config.attention_qk_activation`."""
-        qkv = self.qkv_proj(normed).unflatten(-1, (3, self.num_heads, self.head_dim))
-        if self.qk_activation:
-            return self.act(qkv)
-        query_key, value = qkv.split([2, 1], dim=-3)
-        return torch.cat([query_key, self.act(value)], dim=-3)
+        return project_heads(self.qkv_proj(normed), self.num_heads, self.head_dim, self.act, self.qk_activation)
 
     def attention_output(self, attended: torch.Tensor, normed: torch.Tensor, rows=None) -> torch.Tensor:
         """Output projection plus the gated residual of the attention's normalised input: (..., H * d) -> (..., D).
@@ -209,22 +222,24 @@ class RANLayer(GradientCheckpointingLayer):
             normed, self.o_proj(attended), self.act, self.dropout, rows, self.attention_norm, self.dropout, True
         )
 
-    def write_cell(self, attended: torch.Tensor, normed_cell: torch.Tensor, output_mask=None, written_mask=None):
-        """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D); the masks are the scan's dropout
-        (scan_dropout.py), None where nothing is dropped.
-
-        Without `cell_input_residual` the cell is what its attention read from the window: the gated residual of
-        the cell's own input would add a term that is the same for every text in the first window and drowns it.
-        With it (and the official activation of what the cell writes), this is `finish_attention` for the cell.
-        """
-        written = drop(self.written_act(self.o_proj(attended)), output_mask)
-        if self.cell_input_residual:
-            written = self.attention_norm(written + self.attention_glu(normed_cell))
-        return drop(standard_normalize(written, self.config.layer_norm_eps), written_mask)
+    def cell_scan_weights(self) -> CellScanWeights:
+        """The modules whose weights the cell scan uses, read now (an adapter may have replaced one since)."""
+        cell_input_residual, cell_residual = self.cell_input_residual, self.config.use_cell_residual
+        return CellScanWeights(
+            input_norm=self.input_norm,
+            qkv_proj=self.qkv_proj,
+            o_proj=self.o_proj,
+            attention_glu=self.attention_glu if cell_input_residual else None,
+            attention_norm=self.attention_norm if cell_input_residual else None,
+            cell_glu=self.cell_glu if cell_residual else None,
+            cell_norm=self.cell_norm if cell_residual else None,
+        )
 
     # ---- phase 1 ---------------------------------------------------------------------------------------------------
 
-    def project_windows(self, normed_tokens: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None):
+    def project_windows(
+        self, normed_tokens: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None
+    ) -> WindowProjections:
         """Queries, keys and values of every token in every window slot, rotary applied (slot s is position s + 1).
 
         Slots holding cached tokens take their keys and values from the cache. Queries exist only for slots whose
@@ -237,14 +252,14 @@ class RANLayer(GradientCheckpointingLayer):
         rotations = (
             layout.rotary(self.head_dim, config.rope_theta, normed_tokens.device) if config.use_rotary else None
         )
-        fused = triton_window_projection_applies(normed_tokens, config.hidden_act, cache is not None)
+        fused = choose("window_projection", normed_tokens, config.hidden_act, cache is not None) == "triton"
         if fused and not config.associative_memory:  # one kernel each way from the projections to the windows
             # The kernel adds the bias and sums its gradient (a wrapped projection, LoRA or quantised, runs as it is).
             bias = self.qkv_proj.bias if type(self.qkv_proj) is nn.Linear else None
             qkv = self.qkv_proj(normed_tokens) if bias is None else F.linear(normed_tokens, self.qkv_proj.weight)
             qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
             query, key, value, *joined = triton_window_projection(qkv, layout, rotations, self.qk_activation, bias)
-            return query, key, value, None, None, joined
+            return WindowProjections(query, key, value, None, None, joined)
         qkv = in_row_chunks(self.project, self.inference_chunk(normed_tokens), normed_tokens)  # (T, 3, H, d)
         new_query, new_kv = qkv.split([1, 2], dim=1)  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
@@ -267,7 +282,7 @@ class RANLayer(GradientCheckpointingLayer):
             chunk = self.inference_chunk(key)
             out = None if chunk is None else key
             key = in_row_chunks(lambda key: apply_interleaved_rotary(key, rotations), chunk, key, out=out)
-        return query, key, value, new_kv, recalled, None
+        return WindowProjections(query, key, value, new_kv, recalled, None)
 
     # ---- phase 3 ---------------------------------------------------------------------------------------------------
 
@@ -303,7 +318,7 @@ class RANLayer(GradientCheckpointingLayer):
         layout: RANWindowLayout,
         cache: RANCacheLayer | None = None,
         output_attentions: bool = False,
-    ):
+    ) -> LayerOutputs:
         """token_states (T, D) new real tokens; cell (B, D) the cell each sequence's first window reads, or None for
         the layer's own learned starting cell (read here, inside the layer, so that a sharded parameter is gathered).
 
@@ -321,16 +336,15 @@ class RANLayer(GradientCheckpointingLayer):
         if cache is not None and cache.is_initialized:
             start_cell, start_previous = cache.cell, cache.previous_raw_cell
         if layout.num_steps == 0:  # padding only: nothing to read, nothing to write
-            return token_states, token_states.new_zeros(0, *start_cell.shape), start_cell, None, None
+            return LayerOutputs(token_states, token_states.new_zeros(0, *start_cell.shape), start_cell, None, None)
         normed_tokens = self.normalize_input(token_states)  # (T, D)
 
         # 1. Everything that does not depend on the cell, for all windows at once.
         query, key, value, new_kv, recalled, joined = self.project_windows(normed_tokens, layout, cache)
 
         # 2. The cell scan: the only sequential step.
-        scan = scan_function(self.config.scan_implementation)
-        read_keys, read_values, raw_cells, cells = scan(
-            self, start_cell, start_previous, key, value, layout.for_cell_scan()
+        read_keys, read_values, raw_cells, cells = self.cell_scan(
+            self.cell_scan_weights(), start_cell, start_previous, key, value, layout.for_cell_scan()
         )
 
         # 3. Token attention of all windows in one batched call, then the per-token tail.
@@ -356,4 +370,5 @@ class RANLayer(GradientCheckpointingLayer):
             salience = self.memory_review.cell_salience if self.config.memory_review else None
             update_cache(self.config, salience, cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv,
                          memory)  # fmt: skip
-        return token_states, raw_cells, layout.last_cells(cells, start_cell), attention_weights, review_weights
+        last_cell = layout.last_cells(cells, start_cell)
+        return LayerOutputs(token_states, raw_cells, last_cell, attention_weights, review_weights)

@@ -21,7 +21,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .adaptive_softmax import RANAdaptiveEmbedding
-from .building_blocks import RANGatedLinearUnit, RANLayerNorm
+from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit
 from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache
 from .configuration_ran import RANConfig
 from .input_checks import (
@@ -56,7 +56,7 @@ class RANEmbeddings(nn.Module):
             )
         else:
             self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.norm = RANLayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.norm = RANCenteredRMSNorm(config.hidden_size, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         if config.layer_option("token_shift"):
             self.token_shift = RANTokenShift(config.hidden_size, config.hidden_size)
@@ -241,7 +241,9 @@ class RANModel(RANPreTrainedModel):
         self.layers = nn.ModuleList([RANLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)])
         # A residual stream is normalised once, after the last layer; official layers end in their own norm.
         self.norm = (
-            RANLayerNorm(config.hidden_size, config.layer_norm_eps) if config.layer_option("residual_stream") else None
+            RANCenteredRMSNorm(config.hidden_size, config.layer_norm_eps)
+            if config.layer_option("residual_stream")
+            else None
         )
         self.pooler = RANPooler(config) if add_pooling_layer else None
         self.padded_states = RANPaddedStates()

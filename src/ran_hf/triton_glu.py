@@ -25,14 +25,11 @@ import functools
 import torch
 from torch import nn
 
-from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels
+from .triton_scan_kernels import check_kernels
 
 ROWS_PER_PROGRAM = 16
 BLOCK_COLUMNS = 256  # of the D output columns per program: elementwise, so any width tiles into these
 NORM_ROWS_PER_PROGRAM = 4  # with a norm after it, a program holds whole rows
-# On by default on CUDA, as the Triton normalisation and rotary embedding are; `ran_hf.triton_glu.ENABLED = False`
-# switches back to the PyTorch ops.
-ENABLED = True
 # The activations of a residual branch the kernels compute: none, or SiLU.
 NO_ACTIVATION, SILU = 0, 1
 
@@ -377,15 +374,3 @@ def triton_glu(
         rows, bias, residual, residual_rows, norm_weight, norm_bias, seed, activation, 1.0 - dropout,
         1.0 - norm_dropout, eps, then_standardize, projected.dtype if out_dtype is None else out_dtype,
     ).view(shape)  # fmt: skip
-
-
-def triton_glu_applies(projected: torch.Tensor) -> bool:
-    """Whether the Triton gated linear unit runs here: where `ENABLED`, on CUDA (and the meta device, which counts
-    its launches) with Triton installed, outside `torch.compile` (which fuses the PyTorch ops itself)."""
-    return (
-        ENABLED
-        and TRITON_AVAILABLE
-        and projected.device.type in ("cuda", "meta")
-        and not torch.compiler.is_compiling()
-        and kernels_ready()
-    )

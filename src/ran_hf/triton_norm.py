@@ -1,6 +1,6 @@
 """RAN's normalisation as one Triton kernel forward and one backward (on CUDA, where Triton is installed).
 
-`standard_normalize` and `RANLayerNorm` (building_blocks.py) are seven to nine PyTorch ops forward and more backward,
+`standard_normalize` and `RANCenteredRMSNorm` (building_blocks.py) are seven to nine PyTorch ops forward and more backward,
 each a kernel that reads and writes every token state; there are five or six of them per layer. Here the forward
 is one kernel per block of rows: y = weight * (x - mean(x)) / sqrt(mean(x^2) + eps) + bias, in float32 whatever x
 is. The backward is one kernel that writes the input's gradient and, per block of rows, partial sums of the weight's
@@ -18,13 +18,9 @@ import functools
 
 import torch
 
-from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels, register_meta_no_ops
+from .triton_scan_kernels import check_kernels, register_meta_no_ops
 
 ROWS_PER_PROGRAM = 16
-# On by default on CUDA: its tests pass compiled on an H200, and with the Triton rotary embedding it took a BERT-base
-# 8 x 8K training step from 789 to 651 ms there (benchmarks/cuda/profile_h200_four_launch_8x8192.json).
-# `ran_hf.triton_norm.ENABLED = False` switches back to the PyTorch ops.
-ENABLED = True
 
 
 @functools.cache
@@ -172,16 +168,3 @@ class TritonNorm(torch.autograd.Function):
         if ctx.affine:
             grad_weight, grad_bias = parts.sum(0).to(weight.dtype), bias_parts.sum(0).to(weight.dtype)
         return grad_x.view(ctx.shape), grad_weight, grad_bias, None, None, None, None
-
-
-def triton_norm_applies(hidden_states: torch.Tensor) -> bool:
-    """Whether the Triton normalisation runs here: where `ENABLED`, on CUDA (and the meta device, which counts its
-    launches) with Triton installed, outside `torch.compile` (which fuses the PyTorch ops itself)."""
-    return (
-        ENABLED
-        and TRITON_AVAILABLE
-        and hidden_states.device.type in ("cuda", "meta")
-        and not torch.compiler.is_compiling()
-        and hidden_states.shape[-1] <= 16384
-        and kernels_ready()
-    )

@@ -17,13 +17,9 @@ import functools
 
 import torch
 
-from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels
+from .triton_scan_kernels import check_kernels
 
 ROWS_PER_PROGRAM = 16
-# On by default on CUDA: its tests pass compiled on an H200 (benchmarks/cuda/triton_cuda_tests_h200.log), and with
-# the Triton normalisation it took a BERT-base 8 x 8K training step from 789 to 651 ms there.
-# `ran_hf.triton_rotary.ENABLED = False` switches back to the PyTorch ops.
-ENABLED = True
 
 
 @functools.cache
@@ -116,16 +112,3 @@ def triton_rotate_pairs(states: torch.Tensor, rotations: torch.Tensor) -> torch.
         rotations = rotations.contiguous()
     rotations = rotations.expand(*shape, *rotations.shape[-2:])
     return rotate_pairs(states.reshape(shape + states.shape[-1:]), rotations, False).view(states.shape)
-
-
-def triton_rotary_applies(states: torch.Tensor) -> bool:
-    """Whether the Triton rotary embedding runs here: where `ENABLED`, on CUDA (and the meta device, which counts
-    its launches) with Triton installed, outside `torch.compile` (which fuses the PyTorch ops itself)."""
-    return (
-        ENABLED
-        and TRITON_AVAILABLE
-        and states.device.type in ("cuda", "meta")
-        and not torch.compiler.is_compiling()
-        and states.dim() <= 4
-        and kernels_ready()
-    )

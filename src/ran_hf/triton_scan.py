@@ -57,6 +57,12 @@ def triton_scan_unsupported(cell: torch.Tensor) -> str | None:
     return None
 
 
+def record_build_failure(error: Exception) -> None:
+    """A kernel could not be built for this GPU (`kernel_build_errors`): the Triton scan is not tried again here, and
+    `triton_scan_unsupported` says why."""
+    BUILD_FAILURES.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+
+
 def launchers(like: torch.Tensor, *ops):
     """How to launch each op's kernel: through the op where something watches ops (`torch.compile`, a dispatch mode
     such as a kernel counter or fake tensors, the meta device), else straight from Python: the custom op's dispatch

@@ -21,13 +21,10 @@ import functools
 
 import torch
 
-from .triton_scan_kernels import SILU_ACTIVATIONS, TRITON_AVAILABLE, check_kernels
+from .triton_scan_kernels import check_kernels
 
 ROWS_PER_PROGRAM = 8
 BLOCK_PAIRS = 256  # (head, pair) columns of a row per program: elementwise, so any width tiles into these
-# On by default on CUDA, as the other token-wise kernels are; `ran_hf.triton_window_projection.ENABLED = False`
-# switches back to the PyTorch ops.
-ENABLED = True
 
 
 @functools.cache
@@ -348,18 +345,3 @@ def triton_window_projection(projected, layout, rotations, act_qk: bool, bias: t
         projected.contiguous(), bias, layout.window_slots, layout.query_index, layout.query_slots, layout.token_slots(),
         layout.output_slot, rotations, act_qk, rotary,
     )  # fmt: skip
-
-
-def triton_window_projection_applies(projected: torch.Tensor, act: str, cached: bool) -> bool:
-    """Whether the Triton window projection runs here: where `ENABLED`, on CUDA (and the meta device, which counts
-    its launches) with Triton installed, outside `torch.compile`, for the SiLU activation and a pass without cached
-    tokens (a continuation's slots also read the cache's tail)."""
-    return (
-        ENABLED
-        and TRITON_AVAILABLE
-        and projected.device.type in ("cuda", "meta")
-        and not torch.compiler.is_compiling()
-        and act in SILU_ACTIVATIONS
-        and not cached
-        and kernels_ready()
-    )
