@@ -16,10 +16,11 @@ diagnosis: where Arrow fails, or a check finds a bad value, the file is read aga
 that every error names the file and line, as Arrow's own errors do not.
 
 Every reader raises `ValueError` naming the file (and line) for an empty file, a malformed line, bytes that are not
-UTF-8, a column name that a CSV header or a JSON object holds twice (which of the two is meant?), or (with
-`text_columns`) a text that is null, empty or blank, (with `label_columns`) a label that is no class name. Labels go
-through `ClassificationLabels.from_splits` / `TagLabels.from_splits`, which reject missing, mixed or unseen labels;
-given the files, they name a bad label's file and line.
+UTF-8, a `.gz` file that is not gzip or is cut short, a column name that a CSV header or a JSON object holds twice
+(which of the two is meant?), or (with `text_columns`) a text that is null, empty or blank, (with `label_columns`) a
+label that is no class name. Labels go through `ClassificationLabels.from_splits` / `TagLabels.from_splits`, which
+reject missing, mixed or unseen labels, and class names that differ only in the whitespace around them ("1" and
+" 1"); given the files, they name a bad label's file and line.
 """
 
 import csv
@@ -29,6 +30,7 @@ import itertools
 import json
 import logging
 import sys
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -58,13 +60,14 @@ def read_lines(path: str | Path) -> Iterator[str]:
     """The lines of a UTF-8 text file (un-gzipping `*.gz`), line endings kept, a leading byte-order mark dropped.
 
     Lines are decoded one at a time, so bytes that are not UTF-8 are reported with their line, which a text stream
-    (decoding blocks of several kilobytes) cannot do.
+    (decoding blocks of several kilobytes) cannot do. A `*.gz` file that is not gzip, or that ends before its end
+    marker (a half-written or cut download), is an error naming the file and the last line read.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist or is not a file.")
     with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
+        for line_number, raw in enumerate(gzip_lines(handle, path), start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -75,6 +78,25 @@ def read_lines(path: str | Path) -> Iterator[str]:
             if line_number == 1 and line.startswith("\ufeff"):
                 line = line[1:]
             yield line
+
+
+# What reading a gzip file that is cut short (EOFError), not gzip, or damaged raises.
+GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
+
+
+def gzip_lines(handle, path: Path) -> Iterator[bytes]:
+    """The lines of an open binary file; for a gzip file, a damaged or cut stream is a `ValueError` naming `path`."""
+    lines_read = 0
+    try:
+        for raw in handle:
+            lines_read += 1
+            yield raw
+    except GZIP_ERRORS as error:
+        read = f"after line {lines_read}" if lines_read else "before its first line"
+        raise ValueError(
+            f"{path}: the gzip stream is damaged or cut short {read} ({error}): a half-written file or an interrupted "
+            "download? Check it with `gzip -t`, and write or download it again."
+        ) from None
 
 
 def file_format(path: str | Path) -> str:
@@ -213,7 +235,14 @@ def delimited_records(
                 return
             except csv.Error as error:
                 kind = "CSV" if delimiter == "," else "TSV"
-                raise ValueError(f"{path}, line {start}: not valid {kind} ({error}).") from None
+                hint = ""
+                if "new-line character seen in unquoted field" in str(error):  # Python's advice does not apply here
+                    error = "a carriage return (\\r) outside quotes"
+                    hint = (
+                        " Its lines end in a lone \\r (old Mac OS line endings), or a field holds a stray one: end "
+                        "the lines with \\n (`tr '\\r' '\\n'`, `dos2unix -c mac`), or quote the field."
+                    )
+                raise ValueError(f"{path}, line {start}: not valid {kind} ({error}).{hint}") from None
             if not row:
                 continue  # a blank line
             if header is None:
@@ -241,8 +270,13 @@ def delimited_records(
 
 
 def text_records(path: str | Path) -> Iterator[dict]:
-    """Plain text: every non-blank line is one record `{"text": line}`, stripped."""
-    return ({"text": line.strip()} for line in read_lines(path) if line.strip())
+    """Plain text: every non-blank line is one record `{"text": line}`, stripped. A line ends at "\n", "\r\n" or a
+    lone "\r" (old Mac OS line endings), as Python's universal newlines and `datasets`' text reader (`load_records`)
+    end it, so that both readers give the same records."""
+    for line in read_lines(path):
+        for piece in line.split("\r"):
+            if piece.strip():
+                yield {"text": piece.strip()}
 
 
 def iter_records(
@@ -314,7 +348,7 @@ def load_records(
         for column in kept:
             if column not in text_columns:
                 dataset.data.column(column).validate(full=True)
-    except (DatasetGenerationError, ArrowException, ValueError, csv.Error) as error:
+    except (DatasetGenerationError, ArrowException, ValueError, csv.Error, *GZIP_ERRORS) as error:
         check_columns(iter_records(path, text_columns), kept, str(path))  # names the bad record, if there is one
         logger.warning(f"{path}: Arrow cannot read it ({type(error).__name__}); reading it record by record instead.")
         records = read_records(path)
@@ -590,8 +624,10 @@ class ClassificationLabels:
                     "Check --label_column_name and the file."
                 )
             found = {label_name(item, split, column) for values in splits.values() for row in values for item in row}
+            check_distinct_names(found, column)
             return cls(tuple(sort_names(found)), True)
         known = {label_name(value, reference, column) for value in splits[reference]}
+        check_distinct_names(known, column)
         for split, values in splits.items():
             unseen = {label_name(value, split, column) for value in values} - known
             if unseen:
@@ -614,6 +650,20 @@ class ClassificationLabels:
         if self.multi_label:
             return sorted({label2id[label_name(item, "label", "label")] for item in value})
         return label2id[label_name(value, "label", "label")]
+
+
+def check_distinct_names(names: Iterable[str], column: str) -> None:
+    """Class names that differ only in whitespace around them (`"1"` and `" 1"`, from a CSV written with ", " between
+    its fields) would be two classes of one label: refused, naming both."""
+    seen = {}
+    for name in sort_names(names):
+        first = seen.setdefault(name.strip(), name)
+        if first != name:
+            raise ValueError(
+                f"Column {column!r} holds the labels {first!r} and {name!r}, which differ only in the whitespace "
+                "around them, so they would be two classes. Strip the labels in the file (a CSV written with ', ' "
+                "between its fields?), or rename one of them."
+            )
 
 
 def sort_names(names: Iterable[str]) -> list[str]:

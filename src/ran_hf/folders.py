@@ -438,6 +438,17 @@ def _carry_over(old: Path, new: Path, carry_over: Callable[[str], bool]) -> None
             os.replace(entry, new / entry.name)
 
 
+def check_folder_output(target: str | os.PathLike) -> None:
+    """Refuse a folder output `target` that is a file, or a link to one: writing the folder would replace it."""
+    path = resolved(target)
+    if os.path.lexists(path) and not path.is_dir():
+        shown = f"{target} (a link to {path})" if os.path.islink(target) else f"{target}"
+        raise ValueError(
+            f"{shown} is a file, not a folder: writing the output folder there would replace the file. Choose a "
+            "folder (a new one, or one that holds an earlier output of the same kind)."
+        )
+
+
 @contextmanager
 def write_folder(target: str | os.PathLike, kind: str, carry_over: Callable[[str], bool] = _never) -> Iterator[Path]:
     """Write the folder `target` (links resolved) through a temporary folder: `with write_folder(target, "saving") as
@@ -446,8 +457,10 @@ def write_folder(target: str | os.PathLike, kind: str, carry_over: Callable[[str
     The output is locked for the duration (`lock_folder`; a script holds it from its start). When the block ends
     normally, the new folder, with normal permissions, replaces `target` (`replace_folder`; entries of the old folder
     for which `carry_over(name)` is true stay); when it raises, or writes nothing, `target` is left as it was. Should
-    the replacement itself fail, the new folder is kept under a visible name, which the error gives.
+    the replacement itself fail, the new folder is kept under a visible name, which the error gives. A `target` that
+    is a file (links resolved) is refused with a `ValueError` before anything is written: the folder would replace it.
     """
+    check_folder_output(target)
     target = resolved(target)
     lock = lock_folder(target)
     try:

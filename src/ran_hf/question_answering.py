@@ -41,8 +41,17 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
             not isinstance(question, str) and len(question) != len(context)
         ):
             raise ValueError("Give one `question` and one `context`, or two lists of the same length.")
+        batch_size = kwargs.get("batch_size", self._batch_size)
+        if batch_size not in (None, 1):
+            raise ValueError(
+                f"`batch_size={batch_size!r}`: this pipeline reads each (question, context) pair whole, one forward "
+                "pass per pair, and does not batch pairs of different lengths together. Leave `batch_size` out (or "
+                "1); lists of questions and contexts are answered one pair after another."
+            )
         if isinstance(question, str):
             return super().__call__({"question": question, "context": context}, **kwargs)
+        if not question:  # Transformers' pipelines fail on an empty list (IndexError)
+            return []
         return super().__call__([{"question": q, "context": c} for q, c in zip(question, context)], **kwargs)
 
     def _sanitize_parameters(self, top_k: int | None = None, max_answer_len: int | None = None):
@@ -81,18 +90,27 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
 
     def postprocess(self, outputs: dict, top_k: int = 1, max_answer_len: int = 30):
         in_context = outputs["in_context"]
-        # Probabilities over the document's tokens only: the question, special tokens and padding are no answer.
+        for name in ("start_logits", "end_logits"):
+            if not outputs[name].float()[in_context].isfinite().all():
+                raise ValueError(
+                    f"The model's `{name}` over the context hold NaN or infinite values, so no answer can be chosen. "
+                    "Check the model's weights (a diverged training run?) and its dtype (float16 overflows; try "
+                    "float32 or bfloat16)."
+                )
+        # Log-probabilities over the document's tokens only: the question, special tokens and padding are no answer.
+        # Spans are scored as log(start) + log(end): a product of probabilities underflows to 0 for every span when
+        # the logits are large (a confident model), which left no answer to give.
         start, end = (
-            outputs[name].float().masked_fill(~in_context, -torch.inf).softmax(-1)
+            outputs[name].float().masked_fill(~in_context, -torch.inf).log_softmax(-1)
             for name in ("start_logits", "end_logits")
         )
-        # No span is longer than the document: longer ones would all score 0, so the work follows the document's
+        # No span is longer than the document: longer ones would all score -inf, so the work follows the document's
         # length, not `max_answer_len` (2e7 on a 5-token context built a 3.5 GB score matrix).
         max_answer_len = min(max_answer_len, int(in_context.sum()))
-        # scores[s, k]: the span from token s to token s + k (k < max_answer_len); spans past the end score 0.
-        ends = F.pad(end, (0, max_answer_len - 1)).unfold(0, max_answer_len, 1)
-        scores = (start[:, None] * ends).flatten()
-        best = scores.topk(min(top_k, int((scores > 0).sum()))).indices
+        # scores[s, k]: the span from token s to token s + k (k < max_answer_len); spans past the end score -inf.
+        ends = F.pad(end, (0, max_answer_len - 1), value=-torch.inf).unfold(0, max_answer_len, 1)
+        scores = (start[:, None] + ends).flatten()
+        best = scores.topk(min(top_k, int(scores.isfinite().sum()))).indices
         answers = []
         offsets, context = outputs["offsets"], outputs["context"]
         for index in best.tolist():
@@ -101,7 +119,7 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
             start_char, end_char = int(offsets[first][0]), int(offsets[last][1])
             answers.append(
                 {
-                    "score": scores[index].item(),
+                    "score": scores[index].exp().item(),
                     "start": start_char,
                     "end": end_char,
                     "answer": context[start_char:end_char],
