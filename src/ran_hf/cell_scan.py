@@ -191,7 +191,8 @@ def fused_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> 
 
 def triton_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
     """`fused_cell_scan` with each window's steps in Triton kernels: two launches per window forward and two backward
-    (triton_scan.py), plus one launch at each end of the scan each way."""
+    (triton_scan.py), plus three per scan (a `write` at each end of the forward, a `write_grad` ending the
+    backward): in a training step, 4 per window and layer plus 3 per layer (tests/test_kernel_budget.py)."""
     return fused_scan(scan, weights, cell, previous_raw, *step_major(keys, values, layout), layout, TRITON_KERNELS)
 
 

@@ -1,7 +1,7 @@
 """Dropout inside the cell scan, drawn for every step at once.
 
-Both scans read the same masks, drawn before their loops, so that the reference and the
-fused scan drop the same units for the same seed, and the fused scan's backward reuses them. On a GPU that is two
+Every scan (reference, fused, Triton) reads the same masks, drawn before its loop, so that they all drop the same
+units for the same seed, and the fused scan's backward reuses them. On a GPU that is two
 random-number kernels for a layer's scan (the masks of the hidden size, the attention weights'), not five per window.
 
 Shapes: N scan steps, B batch, H heads, D hidden size, S window slots.
@@ -36,22 +36,22 @@ def keep_mask(shape: tuple, rate: float, dtype: torch.dtype, device: torch.devic
     return keep if rate == 1 else keep.mul_(1 / (1 - rate))
 
 
-def draw_scan_dropout(layer, num_steps: int, batch_size: int, num_slots: int, dtype, device) -> ScanDropout:
-    """The masks of one scan of `layer` (its rates; none outside training). The masks of the hidden size are drawn
-    in one call: two kernels on a GPU, whatever their number."""
-    rate, attention_rate = layer.dropout.p, layer.attention_dropout
-    if not layer.training or (rate == 0 and attention_rate == 0):
+def draw_scan_dropout(scan, num_steps: int, batch_size: int, num_slots: int, dtype, device) -> ScanDropout:
+    """The masks of one run of `scan` (a `cell_scan.RANCellScan`: its rates; none outside training). The masks of the
+    hidden size are drawn in one call: two kernels on a GPU, whatever their number."""
+    rate, attention_rate = scan.dropout.p, scan.attention_dropout
+    if not scan.training or (rate == 0 and attention_rate == 0):
         return NO_DROPOUT
-    num_hidden_masks = 4 if layer.config.use_cell_residual else 3
-    hidden = keep_mask((num_hidden_masks, num_steps, batch_size, layer.config.hidden_size), rate, dtype, device)
+    num_hidden_masks = 4 if scan.use_cell_residual else 3
+    hidden = keep_mask((num_hidden_masks, num_steps, batch_size, scan.hidden_size), rate, dtype, device)
     hidden = [None] * num_hidden_masks if hidden is None else hidden.unbind(0)
-    probs = (num_steps, batch_size, layer.num_heads, 1 + num_slots)
+    probs = (num_steps, batch_size, scan.num_heads, 1 + num_slots)
     return ScanDropout(
         input=hidden[0],
         probs=keep_mask(probs, attention_rate, dtype, device),
         output=hidden[1],
         written=hidden[2],
-        cell=hidden[3] if layer.config.use_cell_residual else None,
+        cell=hidden[3] if scan.use_cell_residual else None,
     )
 
 
