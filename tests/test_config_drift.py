@@ -200,3 +200,14 @@ def test_a_config_json_of_older_code_loads(tmp_path, is_causal):
     config_file.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"`windowsize` is not a field of RANConfig \(did you mean 'window_size'\?\)"):
         model_class.from_pretrained(tmp_path)
+
+
+def test_a_design_field_set_to_none_follows_the_design_again():
+    config = RANConfig(**TINY)
+    config.residual_stream = True  # an ablation of the official layer
+    config.is_causal = True
+    assert config.layer_design == "learnable_memory" and config.token_shift  # left to the design: follows it
+    config.is_causal = False
+    assert config.residual_stream and not config.token_shift  # set by hand: stays
+    config.residual_stream = None
+    assert config.residual_stream is False

@@ -186,8 +186,9 @@ class RANConfig(PreTrainedConfig):
         """Give the fields left to the design (`_from_mode`) the values of `layer_design` (or of the mode's)."""
         if "layer_design" in self._from_mode or self.layer_design is None:
             self.__dict__["layer_design"] = "learnable_memory" if self.is_causal else "official"
-        for name in self._from_mode[1:] if "layer_design" in self._from_mode else self._from_mode:
-            self.__dict__[name] = LAYER_DESIGNS[self.layer_design][name]
+        for name in self._from_mode:
+            if name != "layer_design":
+                self.__dict__[name] = LAYER_DESIGNS[self.layer_design][name]
 
     def __setattr__(self, name, value):
         """A name that is no attribute but looks like a field (`config.windowsize = 3`) is refused, as `@strict`
@@ -197,9 +198,10 @@ class RANConfig(PreTrainedConfig):
             if close is not None:
                 raise ValueError(f"`{name}` is not a field of RANConfig (did you mean {close!r}?).")
         super().__setattr__(name, value)
-        if self.__dict__.get("_post_init_done") and name in ("layer_design", *LAYER_DESIGN_FIELDS):
-            self._from_mode = tuple(field for field in self._from_mode if field != name)
-        if self.__dict__.get("_post_init_done") and name in ("is_causal", "layer_design"):
+        if self.__dict__.get("_post_init_done") and name in ("is_causal", "layer_design", *LAYER_DESIGN_FIELDS):
+            # Set by hand, a design field no longer follows the design (set to None, it follows it again).
+            kept = tuple(field for field in self._from_mode if field != name)
+            self._from_mode = kept + (name,) if value is None else kept
             self._resolve_design()
 
     @classmethod
