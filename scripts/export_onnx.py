@@ -112,6 +112,11 @@ def main(argv=None) -> dict:
         model = load_model(args.model_dir)
     except (OSError, ValueError) as error:
         parser.exit(1, f"error: {error}\n")
+    from ran_hf.export import export_refusal
+
+    refusal = export_refusal(model)  # a head or option the graph cannot hold: said at once, without a traceback
+    if refusal:
+        parser.exit(1, f"error: {args.model_dir}: {refusal}\n")
 
     export_kwargs = {} if args.opset_version is None else {"opset_version": args.opset_version}
     start = time.perf_counter()

@@ -4,12 +4,21 @@ error, a silent wrong result, a user's file replaced, or work unbounded by what 
 
 import gzip
 import os
+import re
 
 import pytest
 import torch
 from transformers import BertTokenizerFast, pipeline
 
-from ran_hf import RANConfig, RANForQuestionAnswering, convert_rannet_checkpoint, prefix_lm_features
+from ran_hf import (
+    RANConfig,
+    RANForCausalLM,
+    RANForPrefixLM,
+    RANForQuestionAnswering,
+    convert_rannet_checkpoint,
+    export_onnx,
+    prefix_lm_features,
+)
 from ran_hf.data import ClassificationLabels, load_records, read_records
 from ran_hf.folders import write_folder
 from ran_hf.prefix_lm import truncated_ids
@@ -240,3 +249,43 @@ def test_the_converter_does_not_replace_a_file_with_its_folder(tmp_path):
         convert_rannet_checkpoint(RANNET_FIXTURE, notes, overwrite=True)
     assert notes.read_text() == "where the checkpoint came from"
     assert files_of(tmp_path) == {"notes.txt": b"where the checkpoint came from"}
+
+
+# ---- heads and options that cannot go together, said at once ------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [{"cutoffs": [20, 40], "div_val": 2}, {"associative_memory": True}])
+def test_a_prefix_lm_with_a_causal_only_option_names_the_prefix_lm(overrides):
+    """RANForPrefixLM sets `is_causal=False` on the config it is given, and the config then asked the user, who had
+    set `is_causal=True`, to "set `is_causal=True`"."""
+    config = RANConfig(**TINY, min_window_size=2, is_causal=True, **overrides)
+    name = next(iter(overrides))
+    with pytest.raises(ValueError, match=rf"RANForPrefixLM reads its source both ways .*`{name}=.*RANForCausalLM"):
+        RANForPrefixLM(config)
+    assert config.is_causal
+
+
+def test_the_exporter_refuses_the_associative_memory_at_once(tmp_path):
+    """`export_onnx` traced the model for seconds, then raised a TorchExportError whose reason was buried in its
+    "Exception summary"."""
+    model = RANForCausalLM(RANConfig(**TINY, min_window_size=2, is_causal=True, associative_memory=True))
+    with pytest.raises(NotImplementedError, match=r"`associative_memory=True` cannot be exported to ONNX"):
+        export_onnx(model, tmp_path / "model.onnx")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("head", ["prefix", "memory"])
+def test_the_export_script_refuses_what_cannot_be_exported_without_a_traceback(tmp_path, capsys, head):
+    """`export_onnx.py` on a saved prefix LM ended in a NotImplementedError traceback."""
+    import export_onnx as export_script
+
+    if head == "prefix":
+        model = RANForPrefixLM(RANConfig(**TINY, min_window_size=2))
+    else:
+        model = RANForCausalLM(RANConfig(**TINY, min_window_size=2, is_causal=True, associative_memory=True))
+    model.save_pretrained(tmp_path / "model")
+    with pytest.raises(SystemExit) as exit_info:
+        export_script.main(["--model_dir", str(tmp_path / "model"), "--output", str(tmp_path / "model.onnx")])
+    assert exit_info.value.code == 1
+    assert re.search(r"^error: .*model: RANFor\w+ .*cannot be exported to ONNX", capsys.readouterr().err, re.M)
+    assert not (tmp_path / "model.onnx").exists()

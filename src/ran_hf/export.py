@@ -52,6 +52,20 @@ def example_inputs(model: RANPreTrainedModel) -> dict:
     return inputs
 
 
+def export_refusal(model: RANPreTrainedModel) -> str | None:
+    """Why `model` cannot be exported, or None: a head that cannot be says so (`onnx_export_refusal`, the prefix LM),
+    and so does an option the graph cannot hold."""
+    if getattr(model, "onnx_export_refusal", None):
+        return model.onnx_export_refusal
+    if getattr(model.config, "associative_memory", False):
+        return (
+            f"{type(model).__name__} with `associative_memory=True` cannot be exported to ONNX: the memory writes "
+            "window after window in a Python loop, which an exported graph cannot hold for any number of windows. "
+            "Export a model without it, or run the PyTorch model."
+        )
+    return None
+
+
 def export_onnx(model: RANPreTrainedModel, path: str | os.PathLike | None = None, **export_kwargs):
     """Export `model` (`RANModel` or any head) with dynamic batch size and sequence length; returns the
     `torch.onnx.ONNXProgram` and, with `path`, saves it there (`save_atomically`).
@@ -62,8 +76,9 @@ def export_onnx(model: RANPreTrainedModel, path: str | os.PathLike | None = None
     """
     if path is not None:
         check_onnx_output(path)
-    if getattr(model, "onnx_export_refusal", None):  # a head that cannot be exported says so (RANForPrefixLM)
-        raise NotImplementedError(model.onnx_export_refusal)
+    refusal = export_refusal(model)
+    if refusal:  # at once: torch.export would fail after tracing, its reason deep in a TorchExportError
+        raise NotImplementedError(refusal)
     model.eval()
     inputs = example_inputs(model)
     with torch.no_grad():

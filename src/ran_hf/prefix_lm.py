@@ -131,6 +131,17 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
     )
 
     def __init__(self, config: RANConfig):
+        causal_only = [
+            f"`{name}={getattr(config, name)!r}`"
+            for name, unset in (("cutoffs", None), ("associative_memory", False))
+            if getattr(config, name, unset) != unset
+        ]
+        if causal_only:  # checked here: after `is_causal=False` below, the config's error would ask for is_causal=True
+            raise ValueError(
+                f"RANForPrefixLM reads its source both ways (`is_causal=False`), and {' and '.join(causal_only)} "
+                f"{'belong' if len(causal_only) > 1 else 'belongs'} to the causal LM (RANForCausalLM) only. Build the "
+                "prefix LM from a config without it."
+            )
         if config.is_causal:
             logger.warning(
                 "RANForPrefixLM reads its source both ways: it runs on a copy of the config with `is_causal=False` "
