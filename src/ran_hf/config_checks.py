@@ -25,11 +25,13 @@ def interval(min: float | None = None, max: float | None = None, exclude_min: bo
 
     @as_validated_field
     def check(value):
-        if value is not None and not math.isfinite(value):
+        if value is None:
+            return
+        if not math.isfinite(value):
             raise ValueError(f"must be finite, got {value}.")
-        if value is not None and not ((min < value if exclude_min else min <= value) if min is not None else True) or (
-            value is not None and max is not None and not (value < max if exclude_max else value <= max)
-        ):
+        too_low = min is not None and (value <= min if exclude_min else value < min)
+        too_high = max is not None and (value >= max if exclude_max else value > max)
+        if too_low or too_high:
             raise ValueError(f"must be {words}, got {value}.")
 
     return check
