@@ -286,7 +286,18 @@ def load_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, 
         config = RANConfig(**fields)
         if model_args.config_overrides:
             logger.info(f"Config overrides: {model_args.config_overrides}")
+            task_values = {name: getattr(config, name) for name in task_fields}
             config.update_from_string(model_args.config_overrides)
+            changed = [name for name, value in task_values.items() if getattr(config, name) != value]
+            if "num_labels" in changed:  # which makes new label names: the override set num_labels only
+                changed = [name for name in changed if name not in ("id2label", "label2id")]
+            if changed:  # `num_labels=5` gave a model of 5 outputs named LABEL_0..4 for the data's 2 named classes
+                names = ", ".join(f"`{name}`" for name in changed)
+                values = ", ".join(f"{name}={task_values[name]!r:.80}" for name in changed)
+                raise ValueError(
+                    f"--config_overrides sets {names}, which the script sets itself from the task and the data "
+                    f"({values}): leave {'it' if len(changed) == 1 else 'them'} out of --config_overrides."
+                )
             config = RANConfig(**config.to_dict())  # validates the overridden fields, naming a bad one
     check_tokenizer_matches_config(tokenizer, config)
     return config

@@ -289,3 +289,30 @@ def test_the_export_script_refuses_what_cannot_be_exported_without_a_traceback(t
     assert exit_info.value.code == 1
     assert re.search(r"^error: .*model: RANFor\w+ .*cannot be exported to ONNX", capsys.readouterr().err, re.M)
     assert not (tmp_path / "model.onnx").exists()
+
+
+# ---- --config_overrides ---------------------------------------------------------------------------------------------
+
+
+NAMED_CLASSES = {"num_labels": 2, "id2label": {0: "no", 1: "yes"}, "label2id": {"no": 0, "yes": 1}}
+
+
+@pytest.mark.parametrize(
+    "overrides, task_fields, named",
+    [
+        ("num_labels=5", NAMED_CLASSES, "num_labels"),
+        ("problem_type=regression", {"problem_type": "single_label_classification"}, "problem_type"),
+        ("is_causal=false", {"is_causal": True}, "is_causal"),
+    ],
+)
+def test_config_overrides_of_what_the_script_sets_from_the_data_are_refused(wordpiece, overrides, task_fields, named):
+    """`run_classification.py --config_overrides num_labels=5` on data of 2 classes saved a model of 5 outputs named
+    LABEL_0..LABEL_4: the class names were lost, with no word."""
+    from training_utils import ModelArguments, load_config
+
+    arguments = ModelArguments(tokenizer_name="unused", config_overrides=f"hidden_size=16,{overrides}")
+    message = rf"--config_overrides sets `{named}`, which the script sets itself .*leave it "
+    with pytest.raises(ValueError, match=message):
+        load_config(arguments, wordpiece, **task_fields)
+    arguments = ModelArguments(tokenizer_name="unused", config_overrides="hidden_size=16")
+    assert load_config(arguments, wordpiece, **task_fields).hidden_size == 16
