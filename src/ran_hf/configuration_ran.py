@@ -53,8 +53,8 @@ class RANConfig(PreTrainedConfig):
     Configuration of a [`RANModel`]: the Recurrent Attention Network of Li et al. (ACL 2023), which reads a document in
     windows and carries a global perception cell from window to window. Defaults follow the official "V3 EN base"
     model. Every field is checked when set (type and range) and when the config is made or saved (the rules between
-    fields, `validate_architecture`); a wrong value raises `ValueError` naming the field. Names in brackets are the
-    official code's. Measured effects of the memory fields: docs/memory.md.
+    fields, `validate_architecture`); a wrong value raises `ValueError` naming the field. The official code's names
+    are in brackets. What the memory fields were measured to do: docs/memory.md.
 
     Args:
         vocab_size (`int`, defaults to 30522): Size of the token vocabulary.
@@ -67,15 +67,15 @@ class RANConfig(PreTrainedConfig):
         cell_pooling (`"last"`, `"mean"` or `"max"`): How the windows' cells become one document cell.
         token_pooling (`"max"` or `"mean"`): How the pooler summarises the last layer's token states (paper eq. 11).
         memory_review (`bool`, defaults to `True`): Whether tokens attend to the cells of all windows after each layer.
-        memory_review_cells (`int`, *optional*): Causal only: a token reviews the cells of the last this many windows
-            (and the starting cell); the cache keeps only those. Can be set on a trained model. None: every cell.
-        memory_salient_cells (`int`, *optional*): With `memory_review_cells`: also the this many older cells of highest
-            salience (`review_salience`); decoding memory stays flat. Can be set on a trained model.
+        memory_review_cells (`int`, *optional*): Causal only: a token reviews the cells of only the last N windows
+            (and the starting cell), and the cache keeps only those. Can be set on a trained model. None: every cell.
+        memory_salient_cells (`int`, *optional*): With `memory_review_cells`: a token also reviews the N older cells
+            of highest salience (`review_salience`); decoding memory stays flat. Can be set on a trained model.
         associative_memory (`bool`, defaults to `False`): Causal only: every layer also keeps a head_dim x head_dim
             matrix per head binding finished windows' keys to values by the delta rule (`ran_hf.associative_memory`).
         use_cell_residual (`bool`, defaults to `True`): Whether a cell adds the gated raw cell before it (paper eq. 7).
         use_rotary (`bool`, defaults to `True`): Whether queries and keys are rotated by their position in the window.
-        window_overlap (`int`, defaults to 0): Every window also reads the last this many tokens of the one before it.
+        window_overlap (`int`, defaults to 0): Every window also reads the last N tokens of the window before it.
         is_causal (`bool`, defaults to `False`): Causal mode for language modelling: tokens see earlier tokens of their
             window and earlier windows' cells only, and every layer starts from its own learned cell.
         layer_design (`"official"` or `"learnable_memory"`, *optional*): The design the nine fields below take where
