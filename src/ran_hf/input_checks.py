@@ -77,7 +77,8 @@ def check_exportable(past_key_values, use_cache) -> None:
 
 class InputChecks(NamedTuple):
     """The values of a forward's inputs (and a head's labels) to check, still on the device: the window layout
-    reads them with its sizes, in the forward's one host synchronisation, and `judge` then raises on a bad one."""
+    reads them with its sizes, in the forward's one host synchronisation, and the model then calls `judge` with
+    them, which raises on a bad one."""
 
     values: torch.Tensor  # (k,) long
     judge: Callable[[list], None]
@@ -158,16 +159,18 @@ def assert_on_device(config: RANConfig, input_ids, attention_mask, inputs_embeds
 
 
 def validate_ran_inputs(
-    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_checks=None
+    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_checks=None,
+    shape: tuple | None = None,
 ) -> tuple[tuple[int, int], InputChecks | None]:
     """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN.
 
     Shapes are checked now. The values (token ids in the vocabulary, finite embeddings, a 0/1 mask, a head's label
     range) are returned as `InputChecks`, which the window layout reads with its sizes before any other work on the
     device. Under `torch.compile` the inputs' values are asserted on the device instead (`assert_on_device`; a
-    head's labels are not), in an export not at all. Returns (batch_size, sequence_length) and the checks.
+    head's labels are not), in an export not at all. Returns (batch_size, sequence_length) and the checks. `shape`:
+    the inputs' `input_batch_shape`, where the caller has it already.
     """
-    shape = input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
+    shape = shape or input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
     if torch.compiler.is_compiling():
         config.validate_review_bounds()  # what compiled code checks; an eager forward checks the config in the model
     if attention_mask is not None and not torch.is_tensor(attention_mask):
@@ -328,6 +331,30 @@ def ignore_padding(labels: torch.Tensor, attention_mask: torch.Tensor | None) ->
     return labels.masked_fill(~attention_mask.bool().to(labels.device), -100)
 
 
+def sequence_loss(loss_function, logits, labels, problem_type: str, attention_mask, config: RANConfig, **kwargs):
+    """A sequence classifier's loss over the rows that hold a token (a row of padding alone carries no document),
+    without reading the device to find them: their labels are ignored (-100) in single-label classification, whose
+    loss is then the mean over the scored rows (0, not NaN, when there is none); for regression and multi-label
+    classification, their logits are replaced by ones of no loss and the mean is taken over the other rows."""
+    labels = labels.to(logits.device)
+    has_tokens = None if attention_mask is None else attention_mask.bool().any(-1).to(logits.device)  # (B,)
+    if problem_type == "single_label_classification":
+        if has_tokens is not None:
+            labels = labels.masked_fill(~has_tokens, -100)
+        if kwargs.get("num_items_in_batch") is None:
+            kwargs["num_items_in_batch"] = (labels != -100).sum().clamp(min=1)
+        return loss_function(labels=labels, pooled_logits=logits, config=config, **kwargs)
+    if has_tokens is None:
+        return loss_function(labels=labels, pooled_logits=logits, config=config, **kwargs)
+    if problem_type == "regression":
+        no_loss = labels.reshape(logits.shape).to(logits.dtype)  # no error
+    else:  # the binary cross-entropy of a logit of 1000 for a target of 1 is 0 (exp(-1000) is 0 in every dtype)
+        no_loss, labels = torch.full_like(logits, 1000.0), torch.where(has_tokens[:, None], labels, 1.0)
+    logits = torch.where(has_tokens.view(-1, *[1] * (logits.dim() - 1)), logits, no_loss)
+    loss = loss_function(labels=labels, pooled_logits=logits, config=config, **kwargs)
+    return loss * (has_tokens.shape[0] / has_tokens.sum().clamp(min=1))
+
+
 def loss_of_nothing(logits: torch.Tensor) -> torch.Tensor:
     """The loss of a batch with no label to score (all -100, or only padding): 0 instead of the NaN a mean over no
     element gives, still attached to the graph so that `backward()` runs."""
@@ -380,10 +407,11 @@ def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: in
     return InputChecks(torch.stack([scored.min(), scored.max()]).long(), judge)
 
 
-def check_sequence_labels(labels: torch.Tensor, batch_size: int, attention_mask, config: RANConfig, found: dict):
-    """A sequence classifier's labels, for the configured (or inferred, as Transformers does) problem type: shapes and dtypes
-    now; their values returned as `InputChecks`, read with the inputs' (one host synchronisation), whose judge
-    raises on a bad one and fills `found`: whether every row has a token, whether every label is ignored."""
+def check_sequence_labels(labels: torch.Tensor, batch_size: int, config: RANConfig):
+    """A sequence classifier's labels, for the configured (or inferred, as Transformers does) problem type: shapes
+    and dtypes now; their values returned as `InputChecks`, read with the inputs' (one host synchronisation), whose
+    judge raises on a bad one. Returns the labels (float for multi-label classification and regression), the
+    problem type and the checks."""
     num_labels, problem_type = config.num_labels, config.problem_type
     if problem_type is None:
         if num_labels == 1:
@@ -401,10 +429,7 @@ def check_sequence_labels(labels: torch.Tensor, batch_size: int, attention_mask,
                 f"{labels.dtype} of shape {tuple(labels.shape)}."
             )
         scored = labels.masked_fill(labels == -100, 0)
-        ignored = labels == -100
-        if attention_mask is not None:  # rows of padding alone are left out of the loss as well
-            ignored = ignored | ~attention_mask.bool().any(-1).to(labels.device)
-        values = [scored.min(), scored.max(), ignored.all()]
+        values = [scored.min(), scored.max()]
     elif problem_type == "multi_label_classification":
         if tuple(labels.shape) != (batch_size, num_labels):
             raise ValueError(
@@ -421,18 +446,10 @@ def check_sequence_labels(labels: torch.Tensor, batch_size: int, attention_mask,
             )
         labels = labels.float()
         values = [(~torch.isfinite(labels)).any()]
-    device = values[0].device
-    every_row = torch.ones((), dtype=torch.bool, device=device)
-    if attention_mask is not None:
-        every_row = attention_mask.bool().any(-1).all()
-    values.append(every_row)
 
-    def judge(read: list) -> None:
-        *checked, every_row_has_tokens = read
-        found.update(every_row_has_tokens=bool(every_row_has_tokens), nothing_scored=False)
+    def judge(checked: list) -> None:
         if problem_type == "single_label_classification":
-            low, high, nothing_scored = checked
-            found["nothing_scored"] = bool(nothing_scored)
+            low, high = checked
             if low < 0 or high >= num_labels:
                 raise ValueError(f"`labels` holds a class outside [0, {num_labels - 1}].")
         elif problem_type == "multi_label_classification" and checked[0]:
@@ -443,7 +460,7 @@ def check_sequence_labels(labels: torch.Tensor, batch_size: int, attention_mask,
         elif problem_type == "regression" and checked[0]:
             raise ValueError("Regression targets hold NaN or infinite values.")
 
-    return labels, InputChecks(torch.stack([value.long().to(device) for value in values]), judge)
+    return labels, problem_type, InputChecks(torch.stack([value.long() for value in values]), judge)
 
 
 def check_answer_positions(start_positions, end_positions, attention_mask, batch_shape: tuple):

@@ -25,8 +25,8 @@ from .input_checks import (
     check_token_labels,
     ignore_padding,
     input_batch_shape,
-    loss_of_nothing,
     scored_token_loss,
+    sequence_loss,
 )
 from .outputs_ran import (
     RANCausalLMOutputWithPast,
@@ -193,10 +193,10 @@ class RANForSequenceClassification(RANPreTrainedModel):
             multi-label classification, or float targets for regression (`num_labels == 1`); the problem type follows
             `config.problem_type` and is inferred as in Transformers when unset.
         """
-        label_checks, found = None, {}
+        label_checks = problem_type = None
         if labels is not None:
             batch_size = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)[0]
-            labels, label_checks = check_sequence_labels(labels, batch_size, attention_mask, self.config, found)
+            labels, problem_type, label_checks = check_sequence_labels(labels, batch_size, self.config)
         outputs = head_outputs(
             self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
@@ -205,17 +205,9 @@ class RANForSequenceClassification(RANPreTrainedModel):
 
         loss = None
         if labels is not None:
-            if not found:  # not read with the inputs (compiled; the meta device)
-                found = {"every_row_has_tokens": True, "nothing_scored": False}
-            loss_logits = logits
-            if not found["every_row_has_tokens"]:
-                # Rows that hold only padding carry no document: leave them out of the loss.
-                has_tokens = attention_mask.bool().any(-1).to(logits.device)
-                loss_logits, labels = logits[has_tokens], labels.to(logits.device)[has_tokens]
-            if loss_logits.shape[0] == 0 or found["nothing_scored"]:
-                loss = loss_of_nothing(logits)
-            else:
-                loss = self.loss_function(labels=labels, pooled_logits=loss_logits, config=self.config, **kwargs)
+            loss = sequence_loss(
+                self.loss_function, logits, labels, problem_type, attention_mask, self.config, **kwargs
+            )
         return head_output(RANSequenceClassifierOutput, outputs, loss=loss, logits=logits)
 
 

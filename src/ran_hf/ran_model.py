@@ -311,15 +311,14 @@ class RANModel(RANPreTrainedModel):
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         # A head's labels (`check_token_labels`, ...) are read with the inputs: one host synchronisation for all.
         label_checks = kwargs.pop("label_checks", None)
+        batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
         if initial_cell is not None:  # read with the inputs' checks too
-            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
             cell_checks = check_initial_cell(initial_cell, batch_shape, self.config.hidden_size, past_positions)
             label_checks = joined_checks(label_checks, cell_checks)
         if token_type_ids is not None:  # read with the inputs' checks too
-            batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
             label_checks = check_token_type_ids(token_type_ids, batch_shape, attention_mask, self.config, label_checks)
         (batch_size, padded_length), input_checks = validate_ran_inputs(
-            self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_checks
+            self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_checks, batch_shape
         )
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
@@ -341,8 +340,11 @@ class RANModel(RANPreTrainedModel):
         past_lengths = None if past_key_values is None else past_key_values.past_lengths(batch_size, device)
         # The layout's sizes and the inputs' checks in one host synchronisation, before any token is embedded.
         layout = RANWindowLayout.from_attention_mask(
-            attention_mask, self.config, past_lengths, input_checks, token_type_ids=token_type_ids
+            attention_mask, self.config, past_lengths, None if input_checks is None else input_checks.values,
+            token_type_ids=token_type_ids,
         )
+        if input_checks is not None:
+            input_checks.judge(layout.read_values)  # a bad input or label is named before any token is embedded
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
 
         token_states = layout.from_padded(embeddings)  # (T, D)

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from .building_blocks import gather_rows, rotary_rotations
 from .configuration_ran import RANConfig
-from .input_checks import InputChecks
 
 
 def count_windows(lengths: torch.Tensor, window: int, min_window: int) -> torch.Tensor:
@@ -106,6 +105,7 @@ class RANWindowLayout:
     _token_slots: torch.Tensor | None = None
     slot_is_source: torch.Tensor | None = None  # (K, S) prefix LM (token_type_ids): the slot holds a source token
     source_windows: torch.Tensor | None = None  # (B,) prefix LM: windows that hold a source token, the first ones
+    read_values: list | None = None  # `read_with_sizes` as read to the host with the sizes; None in an export
 
     @property
     def num_steps(self) -> int:
@@ -121,13 +121,14 @@ class RANWindowLayout:
         attention_mask: torch.Tensor,
         config: RANConfig,
         past_lengths: torch.Tensor | None = None,
-        input_checks: InputChecks | None = None,
+        read_with_sizes: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
     ) -> "RANWindowLayout":
         """Build the layout in five steps: count windows, pack them, place slots, pick queries, keep the cache tail.
 
         Every size that shapes a tensor is read to the host in one synchronisation (step 1); nothing else waits on
-        the device.
+        the device. `read_with_sizes` (k,): values that the caller needs on the host (the inputs' value checks),
+        read in the same synchronisation and kept as `read_values` (None when nothing is read: an export).
         """
         window, overlap = config.window_size, config.window_overlap
         # A prefix LM (`token_type_ids`) never merges a short tail either: whether it would depends on the target's
@@ -149,6 +150,7 @@ class RANWindowLayout:
         next_tail_lengths = torch.minimum(total, total % window + overlap)  # (B,) tokens to cache for the next pass
         finished_windows = total // window
         bounded = torch.compiler.is_exporting()
+        read_values = None
         if bounded:
             # Sizes from the input's shape alone, so that they stay symbolic: every position is a token (padding
             # ones after the real ones, and zeroed on the way out) and every sequence has room for the most windows,
@@ -162,13 +164,12 @@ class RANWindowLayout:
             sizes = [lengths.sum(), tail_lengths.sum(), num_windows.sum(), num_windows.max(), lengths.max()]
             sizes += [tail_lengths.max(), next_tail_lengths.max(), (first_window > 0).sum()]
             sizes += [(first_window + num_windows).max(), finished_windows.max()]
-            if input_checks is not None:  # the forward's input checks, read in the same synchronisation
-                sizes += input_checks.values.to(device).unbind()
+            if read_with_sizes is not None:  # the caller's values, read in the same synchronisation
+                sizes += read_with_sizes.to(device).unbind()
             found = torch.stack(sizes).tolist()
             (num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail, continued_rows,
              cell_capacity, most_finished_windows) = found[:10]  # fmt: skip
-            if input_checks is not None:
-                input_checks.judge(found[10:])
+            read_values = found[10:]
         token_index = true_positions(real.flatten(), num_tokens)  # (T,)
         empty = num_tokens + num_tail
         new_start, tail_start = group_starts(lengths), num_tokens + group_starts(tail_lengths)  # (B,) each
@@ -277,6 +278,7 @@ class RANWindowLayout:
             padded_length=padded_length,
             slot_is_source=slot_is_source,
             source_windows=source_windows,
+            read_values=read_values,
         )
 
     def for_cell_scan(self) -> "RANWindowLayout":
