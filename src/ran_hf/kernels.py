@@ -36,14 +36,18 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from . import triton_glu, triton_norm, triton_rotary, triton_scan, triton_window_projection
+from .triton_glu import kernels_ready as glu_kernels_ready
+from .triton_norm import kernels_ready as norm_kernels_ready
+from .triton_rotary import kernels_ready as rotary_kernels_ready
+from .triton_scan import triton_scan_unsupported
 from .triton_scan_kernels import SILU_ACTIVATIONS, TRITON_AVAILABLE
+from .triton_window_projection import kernels_ready as window_projection_kernels_ready
 
 logger = logging.get_logger(__name__)
 
 TRITON_TOKEN_OPS = ("norm", "glu", "rotary", "window_projection")
-# Whether each Triton token-wise kernel may run. On by default: with the Triton rotary embedding the norm took a
-# BERT-base 8 x 8K training step from 789 to 651 ms on an H200 (benchmarks/cuda/profile_h200_four_launch_8x8192.json).
+# Whether each Triton token-wise kernel may run. On by default: the Triton norm and rotary embedding took a BERT-base
+# 8 x 8K training step from 789 to 651 ms on an H200 (benchmarks/cuda/profile_h200_four_launch_8x8192.json).
 TRITON = dict.fromkeys(TRITON_TOKEN_OPS, True)
 FORCED: dict[str, str] = {}  # op -> implementation, whatever the rule says
 CHOSEN: dict[str, str] = {}  # op -> the implementation it last ran (not recorded inside compiled code)
@@ -64,23 +68,23 @@ def _on_a_triton_device(op: str, tensor: torch.Tensor) -> bool:
 
 def _norm(hidden_states: torch.Tensor) -> str:
     fits = hidden_states.shape[-1] <= 16384  # a program holds whole rows
-    runs = _on_a_triton_device("norm", hidden_states) and fits and triton_norm.kernels_ready()
+    runs = _on_a_triton_device("norm", hidden_states) and fits and norm_kernels_ready()
     return "triton" if runs else "pytorch"
 
 
 def _glu(projected: torch.Tensor) -> str:
-    return "triton" if _on_a_triton_device("glu", projected) and triton_glu.kernels_ready() else "pytorch"
+    return "triton" if _on_a_triton_device("glu", projected) and glu_kernels_ready() else "pytorch"
 
 
 def _rotary(states: torch.Tensor) -> str:
     fits = states.dim() <= 4
-    return "triton" if _on_a_triton_device("rotary", states) and fits and triton_rotary.kernels_ready() else "pytorch"
+    return "triton" if _on_a_triton_device("rotary", states) and fits and rotary_kernels_ready() else "pytorch"
 
 
 def _window_projection(projected: torch.Tensor, hidden_act: str, cached: bool) -> str:
     # A continuation's slots also read the cache's tail, which the kernel does not.
     fits = hidden_act in SILU_ACTIVATIONS and not cached
-    runs = _on_a_triton_device("window_projection", projected) and fits and triton_window_projection.kernels_ready()
+    runs = _on_a_triton_device("window_projection", projected) and fits and window_projection_kernels_ready()
     return "triton" if runs else "pytorch"
 
 
@@ -104,10 +108,10 @@ def fused_scan_unsupported(hidden_act: str, weights) -> str | None:
 def _scan(requested: str, hidden_act: str, weights, cell: torch.Tensor) -> str:
     """The cell scan that runs for `config.scan_implementation == requested` (see the module's docstring)."""
     if requested == "auto":
-        runs_triton = cell.device.type == "cuda" and triton_scan.triton_scan_unsupported(cell) is None
+        runs_triton = cell.device.type == "cuda" and triton_scan_unsupported(cell) is None
         requested = "triton" if runs_triton else "reference"
     if requested == "triton":
-        reason = triton_scan.triton_scan_unsupported(cell)
+        reason = triton_scan_unsupported(cell)
         if reason is None and not torch.compiler.is_compiling():
             if fused_scan_unsupported(hidden_act, weights) is None:
                 return "triton"
