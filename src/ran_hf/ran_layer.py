@@ -45,7 +45,7 @@ class WindowProjections(NamedTuple):
 class LayerOutputs(NamedTuple):
     """What `RANLayer.forward` returns."""
 
-    token_states: torch.Tensor  # (T, D)
+    hidden_states: torch.Tensor  # (B, L, D) the token states, zeros at padding: recorded as `hidden_states`
     raw_cells: torch.Tensor  # (N, B, D) the raw cells of this pass's windows
     last_cell: torch.Tensor  # (B, D) each sequence's last cell (the starting one for a row of padding only)
     attention_weights: torch.Tensor | None  # (B, H, L, 1 + S) with `output_attentions` where attention gives them
@@ -313,17 +313,19 @@ class RANLayer(GradientCheckpointingLayer):
 
     def forward(
         self,
-        token_states: torch.Tensor,
+        hidden_states: torch.Tensor,
         cell: torch.Tensor | None,
         layout: RANWindowLayout,
         cache: RANCacheLayer | None = None,
         output_attentions: bool = False,
     ) -> LayerOutputs:
-        """token_states (T, D) new real tokens; cell (B, D) the cell each sequence's first window reads, or None for
-        the layer's own learned starting cell (read here, inside the layer, so that a sharded parameter is gathered).
+        """hidden_states (B, L, D) the new tokens' states, whose real tokens the layer reads packed, (T, D) (a view
+        where there is no padding); cell (B, D) the cell each sequence's first window reads, or None for the layer's
+        own learned starting cell (read here, inside the layer, so that a sharded parameter is gathered).
 
         With a `cache` (causal continuation) the scan starts from the cached cell and the cache is updated in place.
-        Returns token states (T, D), raw cells (N, B, D) of this pass's windows, each sequence's last cell (B, D)
+        Returns token states (B, L, D), zeros at padding (what Transformers' output capture records as
+        `hidden_states`), raw cells (N, B, D) of this pass's windows, each sequence's last cell (B, D)
         (the starting one for a row of padding only) and, with `output_attentions`, every token's window attention
         weights (B, H, L, 1 + S) (None unless the attention implementation gives them) and memory-review weights
         (B, L, C).
@@ -336,7 +338,8 @@ class RANLayer(GradientCheckpointingLayer):
         if cache is not None and cache.is_initialized:
             start_cell, start_previous = cache.cell, cache.previous_raw_cell
         if layout.num_steps == 0:  # padding only: nothing to read, nothing to write
-            return LayerOutputs(token_states, token_states.new_zeros(0, *start_cell.shape), start_cell, None, None)
+            return LayerOutputs(hidden_states, hidden_states.new_zeros(0, *start_cell.shape), start_cell, None, None)
+        token_states = layout.from_padded(hidden_states)  # (T, D)
         normed_tokens = self.normalize_input(token_states)  # (T, D)
 
         # 1. Everything that does not depend on the cell, for all windows at once.
@@ -371,4 +374,5 @@ class RANLayer(GradientCheckpointingLayer):
             update_cache(self.config, salience, cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv,
                          memory)  # fmt: skip
         last_cell = layout.last_cells(cells, start_cell)
-        return LayerOutputs(token_states, raw_cells, last_cell, attention_weights, review_weights)
+        hidden_states = layout.to_padded(token_states)  # (B, L, D)
+        return LayerOutputs(hidden_states, raw_cells, last_cell, attention_weights, review_weights)

@@ -87,16 +87,6 @@ class RANEmbeddings(nn.Module):
         return token_states + self.token_shift(previous)
 
 
-class RANPaddedStates(nn.Module):
-    """The (B, L, D) form of the packed token states (T, D) that the embeddings give the first layer and each layer
-    gives the next: what Transformers' output capture records as `hidden_states` (zeros at padding). Run only when
-    hidden states are asked for; the model reads its tokens back from it, so that the recorded states have
-    gradients."""
-
-    def forward(self, token_states: torch.Tensor, layout: RANWindowLayout) -> torch.Tensor:
-        return layout.to_padded(token_states)
-
-
 class RANPooler(nn.Module):
     """The official "cell transform" (paper eq. 10-11): GLU(swish(Dense(pooled cell))) + Dense(pooled tokens).
 
@@ -144,13 +134,10 @@ class RANPreTrainedModel(PreTrainedModel):
     # The cell scan runs window after window through the whole sequence: it cannot be split across ranks by length.
     _supports_context_parallel = False
     # Transformers' output capture records these (`output_hidden_states`, `output_attentions`) from the modules that
-    # compute them: the window attention's weights, where the implementation gives them (its output's second item,
-    # as for Llama's attention), and the memory review's. The layers work on packed real tokens (T, D): hidden states
-    # are recorded in their (B, L, D) form.
+    # compute them, as for Llama: every layer's input and output token states (B, L, D), the window attention's
+    # weights where the implementation gives them, and the memory review's.
     _can_record_outputs = {
-        "hidden_states": OutputRecorder(
-            RANPaddedStates, capture_initial_hidden_state=False, num_hidden_layers_key="num_hidden_states"
-        ),
+        "hidden_states": RANLayer,
         "attentions": RANWindowAttention,
         "memory_attentions": OutputRecorder(RANMemoryReview, index=1),
     }
@@ -246,7 +233,6 @@ class RANModel(RANPreTrainedModel):
             else None
         )
         self.pooler = RANPooler(config) if add_pooling_layer else None
-        self.padded_states = RANPaddedStates()
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -320,9 +306,6 @@ class RANModel(RANPreTrainedModel):
         (batch_size, padded_length), input_checks = validate_ran_inputs(
             self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_checks, batch_shape
         )
-        if output_hidden_states is None:
-            output_hidden_states = self.config.output_hidden_states
-        output_hidden_states = output_hidden_states is not False  # True, or the indices of the states to capture
         kwargs.pop("output_memory_attentions", None)  # read by the output capture
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         if output_attentions and self.config._attn_implementation != "eager":
@@ -353,25 +336,25 @@ class RANModel(RANPreTrainedModel):
             token_states = self.embeddings.shift_tokens(token_states, layout, first_cache)
         if initial_cell is not None:
             initial_cell = initial_cell.to(device=embeddings.device, dtype=embeddings.dtype)
-        del embeddings  # (B, L, D): the first layer reads its tokens, and the later ones need it no more
+        hidden_states = layout.to_padded(token_states)  # (B, L, D), zeros at padding: a view where there is none
+        del embeddings, token_states  # the first layer reads its tokens, and the later ones need them no more
         cell = initial_cell  # None: the first layer starts from its own learned cell
         for layer in self.layers:
-            if output_hidden_states:  # recorded, then read back: the recorded states stay in the graph
-                token_states = layout.from_padded(self.padded_states(token_states, layout))
             if self.config.is_causal and layer.layer_idx > 0:
                 cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
-                token_states, raw_cells, cell, *_ = layer(
-                    token_states, cell, layout=layout, cache=layer_cache, output_attentions=output_attentions
+                hidden_states, raw_cells, cell, *_ = layer(
+                    hidden_states, cell, layout=layout, cache=layer_cache, output_attentions=output_attentions
                 )
+        token_states = layout.from_padded(hidden_states)  # (T, D)
 
         if past_key_values is not None:
             past_key_values.advance(layout.lengths, padded_length)
             token_states = past_key_values.watch_graph(token_states)  # tells a later forward when backward freed it
         if self.norm is not None:
             token_states = self.norm(token_states)
-        last_hidden_state = self.padded_states(token_states, layout)  # with hidden states, recorded as the last
+        last_hidden_state = layout.to_padded(token_states)  # with hidden states, recorded as the last
         cells = raw_cells.transpose(0, 1)  # (B, N, D)
         cells_mask = torch.arange(cells.shape[1], device=cells.device)[None, :] < layout.num_windows[:, None]
         cells = cells * cells_mask[..., None]
