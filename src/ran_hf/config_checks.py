@@ -173,12 +173,15 @@ def check_size(config) -> None:
 
 def apply_overrides(config, update_str: str) -> None:
     """`RANConfig.update_from_string`: set fields from `"name=value,..."`, all or none."""
-    previous = dict(config.__dict__)
+    previous, given = dict(config.__dict__), set()
     try:
         for item in split_overrides(update_str):
             name, equals, text = (part.strip() for part in item.partition("="))
             if not equals or not name:
                 raise ValueError(f"`{item.strip()}` is not an override: write it `name=value` (joined by commas).")
+            if name in given:
+                raise ValueError(f"`{name}` is given twice in the overrides {update_str!r}: give it once.")
+            given.add(name)
             if not hasattr(config, name) or name.startswith("_"):
                 close = difflib.get_close_matches(name, list(config.__dataclass_fields__), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""

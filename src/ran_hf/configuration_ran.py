@@ -239,7 +239,8 @@ class RANConfig(PreTrainedConfig):
                 self.memory_review_cells is not None and not self.is_causal
             ),
             "`associative_memory` binds what earlier windows held for later tokens of a causal model; the "
-            "bidirectional encoder reads every window already. Set `is_causal=True` or leave it False.": (
+            "bidirectional encoder reads every window already. It belongs to the causal LM (`RANForCausalLM`, "
+            "`run_clm.py`, `is_causal=True`): leave it False for this model.": (
                 self.associative_memory and not self.is_causal
             ),
         }
@@ -248,8 +249,9 @@ class RANConfig(PreTrainedConfig):
             inside = not cutoffs or 0 < cutoffs[0] <= cutoffs[-1] < self.vocab_size
             message = f"`cutoffs` must be strictly increasing ids in (0, vocab_size={self.vocab_size}), got {cutoffs}."
             rules[message] = cutoffs != sorted(set(cutoffs)) or not inside
-            message = "`cutoffs` (adaptive embeddings and softmax) belong to the causal LM: set `is_causal=True` "
-            rules[message + "(RANForCausalLM), or leave `cutoffs` None."] = not self.is_causal
+            message = "`cutoffs` (adaptive embeddings and softmax) belong to the causal LM (`RANForCausalLM`, "
+            message += "`run_clm.py`, `is_causal=True`): leave `cutoffs` None for this model."
+            rules[message] = not self.is_causal
             message = f"With `div_val={self.div_val}` the last of {len(cutoffs) + 1} clusters would embed its ids in "
             message += f"hidden_size // div_val**{len(cutoffs)} = {smallest} dimensions: use fewer cutoffs or a "
             rules[message + "smaller div_val."] = self.div_val > 1 and smallest < 1
