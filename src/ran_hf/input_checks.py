@@ -355,12 +355,6 @@ def sequence_loss(loss_function, logits, labels, problem_type: str, attention_ma
     return loss * (has_tokens.shape[0] / has_tokens.sum().clamp(min=1))
 
 
-def loss_of_nothing(logits: torch.Tensor) -> torch.Tensor:
-    """The loss of a batch with no label to score (all -100, or only padding): 0 instead of the NaN a mean over no
-    element gives, still attached to the graph so that `backward()` runs."""
-    return logits.new_zeros(()) + logits.sum() * 0.0  # + 0.0: never a negative zero
-
-
 def check_num_items_in_batch(num_items_in_batch, read_device: bool = False) -> None:
     """Refuse a `num_items_in_batch` below 1, which a summed loss would be divided by (inf or NaN, as Transformers'
     losses give). A number, or a tensor on the CPU, is read; one on an accelerator only where the caller
