@@ -142,6 +142,27 @@ class RANPreTrainedModel(PreTrainedModel):
         "memory_attentions": OutputRecorder(RANMemoryReview, index=1),
     }
 
+    def post_init(self):
+        super().post_init()
+        # The config's fields as built: a forward or save after a field it was built from changed is refused.
+        self._built_config = self.config.snapshot()
+
+    def check_config(self):
+        """Refuse to run or save after a field the model was built from changed (`RANConfig.check_built`, naming the
+        field and the fix); validate other changes. Host-only: compiled code skips it."""
+        self._built_config = self.config.check_built(self._built_config)
+
+    def save_pretrained(self, *args, **kwargs):
+        self.check_config()
+        return super().save_pretrained(*args, **kwargs)
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        for module in self.modules():  # `vocab_size` now matches the resized embedding
+            if isinstance(module, RANPreTrainedModel):
+                module._built_config = module.config.snapshot()
+        return embeddings
+
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs):
         """Transformers' loading (`from_pretrained`, the Auto classes), with a damaged weights file named:
@@ -290,6 +311,8 @@ class RANModel(RANPreTrainedModel):
             all-zero cells with its learned one, here pass None for that. Causal models: with the first call only
             (a cache carries the cells after it); memory review's starting cell stays the learned one.
         """
+        if not torch.compiler.is_compiling():
+            self.check_config()  # a field the model was built from, changed since, is named
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
