@@ -2,6 +2,7 @@
 the data readers, the output folders) tried with new inputs. Each test here failed before its fix: a raw library
 error, a silent wrong result, a user's file replaced, or work unbounded by what is kept."""
 
+import copy
 import gzip
 import os
 import re
@@ -329,3 +330,18 @@ def test_a_field_given_twice_in_the_overrides_is_named():
 def test_causal_only_options_on_an_encoder_point_to_the_causal_lm_not_to_flipping_the_head(fields):
     with pytest.raises(ValueError, match=r"belongs? to the causal LM \(`RANForCausalLM`, `run_clm.py`"):
         RANConfig(**TINY, min_window_size=2, **fields)
+
+
+def test_a_cache_is_copied_as_documented_and_one_holding_a_graph_is_named():
+    config = RANConfig(**TINY, min_window_size=2, is_causal=True)
+    model = RANForCausalLM(config).eval()
+    ids = torch.randint(1, config.vocab_size, (1, 9))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        copied = copy.deepcopy(cache)
+        next_ids = torch.randint(1, config.vocab_size, (1, 3))
+        assert torch.equal(model(next_ids, past_key_values=cache).logits, model(next_ids, past_key_values=copied).logits)
+    with_graph = model(ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"holds the autograd graph.*torch.no_grad\(\)"):
+        copy.deepcopy(with_graph)
+    assert copy.deepcopy(with_graph.detach()).get_seq_length() == 9

@@ -1,6 +1,7 @@
 """The recurrent cache of a causal RAN: constant-size state per layer, plus a key and value per finished window (or
 per each of the last `memory_review_cells` windows)."""
 
+import copy
 import functools
 import inspect
 
@@ -288,6 +289,19 @@ class RANCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.lengths, self.seen_positions, self.graph_probe = None, 0, None
+
+    def __deepcopy__(self, memo) -> "RANCache":
+        # torch copies only graph leaves: a cache filled with gradients on would fail inside torch, unnamed.
+        if any(tensor.grad_fn is not None for layer in self.layers for tensor in layer.tensors().values()):
+            raise ValueError(
+                "This cache holds the autograd graph of the forward that filled it, which cannot be copied: fill it "
+                "under `torch.no_grad()`, or copy `cache.detach()` (which cuts backpropagation there; "
+                "docs/generation.md)."
+            )
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        copied.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
+        return copied
 
     def detach(self) -> "RANCache":
         """Cut backpropagation here, keeping the state: training on a stream in chunks then backpropagates through
