@@ -340,7 +340,8 @@ def test_a_cache_is_copied_as_documented_and_one_holding_a_graph_is_named():
         cache = model(ids, use_cache=True).past_key_values
         copied = copy.deepcopy(cache)
         next_ids = torch.randint(1, config.vocab_size, (1, 3))
-        assert torch.equal(model(next_ids, past_key_values=cache).logits, model(next_ids, past_key_values=copied).logits)
+        continued, from_copy = (model(next_ids, past_key_values=c).logits for c in (cache, copied))
+        assert torch.equal(continued, from_copy)
     with_graph = model(ids, use_cache=True).past_key_values
     with pytest.raises(ValueError, match=r"holds the autograd graph.*torch.no_grad\(\)"):
         copy.deepcopy(with_graph)
