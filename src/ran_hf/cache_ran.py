@@ -120,7 +120,9 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
         if conv_states is not None or state_idx != 0:
-            raise ValueError("A RAN cache layer holds one recurrent state (its cell, `state_idx=0`) and no conv state.")
+            raise ValueError(
+                "A RAN cache layer holds one recurrent state (its cell, `state_idx=0`) and no conv state."
+            )
         if recurrent_states is not None:
             self.device, self.dtype = recurrent_states.device, recurrent_states.dtype
 
