@@ -280,13 +280,15 @@ def layouts_built_with_values():
     build = RANWindowLayout.from_attention_mask
     reads = []
 
-    def from_attention_mask(attention_mask, config, past_lengths=None, input_checks=None, **layout_inputs):
+    def from_attention_mask(attention_mask, config, past_lengths=None, read_with_sizes=None, **layout_inputs):
         if not attention_mask.is_meta:
-            return build(attention_mask, config, past_lengths, input_checks, **layout_inputs)
+            return build(attention_mask, config, past_lengths, read_with_sizes, **layout_inputs)
         if any(value is not None for value in layout_inputs.values()):
             raise NotImplementedError(f"counting on meta builds the layout of a plain mask only, not {layout_inputs}")
         reads.append(attention_mask.shape)
-        layout = build(torch.ones(attention_mask.shape, dtype=torch.bool), config, None)
+        if read_with_sizes is not None:  # the input and label checks' values: a meta tensor reads as zeros
+            read_with_sizes = torch.zeros(read_with_sizes.shape, dtype=read_with_sizes.dtype)
+        layout = build(torch.ones(attention_mask.shape, dtype=torch.bool), config, None, read_with_sizes)
         moved = {
             field.name: value.to("meta") if isinstance(value := getattr(layout, field.name), torch.Tensor) else value
             for field in dataclasses.fields(layout)

@@ -242,14 +242,16 @@ def install_oracle(model: RANForCausalLM) -> None:
         plain_forward = review.forward
 
         def forward(token_states, cell_states, readable_cells, output_attentions=False, first_readable=None,
-                    salient=None, review=review, plain_forward=plain_forward):  # fmt: skip
+                    salient=None, real_tokens=None, *, review=review, plain_forward=plain_forward):  # fmt: skip
             if review.oracle_cells is not None:  # read cells [target, target + 1): the pair's cell only
                 target = review.oracle_cells.to(readable_cells.device)
                 handed = target >= 0
                 first = torch.zeros_like(readable_cells) if first_readable is None else first_readable
                 readable_cells = torch.where(handed, target + 1, readable_cells)
                 first_readable = torch.where(handed, target, first)
-            return plain_forward(token_states, cell_states, readable_cells, output_attentions, first_readable, salient)
+            return plain_forward(
+                token_states, cell_states, readable_cells, output_attentions, first_readable, salient, real_tokens
+            )
 
         review.forward = forward
 
