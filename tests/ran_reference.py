@@ -59,7 +59,7 @@ def window_attention(layer, cell, tokens, config, causal):
     act = F.silu if config.hidden_act == "silu" else getattr(F, config.hidden_act)
     x = layer_norm(torch.cat([cell[None], tokens]), layer.input_norm, eps)  # (1 + w, D)
     q, k, v = linear(x, layer.qkv_proj).view(x.shape[0], 3, heads, d).unbind(1)
-    if config.layer_option("attention_qk_activation"):
+    if config.attention_qk_activation:
         q, k = act(q), act(k)
     v = act(v)
     positions = torch.arange(x.shape[0])
@@ -71,18 +71,18 @@ def window_attention(layer, cell, tokens, config, causal):
         allowed[0] = True  # the cell is written after its window: it reads all of it
         scores = scores.masked_fill(~allowed, float("-inf"))
     attended = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # (1 + w, H, d)
-    if config.layer_option("cell_max_pool"):  # the cell also reads a soft maximum of its tokens' values, feature by feature
+    if config.cell_max_pool:  # the cell also reads a soft maximum of its tokens' values, feature by feature
         temperature = 0.03
         attended[0] = attended[0] + temperature * torch.logsumexp(v[1:] / temperature, dim=0)
     out = linear(attended.reshape(x.shape[0], heads * d), layer.o_proj)
-    written = act(out[0]) if config.layer_option("memory_value_activation") else out[0]  # what the cell writes
+    written = act(out[0]) if config.memory_value_activation else out[0]  # what the cell writes
     out = act(out)
     gated = out + glu(x, layer.attention_glu)
-    if config.layer_option("cell_input_residual"):
+    if config.cell_input_residual:
         raw_cell = standard_norm(layer_norm(written + glu(x[0], layer.attention_glu), layer.attention_norm, eps), eps)
     else:  # the cell is what its attention read
         raw_cell = standard_norm(written, eps)
-    if config.layer_option("residual_stream"):  # tokens pass through; the branch is added to them
+    if config.residual_stream:  # tokens pass through; the branch is added to them
         token_out = tokens + gated[1:]
     else:
         token_out = standard_norm(layer_norm(gated[1:], layer.attention_norm, eps), eps)
@@ -93,20 +93,20 @@ def memory_review(layer, outputs, cells, token_windows, initial_cell, config, ca
     eps = config.layer_norm_eps
     act = F.silu if config.hidden_act == "silu" else getattr(F, config.hidden_act)
     review = layer.memory_review
-    sink = causal and config.layer_option("review_initial_cell")
+    sink = causal and config.review_initial_cell
     if sink:
         cells = torch.cat([initial_cell[None], cells])
-    residual = config.layer_option("residual_stream")
+    residual = config.residual_stream
     q_linear = linear(layer_norm(outputs, review.norm, eps) if residual else outputs, review.q_proj)
     k_linear, v_linear = linear(cells, review.kv_proj).chunk(2, -1)
     q = act(q_linear)
-    v = act(v_linear) if config.layer_option("memory_value_activation") else v_linear
-    if config.layer_option("review_qk_norm"):  # scaled cosine of the un-activated projections
+    v = act(v_linear) if config.memory_value_activation else v_linear
+    if config.review_qk_norm:  # scaled cosine of the un-activated projections
         scores = F.normalize(q_linear, dim=-1) @ F.normalize(k_linear, dim=-1).T * math.sqrt(q.shape[-1])
     else:
         scores = q @ act(k_linear).T / math.sqrt(q.shape[-1])  # (n, m)
-    if config.layer_option("review_salience"):  # every token's score of a cell includes its learned prior, salience . key
-        keys = F.normalize(k_linear, dim=-1) if config.layer_option("review_qk_norm") else act(k_linear)
+    if config.review_salience:  # every token's score of a cell includes its learned prior, salience . key
+        keys = F.normalize(k_linear, dim=-1) if config.review_qk_norm else act(k_linear)
         scores = scores + keys @ review.salience
     probs = scores.softmax(-1)
     if causal:  # a token of window i reads the cells of windows < i (and the initial cell, if it may)
@@ -114,7 +114,7 @@ def memory_review(layer, outputs, cells, token_windows, initial_cell, config, ca
         allowed = torch.arange(cells.shape[0])[None, :] < windows + int(sink)
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)  # window 0: reads nothing
     read = linear(probs @ v, review.o_proj)
-    out = (act(read) if config.layer_option("memory_value_activation") else read) + glu(q, review.glu)
+    out = (act(read) if config.memory_value_activation else read) + glu(q, review.glu)
     return outputs + out if residual else layer_norm(out, review.norm, eps)
 
 
@@ -129,7 +129,7 @@ def reference_forward(model, input_ids):
     causal = config.is_causal
     embeddings = model.embeddings.word_embeddings.weight[input_ids]
     hidden = layer_norm(embeddings, model.embeddings.norm, eps)
-    if config.layer_option("token_shift"):  # each token also reads its predecessor's embedding (zeros before the first)
+    if config.token_shift:  # each token also reads its predecessor's embedding (zeros before the first)
         previous = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
         hidden = hidden + linear(previous, model.embeddings.token_shift)
     # A causal model cannot know where the text ends, so its last window never merges into the one before.
@@ -157,12 +157,12 @@ def reference_forward(model, input_ids):
         outputs, raw_cells = torch.cat(outputs), torch.stack(raw_cells)
         if config.memory_review:
             hidden = memory_review(layer, outputs, raw_cells, token_windows, initial_cell, config, causal)
-        elif config.layer_option("residual_stream"):
+        elif config.residual_stream:
             hidden = outputs
         else:
             hidden = layer_norm(outputs, layer.output_norm, eps)
         hidden_states.append(hidden)
-    if config.layer_option("residual_stream"):  # one norm after the last layer
+    if config.residual_stream:  # one norm after the last layer
         hidden = hidden_states[-1] = layer_norm(hidden, model.norm, eps)
 
     pooled = {"last": cell, "mean": raw_cells.mean(0), "max": raw_cells.amax(0)}[config.cell_pooling]

@@ -192,15 +192,15 @@ def test_a_saved_config_names_the_memory_design_it_resolves_to(is_causal, tmp_pa
     config = ran_hf.RANConfig(is_causal=is_causal, hidden_size=16, num_attention_heads=2, head_dim=8)
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["residual_stream"] is config.layer_option("residual_stream") is is_causal
-    assert saved["attention_qk_activation"] is config.layer_option("attention_qk_activation") is (not is_causal)
-    assert saved["memory_value_activation"] is config.layer_option("memory_value_activation") is (not is_causal)
-    assert saved["cell_max_pool"] is config.layer_option("cell_max_pool") is is_causal
+    assert saved["residual_stream"] is config.residual_stream is is_causal
+    assert saved["attention_qk_activation"] is config.attention_qk_activation is (not is_causal)
+    assert saved["memory_value_activation"] is config.memory_value_activation is (not is_causal)
+    assert saved["cell_max_pool"] is config.cell_max_pool is is_causal
     # A config saved with the official choices keeps them, whatever the causal defaults say.
     saved.update(attention_qk_activation=True, memory_value_activation=True)
     (tmp_path / "config.json").write_text(json.dumps(saved))
     loaded = ran_hf.RANConfig.from_pretrained(tmp_path)
-    assert loaded.layer_option("attention_qk_activation") and loaded.layer_option("memory_value_activation")
+    assert loaded.attention_qk_activation and loaded.memory_value_activation
 
 
 @pytest.mark.parametrize("field", ["cell_max_pool", "review_salience", "token_shift"])
@@ -210,13 +210,13 @@ def test_a_causal_config_saved_before_a_memory_field_existed_loads_without_it(tm
     config = ran_hf.RANConfig(is_causal=True, hidden_size=16, num_attention_heads=2, head_dim=8)
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved[field] is config.layer_option(field) is True
+    assert saved[field] is getattr(config, field) is True
     del saved[field]
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    assert not ran_hf.RANConfig.from_pretrained(tmp_path).layer_option(field)
-    assert ran_hf.RANConfig.from_pretrained(tmp_path, **{field: True}).layer_option(field)
+    assert not getattr(ran_hf.RANConfig.from_pretrained(tmp_path), field)
+    assert getattr(ran_hf.RANConfig.from_pretrained(tmp_path, **{field: True}), field)
     # A config written by hand, naming no memory field, takes today's causal defaults.
-    assert ran_hf.RANConfig.from_dict({"is_causal": True}).layer_option(field)
+    assert getattr(ran_hf.RANConfig.from_dict({"is_causal": True}), field)
 
 
 @pytest.mark.parametrize("field", ["review_salience", "token_shift"])

@@ -40,7 +40,7 @@ def test_a_saved_config_resolves_to_the_design_its_fields_name(name):
     design = CASES[name][1]
     for field, value in LAYER_DESIGNS[design].items():
         assert saved[field] == value, field  # the fixture names every field, as `to_dict` writes them
-        assert config.layer_option(field) is value, field
+        assert getattr(config, field) is value, field
     # Saved again, it names its design too, and the fields keep their values.
     resaved = config.to_dict()
     assert resaved["layer_design"] == design

@@ -358,7 +358,7 @@ def evaluate_bounded_memory(model, eval_stream, context: int | None, args) -> di
         same_examples = torch.Generator().manual_seed(args.eval_seed)
         result["passkey_bounded"] = evaluate_passkey(model, eval_stream, same_examples, context, args)
         result["memory_review_cells"] = args.memory_review_cells
-        if args.memory_salient_cells and model.config.layer_option("review_salience"):
+        if args.memory_salient_cells and model.config.review_salience:
             model.config.memory_salient_cells = args.memory_salient_cells
             same_examples = torch.Generator().manual_seed(args.eval_seed)
             result["passkey_salient"] = evaluate_passkey(model, eval_stream, same_examples, context, args)

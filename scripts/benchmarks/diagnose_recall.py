@@ -234,7 +234,7 @@ def install_token_keys(model: RANForCausalLM) -> None:
 
 def install_oracle(model: RANForCausalLM) -> None:
     """Every layer's memory review reads, for a token with an oracle cell, that cell alone (`set_oracle`)."""
-    if model.config.layer_option("review_initial_cell"):
+    if model.config.review_initial_cell:
         raise ValueError("the oracle restricts review to one cell: build the model with review_initial_cell=False")
     for layer in model.model.layers:
         review = layer.memory_review
@@ -290,7 +290,7 @@ def evaluate(model, layout: str, pairs: int, examples: int = 128, length: int | 
         logits, outputs = query_logits(model, ids[part], positions, oracle, output_attentions=is_ran)
         correct += (logits.argmax(-1) == FIRST_VALUE + values[part]).float().sum().item()
         if is_ran:
-            offset = int(model.config.layer_option("review_initial_cell"))
+            offset = int(model.config.review_initial_cell)
             weights = [
                 w[torch.arange(rows)[:, None], positions, windows[part] + offset].sum().item()
                 for w in outputs.memory_attentions

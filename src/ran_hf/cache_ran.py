@@ -28,7 +28,7 @@ def cache_shape(config) -> dict:
     # A first layer with token shift caches the last token read.
     return {
         **{name: getattr(config, name) for name in CACHE_SHAPE_FIELDS},
-        "token_shift": config.layer_option("token_shift"),
+        "token_shift": config.token_shift,
     }
 
 

@@ -97,7 +97,7 @@ def causal_reading(config: RANConfig, salience: Salience, cells, first_cell, ini
         reading = layout.first_window[:, None] + torch.arange(layout.num_steps, device=cells.device)  # (B, R)
         rows = (layout.token_window - layout.first_window[:, None]).clamp(0, layout.num_steps - 1)
         salient = chosen_salient(salience, config, cells, pool[1], reading), rows
-    if config.layer_option("review_initial_cell"):
+    if config.review_initial_cell:
         cells = torch.cat([initial_cell[:, None], cells], dim=1)  # (B, 1 + C, 2 D)
         readable_cells = readable_cells + 1  # ... and the initial cell before them
         first_readable = None if first_readable is None else first_readable + 1

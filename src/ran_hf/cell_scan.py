@@ -287,11 +287,11 @@ class RANCellScan(nn.Module):
         self.config = config
         self.hidden_size, self.eps = config.hidden_size, config.layer_norm_eps
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.cell_input_residual = config.layer_option("cell_input_residual")
+        self.cell_input_residual = config.cell_input_residual
         self.use_cell_residual = config.use_cell_residual
-        self.qk_activation = config.layer_option("attention_qk_activation")
-        self.output_activation = config.layer_option("memory_value_activation")  # of what the cell writes
-        self.cell_max_pool = config.layer_option("cell_max_pool")
+        self.qk_activation = config.attention_qk_activation
+        self.output_activation = config.memory_value_activation  # of what the cell writes
+        self.cell_max_pool = config.cell_max_pool
         self.act = ACT2FN[config.hidden_act]
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob

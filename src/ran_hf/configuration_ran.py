@@ -326,15 +326,6 @@ class RANConfig(PreTrainedConfig):
         copied.validate()
         return copied
 
-    def layer_option(self, name: str) -> bool:
-        """A design field's value (resolved when the config was made); kept for the callers that read it by name."""
-        return getattr(self, name)
-
-    @property
-    def num_hidden_states(self) -> int:
-        """How many hidden states `output_hidden_states=True` returns: the embeddings' and every layer's."""
-        return self.num_hidden_layers + 1
-
     @property
     def max_window_length(self) -> int:
         """Longest window a layer can see: a full window plus a merged tail, plus the enrichment tokens."""

@@ -52,15 +52,12 @@ class RANMemoryReview(nn.Module):
         self.act = ACT2FN[config.hidden_act]
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
-        self.residual_stream = config.layer_option("residual_stream")
-        self.qk_norm = config.layer_option("review_qk_norm")
-        self.value_act = self.act if config.layer_option("memory_value_activation") else nn.Identity()
-        self.reads_initial_cell = config.is_causal and config.layer_option(
-            "review_initial_cell"
-        )  # cell 0 is the starting cell, always in reach
-        if config.layer_option(
-            "review_salience"
-        ):  # a learned prior of every cell, `salience . key`; zero at initialisation
+        self.residual_stream = config.residual_stream
+        self.qk_norm = config.review_qk_norm
+        self.value_act = self.act if config.memory_value_activation else nn.Identity()
+        # Cell 0 is the starting cell, always in reach.
+        self.reads_initial_cell = config.is_causal and config.review_initial_cell
+        if config.review_salience:  # a learned prior of every cell, `salience . key`; zero at initialisation
             self.salience = nn.Parameter(torch.zeros(hidden_size))
         # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
         self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)

@@ -158,8 +158,8 @@ class RANLayer(GradientCheckpointingLayer):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.residual_stream = config.layer_option("residual_stream")
-        self.cell_input_residual = config.layer_option("cell_input_residual")
+        self.residual_stream = config.residual_stream
+        self.cell_input_residual = config.cell_input_residual
         hidden_size, inner_size, eps = config.hidden_size, self.num_heads * self.head_dim, config.layer_norm_eps
 
         # A starting cell where one is read: the encoder's first layer (later layers continue from the cell of the
@@ -184,7 +184,7 @@ class RANLayer(GradientCheckpointingLayer):
             self.output_norm = RANCenteredRMSNorm(hidden_size, eps)
 
         self.act = ACT2FN[config.hidden_act]
-        self.qk_activation = config.layer_option("attention_qk_activation")
+        self.qk_activation = config.attention_qk_activation
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.cell_scan = RANCellScan(config)  # no parameters: it runs on this layer's (`cell_scan_weights`)
         self.attention_dropout = config.attention_probs_dropout_prob  # the scan's window attention reads it too

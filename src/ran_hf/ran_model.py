@@ -58,7 +58,7 @@ class RANEmbeddings(nn.Module):
             self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.norm = RANCenteredRMSNorm(config.hidden_size, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        if config.layer_option("token_shift"):
+        if config.token_shift:
             self.token_shift = RANTokenShift(config.hidden_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None):
@@ -248,11 +248,7 @@ class RANModel(RANPreTrainedModel):
         self.embeddings = RANEmbeddings(config)
         self.layers = nn.ModuleList([RANLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)])
         # A residual stream is normalised once, after the last layer; official layers end in their own norm.
-        self.norm = (
-            RANCenteredRMSNorm(config.hidden_size, config.layer_norm_eps)
-            if config.layer_option("residual_stream")
-            else None
-        )
+        self.norm = RANCenteredRMSNorm(config.hidden_size, config.layer_norm_eps) if config.residual_stream else None
         self.pooler = RANPooler(config) if add_pooling_layer else None
         self.gradient_checkpointing = False
         self.post_init()
@@ -354,7 +350,7 @@ class RANModel(RANPreTrainedModel):
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
 
         token_states = layout.from_padded(embeddings)  # (T, D)
-        if self.config.layer_option("token_shift"):
+        if self.config.token_shift:
             first_cache = past_key_values.layers[0] if past_key_values is not None else None
             token_states = self.embeddings.shift_tokens(token_states, layout, first_cache)
         if initial_cell is not None:
