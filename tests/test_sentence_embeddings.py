@@ -173,6 +173,10 @@ def test_bad_requests_are_refused(classifier_folder, make_config, tmp_path):
     RANForMaskedLM(make_config(is_causal=True)).save_pretrained(causal)
     with pytest.raises(ValueError, match="causal"):
         write_sentence_transformers_config(causal, pooling="mean")
+    weights = masked_lm / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
+    with pytest.raises(OSError, match="model.safetensors is damaged or cut short"):
+        write_sentence_transformers_config(masked_lm, pooling="cell_transform")
 
 
 LOAD_WITHOUT_RAN_HF = r"""

@@ -150,14 +150,20 @@ def write_sentence_transformers_config(
 
 def has_trained_pooler(folder: Path) -> bool:
     """Whether the weights saved in `folder` include RAN's pooler (the cell transform)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         names = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
     elif (folder / "model.safetensors").is_file():
-        with safe_open(folder / "model.safetensors", framework="pt") as weights:
-            names = list(weights.keys())
+        try:
+            with safe_open(folder / "model.safetensors", framework="pt") as weights:
+                names = list(weights.keys())
+        except SafetensorError as error:  # safetensors' message does not name the file
+            raise OSError(
+                f"{folder / 'model.safetensors'} is damaged or cut short ({error}): its weights cannot be read. Save, "
+                "copy or download it again."
+            ) from error
     else:
         raise FileNotFoundError(f"{folder} has no model.safetensors(.index.json): save the RAN model there first.")
     return any(name.startswith(("pooler.", "model.pooler.")) for name in names)
