@@ -58,7 +58,9 @@ def test_a_third_window_count_compiles_no_new_graph(scan):
 def test_compiled_training_matches_eager(dropout):
     """aot_eager: the scan op's fake shapes and backward, with padding (left) and three window counts per batch;
     with dropout, whose masks the scan op takes as inputs, the same seed drops the same units."""
-    config = tiny_config(scan_implementation="fused", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    config = tiny_config(
+        scan_implementation="fused", hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout
+    )
     model = randomize_(RANModel(config), seed=2).train()
     compiled = torch.compile(model, backend="aot_eager")
     for lengths in ([17, 6, 11], [23, 9, 14]):

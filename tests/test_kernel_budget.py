@@ -76,8 +76,9 @@ def test_the_triton_token_wise_kernels_replace_their_pytorch_ops(monkeypatch):
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 def test_training_dropout_of_the_token_states_runs_inside_the_triton_kernels():
     """With dropout, the layers' token states are dropped inside the norm and GLU kernels (mask seeds drawn on the
-    device: no host read; the attention's and the memory review's LayerNorms inside their GLU's); PyTorch's dropout is left for the scan's masks (two draws per layer's scan), the memory
-    review's attention weights (one per layer), the head's input and the first layer's starting cell."""
+    device: no host read; the attention's and the memory review's LayerNorms inside their GLU's); PyTorch's dropout
+    is left for the scan's masks (two draws per layer's scan), the memory review's attention weights (one per layer),
+    the head's input and the first layer's starting cell."""
     with torch.device("meta"):
         config = tiny_config(scan_implementation="triton", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
         model = RANForMaskedLM(config).train()

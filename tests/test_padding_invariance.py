@@ -12,7 +12,8 @@ TOLERANCE = 1e-5
 
 
 def random_case(seed):
-    """A random config (layers, window, merge rule, overlap, pooling, causal, ablations) and a batch of mixed lengths."""
+    """A random config (layers, window, merge rule, overlap, pooling, causal, ablations) and a batch of mixed
+    lengths."""
     rng = random.Random(seed)
     window = rng.choice([3, 4, 5, 7, 8])
     overrides = dict(

@@ -41,7 +41,9 @@ CASES = [
     pytest.param({"residual_stream": True, "cell_input_residual": False}, [14, 6, 11], id="encoder-learnable-memory"),
     pytest.param({"residual_stream": True, "memory_review": False}, [13, 3], id="encoder-residual-no-review"),
     pytest.param({"is_causal": True, "review_qk_norm": False}, [17, 5], id="causal-dot-product-review"),
-    pytest.param({"is_causal": True, "review_initial_cell": False}, [17, 5, 9], id="causal-review-without-initial-cell"),
+    pytest.param(
+        {"is_causal": True, "review_initial_cell": False}, [17, 5, 9], id="causal-review-without-initial-cell"
+    ),
     pytest.param(
         {"residual_stream": True, "cell_input_residual": False, "review_qk_norm": True},
         [14, 6, 11],

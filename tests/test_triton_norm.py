@@ -57,7 +57,8 @@ def test_triton_norm_equals_the_pytorch_normalisation(affine, shape):
 def test_dropout_in_the_norm_kernel_equals_the_pytorch_ops_with_its_mask(affine, monkeypatch):
     """`RANCenteredRMSNorm(x, dropout)` and `standard_normalize(x, eps, dropout)` drop units inside the kernel: the
     output and every gradient equal the PyTorch ops' given the kernel's mask (read off a run with weight 1 and bias 1,
-    the same seed), which keeps units at the rate asked for, is the one the backward applies, and repeats for a seed."""
+    the same seed), which keeps units at the rate asked for, is the one the backward applies, and repeats for a
+    seed."""
     rows, hidden = 50, 40
     generator = torch.Generator().manual_seed(11)
     x = (torch.randn(rows, hidden, generator=generator) * 3 + 1).to(DEVICE)

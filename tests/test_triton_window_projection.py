@@ -3,7 +3,8 @@
 the encoder (activated queries and keys, merged short windows, padding), windows with enrichment tokens (a token in
 two slots), the causal learnable-memory layer (values activated only), a prefix LM and no rotary embedding, with the
 keys and values written a second time for the attention (room for the read cell, which the gradients of both reach);
-and whole models with it equal models without it. On a CPU the kernels run in Triton's interpreter; on CUDA compiled."""
+and whole models with it equal models without it. On a CPU the kernels run in Triton's interpreter; on CUDA
+compiled."""
 
 import pytest
 import torch

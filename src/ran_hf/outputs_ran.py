@@ -76,7 +76,10 @@ def with_memory_attentions(output_class: type[ModelOutput], name: str, note: str
         "memory_attentions": None,
         "__module__": __name__,
         "__qualname__": name,
-        "__doc__": f"\n    [`{output_class.__name__}`] with the memory-review weights{note}.\n\n    Args:{MEMORY_ATTENTIONS_DOC}\n",
+        "__doc__": (
+            f"\n    [`{output_class.__name__}`] with the memory-review weights{note}.\n\n"
+            f"    Args:{MEMORY_ATTENTIONS_DOC}\n"
+        ),
     }
     return dataclass(type(name, (output_class,), namespace))
 

@@ -309,8 +309,9 @@ def kernels_ready() -> bool:
         bias_parts, norm_parts = parts(bias is not None), parts(norm)
         empty = projected.new_empty(0)
         grad_projected = glu_backward(
-            projected, bias, residual, residual_rows, norm_weight, norm_bias, seed, *ctx.flags[:-1], grad_out.contiguous(),
-            written, empty if bias_parts is None else bias_parts, empty if norm_parts is None else norm_parts,
+            projected, bias, residual, residual_rows, norm_weight, norm_bias, seed, *ctx.flags[:-1],
+            grad_out.contiguous(), written, empty if bias_parts is None else bias_parts,
+            empty if norm_parts is None else norm_parts,
         )  # fmt: skip
         grad_bias = None if bias is None else bias_parts.sum(0).to(bias.dtype)
         grad_norm_weight = grad_norm_bias = None

@@ -1,10 +1,10 @@
 """RAN's normalisation as one Triton kernel forward and one backward (on CUDA, where Triton is installed).
 
-`standard_normalize` and `RANCenteredRMSNorm` (building_blocks.py) are seven to nine PyTorch ops forward and more backward,
-each a kernel that reads and writes every token state; there are five or six of them per layer. Here the forward
-is one kernel per block of rows: y = weight * (x - mean(x)) / sqrt(mean(x^2) + eps) + bias, in float32 whatever x
-is. The backward is one kernel that writes the input's gradient and, per block of rows, partial sums of the weight's
-and bias's gradients (summed after). Each launch is a `torch.library.triton_op`.
+`standard_normalize` and `RANCenteredRMSNorm` (building_blocks.py) are seven to nine PyTorch ops forward and more
+backward, each a kernel that reads and writes every token state; there are five or six of them per layer. Here the
+forward is one kernel per block of rows: y = weight * (x - mean(x)) / sqrt(mean(x^2) + eps) + bias, in float32
+whatever x is. The backward is one kernel that writes the input's gradient and, per block of rows, partial sums of
+the weight's and bias's gradients (summed after). Each launch is a `torch.library.triton_op`.
 
 The layer drops units of two normalised states in training (its input's, and the official ending's). Given the rate,
 the kernels apply that dropout too (two launches and about five token-state passes fewer each), with the mask drawn
@@ -162,8 +162,8 @@ class TritonNorm(torch.autograd.Function):
         parts = rows.new_empty(programs, rows.shape[1], dtype=torch.float32) if ctx.affine else rows.new_empty(1)
         bias_parts = torch.empty_like(parts)
         stand_in = rows.new_empty(1)
-        norm_backward(rows, weight if ctx.affine else stand_in, bias if ctx.affine else stand_in, grad_y, grad_x, parts,
-                      bias_parts, ctx.eps, ctx.affine, ctx.then_standardize, seed, ctx.keep)  # fmt: skip
+        norm_backward(rows, weight if ctx.affine else stand_in, bias if ctx.affine else stand_in, grad_y, grad_x,
+                      parts, bias_parts, ctx.eps, ctx.affine, ctx.then_standardize, seed, ctx.keep)  # fmt: skip
         grad_weight = grad_bias = None
         if ctx.affine:
             grad_weight, grad_bias = parts.sum(0).to(weight.dtype), bias_parts.sum(0).to(weight.dtype)

@@ -69,8 +69,8 @@ def kernels_ready() -> bool:
 
     @triton.jit
     def _window_projection_kernel(
-        projected, bias, slot_tokens, query_tokens, query_slots, rotations, query, key, value, key_joined, value_joined,
-        T, R, S, Q, H, half,
+        projected, bias, slot_tokens, query_tokens, query_slots, rotations, query, key, value, key_joined,
+        value_joined, T, R, S, Q, H, half,
         BIAS: tl.constexpr, ACT_QK: tl.constexpr, ROTARY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """Program axis 2: 0 fills key and value rows (window k, slot s), 1 fills query rows (window k, query q).
@@ -342,6 +342,6 @@ def triton_window_projection(projected, layout, rotations, act_qk: bool, bias: t
         rotations = projected.new_zeros(1, 1, 2)
     rotations = rotations.to(torch.float32).contiguous()
     return window_projection(
-        projected.contiguous(), bias, layout.window_slots, layout.query_index, layout.query_slots, layout.token_slots(),
-        layout.output_slot, rotations, act_qk, rotary,
+        projected.contiguous(), bias, layout.window_slots, layout.query_index, layout.query_slots,
+        layout.token_slots(), layout.output_slot, rotations, act_qk, rotary,
     )  # fmt: skip

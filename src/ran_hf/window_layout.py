@@ -23,7 +23,8 @@ def count_windows(lengths: torch.Tensor, window: int, min_window: int) -> torch.
 
 
 def group_starts(counts: torch.Tensor) -> torch.Tensor:
-    """Where each group starts in a packed tensor that holds `counts[i]` entries of group i, one group after another."""
+    """Where each group starts in a packed tensor that holds `counts[i]` entries of group i, one group after
+    another."""
     return F.pad(torch.cumsum(counts, 0), (1, 0))[:-1]
 
 
@@ -308,7 +309,8 @@ class RANWindowLayout:
         return gather_rows(token_states, index.clamp(max=num_tokens - 1)).masked_fill_(empty, 0)
 
     def rotary(self, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-        """Rotations (S, d / 2, 2) of window slots (slot s is position s + 1; the cell sits at 0), built once a pass."""
+        """Rotations (S, d / 2, 2) of window slots (slot s is position s + 1; the cell sits at 0), built once a
+        pass."""
         if self._rotary is None:
             self._rotary = rotary_rotations(self.num_slots + 1, head_dim, theta, device)[1:]
         return self._rotary
@@ -355,7 +357,8 @@ class RANWindowLayout:
         return windows.view(num_windows, num_queries, -1)
 
     def weights_per_token(self, weights: torch.Tensor) -> torch.Tensor:
-        """(K, H, Q, X) attention weights of the windows' queries -> (B, H, L, X) those of each token, zeros at padding."""
+        """(K, H, Q, X) attention weights of the windows' queries -> (B, H, L, X) those of each token, zeros at
+        padding."""
         num_heads, num_keys = weights.shape[1], weights.shape[-1]
         per_token = self.from_windows(weights.transpose(1, 2).flatten(-2))  # (T, H * X)
         return self.to_padded(per_token).unflatten(-1, (num_heads, num_keys)).transpose(1, 2)
