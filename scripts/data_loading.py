@@ -5,7 +5,7 @@ A script reads every split whole (`load_splits`: Arrow tables memory-mapped from
 whole split costs little memory and a second run little time), takes what it needs from whole splits (the labels:
 a run with `--max_train_samples` has the classes of a full run), then keeps the first `--max_*_samples` examples
 (`first_examples`: a view, nothing is read or copied) and checks the texts it will use (`check_split_texts`, a
-batched map). Errors name the file, line and column of a bad record (`ran_hf.data`).
+batched map). Errors name the file, line and column of a bad record (`ran_hf.files.data`).
 
 Machinery shared by the example training scripts (`scripts/<task>/run_*.py`), which import it with `scripts/` on
 `sys.path`.
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from datasets import DatasetDict, load_dataset
 from transformers import PreTrainedTokenizerBase
 
-from ran_hf.data import check_columns, check_texts, load_records
+from ran_hf.files.data import check_columns, check_texts, load_records
 
 
 def load_splits(
@@ -32,8 +32,8 @@ def load_splits(
     """Every split, whole, from the Hub (`dataset_name`) or from local files (`{"train": path, ...}`), each checked
     to hold `columns`.
 
-    Local files (jsonl / jsonl.gz / csv / tsv / text) are read by `ran_hf.data.load_records`, keeping `columns` and
-    those of `optional_columns` that their first record holds (a test file without labels, say): every record must
+    Local files (jsonl / jsonl.gz / csv / tsv / text) are read by `ran_hf.files.data.load_records`, keeping `columns`
+    and those of `optional_columns` that their first record holds (a test file without labels, say): every record must
     hold them, each column one kind of value. Texts are checked later, in the examples a script keeps
     (`check_split_texts`); `text_columns` are checked here only in a file that Arrow cannot read.
     """
@@ -63,8 +63,8 @@ def first_examples(splits: DatasetDict, limits: Mapping[str, int | None]) -> Dat
 
 def check_split_texts(splits: DatasetDict, text_columns: Iterable[str], data_args) -> None:
     """Every value of `text_columns` must be a string that is not blank: a bad one is named by its file and line, or
-    for a Hub dataset by its split and example (`ran_hf.data.check_texts`). `splits` hold the first examples of the
-    files of `data_args` (`--train_file`, ...), or of its `--dataset_name`."""
+    for a Hub dataset by its split and example (`ran_hf.files.data.check_texts`). `splits` hold the first examples of
+    the files of `data_args` (`--train_file`, ...), or of its `--dataset_name`."""
     for split, dataset in splits.items():
         path = None if data_args.dataset_name else getattr(data_args, f"{split}_file", None)
         source = str(path) if path else f"{data_args.dataset_name} ({split})"

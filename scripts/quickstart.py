@@ -8,10 +8,10 @@ Steps: train a lower-cased WordPiece tokenizer on the text, build a `RANForMaske
 in a single sequence (RAN reads it window by window), fill a masked word, then `save_pretrained` and reload the
 folder with `AutoModelForMaskedLM.from_pretrained(..., trust_remote_code=True)` and check the logits are identical.
 
-A longer text is read up to its first `--max_tokens` tokens (a RAN's memory grows with what it reads; only that part
-of the file is read at all). The folder is written as the training scripts write theirs (`ran_hf.folders`): locked
-for the run, its model and tokenizer replaced once the new ones are saved (other files there, your notes for one, stay),
-and a folder that holds anything but an earlier quickstart's model is refused without `--overwrite_output_dir`.
+A longer text is read up to its first `--max_tokens` tokens (a RAN's memory grows with what it reads; only that part of
+the file is read at all). The folder is written as the training scripts write theirs (`ran_hf.files.folders`): locked
+for the run, its model and tokenizer replaced once the new ones are saved (other files there, your notes for one,
+stay), and a folder that holds anything but an earlier quickstart's model is refused without `--overwrite_output_dir`.
 """
 
 import argparse
@@ -27,7 +27,7 @@ from train_tokenizer import SPECIAL_TOKENS, TokenizerArguments, build_tokenizer
 from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline, set_seed
 
 from ran_hf import RANConfig, RANForMaskedLM
-from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
+from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 
 MIN_WINDOW_SIZE = 8
 # Characters read for each token kept: more than any token holds, so that the text read gives `--max_tokens` tokens.

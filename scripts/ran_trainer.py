@@ -21,7 +21,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ran_hf import RANConfig
-from ran_hf.folders import discard_set_aside, retire_set_aside, write_folder
+from ran_hf.files.folders import discard_set_aside, retire_set_aside, write_folder
 from ran_hf.sentence_embeddings import write_sentence_transformers_config
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class RANTrainer(StopsDivergedRuns, Trainer):
         super()._save_checkpoint(model, trial)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The final save (into `--output_dir`) goes through `ran_hf.folders.write_folder`: the model is written
+        """The final save (into `--output_dir`) goes through `ran_hf.files.folders.write_folder`: the model is written
         into a temporary folder, which then replaces the old one (its contents, for a mount point); checkpoints and
         other entries of the old folder stay, its previous model, metrics and card do not. A full disk or a kill
         leaves the old model or the new one, whole. Checkpoint saves, other ranks and DeepSpeed saves are Transformers' own. Weights that are NaN or

@@ -4,8 +4,8 @@
     python scripts/train_tokenizer.py --train_files corpus.txt more.jsonl.gz --vocab_size 8000 --output_dir tok
     python scripts/train_tokenizer.py --train_files ../shared/data/conll2003/train.txt --conll --output_dir tok
 
-Files are read with `ran_hf.data` (plain text one document per line, jsonl / jsonl.gz / csv with a text column, or
-CoNLL with `--conll`), through `datasets` into Arrow; `--max_documents N` reads only the first N of each file. The
+Files are read with `ran_hf.files.data` (plain text one document per line, jsonl / jsonl.gz / csv with a text column,
+or CoNLL with `--conll`), through `datasets` into Arrow; `--max_documents N` reads only the first N of each file. The
 saved folder loads with `AutoTokenizer.from_pretrained`. Special tokens, in id order: [PAD] [UNK] [CLS] [SEP] [MASK];
 a single text becomes `[CLS] text [SEP]`, a pair `[CLS] a [SEP] b [SEP]`.
 """
@@ -20,8 +20,15 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from argument_checks import parse_arguments
-from ran_hf.data import check_columns, check_texts, load_records, read_conll, read_records, split_before_whitespace
-from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
+from ran_hf.files.data import (
+    check_columns,
+    check_texts,
+    load_records,
+    read_conll,
+    read_records,
+    split_before_whitespace,
+)
+from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +76,9 @@ class TokenizerArguments:
 
 def read_texts(args: TokenizerArguments) -> Dataset:
     """The documents of --train_files, as column "text". With --max_documents only the first documents of each file
-    are read (`ran_hf.data.read_records`); otherwise a file goes through `datasets` into Arrow
-    (`ran_hf.data.load_records`), so that its texts are held on disk, not as Python strings. A null or blank text is
-    an error naming the file and line, not the word "None" in the vocabulary."""
+    are read (`ran_hf.files.data.read_records`); otherwise a file goes through `datasets` into Arrow
+    (`ran_hf.files.data.load_records`), so that its texts are held on disk, not as Python strings. A null or blank
+    text is an error naming the file and line, not the word "None" in the vocabulary."""
     column = args.text_column_name
     parts = []
     for path in args.train_files:
@@ -132,7 +139,7 @@ def build_tokenizer(args: TokenizerArguments, texts: Iterable[str]) -> PreTraine
 
 def check_output_dir(args: TokenizerArguments) -> None:
     """Before reading anything: refuse an --output_dir that is or holds one of --train_files, or that already holds
-    files (unless --overwrite_output_dir), and lock it for the run (`ran_hf.folders`)."""
+    files (unless --overwrite_output_dir), and lock it for the run (`ran_hf.files.folders`)."""
     check_not_inputs(args.output_dir, "--output_dir", [("--train_files", path) for path in args.train_files])
     lock_folder(args.output_dir)
     entries = contents(args.output_dir)

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 from transformers import PreTrainedTokenizerFast
 
 from ran_hf import RANConfig, triton_scan_kernels
-from ran_hf.data import read_conll
+from ran_hf.files.data import read_conll
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # The interpreter runs a kernel's programs one after another: splitting a head's attention over programs by rows

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from ran_hf import RANConfig, RANForCausalLM, convert_rannet_checkpoint
 from ran_hf.adaptive_softmax import RANAdaptiveSoftmax
-from ran_hf.tf_checkpoint import TFCheckpointReader
+from ran_hf.files.tf_checkpoint import TFCheckpointReader
 from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
 from remote_code import run_without_ran_hf
 from tf_checkpoint_writer import write_checkpoint

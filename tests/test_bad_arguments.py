@@ -24,7 +24,7 @@ from data_loading import cut_for_tokenizer
 from transformers import DynamicCache
 
 from ran_hf import RANCache, RANConfig, RANForCausalLM
-from ran_hf.data import split_before_whitespace
+from ran_hf.files.data import split_before_whitespace
 
 
 def tiny_causal_lm(**overrides) -> RANForCausalLM:

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from ran_hf import RANConfig, RANForSequenceClassification, RANForTokenClassification
-from ran_hf.data import read_records
+from ran_hf.files.data import read_records
 
 # Windows of 16 tokens, so that every test document spans several; no dropout, so that runs are reproducible.
 TINY_OVERRIDES = (

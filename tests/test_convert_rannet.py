@@ -32,7 +32,7 @@ from transformers import (
 
 from ran_hf import RANForMaskedLM, convert_rannet_checkpoint
 from ran_hf.convert_rannet import build_rannet_tokenizer, rannet_config_to_ran_config
-from ran_hf.tf_checkpoint import TFCheckpointReader
+from ran_hf.files.tf_checkpoint import TFCheckpointReader
 from ran_testing import pad_batch
 from remote_code import run_without_ran_hf
 from tf_checkpoint_writer import write_checkpoint
@@ -698,7 +698,8 @@ def test_converted_folder_loads_as_remote_code_and_fills_masks_without_ran_hf(co
 
 def test_importing_ran_hf_leaves_the_converter_unloaded():
     code = (
-        "import sys, ran_hf; loaded = [m for m in ('ran_hf.convert_rannet', 'ran_hf.tf_checkpoint') if m in sys.modules];"
+        "import sys, ran_hf; loaded = [m for m in ('ran_hf.convert_rannet', 'ran_hf.files.tf_checkpoint')"
+        " if m in sys.modules];"
         "assert not loaded, loaded; assert callable(ran_hf.convert_rannet_checkpoint)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

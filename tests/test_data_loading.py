@@ -1,5 +1,6 @@
-"""Files read through `datasets` (`ran_hf.data.load_records` + `check_texts`) hold what the record reader gives and
-fail with the record reader's errors (file, line, column); `read_records(limit=N)` reads only the first N records."""
+"""Files read through `datasets` (`ran_hf.files.data.load_records` + `check_texts`) hold what the record reader gives
+and fail with the record reader's errors (file, line, column); `read_records(limit=N)` reads only the first N
+records."""
 
 import csv
 import gzip
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from ran_hf.data import check_columns, check_texts, load_records, read_records
+from ran_hf.files.data import check_columns, check_texts, load_records, read_records
 
 LONG_FIELD = "word " * 40_000  # 200 KB: longer than the csv module's default field limit
 

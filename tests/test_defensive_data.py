@@ -17,7 +17,7 @@ import torch
 from transformers import pipeline
 
 from ran_hf import RANConfig
-from ran_hf.data import ClassificationLabels, load_records, read_records
+from ran_hf.files.data import ClassificationLabels, load_records, read_records
 from ran_hf.modeling_ran import RANForQuestionAnswering
 
 import evaluate_perplexity

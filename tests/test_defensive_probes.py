@@ -20,8 +20,8 @@ from ran_hf import (
     export_onnx,
     prefix_lm_features,
 )
-from ran_hf.data import ClassificationLabels, load_records, read_records
-from ran_hf.folders import write_folder
+from ran_hf.files.data import ClassificationLabels, load_records, read_records
+from ran_hf.files.folders import write_folder
 from ran_hf.prefix_lm import truncated_ids
 
 from test_nothing_lost import RANNET_FIXTURE, files_of

@@ -1,5 +1,5 @@
 """Nothing lost when writing output folders: the eight data-loss cases of issue 34, each reproduced and shown to be
-refused or to succeed without loss, plus the folder writer (`ran_hf.folders`) on mount points and links.
+refused or to succeed without loss, plus the folder writer (`ran_hf.files.folders`) on mount points and links.
 
 Mount points are real: a tmpfs (and a bind mount) mounted here, which needs root; the tests that need one are
 skipped with the reason otherwise.
@@ -22,10 +22,10 @@ import train_tokenizer
 from safetensors.torch import load_file
 
 from ran_hf import RANConfig, RANForSequenceClassification, convert_rannet_checkpoint
-from ran_hf.folders import FolderInUseError, lock_folder, recover_interrupted, write_folder
+from ran_hf.files.folders import FolderInUseError, lock_folder, recover_interrupted, write_folder
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ROOT / "src" / "ran_hf" / "folders.py"
+FOLDERS = ROOT / "src" / "ran_hf" / "files" / "folders.py"
 # Takes the lock on argv[2] and holds it; loads folders.py alone (the ran_hf package would import torch: seconds).
 HOLD_LOCK = """
 import importlib.util, sys, time
@@ -595,7 +595,7 @@ def test_retired_entries_are_never_put_back_and_go_with_the_next_save(tmp_path):
     """The folder writer's side of it: what `set_aside` moved away stays away after a kill (`recover_interrupted`
     names it and leaves it), is put back by the process itself when it fails before it `retire_set_aside`s, and is
     deleted by the next completed save's `discard_set_aside`."""
-    from ran_hf import folders
+    from ran_hf.files import folders
 
     target = tmp_path / "run"
     for name in ("checkpoint-4", "checkpoint-5"):

@@ -15,18 +15,17 @@ from ran_testing import tiny_config
 from remote_code import run_without_ran_hf
 
 PACKAGE = Path(ran_hf.__file__).parent
-# Modules that are no model's code (data reading, output folders, checkpoint conversion, export, PEFT and
-# sentence-transformers glue): no saved folder carries them.
+# Flat modules that are no model's code (checkpoint conversion, export, PEFT and sentence-transformers glue): no
+# saved folder carries them. Data reading, output folders and TensorFlow checkpoints sit in the `files` subpackage,
+# which no folder carries either.
 NOT_MODEL_CODE = {
     "__init__",
     "convert_rannet",
-    "data",
     "export",
-    "folders",
     "lora",
     "sentence_embeddings",
-    "tf_checkpoint",
 }
+FILES_CODE = {path.stem for path in (PACKAGE / "files").glob("*.py")}
 # Code that only the folder of one head carries (its class, its pipeline); every folder carries the rest.
 HEAD_CODE = {"RANForPrefixLM": {"prefix_lm"}, "RANForQuestionAnswering": {"question_answering"}}
 # Each head, the Auto class that loads it, and the output compared.
@@ -54,6 +53,7 @@ def test_a_saved_folder_carries_the_modeling_code_only(name, tmp_path):
     shipped = {path.stem for path in tmp_path.glob("*.py")}
     package = {path.stem for path in PACKAGE.glob("*.py")}
     assert not shipped & NOT_MODEL_CODE
+    assert not shipped & FILES_CODE and not (tmp_path / "files").exists()
     other_heads = set().union(*(code for head, code in HEAD_CODE.items() if head != name))
     assert shipped == package - NOT_MODEL_CODE - other_heads
     config = json.loads((tmp_path / "config.json").read_text())

@@ -25,8 +25,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from ran_hf import RANConfig, RANForSequenceClassification
-from ran_hf.data import ClassificationLabels, TagLabels, read_conll, read_records
-from ran_hf.folders import releases_folder_locks
+from ran_hf.files.data import ClassificationLabels, TagLabels, read_conll, read_records
+from ran_hf.files.folders import releases_folder_locks
 from remote_code import run_without_ran_hf
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ran_hf.tf_checkpoint import (
+from ran_hf.files.tf_checkpoint import (
     CheckpointFormatError,
     TFCheckpointReader,
     _crc32c,

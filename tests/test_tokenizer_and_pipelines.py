@@ -10,7 +10,7 @@ import torch
 from transformers import pipeline
 
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification
-from ran_hf.data import read_conll
+from ran_hf.files.data import read_conll
 
 # Every test reads real sentences or uses the tokenizer trained on them.
 pytestmark = pytest.mark.needs_data("conll2003", "ag_news", "wikitext-2")

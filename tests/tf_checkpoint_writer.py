@@ -1,6 +1,6 @@
 """Write small TensorFlow V2 checkpoints without TensorFlow, so that tests can build broken or altered ones.
 
-The layout is the one `ran_hf.tf_checkpoint` documents and reads: an SSTable index (one data block, no prefix
+The layout is the one `ran_hf.files.tf_checkpoint` documents and reads: an SSTable index (one data block, no prefix
 compression, uncompressed) of serialized `BundleEntryProto`s, and one data shard.
 """
 
@@ -8,7 +8,7 @@ import struct
 
 import numpy as np
 
-from ran_hf.tf_checkpoint import _crc32c
+from ran_hf.files.tf_checkpoint import _crc32c
 
 _DTYPE_CODES = {"float32": 1, "float64": 2, "int32": 3, "int64": 9, "float16": 19}
 _TABLE_MAGIC = 0xDB4775248B80FB57

@@ -11,14 +11,15 @@ the wall time of the reading alone, `peak_mib` the process's peak resident memor
 done. Arrow readings are taken with an empty `datasets` cache (`first`), then again with the cache the first one
 wrote (`cached`). Each figure is the median of `--repeats` processes. Methods:
 
-  records          ran_hf.data.read_records + check_columns + Dataset.from_dict (load_splits before it used datasets)
+  records          ran_hf.files.data.read_records + check_columns + Dataset.from_dict
+                   (load_splits before it used datasets)
   load_dataset     datasets.load_dataset("json") alone, no checks
   load_splits      scripts/data_loading.load_splits, the labels of the whole split, the texts checked
                    (run_classification.py without --max_train_samples)
   load_splits_cut  the same, keeping the first --first documents before the texts are checked
                    (run_classification.py --max_train_samples N: the labels still come from the whole split)
   stream_first     datasets.load_dataset(streaming=True).take(N): the alternative for a cut, measured, not used
-  read_first       ran_hf.data.read_records(limit=N): only the first N records read
+  read_first       ran_hf.files.data.read_records(limit=N): only the first N records read
                    (train_tokenizer.py --max_documents N)
 
 Writes `benchmarks/data_loading/data_loading_cpu.json` and `.md` (command, commit, date, machine, library versions).
@@ -52,7 +53,7 @@ def measure(method: str, path: str, first: int, cache_dir: str) -> dict:
     sys.path.insert(0, str(SCRIPTS))
     from data_loading import check_split_texts, first_examples, load_splits
 
-    from ran_hf.data import check_columns, read_records
+    from ran_hf.files.data import check_columns, read_records
 
     datasets.disable_progress_bars()
     files = {"train": path}

@@ -211,7 +211,7 @@ def tokenize_documents(tokenizer, texts: list[str], max_length: int) -> list[lis
 
 
 def prepare_classification(name: str, args: BenchmarkArguments, tokenizer) -> dict:
-    from ran_hf.data import load_records, read_records
+    from ran_hf.files.data import load_records, read_records
 
     data = Path(args.data_dir)
     if name == "probe":
@@ -284,7 +284,7 @@ def prepare_classification(name: str, args: BenchmarkArguments, tokenizer) -> di
 def prepare_conll(args: BenchmarkArguments, tokenizer) -> dict:
     from run_ner import align_tags
 
-    from ran_hf.data import TagLabels, read_conll
+    from ran_hf.files.data import TagLabels, read_conll
 
     data = Path(args.data_dir) / "conll2003"
     splits = {split: read_conll(data / f"{split}.txt") for split in ("train", "test")}
@@ -332,7 +332,7 @@ def prepare_lm(args: BenchmarkArguments, tokenizer) -> dict:
 
 def training_texts(args: BenchmarkArguments) -> list[str]:
     """The text the shared WordPiece vocabulary is learned from: training splits only."""
-    from ran_hf.data import read_conll, read_records
+    from ran_hf.files.data import read_conll, read_records
 
     data = Path(args.data_dir)
     texts = [r["text"] for r in read_records(data / "hyperpartisan" / "train.jsonl")]

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from data_loading import check_split_texts, load_splits
 from training_utils import ModelArguments
 
-from ran_hf.data import split_before_whitespace
+from ran_hf.files.data import split_before_whitespace
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ def check_held_out_split(documents: int, data_args) -> None:
     )
 
 
-# Long texts are tokenized in pieces (`ran_hf.data.split_before_whitespace`), and at most CALL_CHARACTERS characters
-# of them go to the tokenizer in one call: a fast tokenizer holds some 150 bytes per character of what it reads at once.
+# Long texts are tokenized in pieces (`ran_hf.files.data.split_before_whitespace`), and at most CALL_CHARACTERS
+# characters of them go to the tokenizer in one call: a fast tokenizer holds some 150 bytes per character of what it
+# reads at once.
 CALL_CHARACTERS = 1 << 18
 
 

@@ -57,7 +57,7 @@ from training_utils import (  # noqa: E402
     setup_logging,
 )
 
-from ran_hf.folders import releases_folder_locks  # noqa: E402
+from ran_hf.files.folders import releases_folder_locks  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from transformers import AutoTokenizer, BertConfig, BertModel, set_seed
 
 from ran_hf import RANConfig, RANModel
-from ran_hf.data import load_records
-from ran_hf.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
+from ran_hf.files.data import load_records
+from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 from ran_hf.sentence_embeddings import SENTENCE_POOLINGS, ran_sentence_transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the machine line of the benchmarks
@@ -345,7 +345,7 @@ def markdown(rows, info, setup) -> str:
 
 def check_output_dir(output_dir: Path, model_args: ModelArguments, data_args: DataTrainingArguments) -> None:
     """Before any work: refuse an --output_dir that is, holds or lies inside what the run reads, or that already
-    holds a run's models (unless --overwrite_output_dir), and lock it for the run (`ran_hf.folders`)."""
+    holds a run's models (unless --overwrite_output_dir), and lock it for the run (`ran_hf.files.folders`)."""
     inputs = [("--model_name_or_path", model_args.model_name_or_path), ("--tokenizer_name", model_args.tokenizer_name)]
     inputs += [("--train_file", data_args.train_file), ("--test_file", data_args.test_file)]
     check_not_inputs(output_dir, "--output_dir", inputs)

@@ -57,8 +57,8 @@ from training_utils import (  # noqa: E402
 )
 
 from ran_hf import prefix_lm_features  # noqa: E402
-from ran_hf.data import iter_records  # noqa: E402
-from ran_hf.folders import releases_folder_locks  # noqa: E402
+from ran_hf.files.data import iter_records  # noqa: E402
+from ran_hf.files.folders import releases_folder_locks  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ class DataTrainingArguments:
 
 
 def read_pairs(path: str, data_args: DataTrainingArguments, limit: int | None) -> list[tuple[str, str]]:
-    """(source, target) pairs of a jsonl(.gz) file, read record by record (`ran_hf.data.iter_records`: a JSON array,
-    a broken line, a null, blank or non-text field, a lone surrogate are errors naming the file and line) until
+    """(source, target) pairs of a jsonl(.gz) file, read record by record (`ran_hf.files.data.iter_records`: a JSON
+    array, a broken line, a null, blank or non-text field, a lone surrogate are errors naming the file and line) until
     `limit` pairs are kept. A record whose source or target is blank once split (a title without a body) is skipped
     and counted in the log."""
     column = data_args.text_column if data_args.title_from_first_line else data_args.summary_column

@@ -31,7 +31,7 @@ import torch
 from datasets import ClassLabel, List
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-from ran_hf.data import ClassificationLabels, UnknownLabelsError
+from ran_hf.files.data import ClassificationLabels, UnknownLabelsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
@@ -58,7 +58,7 @@ from training_utils import (  # noqa: E402
     trained_labels,
 )
 
-from ran_hf.folders import releases_folder_locks  # noqa: E402
+from ran_hf.files.folders import releases_folder_locks  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

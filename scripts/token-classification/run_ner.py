@@ -31,7 +31,7 @@ from transformers import (
     set_seed,
 )
 
-from ran_hf.data import TagLabels, UnknownLabelsError, check_text, file_format, load_records, read_conll
+from ran_hf.files.data import TagLabels, UnknownLabelsError, check_text, file_format, load_records, read_conll
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
@@ -51,7 +51,7 @@ from training_utils import (  # noqa: E402
     trained_labels,
 )
 
-from ran_hf.folders import releases_folder_locks  # noqa: E402
+from ran_hf.files.folders import releases_folder_locks  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

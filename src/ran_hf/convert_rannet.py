@@ -21,7 +21,7 @@ too, as `RanNet.export_checkpoint` would rename them.
   special token); a pair becomes `A [SEP] B [SEP]`.
 * `README.md`: the model card.
 
-The TensorFlow checkpoint is read by `ran_hf.tf_checkpoint`, with NumPy alone: converting needs no TensorFlow.
+The TensorFlow checkpoint is read by `ran_hf.files.tf_checkpoint`, with NumPy alone: converting needs no TensorFlow.
 
 Usage:
 
@@ -48,7 +48,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging
 
 from .configuration_ran import LAYER_DESIGN_FIELDS, RANConfig
-from .folders import (
+from .files.folders import (
     check_not_inputs,
     contents,
     keeps_user_files,
@@ -58,7 +58,7 @@ from .folders import (
     write_folder,
 )
 from .modeling_ran import RANForCausalLM, RANForMaskedLM
-from .tf_checkpoint import TFCheckpointReader
+from .files.tf_checkpoint import TFCheckpointReader
 
 logger = logging.get_logger(__name__)
 
@@ -613,8 +613,8 @@ def convert_rannet_checkpoint(
     Everything is read and checked before anything is written; the folder is written next to `output_dir` under a
     temporary name and moved into place at the end, so a failed conversion leaves no partial folder (and what a killed
     one left beside `output_dir` is cleaned up by the next run). An existing, non-empty `output_dir` is replaced only
-    with `overwrite=True`, and then only a saved model's files go (`ran_hf.folders.keeps_user_files`): your notes and
-    other files there stay. An `output_dir` that is `rannet_dir`, contains it or lies inside it is always refused.
+    with `overwrite=True`, and then only a saved model's files go (`ran_hf.files.folders.keeps_user_files`): your notes
+    and other files there stay. An `output_dir` that is `rannet_dir`, contains it or lies inside it is always refused.
 
     Args:
         rannet_dir: folder with `config.json`, `vocab.txt` and a TensorFlow checkpoint (`model.ckpt.index` and

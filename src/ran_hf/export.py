@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .folders import check_file_output, write_file
+from .files.folders import check_file_output, write_file
 from .modeling_ran import RANPreTrainedModel
 
 INPUT_NAMES = ("input_ids", "attention_mask")
@@ -105,9 +105,9 @@ def export_onnx(model: RANPreTrainedModel, path: str | os.PathLike | None = None
 
 
 def save_atomically(program, path: Path) -> None:
-    """Save through `ran_hf.folders.write_file`, the guarded writer of the package's single files: `path` is checked
-    (`check_onnx_output`) and locked, the graph saved into a folder beside it (links resolved: a link's target is
-    written, on its file system) and the files moved into place, the graph last: a killed export never leaves a
+    """Save through `ran_hf.files.folders.write_file`, the guarded writer of the package's single files: `path` is
+    checked (`check_onnx_output`) and locked, the graph saved into a folder beside it (links resolved: a link's target
+    is written, on its file system) and the files moved into place, the graph last: a killed export never leaves a
     half-written file, nor a graph whose external weights (models over 2 GB) are missing."""
     with write_file(path, "path", ".onnx", is_onnx_graph, "an ONNX graph") as staged:
         program.save(staged)

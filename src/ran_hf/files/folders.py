@@ -118,8 +118,9 @@ MODEL_FILES = frozenset(
         "1_Pooling",
     }
 )
-# The model's code, which `save_pretrained` copies beside the weights for remote code: any module of the package.
-MODEL_FILES = MODEL_FILES | {path.name for path in Path(__file__).parent.glob("*.py")}
+# The model's code, which `save_pretrained` copies beside the weights for remote code: any flat module of the package
+# (`ran_hf/`, the parent of this subpackage, which no saved folder carries).
+MODEL_FILES = MODEL_FILES | {path.name for path in Path(__file__).parent.parent.glob("*.py")}
 WEIGHT_SHARD = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
 
 

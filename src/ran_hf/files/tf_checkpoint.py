@@ -17,7 +17,7 @@ Numeric tensors are read, whole or saved in slices (as TensorFlow's sharding pol
 Example:
 
 ```python
->>> from ran_hf.tf_checkpoint import TFCheckpointReader
+>>> from ran_hf.files.tf_checkpoint import TFCheckpointReader
 
 >>> reader = TFCheckpointReader("pretrained/model.ckpt")
 >>> reader.shapes()["rannet/token-embedding/embeddings"]
