@@ -71,7 +71,8 @@ print(json.dumps(report))
 """
     )
     assert report["heavy"] == []
-    assert report["ran_hf_modules"] == ["ran_hf", "ran_hf.config_checks", "ran_hf.configuration_ran"]
+    modules = ["ran_hf", "ran_hf.config_checks", "ran_hf.configuration_ran", "ran_hf.saved_code"]
+    assert report["ran_hf_modules"] == modules
     assert not report["triton_after_triton_modules"]
     assert report["kernels_defined"] == []
     assert report["pipeline"] == "ran_hf.question_answering.ExtractiveQuestionAnsweringPipeline"

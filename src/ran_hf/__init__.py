@@ -25,7 +25,8 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from .configuration_ran import QUESTION_ANSWERING_TASK, RANConfig
+from .configuration_ran import RANConfig
+from .saved_code import QUESTION_ANSWERING_TASK
 
 __version__ = "0.1.0"
 
@@ -193,7 +194,7 @@ for _auto_class, _name in AUTO_CLASSES.items():
 # The pipeline's task is registered once `transformers.pipelines` is imported (by `from transformers import
 # pipeline`, say), not by this import: importing the pipelines costs about as much as Transformers does. Pipeline
 # classes subclass `transformers.Pipeline`, so the registration cannot happen before. A loaded config leaves out the
-# `custom_pipelines` entry of this task (configuration_ran.py): the registered pipeline serves it in this process.
+# `custom_pipelines` entry of this task (saved_code.py): the registered pipeline serves it in this process.
 RANConfig.tasks_registered_here = frozenset({QUESTION_ANSWERING_TASK})
 _after_import = _AfterImport(
     {

@@ -1,5 +1,6 @@
-"""The field machinery `RANConfig` declares its fields with: validators, `ValueError`s naming the field, the size
-estimate and bound, and `--config_overrides` parsing. Imports nothing heavy (`import ran_hf` stays cheap)."""
+"""The field machinery `RANConfig` declares its fields with: validators, `ValueError`s naming the field, the rules
+between fields (the config's `validate_*` methods), the size estimate and bound, and `--config_overrides` parsing.
+Imports nothing heavy (`import ran_hf` stays cheap); saved folders ship it with the config."""
 
 import difflib
 import functools
@@ -94,6 +95,17 @@ def close_field(name: str, names) -> str | None:
             return field
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.9)
     return close[0] if close else None
+
+
+def check_new_name(config, name: str) -> None:
+    """`RANConfig.__setattr__`: a new name that is no attribute but looks like a field (`config.windowsize = 3`) is
+    refused, as `@strict` refuses unknown fields; other new names pass, as Transformers and its integrations attach
+    their own."""
+    fields = config.__dataclass_fields__
+    if name not in fields and not name.startswith("_") and name not in config.__dict__:
+        close = None if hasattr(type(config), name) else close_field(name, list(fields))
+        if close is not None:
+            raise ValueError(f"`{name}` is not a field of RANConfig (did you mean {close!r}?).")
 
 
 def parse_override(annotation, text: str):
@@ -217,3 +229,84 @@ def check_built(config, snapshot: tuple, names: tuple) -> tuple:
         message = f"The model's config was changed after the model was built and is not valid: {error}"
         raise ValueError(message) from error
     return values
+
+
+def check_architecture(config) -> None:
+    """`RANConfig.validate_architecture`: the rules between fields, then the review bounds and the size bound."""
+    window, cutoffs = config.window_size, config.cutoffs
+    rules = {
+        f"`min_window_size` ({config.min_window_size}) must be smaller than `window_size` ({window}).": (
+            config.min_window_size >= window
+        ),
+        f"`window_overlap` ({config.window_overlap}) must be smaller than `window_size` ({window}).": (
+            config.window_overlap >= window
+        ),
+        f"`head_dim` must be even (rotary embedding rotates pairs), got {config.head_dim}.": config.head_dim % 2,
+        "`scan_implementation` must be a cell-scan name, got ''.": not config.scan_implementation,
+        "`memory_review_cells` bounds what a causal model's tokens review (and its cache keeps); the "
+        "bidirectional encoder reviews every cell of its text. Set `is_causal=True` or leave it None.": (
+            config.memory_review_cells is not None and not config.is_causal
+        ),
+        "`associative_memory` binds what earlier windows held for later tokens of a causal model; the "
+        "bidirectional encoder reads every window already. It belongs to the causal LM (`RANForCausalLM`, "
+        "`run_clm.py`, `is_causal=True`): leave it False for this model.": (
+            config.associative_memory and not config.is_causal
+        ),
+    }
+    if cutoffs is not None:
+        smallest = config.hidden_size // config.div_val ** len(cutoffs)
+        inside = not cutoffs or 0 < cutoffs[0] <= cutoffs[-1] < config.vocab_size
+        message = f"`cutoffs` must be strictly increasing ids in (0, vocab_size={config.vocab_size}), got {cutoffs}."
+        rules[message] = cutoffs != sorted(set(cutoffs)) or not inside
+        message = "`cutoffs` (adaptive embeddings and softmax) belong to the causal LM (`RANForCausalLM`, "
+        message += "`run_clm.py`, `is_causal=True`): leave `cutoffs` None for this model."
+        rules[message] = not config.is_causal
+        message = f"With `div_val={config.div_val}` the last of {len(cutoffs) + 1} clusters would embed its ids in "
+        message += f"hidden_size // div_val**{len(cutoffs)} = {smallest} dimensions: use fewer cutoffs or a "
+        rules[message + "smaller div_val."] = config.div_val > 1 and smallest < 1
+    for message, broken in rules.items():
+        if broken:
+            raise ValueError(message)
+    check_review_bounds(config)
+    check_size(config)
+
+
+def check_review_bounds(config) -> None:
+    """`memory_salient_cells` adds to a bounded review and ranks by salience (both editable on a trained model)."""
+    if config.memory_salient_cells is not None and config.memory_review_cells is None:
+        raise ValueError(
+            "`memory_salient_cells` keeps salient cells beyond the last `memory_review_cells` windows, but "
+            "`memory_review_cells` is None (every cell is reviewed already). Set both, or neither."
+        )
+    if config.memory_salient_cells is not None and not config.review_salience:
+        raise ValueError(
+            "`memory_salient_cells` ranks cells by the learned prior of `review_salience`, which this config "
+            "turns off; a model trained without it has no ranking to keep cells by."
+        )
+
+
+def check_token_ids(config) -> None:
+    """Special token ids are ids of the vocabulary (Transformers' own check only warns)."""
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ids = getattr(config, name)
+        for token_id in ids if isinstance(ids, list) else [ids]:
+            if token_id is not None and not 0 <= token_id < config.vocab_size:
+                raise ValueError(
+                    f"`{name}` ({token_id}) is outside the vocabulary [0, {config.vocab_size - 1}] "
+                    f"(`vocab_size={config.vocab_size}`)."
+                )
+
+
+def check_label_fields(config) -> None:
+    """`num_labels` and `problem_type`, which the classification heads read (also checked when one is built)."""
+    problem_types = ("regression", "single_label_classification", "multi_label_classification")
+    if config.problem_type not in (None, *problem_types):
+        raise ValueError(
+            f"`problem_type` must be one of {', '.join(map(repr, problem_types))} or None (inferred from the "
+            f"labels), got {config.problem_type!r}."
+        )
+    if isinstance(config.num_labels, bool) or not isinstance(config.num_labels, int) or config.num_labels < 1:
+        raise ValueError(
+            f"`num_labels` must be >= 1, got {config.num_labels!r}: a classification head needs a class (1 for "
+            "regression)."
+        )

@@ -2,16 +2,15 @@
 
 import copy
 import os
-import shutil
-from pathlib import Path
 from typing import Literal
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
-from transformers.dynamic_module_utils import get_relative_import_files
 
-from .config_checks import SIZE_FIELDS, activation_name, apply_overrides, check_built, check_size, close_field
+from .config_checks import SIZE_FIELDS, activation_name, apply_overrides, check_architecture, check_built
+from .config_checks import check_label_fields, check_new_name, check_review_bounds, check_token_ids
 from .config_checks import estimated_parameters, interval, value_errors
+from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
 
 
 # The layer's two designs, as data: the value each gives the fields that differ between them. "official" is the layer
@@ -27,23 +26,6 @@ LAYER_DESIGNS["learnable_memory"]["review_initial_cell"] = True
 LAYER_DESIGN_FIELDS = tuple(LAYER_DESIGNS["official"])
 # Design fields added after the others: a saved config naming the others but not one of these was trained without it.
 _LATER_MEMORY_FIELDS = ("cell_max_pool", "review_salience", "token_shift")
-_HEADS = ("CausalLM", "MaskedLM", "QuestionAnswering", "SequenceClassification", "TokenClassification")
-REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_ran.RANConfig", "AutoModel": "modeling_ran.RANModel"}
-REMOTE_CODE_AUTO_MAP |= {f"AutoModelFor{head}": f"modeling_ran.RANFor{head}" for head in _HEADS}
-# The pipeline a question-answering model's folder ships and names in `custom_pipelines`, so that
-# `pipeline(QUESTION_ANSWERING_TASK, model=folder, trust_remote_code=True)` runs without `ran_hf`.
-QUESTION_ANSWERING_TASK = "extractive-question-answering"
-QUESTION_ANSWERING_PIPELINE = {
-    "impl": "question_answering.ExtractiveQuestionAnsweringPipeline",
-    "pt": ["AutoModelForQuestionAnswering"],
-    "type": "text",
-}
-
-
-def _code_here(module: str) -> bool:
-    """Whether `module`.py is beside this file: always in the package; in a copy loaded from a saved folder, where
-    Transformers fetched that module."""
-    return Path(__file__).with_name(f"{module}.py").is_file()
 
 
 @value_errors
@@ -52,9 +34,8 @@ class RANConfig(PreTrainedConfig):
     r"""
     Configuration of a [`RANModel`]: the Recurrent Attention Network of Li et al. (ACL 2023), which reads a document in
     windows and carries a global perception cell from window to window. Defaults follow the official "V3 EN base"
-    model. Every field is checked when set (type and range) and when the config is made or saved (the rules between
-    fields, `validate_architecture`); a wrong value raises `ValueError` naming the field. The official code's names
-    are in brackets. What the memory fields were measured to do: docs/memory.md.
+    model; the official code's names are in brackets. A field is checked when set (type, range) and when the config
+    is made or saved (the rules between fields); a wrong value raises `ValueError` naming the field.
 
     Args:
         vocab_size (`int`, defaults to 30522): Size of the token vocabulary.
@@ -78,12 +59,10 @@ class RANConfig(PreTrainedConfig):
         window_overlap (`int`, defaults to 0): Every window also reads the last N tokens of the window before it.
         is_causal (`bool`, defaults to `False`): Causal mode for language modelling: tokens see earlier tokens of their
             window and earlier windows' cells only, and every layer starts from its own learned cell.
-        layer_design (`"official"` or `"learnable_memory"`, *optional*): The design the nine fields below take where
-            left None, resolved when the config is made (`LAYER_DESIGNS`): `"official"`, the paper's layer, or
-            `"learnable_memory"`, the causal layer whose memory learns what later windows need. None: official for the
-            encoder, learnable memory when causal.
-        residual_stream (`bool`): Token states run on an identity path through pre-norm branches (a final norm after
-            the last layer), instead of the official post-norm layer.
+        layer_design (`"official"` or `"learnable_memory"`, *optional*): What the nine fields below take where left
+            None (`LAYER_DESIGNS`): the paper's layer, or the causal layer whose memory learns what later windows
+            need. None: official for the encoder, learnable memory when causal. Resolved when the config is made.
+        residual_stream (`bool`): Pre-norm branches on an identity path and a final norm (official: post-norm).
         cell_input_residual (`bool`): A window's raw cell adds the gated residual of its own normalised input.
         review_qk_norm (`bool`): Memory review scores cells by the scaled cosine of un-activated queries and keys.
         review_initial_cell (`bool`): Causal only: memory review can also read the layer's learned starting cell.
@@ -92,8 +71,8 @@ class RANConfig(PreTrainedConfig):
         cell_max_pool (`bool`): A raw cell also writes a soft feature-wise maximum of its window's token values.
         review_salience (`bool`): Memory review adds a learned prior (key . a learned vector) to every cell's score.
         token_shift (`bool`): Every token also reads a learned projection of its predecessor's embedding.
-        scan_implementation (`str`, defaults to `"auto"`): The cell scan, by its name in
-            `ran_hf.cell_scan.ALL_SCAN_FUNCTIONS` (`"reference"`, `"fused"`, `"triton"`; `"auto"`: Triton on CUDA).
+        scan_implementation (`str`, defaults to `"auto"`): The cell scan, by its name in `cell_scan.ALL_SCAN_FUNCTIONS`
+            (`"reference"`, `"fused"`, `"triton"`; `"auto"`: Triton on CUDA).
         hidden_act (`str`, defaults to `"silu"`): Activation of every projection (swish in the paper).
         hidden_dropout_prob (`float`, defaults to 0.1): Dropout on embeddings, token states, cells and head inputs.
         attention_probs_dropout_prob (`float`, defaults to 0.1): Dropout on attention probabilities.
@@ -101,16 +80,13 @@ class RANConfig(PreTrainedConfig):
         rope_theta (`float`, defaults to 10000.0): Base of the rotary embedding inside each window.
         initializer_range (`float`, defaults to 0.02): Standard deviation of the normal weight initialisation.
         pad_token_id (`int`, defaults to 0), bos_token_id, eos_token_id (`int`, *optional*): Special token ids.
-        tie_word_embeddings (`bool`, *optional*): Whether LM heads share the token embedding; None: `True` for the
-            encoder (as its checkpoints), `False` when causal (docs/memory.md), resolved when the config is made.
+        tie_word_embeddings (`bool`, *optional*): Whether LM heads share the token embedding; None: not `is_causal`.
         cutoffs (`list[int]`, *optional*): Causal LM only: adaptive input embeddings and softmax
             (`RanNetForAdaptiveLM`), the vocabulary cut at these increasing ids (`ran_hf.adaptive_softmax`).
         div_val (`int`, defaults to 1): With `cutoffs`, cluster i embeds its ids in `hidden_size // div_val**i` dims.
 
-    A config describing more than 10^11 parameters (`estimated_parameters()`) is refused, naming the field; the
-    variable `RAN_HF_MAX_PARAMETERS` raises the bound. `update_from_string` (`--config_overrides`) reads each value
-    by its field's type: `"window_size=128,cutoffs=[2000,10000],memory_review_cells=4,layer_design=none"`.
-    `architecture_fields()` names the fields a built model depends on: it refuses to run or save after one changed.
+    A config of more than 10^11 parameters (`estimated_parameters()`) is refused unless `RAN_HF_MAX_PARAMETERS` raises
+    the bound. A built model refuses to run or save after one of its `architecture_fields()` changed.
 
     Example:
 
@@ -178,8 +154,7 @@ class RANConfig(PreTrainedConfig):
         if self.tie_word_embeddings is None:
             self.tie_word_embeddings = not self.is_causal
         self.auto_map = dict(REMOTE_CODE_AUTO_MAP)  # every saved folder names every head's code
-        pipelines = kwargs.pop("custom_pipelines", None) or {}
-        pipelines = {task: info for task, info in pipelines.items() if task not in self.tasks_registered_here}
+        pipelines = kept_pipelines(self, kwargs.pop("custom_pipelines", None))
         super().__post_init__(**kwargs, **({"custom_pipelines": pipelines} if pipelines else {}))
 
     def _resolve_design(self):
@@ -191,12 +166,7 @@ class RANConfig(PreTrainedConfig):
                 self.__dict__[name] = LAYER_DESIGNS[self.layer_design][name]
 
     def __setattr__(self, name, value):
-        """A name that is no attribute but looks like a field (`config.windowsize = 3`) is refused, as `@strict`
-        refuses unknown fields; other new names pass, as Transformers and its integrations attach their own."""
-        if name not in self.__dataclass_fields__ and not name.startswith("_") and name not in self.__dict__:
-            close = None if hasattr(type(self), name) else close_field(name, list(self.__dataclass_fields__))
-            if close is not None:
-                raise ValueError(f"`{name}` is not a field of RANConfig (did you mean {close!r}?).")
+        check_new_name(self, name)  # a misspelt field (`config.windowsize = 3`) is refused, as `@strict` does
         super().__setattr__(name, value)
         if self.__dict__.get("_post_init_done") and name in ("is_causal", "layer_design", *LAYER_DESIGN_FIELDS):
             # Set by hand, a design field no longer follows the design (set to None, it follows it again).
@@ -216,88 +186,14 @@ class RANConfig(PreTrainedConfig):
     def to_dict(self) -> dict:
         output = super().to_dict()
         output.pop("_from_mode", None)
-        # The pipelines a saved folder serves follow from its model, as its `auto_map` does.
-        output.pop("custom_pipelines", None)
-        if "RANForQuestionAnswering" in (self.architectures or ()) and _code_here("question_answering"):
-            output["custom_pipelines"] = {QUESTION_ANSWERING_TASK: dict(QUESTION_ANSWERING_PIPELINE)}
-        return output
+        output.pop("custom_pipelines", None)  # what a saved folder serves follows from its model, as `auto_map` does
+        return output | ({"custom_pipelines": pipelines} if (pipelines := served_pipelines(self)) else {})
 
-    def validate_architecture(self):
-        """The rules between fields (`@strict` runs them when the config is made and saved)."""
-        window, cutoffs = self.window_size, self.cutoffs
-        rules = {
-            f"`min_window_size` ({self.min_window_size}) must be smaller than `window_size` ({window}).": (
-                self.min_window_size >= window
-            ),
-            f"`window_overlap` ({self.window_overlap}) must be smaller than `window_size` ({window}).": (
-                self.window_overlap >= window
-            ),
-            f"`head_dim` must be even (rotary embedding rotates pairs), got {self.head_dim}.": self.head_dim % 2,
-            "`scan_implementation` must be a cell-scan name, got ''.": not self.scan_implementation,
-            "`memory_review_cells` bounds what a causal model's tokens review (and its cache keeps); the "
-            "bidirectional encoder reviews every cell of its text. Set `is_causal=True` or leave it None.": (
-                self.memory_review_cells is not None and not self.is_causal
-            ),
-            "`associative_memory` binds what earlier windows held for later tokens of a causal model; the "
-            "bidirectional encoder reads every window already. It belongs to the causal LM (`RANForCausalLM`, "
-            "`run_clm.py`, `is_causal=True`): leave it False for this model.": (
-                self.associative_memory and not self.is_causal
-            ),
-        }
-        if cutoffs is not None:
-            smallest = self.hidden_size // self.div_val ** len(cutoffs)
-            inside = not cutoffs or 0 < cutoffs[0] <= cutoffs[-1] < self.vocab_size
-            message = f"`cutoffs` must be strictly increasing ids in (0, vocab_size={self.vocab_size}), got {cutoffs}."
-            rules[message] = cutoffs != sorted(set(cutoffs)) or not inside
-            message = "`cutoffs` (adaptive embeddings and softmax) belong to the causal LM (`RANForCausalLM`, "
-            message += "`run_clm.py`, `is_causal=True`): leave `cutoffs` None for this model."
-            rules[message] = not self.is_causal
-            message = f"With `div_val={self.div_val}` the last of {len(cutoffs) + 1} clusters would embed its ids in "
-            message += f"hidden_size // div_val**{len(cutoffs)} = {smallest} dimensions: use fewer cutoffs or a "
-            rules[message + "smaller div_val."] = self.div_val > 1 and smallest < 1
-        for message, broken in rules.items():
-            if broken:
-                raise ValueError(message)
-        self.validate_review_bounds()
-        check_size(self)
-
-    def validate_review_bounds(self):
-        """`memory_salient_cells` adds to a bounded review and ranks by salience (both editable on a trained model)."""
-        if self.memory_salient_cells is not None and self.memory_review_cells is None:
-            raise ValueError(
-                "`memory_salient_cells` keeps salient cells beyond the last `memory_review_cells` windows, but "
-                "`memory_review_cells` is None (every cell is reviewed already). Set both, or neither."
-            )
-        if self.memory_salient_cells is not None and not self.review_salience:
-            raise ValueError(
-                "`memory_salient_cells` ranks cells by the learned prior of `review_salience`, which this config "
-                "turns off; a model trained without it has no ranking to keep cells by."
-            )
-
-    def validate_token_ids(self):
-        """Special token ids are ids of the vocabulary (Transformers' own check only warns)."""
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            ids = getattr(self, name)
-            for token_id in ids if isinstance(ids, list) else [ids]:
-                if token_id is not None and not 0 <= token_id < self.vocab_size:
-                    raise ValueError(
-                        f"`{name}` ({token_id}) is outside the vocabulary [0, {self.vocab_size - 1}] "
-                        f"(`vocab_size={self.vocab_size}`)."
-                    )
-
-    def validate_label_fields(self) -> None:
-        """`num_labels` and `problem_type`, which the classification heads read (also checked when one is built)."""
-        problem_types = ("regression", "single_label_classification", "multi_label_classification")
-        if self.problem_type not in (None, *problem_types):
-            raise ValueError(
-                f"`problem_type` must be one of {', '.join(map(repr, problem_types))} or None (inferred from the "
-                f"labels), got {self.problem_type!r}."
-            )
-        if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int) or self.num_labels < 1:
-            raise ValueError(
-                f"`num_labels` must be >= 1, got {self.num_labels!r}: a classification head needs a class (1 for "
-                "regression)."
-            )
+    # The rules between fields: `@strict`'s `validate()` runs every `validate_*` method when the config is made/saved.
+    validate_architecture = check_architecture  # then the review bounds and the size bound
+    validate_review_bounds = check_review_bounds
+    validate_token_ids = check_token_ids
+    validate_label_fields = check_label_fields
 
     @classmethod
     def architecture_fields(cls) -> tuple[str, ...]:
@@ -313,14 +209,12 @@ class RANConfig(PreTrainedConfig):
         return tuple(tuple(value) if isinstance(value, list) else value for value in values)
 
     def check_built(self, snapshot: tuple) -> tuple:
-        """Compare the fields with a model's `snapshot` of them: a changed `architecture_fields()` field raises, naming
-        it and the fix; other changes are validated. Returns the snapshot the model keeps (a tuple comparison when
-        nothing changed)."""
+        """Compare the fields with a model's `snapshot`: a changed `architecture_fields()` field raises, naming it and
+        the fix; other changes are validated. Returns the snapshot the model keeps (cheap when nothing changed)."""
         return check_built(self, snapshot, RAN_FIELDS)
 
     def with_causal(self, is_causal: bool) -> "RANConfig":
-        """A copy with `is_causal` set (for a head that needs it; the config handed over stays as it is). Fields left
-        to the design follow, as if the config had been made with that `is_causal`."""
+        """A copy with `is_causal` set (for a head that needs it); fields left to the design follow, as if made so."""
         copied = copy.deepcopy(self)
         copied.is_causal = is_causal
         copied.validate()
@@ -343,21 +237,9 @@ class RANConfig(PreTrainedConfig):
         apply_overrides(self, update_str)
 
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs):
-        """Saved with a model (`architectures` set), also writes the code of every module the config names (the
-        `auto_map`'s models, the pipeline of `custom_pipelines`) with the sibling modules each imports, so that the
-        folder loads with any Auto class and `trust_remote_code=True` without `ran_hf`. It writes them before the
-        config: a model's `save_pretrained(push_to_hub=True)` uploads the files written after it started."""
-        if self.architectures and not os.path.isfile(save_directory):
-            named = [reference for reference in self.auto_map.values() if isinstance(reference, str)]
-            named += [info["impl"] for info in self.to_dict().get("custom_pipelines", {}).values()]
-            os.makedirs(save_directory, exist_ok=True)
-            for module in sorted({reference.split("--")[-1].split(".")[0] for reference in named}):
-                if _code_here(module):  # a copy of this code loaded from a folder has only the modules it ran
-                    source = Path(__file__).with_name(f"{module}.py")
-                    for file in (source, *map(Path, get_relative_import_files(source))):
-                        target = Path(save_directory) / file.name
-                        if not target.exists() or not target.samefile(file):
-                            shutil.copyfile(file, target)
+        """With a model (`architectures` set), first writes the code the folder loads without `ran_hf` (saved_code.py),
+        then the config: a model's `save_pretrained(push_to_hub=True)` uploads the files written after it started."""
+        save_code(self, save_directory)
         super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
 

@@ -1,0 +1,68 @@
+"""The code a saved RAN folder ships, so that it loads with any Auto class and `trust_remote_code=True` without
+`ran_hf`: the `auto_map` naming every head's class, the question-answering pipeline a folder serves, and the copying
+of the modules. Saved folders ship this module too (the config imports it), so it imports sibling modules only."""
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from transformers.dynamic_module_utils import get_relative_import_files
+
+_HEADS = ("CausalLM", "MaskedLM", "QuestionAnswering", "SequenceClassification", "TokenClassification")
+REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_ran.RANConfig", "AutoModel": "modeling_ran.RANModel"}
+REMOTE_CODE_AUTO_MAP |= {f"AutoModelFor{head}": f"modeling_ran.RANFor{head}" for head in _HEADS}
+# The pipeline a question-answering model's folder ships and names in `custom_pipelines`, so that
+# `pipeline(QUESTION_ANSWERING_TASK, model=folder, trust_remote_code=True)` runs without `ran_hf`.
+QUESTION_ANSWERING_TASK = "extractive-question-answering"
+QUESTION_ANSWERING_PIPELINE = {
+    "impl": "question_answering.ExtractiveQuestionAnsweringPipeline",
+    "pt": ["AutoModelForQuestionAnswering"],
+    "type": "text",
+}
+
+
+def _code_here(module: str) -> bool:
+    """Whether `module`.py is beside this file: always in the package; in a copy loaded from a saved folder, where
+    Transformers fetched that module."""
+    return Path(__file__).with_name(f"{module}.py").is_file()
+
+
+def kept_pipelines(config, pipelines: dict | None) -> dict:
+    """The `custom_pipelines` a loaded config keeps: not those of the tasks `import ran_hf` registered
+    (`config.tasks_registered_here`), which the registered pipeline serves in this process."""
+    return {task: info for task, info in (pipelines or {}).items() if task not in config.tasks_registered_here}
+
+
+def served_pipelines(config) -> dict:
+    """The `custom_pipelines` a saved config names: they follow from its model, as its `auto_map` does."""
+    if "RANForQuestionAnswering" in (config.architectures or ()) and _code_here("question_answering"):
+        return {QUESTION_ANSWERING_TASK: dict(QUESTION_ANSWERING_PIPELINE)}
+    return {}
+
+
+def save_code(config, save_directory: str | os.PathLike) -> None:
+    """`RANConfig.save_pretrained`: with a model (`architectures` set), write the code of every module the config
+    names (the `auto_map`'s models, the pipeline of `custom_pipelines`) with the sibling modules each imports."""
+    if not config.architectures or os.path.isfile(save_directory):
+        return
+    named = [reference for reference in config.auto_map.values() if isinstance(reference, str)]
+    named += [info["impl"] for info in served_pipelines(config).values()]
+    os.makedirs(save_directory, exist_ok=True)
+    for module in sorted({reference.split("--")[-1].split(".")[0] for reference in named}):
+        if _code_here(module):  # a copy of this code loaded from a folder has only the modules it ran
+            source = Path(__file__).with_name(f"{module}.py")
+            for file in (source, *map(Path, get_relative_import_files(source))):
+                target = Path(save_directory) / file.name
+                if not target.exists() or not target.samefile(file):
+                    _copy_into_place(file, target)
+
+
+def _copy_into_place(source: Path, target: Path) -> None:
+    """Copy under a temporary name beside `target`, then rename: an interrupted save leaves no half-written module."""
+    temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        shutil.copyfile(source, temporary)
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
