@@ -4,6 +4,7 @@ strings, model sizes and the ONNX export of the prefix LM. Each case gave a sile
 error before."""
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from ran_hf import (
     RANCache,
     RANConfig,
     RANForCausalLM,
+    RANForMaskedLM,
     RANForPrefixLM,
     RANForQuestionAnswering,
     RANForSequenceClassification,
@@ -22,6 +24,8 @@ from ran_hf import (
     RANModel,
     prefix_lm_features,
 )
+from ran_hf.input_checks import InputChecks
+from ran_hf.modeling_ran import head_outputs
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -141,6 +145,90 @@ def test_answer_positions_as_python_lists_are_named(qa_model):
     """Transformers' span loss takes tensors only (`.size()` of a list: AttributeError)."""
     with pytest.raises(ValueError, match=r"`start_positions` must be a tensor .*torch.tensor\(\[1, 2\]\).*list"):
         qa_model(torch.randint(1, 61, (2, 9)), start_positions=[1, 2], end_positions=[3, 4])
+
+
+# ---- labels: every head checks its own, before its base model runs ------------------------------------------------
+
+
+def token_labels(value: int, **inputs) -> dict:
+    labels = torch.full((2, 9), -100)
+    labels[1, 4] = value
+    return {"labels": labels, **inputs}
+
+
+TYPES = torch.tensor([[0] * 5 + [1] * 4] * 2)  # a prefix LM's source, then its target
+
+# head, config fields, good labels, bad labels, the bad one's error
+LABELLED_HEADS = [
+    pytest.param(
+        RANForMaskedLM, {}, token_labels(60), token_labels(61), r"`labels` holds a token id outside \[0, 60\]",
+        id="masked-lm",
+    ),
+    pytest.param(
+        RANForCausalLM, {}, token_labels(0), token_labels(-3), r"`labels` holds a token id outside \[0, 60\]",
+        id="causal-lm",
+    ),
+    pytest.param(
+        RANForPrefixLM, {}, token_labels(60, token_type_ids=TYPES), token_labels(70, token_type_ids=TYPES),
+        r"`labels` holds a token id outside \[0, 60\]", id="prefix-lm",
+    ),
+    pytest.param(
+        RANForTokenClassification, {"num_labels": 2}, token_labels(1), token_labels(2),
+        r"`labels` holds a class id outside \[0, 1\]", id="token-classification",
+    ),
+    pytest.param(
+        RANForSequenceClassification, {"num_labels": 3}, {"labels": torch.tensor([0, 2])},
+        {"labels": torch.tensor([0, 3])}, r"`labels` holds a class outside \[0, 2\]", id="sequence-classification",
+    ),
+    pytest.param(
+        RANForQuestionAnswering, {}, {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([2, 3])},
+        {"start_positions": torch.tensor([1, -1]), "end_positions": torch.tensor([2, 3])},
+        r"`start_positions` holds -1 \(example 1\)", id="question-answering",
+    ),
+]
+
+
+@pytest.mark.parametrize("head, fields, good, bad, message", LABELLED_HEADS)
+def test_a_bad_label_is_named_before_the_base_model_runs(head, fields, good, bad, message):
+    """The head reads its labels' checks itself: the base model (and its host read) never starts on a bad label."""
+    model = head(tiny_config(**fields)).eval()
+    started = []
+    model.model.register_forward_pre_hook(lambda *_: started.append(True))
+    with pytest.raises(ValueError, match=message):
+        model(torch.randint(1, 61, (2, 9)), **bad)
+    assert not started
+
+
+@pytest.mark.parametrize("head, fields, good, bad, message", LABELLED_HEADS)
+def test_a_head_reads_its_labels_once_then_runs_the_base_model(head, fields, good, bad, message, monkeypatch):
+    """One read of all the labels' conditions (`InputChecks.read_and_judge`), before the base model; the base model
+    reads its own inputs' checks, not the labels'."""
+    events = []
+    read_and_judge = InputChecks.read_and_judge
+
+    def read_labels(checks):
+        events.append("labels")
+        read_and_judge(checks)
+
+    monkeypatch.setattr(InputChecks, "read_and_judge", read_labels)
+    model = head(tiny_config(**fields)).eval()
+    model.model.register_forward_pre_hook(lambda *_: events.append("base model"))
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(1, 61, (2, 9)), **good).loss)
+    assert events == ["labels", "base model"]
+
+
+def test_the_base_model_takes_no_label_checks():
+    """No side channel for a head's labels through the base model: it neither names nor reads `label_checks`."""
+    assert "label_checks" not in inspect.signature(RANModel.forward).parameters
+    assert "label_checks" not in inspect.signature(head_outputs).parameters
+
+    def judge(found):
+        raise AssertionError("the base model read a head's label checks")
+
+    model = RANModel(tiny_config()).eval()
+    with torch.no_grad():
+        model(torch.randint(1, 61, (2, 9)), label_checks=InputChecks(torch.ones(1, dtype=torch.long), judge))
 
 
 @pytest.mark.parametrize("name", ["input_ids", "attention_mask"])

@@ -1,10 +1,12 @@
 """Input and label checks of the RAN models, and the loss preludes the heads share.
 
-Shapes and dtypes are checked at once, before any work. Values (token ids in the vocabulary, finite embeddings, a
-0/1 mask, a head's label range) are gathered as `InputChecks`: tensors still on the device that the window layout
-reads with its own sizes, in the forward pass's one host synchronisation, before anything is embedded. Under
-`torch.compile`, where reading them would break the graph, the inputs' values are asserted on the device instead
-(`assert_on_device`); an exported graph (`torch.export`, ONNX) checks none.
+Shapes and dtypes are checked at once, before any work. Values are gathered as `InputChecks`: tensors still on the
+device. The base model's (token ids in the vocabulary, finite embeddings, a 0/1 mask, a starting cell, a prefix LM's
+segments) are read by the window layout with its own sizes, in one host synchronisation, before anything is
+embedded. A head's labels are its own: it reads their checks in one synchronisation (`InputChecks.read_and_judge`)
+before it calls the base model. Under `torch.compile`, where reading them would break the graph, the inputs' values
+are asserted on the device instead (`assert_on_device`) and the labels' are not checked; an exported graph
+(`torch.export`, ONNX) checks none.
 """
 
 import math
@@ -76,18 +78,25 @@ def check_exportable(past_key_values, use_cache) -> None:
 
 
 class InputChecks(NamedTuple):
-    """The values of a forward's inputs (and a head's labels) to check, still on the device: the window layout
-    reads them with its sizes, in the forward's one host synchronisation, and the model then calls `judge` with
-    them, which raises on a bad one."""
+    """Values of a forward's inputs or of a head's labels to check, still on the device, and `judge`, which raises
+    on a bad one when given them as read to the host. The base model's are read by the window layout with its sizes;
+    a head reads its labels' with `read_and_judge`."""
 
     values: torch.Tensor  # (k,) long
     judge: Callable[[list], None]
 
+    def read_and_judge(self) -> None:
+        """Read `values` to the host in one synchronisation (none for values on the CPU) and judge them. Compiled
+        or exported code reads nothing: a read would break the graph (or fail an export on a data-dependent
+        branch)."""
+        if torch.compiler.is_compiling():
+            return
+        self.judge(self.values.tolist())
 
-def check_token_type_ids(token_type_ids, batch_shape: tuple, attention_mask, config: RANConfig, label_checks=None):
+
+def check_token_type_ids(token_type_ids, batch_shape: tuple, attention_mask, config: RANConfig) -> InputChecks:
     """A prefix LM's segments: shape and dtype now; whether every real token's type is 0 (source) or 1 (target),
-    the source first, is returned as `InputChecks` (joined with a head's `label_checks`) to be read with the
-    inputs' checks."""
+    the source first, is returned as `InputChecks`, to be read with the inputs' checks."""
     if config.is_causal:
         raise ValueError(
             "`token_type_ids` mark the source (0) and target (1) of a prefix LM, whose source reads itself both ways; "
@@ -128,13 +137,8 @@ def check_token_type_ids(token_type_ids, batch_shape: tuple, attention_mask, con
                 "`token_type_ids` puts a source token (0) after a target token (1): a prefix LM's text is its source, "
                 "then its target."
             )
-        if label_checks is not None:
-            label_checks.judge(found[2:])
 
-    values = torch.stack([unknown, source_after_target]).long()
-    if label_checks is not None:
-        values = torch.cat([values, label_checks.values.to(values.device)])
-    return InputChecks(values, judge)
+    return InputChecks(torch.stack([unknown, source_after_target]).long(), judge)
 
 
 ADDITIVE_MASK_HINT = (
@@ -159,16 +163,15 @@ def assert_on_device(config: RANConfig, input_ids, attention_mask, inputs_embeds
 
 
 def validate_ran_inputs(
-    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, label_checks=None,
-    shape: tuple | None = None,
+    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, shape: tuple | None = None,
 ) -> tuple[tuple[int, int], InputChecks | None]:
     """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN.
 
-    Shapes are checked now. The values (token ids in the vocabulary, finite embeddings, a 0/1 mask, a head's label
-    range) are returned as `InputChecks`, which the window layout reads with its sizes before any other work on the
-    device. Under `torch.compile` the inputs' values are asserted on the device instead (`assert_on_device`; a
-    head's labels are not), in an export not at all. Returns (batch_size, sequence_length) and the checks. `shape`:
-    the inputs' `input_batch_shape`, where the caller has it already.
+    Shapes are checked now. The values (token ids in the vocabulary, finite embeddings, a 0/1 mask) are returned as
+    `InputChecks`, which the window layout reads with its sizes before any other work on the device. Under
+    `torch.compile` they are asserted on the device instead (`assert_on_device`), in an export not at all (no
+    checks returned). Returns (batch_size, sequence_length) and the checks. `shape`: the inputs' `input_batch_shape`,
+    where the caller has it already.
     """
     shape = shape or input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
     if torch.compiler.is_compiling():
@@ -206,14 +209,8 @@ def validate_ran_inputs(
         # Anything but 0/1 is read as "real token" where nonzero: an additive mask (0 / -10000) would be inverted.
         not_binary = (attention_mask != 0) & (attention_mask != 1)
         checks.append(not_binary.any().to(checks[0].device))
-    if label_checks is not None:  # a head's labels, read in the same synchronisation
-        checks.extend(label_checks.values.to(checks[0].device).unbind())
 
     def judge(found: list) -> None:
-        if label_checks is not None:
-            own = len(found) - len(label_checks.values)
-            label_checks.judge(found[own:])
-            found = found[:own]
         if input_ids is not None:
             low, high = found[:2]
             if low < 0 or high >= config.vocab_size:
@@ -384,7 +381,7 @@ def scored_token_loss(loss_function, logits, labels, scored, **kwargs) -> torch.
 
 
 def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: int, name: str) -> InputChecks:
-    """Shape and dtype now; the values' range is returned, to be read with the base model's input checks."""
+    """Shape and dtype now; the values' range is returned, for the head to read before it runs the base model."""
     if tuple(labels.shape) != batch_shape:
         raise ValueError(f"`labels` must have shape {batch_shape} (one {name} per token), got {tuple(labels.shape)}.")
     if labels.is_floating_point() or labels.dtype == torch.bool:
@@ -403,9 +400,9 @@ def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: in
 
 def check_sequence_labels(labels: torch.Tensor, batch_size: int, config: RANConfig):
     """A sequence classifier's labels, for the configured (or inferred, as Transformers does) problem type: shapes
-    and dtypes now; their values returned as `InputChecks`, read with the inputs' (one host synchronisation), whose
-    judge raises on a bad one. Returns the labels (float for multi-label classification and regression), the
-    problem type and the checks."""
+    and dtypes now; their values returned as `InputChecks`, whose judge raises on a bad one, for the head to read in
+    one host synchronisation before it runs the base model. Returns the labels (float for multi-label classification
+    and regression), the problem type and the checks."""
     num_labels, problem_type = config.num_labels, config.problem_type
     if problem_type is None:
         if num_labels == 1:
@@ -462,8 +459,9 @@ def check_answer_positions(start_positions, end_positions, attention_mask, batch
     (`sequence_length`, where its loss clamps them) marks an answer the loss ignores; here so does a position on
     padding. Shapes and dtypes are checked now; whether a position is negative (Transformers would clamp it to 0 and
     score the first token), or an answer ignored at one end only, or ends before it starts, is returned as
-    `InputChecks`, read with the inputs' checks. Returns both positions with the ignored ones at `sequence_length`,
-    how many answers are scored (at least 1: the divisor of a loss that is 0 when there are none), and the checks."""
+    `InputChecks`, for the head to read before it runs the base model. Returns both positions with the ignored ones
+    at `sequence_length`, how many answers are scored (at least 1: the divisor of a loss that is 0 when there are
+    none), and the checks."""
     batch_size, length = batch_shape
     positions = {"start_positions": start_positions, "end_positions": end_positions}
     for name, value in positions.items():
@@ -480,7 +478,7 @@ def check_answer_positions(start_positions, end_positions, attention_mask, batch
             )
     start, end = (value.reshape(batch_size).long() for value in positions.values())
     real = None
-    if attention_mask is not None and tuple(attention_mask.shape) == batch_shape:  # else refused with the inputs
+    if attention_mask is not None and tuple(attention_mask.shape) == batch_shape:  # else refused by the base model
         real = F.pad(attention_mask.bool(), (0, 1)).to(start.device)
 
     def on_text(position: torch.Tensor) -> torch.Tensor:

@@ -47,16 +47,16 @@ HEAD_ARGS = r"""
 """
 
 
-def head_outputs(head: RANPreTrainedModel, label_checks=None, **inputs):
+def head_outputs(head: RANPreTrainedModel, **inputs):
     """The prelude every head shares: its base model's outputs as a `RANModelOutput` (the head reads fields by name,
-    whatever `return_dict` the caller or the config asks for), with the head's label checks (`InputChecks`) read in
-    the same host synchronisation as the inputs'."""
-    return head.model(**inputs, return_dict=True, label_checks=label_checks)
+    whatever `return_dict` the caller or the config asks for). A head checks its labels before it calls this."""
+    return head.model(**inputs, return_dict=True)
 
 
 def token_label_checks(head: RANPreTrainedModel, labels, input_ids, inputs_embeds, num_classes: int, name: str):
     """A token head's labels (one `name` of `num_classes` per token, -100 ignored): their shape and dtype now, their
-    range as `InputChecks` for `head_outputs`; None without labels."""
+    range as `InputChecks`, which the head reads (`read_and_judge`) before it runs the base model; None without
+    labels."""
     if labels is None:
         return None
     batch_shape = input_batch_shape(input_ids, inputs_embeds, head.config.hidden_size)
@@ -148,8 +148,10 @@ class RANForMaskedLM(RANLanguageModelBase):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
         """
         label_checks = token_label_checks(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
+        if label_checks is not None:  # one host read, before any work of the base model
+            label_checks.read_and_judge()
         outputs = head_outputs(
-            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
         logits = self.decoder(self.head(outputs.last_hidden_state))
@@ -193,12 +195,13 @@ class RANForSequenceClassification(RANPreTrainedModel):
             multi-label classification, or float targets for regression (`num_labels == 1`); the problem type follows
             `config.problem_type` and is inferred as in Transformers when unset.
         """
-        label_checks = problem_type = None
+        problem_type = None
         if labels is not None:
             batch_size = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)[0]
             labels, problem_type, label_checks = check_sequence_labels(labels, batch_size, self.config)
+            label_checks.read_and_judge()  # one host read, before any work of the base model
         outputs = head_outputs(
-            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
         logits = self.classifier(self.dropout(outputs.pooler_output))
@@ -238,8 +241,10 @@ class RANForTokenClassification(RANPreTrainedModel):
             Class id of every token; -100 (and every padding position) is ignored.
         """
         label_checks = token_label_checks(self, labels, input_ids, inputs_embeds, self.num_labels, "class id")
+        if label_checks is not None:  # one host read, before any work of the base model
+            label_checks.read_and_judge()
         outputs = head_outputs(
-            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
@@ -312,8 +317,10 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
                 "`labels` are scored at every position, but `logits_to_keep` keeps only some logits: pass "
                 "`logits_to_keep=0` (the default) with `labels`."
             )
+        if label_checks is not None:  # one host read, before any work of the base model
+            label_checks.read_and_judge()
         outputs = head_outputs(
-            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, past_key_values=past_key_values, use_cache=use_cache, **kwargs,
         )  # fmt: skip
         hidden_states = outputs.last_hidden_state
@@ -384,14 +391,14 @@ class RANForQuestionAnswering(RANPreTrainedModel):
         """
         if (start_positions is None) != (end_positions is None):
             raise ValueError("Give both `start_positions` and `end_positions` for a loss, or neither.")
-        label_checks = None
         if start_positions is not None:
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-            start_positions, end_positions, answered, label_checks = check_answer_positions(
+            start_positions, end_positions, answered, answer_checks = check_answer_positions(
                 start_positions, end_positions, attention_mask, batch_shape
             )
+            answer_checks.read_and_judge()  # one host read, before any work of the base model
         outputs = head_outputs(
-            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
         logits = self.qa_outputs(self.dropout(outputs.last_hidden_state))

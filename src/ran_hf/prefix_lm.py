@@ -190,8 +190,10 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
                 "`labels` are scored at every target position, but `logits_to_keep` keeps only some logits: pass "
                 "`logits_to_keep=0` (the default) with `labels`."
             )
+        if label_checks is not None:  # one host read, before any work of the base model
+            label_checks.read_and_judge()
         outputs = head_outputs(
-            self, label_checks, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             token_type_ids=token_type_ids, initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
         logits = self.decoder(self.head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)))

@@ -314,17 +314,17 @@ class RANModel(RANPreTrainedModel):
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
         check_cache(past_key_values, self.config)
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
-        # A head's labels (`check_token_labels`, ...) are read with the inputs: one host synchronisation for all.
-        label_checks = kwargs.pop("label_checks", None)
         batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
-        if initial_cell is not None:  # read with the inputs' checks too
+        cell_checks = type_checks = None
+        if initial_cell is not None:
             cell_checks = check_initial_cell(initial_cell, batch_shape, self.config.hidden_size, past_positions)
-            label_checks = joined_checks(label_checks, cell_checks)
-        if token_type_ids is not None:  # read with the inputs' checks too
-            label_checks = check_token_type_ids(token_type_ids, batch_shape, attention_mask, self.config, label_checks)
+        if token_type_ids is not None:
+            type_checks = check_token_type_ids(token_type_ids, batch_shape, attention_mask, self.config)
         (batch_size, padded_length), input_checks = validate_ran_inputs(
-            self.config, input_ids, attention_mask, inputs_embeds, past_positions, label_checks, batch_shape
+            self.config, input_ids, attention_mask, inputs_embeds, past_positions, batch_shape
         )
+        if input_checks is not None:  # not compiled: the segments and the starting cell are read with the inputs
+            input_checks = joined_checks(type_checks, cell_checks, input_checks)
         kwargs.pop("output_memory_attentions", None)  # read by the output capture
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         if output_attentions and self.config._attn_implementation != "eager":
@@ -346,7 +346,7 @@ class RANModel(RANPreTrainedModel):
             token_type_ids=token_type_ids,
         )
         if input_checks is not None:
-            input_checks.judge(layout.read_values)  # a bad input or label is named before any token is embedded
+            input_checks.judge(layout.read_values)  # a bad input is named before any token is embedded
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
 
         token_states = layout.from_padded(embeddings)  # (T, D)
