@@ -10,7 +10,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from ran_hf import RANCache, RANForCausalLM, RANModel
-from ran_hf import building_blocks, cell_scan
+from ran_hf import building_blocks
 from ran_hf.cell_scan import fused_cell_scan, reference_cell_scan
 from ran_hf.kernels import fused_scan_unsupported
 from ran_hf.ran_layer import RANLayer
@@ -135,15 +135,16 @@ def test_fused_scan_equals_the_reference_with_dropout(overrides, lengths, past_l
 def test_fused_scan_equals_the_reference_in_float64(overrides, lengths, past_lengths, monkeypatch):
     """In float64 rounding is out of the way: the hand-written backward is the reference's maths.
 
-    `standard_normalize` computes in float32 whatever its input (for half precision); here it keeps float64.
+    `standard_normalize` computes in float32 whatever its input (for half precision); here it keeps float64. Its
+    reference function is replaced, which `standard_normalize` and `RANCenteredRMSNorm` run on a CPU.
     """
 
-    def standard_normalize(states, eps):
+    def standard_normalize_reference(states, eps, dropout=None):
         centred = states - states.mean(-1, keepdim=True)
-        return centred * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
+        normalized = centred * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
+        return normalized if dropout is None else dropout(normalized)
 
-    monkeypatch.setattr(cell_scan, "standard_normalize", standard_normalize)
-    monkeypatch.setattr(building_blocks, "standard_normalize", standard_normalize)
+    monkeypatch.setattr(building_blocks, "standard_normalize_reference", standard_normalize_reference)
     layer, inputs, layout = layer_and_inputs(overrides, lengths, past_lengths, dtype=torch.float64)
     assert_scans_agree(layer, inputs, layout, 1e-10)
 

@@ -1,7 +1,7 @@
 """Which implementation each op ran, as `kernels.choose` recorded it (kernels.py): on a CPU the PyTorch ops and the
 reference scan; on the meta device, which stands in for CUDA (tests/test_kernel_budget.py counts its launches), the
 Triton kernels; compiled or exported, the forms that trace; and where a switch or a module rules a kernel out, the
-fallback."""
+fallback. Where an op runs "pytorch", what runs is its `*_reference` function, which asks nothing of `choose`."""
 
 import pytest
 import torch
@@ -9,10 +9,22 @@ import torch
 from benchmark_kernels import layouts_built_with_values
 
 from ran_hf import RANForMaskedLM, kernels
+from ran_hf.building_blocks import (
+    RANCenteredRMSNorm,
+    RANGatedLinearUnit,
+    apply_interleaved_rotary,
+    centered_rms_norm_reference,
+    gated_linear_unit_reference,
+    rotary_rotations,
+    rotate_pairs_reference,
+    standard_normalize,
+    standard_normalize_reference,
+)
 from ran_hf.kernels import choose
 from ran_hf.ran_layer import RANLayer
 from ran_hf.triton_scan import TRITON_AVAILABLE
-from ran_testing import tiny_config
+from ran_hf.window_layout import RANWindowLayout
+from ran_testing import pad_batch, randomize_, random_ids, tiny_config
 
 OPS = {"norm", "glu", "rotary", "window_projection", "scan"}
 
@@ -60,6 +72,68 @@ def test_on_meta_the_default_scan_is_the_reference_and_switches_turn_kernels_off
         "window_projection": "pytorch",
         "scan": "reference",
     }
+
+
+def token_op_inputs():
+    generator = torch.Generator().manual_seed(3)
+    states = torch.randn(3, 5, 8, generator=generator) * 3 + 1
+    norm, glu = randomize_(RANCenteredRMSNorm(8, 1e-6)), randomize_(RANGatedLinearUnit(8))
+    rotations = rotary_rotations(5, 8, 10000.0, "cpu")
+    return states, torch.randn(3, 5, 8, generator=generator), norm, glu, rotations
+
+
+def test_on_a_cpu_each_op_runs_its_reference_function():
+    """Each public op's output equals its reference function's bit for bit (dropout drawn from the same seed), and
+    `choose` recorded "pytorch" for it."""
+    states, residual, norm, glu, rotations = token_op_inputs()
+    dropout, silu = torch.nn.Dropout(0.3).train(), torch.nn.SiLU()
+
+    def same(public, reference):
+        torch.manual_seed(0)
+        expected = reference()
+        torch.manual_seed(0)
+        return torch.equal(public(), expected)
+
+    kernels.CHOSEN.clear()
+    assert same(
+        lambda: standard_normalize(states, 1e-6, dropout), lambda: standard_normalize_reference(states, 1e-6, dropout)
+    )
+    for then_standardize in (False, True):
+        assert same(
+            lambda: norm(states, dropout, then_standardize),
+            lambda: centered_rms_norm_reference(states, norm.weight, norm.bias, 1e-6, dropout, then_standardize),
+        )
+    assert same(lambda: glu(states), lambda: gated_linear_unit_reference(glu.proj(states)))
+    rows = torch.tensor([2, 0, 1])
+    assert same(
+        lambda: glu(states, residual, silu, dropout, rows),
+        lambda: gated_linear_unit_reference(glu.proj(states), residual, silu, dropout, rows),
+    )
+    assert same(lambda: apply_interleaved_rotary(states, rotations), lambda: rotate_pairs_reference(states, rotations))
+    config = tiny_config(window_overlap=2)
+    layer = randomize_(RANLayer(config, layer_idx=0))
+    _, mask = pad_batch([random_ids(n, config.vocab_size, n) for n in (13, 6)])
+    layout = RANWindowLayout.from_attention_mask(mask, config)
+    normed = torch.randn(19, config.hidden_size)
+    table = layout.rotary(layer.head_dim, config.rope_theta, normed.device)
+    public = layer.project_windows(normed, layout, None)
+    reference = layer.project_windows_reference(normed, layout, None, table)
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(public, reference, strict=True))
+    assert kernels.CHOSEN == dict.fromkeys(kernels.TRITON_TOKEN_OPS, "pytorch")
+
+
+def test_the_reference_functions_ask_nothing_of_choose(monkeypatch):
+    """Forced to Triton, the public ops would run their kernels; the reference functions still run PyTorch's ops
+    and record no choice."""
+    states, residual, norm, glu, rotations = token_op_inputs()
+    for op in kernels.TRITON_TOKEN_OPS:
+        monkeypatch.setitem(kernels.FORCED, op, "triton")
+    kernels.CHOSEN.clear()
+    standard_normalize_reference(states, 1e-6)
+    centered_rms_norm_reference(states, norm.weight, norm.bias, 1e-6, then_standardize=True)
+    gated_linear_unit_reference(glu.proj(states), residual, torch.nn.SiLU())
+    rotate_pairs_reference(states, rotations)
+    assert kernels.CHOSEN == {}
 
 
 def scan_choice(requested: str, **config_fields) -> str:

@@ -1,13 +1,18 @@
-"""The Triton gated linear unit (triton_glu.py) equals RAN's PyTorch one (`RANGatedLinearUnit`): outputs and the
-gradients of the input, weight, bias and the residual added to it, for row counts and widths that do and do not fill a
-program's block, float32 and float16. On a CPU the kernels run in Triton's interpreter; on CUDA compiled, and
+"""The Triton gated linear unit (triton_glu.py) equals RAN's PyTorch one (`gated_linear_unit_reference`): outputs and
+the gradients of the input, weight, bias and the residual added to it, for row counts and widths that do and do not
+fill a program's block, float32 and float16. On a CPU the kernels run in Triton's interpreter; on CUDA compiled, and
 `RANGatedLinearUnit` then uses them."""
 
 import pytest
 import torch
 
 from ran_hf import kernels, triton_glu
-from ran_hf.building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, standard_normalize
+from ran_hf.building_blocks import (
+    RANCenteredRMSNorm,
+    RANGatedLinearUnit,
+    centered_rms_norm_reference,
+    gated_linear_unit_reference,
+)
 from ran_hf.kernels import choose
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
@@ -47,12 +52,14 @@ def test_triton_glu_equals_the_pytorch_glu(shape, dtype, residual, monkeypatch):
     other = {None: None, "same": shape, "broadcast": shape[-1:]}[residual]
     other = None if other is None else torch.randn(other, generator=generator).to(DEVICE, dtype)
 
-    def run(use_triton):  # the module's own dispatch, told where the kernel applies (on a CPU: nowhere)
-        force(monkeypatch, "glu", use_triton)
+    force(monkeypatch, "glu", True)
+
+    def run(use_triton):  # the module's own dispatch, told to run the kernel, against the reference
         leaf = x.clone().requires_grad_()
         other_leaf = None if other is None else other.clone().requires_grad_()
         glu.zero_grad()
-        out = glu(leaf, None if other_leaf is None else other_leaf * 2)  # the residual is another op's output
+        residual = None if other_leaf is None else other_leaf * 2  # the residual is another op's output
+        out = glu(leaf, residual) if use_triton else gated_linear_unit_reference(glu.proj(leaf), residual)
         (out.float() * probe.float()).sum().backward()
         grads = [leaf.grad, glu.proj.weight.grad, glu.proj.bias.grad]
         return out.detach(), grads + ([] if other_leaf is None else [other_leaf.grad])
@@ -120,15 +127,16 @@ def test_the_residual_branch_in_the_kernel_equals_its_pytorch_ops(activation, dr
     act = {"none": None, "silu": torch.nn.SiLU()}[activation]
     drop = torch.nn.Dropout(dropout).train()
 
+    force(monkeypatch, "glu", True)
+
     def run(use_triton, mask=None):
-        force(monkeypatch, "glu", use_triton)
         leaf, branch_leaf = x.clone().requires_grad_(), branch_input.clone().requires_grad_()
         glu.zero_grad()
         if use_triton:
             out = glu(leaf, branch_leaf * 1, act, drop)  # the branch is another op's output
-        else:  # the PyTorch ops with the kernel's mask
+        else:  # the reference with the kernel's mask
             branch = branch_leaf * 1 if act is None else act(branch_leaf * 1)
-            out = glu(leaf) + branch * mask
+            out = gated_linear_unit_reference(glu.proj(leaf), branch * mask)
         (out.float() * probe.float()).sum().backward()
         return out.detach(), [leaf.grad, glu.proj.weight.grad, glu.proj.bias.grad, branch_leaf.grad]
 
@@ -160,12 +168,11 @@ def test_a_branch_the_kernel_cannot_compute_runs_in_pytorch_ops(monkeypatch):
     monkeypatch.setattr(torch.nn.Dropout, "forward", lambda self, states: states)  # the same units on both paths
     glu = RANGatedLinearUnit(8).to(DEVICE)
     x, branch = torch.randn(3, 8, device=DEVICE), torch.randn(3, 8, device=DEVICE)
+    force(monkeypatch, "glu", True)
     for act, residual in ((torch.nn.GELU(), branch), (torch.nn.SiLU(), branch[:1])):
-        results = []
-        for use_triton in (True, False):
-            force(monkeypatch, "glu", use_triton)
-            results.append(glu(x, residual, act, torch.nn.Dropout(0.5)))
-        assert torch.allclose(*results, atol=1e-6)
+        drop = torch.nn.Dropout(0.5)
+        expected = gated_linear_unit_reference(glu.proj(x), residual, act, drop)
+        assert torch.allclose(glu(x, residual, act, drop), expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
@@ -227,19 +234,19 @@ def test_the_norm_after_the_glu_in_its_kernel_equals_the_pytorch_ops(then_standa
     torch.manual_seed(4)
     norm_mask = triton_glu.triton_glu(zeros, norm=(ones[0], ones[0], 1e-7, False, dropout))
 
+    force(monkeypatch, "glu", True)
+    force(monkeypatch, "norm", True)
+
     def run(use_triton):
-        force(monkeypatch, "glu", use_triton)
-        force(monkeypatch, "norm", use_triton)
         leaf, residual_leaf = x.clone().requires_grad_(), residual.clone().requires_grad_()
         glu.zero_grad()
         norm.zero_grad()
         torch.manual_seed(4)
         if use_triton:
             out = glu(leaf, residual_leaf * 1, act, drop, order, norm, drop, then_standardize)
-        else:
-            summed = glu(leaf) + act((residual_leaf * 1)[order]) * branch_mask
-            out = norm(summed)
-            out = (standard_normalize(out, 1e-7) if then_standardize else out) * norm_mask
+        else:  # the references with the kernel's masks
+            summed = gated_linear_unit_reference(glu.proj(leaf), act((residual_leaf * 1)[order]) * branch_mask)
+            out = centered_rms_norm_reference(summed, norm.weight, norm.bias, 1e-7, None, then_standardize) * norm_mask
         (out * probe).sum().backward()
         grads = [leaf.grad, glu.proj.weight.grad, glu.proj.bias.grad, residual_leaf.grad, norm.weight.grad]
         return out.detach(), grads + [norm.bias.grad]

@@ -1,12 +1,18 @@
 """The Triton normalisation (triton_norm.py) equals RAN's PyTorch one: outputs and the gradients of input, weight
-and bias, with and without the learned scale and shift, for row counts that do and do not fill a program's rows.
-On a CPU the kernels run in Triton's interpreter; on CUDA compiled, and `RANCenteredRMSNorm` then uses them."""
+and bias (`standard_normalize_reference`, `centered_rms_norm_reference`), with and without the learned scale and
+shift, for row counts that do and do not fill a program's rows. On a CPU the kernels run in Triton's interpreter; on
+CUDA compiled, and `RANCenteredRMSNorm` then uses them."""
 
 import pytest
 import torch
 
 from ran_hf import kernels
-from ran_hf.building_blocks import RANCenteredRMSNorm, standard_normalize
+from ran_hf.building_blocks import (
+    RANCenteredRMSNorm,
+    centered_rms_norm_reference,
+    standard_normalize,
+    standard_normalize_reference,
+)
 from ran_hf.triton_norm import TritonNorm
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
@@ -38,9 +44,9 @@ def test_triton_norm_equals_the_pytorch_normalisation(affine, shape):
             weight, bias = (norm.weight, norm.bias) if affine else (None, None)
             out = TritonNorm.apply(x, weight, bias, 1e-7, torch.float32)
         elif affine:
-            out = norm.weight * standard_normalize(x, 1e-7) + norm.bias
+            out = centered_rms_norm_reference(x, norm.weight, norm.bias, 1e-7)
         else:
-            out = standard_normalize(x, 1e-7)
+            out = standard_normalize_reference(x, 1e-7)
         (out * probe).sum().backward()
         grads = [x.grad.clone()] + ([norm.weight.grad.clone(), norm.bias.grad.clone()] if affine else [])
         return out.detach(), grads
@@ -70,13 +76,17 @@ def test_dropout_in_the_norm_kernel_equals_the_pytorch_ops_with_its_mask(affine,
     norm = norm.to(DEVICE)
     drop = torch.nn.Dropout(0.25).train()
 
+    force(monkeypatch, "norm", True)
+
     def run(use_triton, mask=None):
-        force(monkeypatch, "norm", use_triton)
         leaf = x.clone().requires_grad_()
         norm.zero_grad()
-        dropout = drop if use_triton else None
-        out = norm(leaf, dropout) if affine else standard_normalize(leaf, 1e-7, dropout)
-        out = out if use_triton else out * mask
+        if use_triton:
+            out = norm(leaf, drop) if affine else standard_normalize(leaf, 1e-7, drop)
+        elif affine:  # the reference with the kernel's mask
+            out = centered_rms_norm_reference(leaf, norm.weight, norm.bias, 1e-7) * mask
+        else:
+            out = standard_normalize_reference(leaf, 1e-7) * mask
         (out * probe).sum().backward()
         return out.detach(), [leaf.grad] + ([norm.weight.grad, norm.bias.grad] if affine else [])
 
@@ -105,7 +115,7 @@ def test_dropout_in_the_norm_kernel_equals_the_pytorch_ops_with_its_mask(affine,
 def test_layer_norm_then_standardisation_in_one_kernel_equals_the_two(shape, dropout, monkeypatch):
     """`RANCenteredRMSNorm(x, dropout, then_standardize=True)`, the official layer's ending, is one kernel each way:
     the output and the gradients of input, weight and bias equal `standard_normalize(layer_norm(x), eps, dropout)` in
-    PyTorch ops (with the kernel's dropout mask, read off as in the test above)."""
+    PyTorch ops (`centered_rms_norm_reference`, with the kernel's dropout mask, read off as in the test above)."""
     generator = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(shape, generator=generator) * 3 + 1).to(DEVICE)
     probe = torch.randn(shape, generator=generator).to(DEVICE)
@@ -119,15 +129,16 @@ def test_layer_norm_then_standardisation_in_one_kernel_equals_the_two(shape, dro
     ones = torch.ones(shape[-1], device=DEVICE)
     mask = TritonNorm.apply(torch.zeros(shape, device=DEVICE), ones, ones, 1e-7, torch.float32, dropout)
 
+    force(monkeypatch, "norm", True)
+
     def run(use_triton):
-        force(monkeypatch, "norm", use_triton)
         leaf = x.clone().requires_grad_()
         norm.zero_grad()
         torch.manual_seed(2)
         if use_triton:
             out = norm(leaf, drop, then_standardize=True)
         else:
-            out = standard_normalize(norm(leaf), 1e-7) * mask
+            out = centered_rms_norm_reference(leaf, norm.weight, norm.bias, 1e-7, then_standardize=True) * mask
         (out * probe).sum().backward()
         return out.detach(), [leaf.grad, norm.weight.grad, norm.bias.grad]
 

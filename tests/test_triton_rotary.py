@@ -1,4 +1,4 @@
-"""The Triton rotary embedding (triton_rotary.py) equals RAN's PyTorch one (`apply_interleaved_rotary`): outputs and
+"""The Triton rotary embedding (triton_rotary.py) equals RAN's PyTorch one (`rotate_pairs_reference`): outputs and
 the states' gradients, for the queries' and the keys' broadcasting of the rotations, head sizes that are and are not
 powers of two, float32 and float16. On a CPU the kernel runs in Triton's interpreter; on CUDA compiled."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ran_hf import kernels
-from ran_hf.building_blocks import apply_interleaved_rotary, rotary_rotations
+from ran_hf.building_blocks import rotary_rotations, rotate_pairs_reference
 from ran_hf.kernels import choose
 from ran_hf.triton_rotary import triton_rotate_pairs
 from ran_hf.triton_scan import TRITON_AVAILABLE
@@ -41,7 +41,7 @@ def test_triton_rotary_equals_the_pytorch_rotary(kind, head_dim, dtype):
         (out.float() * probe.float()).sum().backward()
         return out.detach(), leaf.grad
 
-    expected, expected_grad = run(apply_interleaved_rotary)
+    expected, expected_grad = run(rotate_pairs_reference)
     actual, actual_grad = run(triton_rotate_pairs)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     assert actual.dtype == expected.dtype == dtype and actual.shape == expected.shape
@@ -66,7 +66,7 @@ def test_triton_rotary_reads_states_and_gradients_through_their_strides():
         (torch.cat([cell_key, out], dim=2) * probe).sum().backward()
         return out.detach(), leaf.grad
 
-    expected, expected_grad = run(apply_interleaved_rotary)
+    expected, expected_grad = run(rotate_pairs_reference)
     actual, actual_grad = run(triton_rotate_pairs)
     assert actual.is_contiguous()
     assert torch.allclose(actual, expected, atol=1e-5)

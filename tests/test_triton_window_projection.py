@@ -1,10 +1,10 @@
 """The Triton window projection (triton_window_projection.py) equals the layer's PyTorch phase 1
-(`RANLayer.project_windows`): the windows' queries, keys and values and the gradient of the token projections, for
-the encoder (activated queries and keys, merged short windows, padding), windows with enrichment tokens (a token in
-two slots), the causal learnable-memory layer (values activated only), a prefix LM and no rotary embedding, with the
-keys and values written a second time for the attention (room for the read cell, which the gradients of both reach);
-and whole models with it equal models without it. On a CPU the kernels run in Triton's interpreter; on CUDA
-compiled."""
+(`RANLayer.project_windows_reference`): the windows' queries, keys and values and the gradient of the token
+projections, for the encoder (activated queries and keys, merged short windows, padding), windows with enrichment
+tokens (a token in two slots), the causal learnable-memory layer (values activated only), a prefix LM and no rotary
+embedding, with the keys and values written a second time for the attention (room for the read cell, which the
+gradients of both reach); and whole models with it equal models without it. On a CPU the kernels run in Triton's
+interpreter; on CUDA compiled."""
 
 import pytest
 import torch
@@ -43,12 +43,16 @@ def test_triton_window_projection_equals_the_pytorch_phase_one(overrides, length
     layout = RANWindowLayout.from_attention_mask(mask.to(DEVICE), config)
     generator = torch.Generator().manual_seed(len(lengths))
     normed = torch.randn(sum(lengths), config.hidden_size, generator=generator).to(DEVICE)
+    rotations = layout.rotary(layer.head_dim, config.rope_theta, normed.device) if config.use_rotary else None
+    use_kernel(monkeypatch, True)
 
     def run(on):
-        use_kernel(monkeypatch, on)
         leaf = normed.clone().requires_grad_()
         layer.zero_grad()
-        query, key, value, *_, joined = layer.project_windows(leaf, layout, None)
+        if on:
+            query, key, value, *_, joined = layer.project_windows(leaf, layout, None)
+        else:
+            query, key, value, *_, joined = layer.project_windows_reference(leaf, layout, None, rotations)
         # The kernel's keys and values as the attention reads them, slots 1.. of (K, H, 1 + S, d) (slot 0 is the
         # read cell's, written later): in PyTorch ops, the same keys and values read again.
         joined = (key, value) if joined is None else [part[:, :, 1:] for part in joined]

@@ -3,7 +3,10 @@
 embedding and the row gather every layout uses.
 
 On CUDA the normalisations, the gated linear unit and the rotary embedding run as one Triton kernel each way
-(`triton_norm.py`, `triton_glu.py`, `triton_rotary.py`), where `kernels.choose` says so (kernels.py).
+(`triton_norm.py`, `triton_glu.py`, `triton_rotary.py`), where `kernels.choose` says so (kernels.py). Each op's
+public form only dispatches: its PyTorch form is a function of its own (`standard_normalize_reference`,
+`centered_rms_norm_reference`, `gated_linear_unit_reference`, `rotate_pairs_reference`), which asks nothing of
+`choose`, so that it stays the reference the kernels are tested against.
 """
 
 import torch
@@ -25,18 +28,30 @@ def standard_normalize(hidden_states: torch.Tensor, eps: float, dropout: nn.Drop
     cast back to bf16, the token states lose the small differences that context makes between two occurrences of
     a token, and max pooling then splits its gradient between tokens that tie.
     """
-    input_dtype = hidden_states.dtype
-    # (the meta device, which checks shapes and counts kernels, has no autocast state to ask)
-    autocast = hidden_states.device.type != "meta" and torch.is_autocast_enabled(hidden_states.device.type)
     if choose("norm", hidden_states) == "triton":  # one kernel each way, not seven to nine ops (and dropout's two)
-        out_dtype = torch.float32 if autocast else input_dtype
+        out_dtype = torch.float32 if autocast_on(hidden_states) else hidden_states.dtype
         return TritonNorm.apply(hidden_states, None, None, eps, out_dtype, dropout_rate(dropout))
+    return standard_normalize_reference(hidden_states, eps, dropout)
+
+
+def standard_normalize_reference(
+    hidden_states: torch.Tensor, eps: float, dropout: nn.Dropout | None = None
+) -> torch.Tensor:
+    """`standard_normalize` in PyTorch ops, wherever the kernel does not run."""
+    input_dtype = hidden_states.dtype
+    autocast = autocast_on(hidden_states)
     hidden_states = hidden_states.float()
     mean = hidden_states.mean(-1, keepdim=True)
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
     normalized = (hidden_states - mean) * torch.rsqrt(mean_square + eps)
     normalized = normalized if autocast else normalized.to(input_dtype)
     return normalized if dropout is None else dropout(normalized)
+
+
+def autocast_on(states: torch.Tensor) -> bool:
+    """Whether autocast is on for the device of `states`."""
+    # (the meta device, which checks shapes and counts kernels, has no autocast state to ask)
+    return states.device.type != "meta" and torch.is_autocast_enabled(states.device.type)
 
 
 def dropout_rate(dropout: nn.Dropout | None) -> float:
@@ -75,13 +90,25 @@ class RANCenteredRMSNorm(nn.Module):
             out_dtype = torch.promote_types(self.weight.dtype, normalized_dtype)
             rate = dropout_rate(dropout)
             return TritonNorm.apply(hidden_states, self.weight, self.bias, self.eps, out_dtype, rate, then_standardize)
-        normalized = self.weight * standard_normalize(hidden_states, self.eps) + self.bias
-        if then_standardize:
-            return standard_normalize(normalized, self.eps, dropout)
-        return normalized if dropout is None else dropout(normalized)
+        return centered_rms_norm_reference(hidden_states, self.weight, self.bias, self.eps, dropout, then_standardize)
 
 
 PLAIN_WEIGHT_MODULES[RANCenteredRMSNorm] = ()  # the fused scans read its weight and bias
+
+
+def centered_rms_norm_reference(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    dropout: nn.Dropout | None = None,
+    then_standardize: bool = False,
+) -> torch.Tensor:
+    """`RANCenteredRMSNorm` in PyTorch ops, wherever the kernel does not run."""
+    normalized = weight * standard_normalize_reference(hidden_states, eps) + bias
+    if then_standardize:
+        return standard_normalize_reference(normalized, eps, dropout)
+    return normalized if dropout is None else dropout(normalized)
 
 
 class RANGatedLinearUnit(nn.Module):
@@ -106,20 +133,25 @@ class RANGatedLinearUnit(nn.Module):
         norm_dropout: nn.Dropout | None = None,
         then_standardize: bool = False,
     ) -> torch.Tensor:
-        fused = choose("glu", hidden_states) == "triton"
-        # On the kernel's path the bias is added by the kernel, which also sums its gradient: one pass over the
+        if choose("glu", hidden_states) != "triton":
+            out = gated_linear_unit_reference(
+                self.proj(hidden_states), residual, residual_activation, residual_dropout, residual_rows
+            )
+            return out if norm is None else norm(out, norm_dropout, then_standardize)
+        # The kernel's path, kept in `forward` itself so that kernel counts name the kernel (scripts/benchmarks/
+        # benchmark_kernels.py). The bias is added by the kernel, which also sums its gradient: one pass over the
         # projection's gradient fewer. A wrapped projection (LoRA, quantised) runs as it is.
-        bias = self.proj.bias if fused and type(self.proj) is nn.Linear else None
+        bias = self.proj.bias if type(self.proj) is nn.Linear else None
         projected = self.proj(hidden_states) if bias is None else F.linear(hidden_states, self.proj.weight)  # (.., 2D)
         width = projected.shape[-1] // 2
-        activation = branch_activation(residual_activation) if fused and residual is not None else NO_ACTIVATION
+        activation = branch_activation(residual_activation) if residual is not None else NO_ACTIVATION
         fits = residual is None or (
             residual.dtype == projected.dtype
             and (
                 residual.shape == (*projected.shape[:-1], width) or (residual_rows is not None and residual.dim() == 2)
             )
         )
-        if fused and activation is not None and fits:  # the whole branch, and the norm, in the kernel
+        if activation is not None and fits:  # the whole branch, and the norm, in the kernel
             out_dtype, norm_args = projected.dtype, None
             norm_fused = norm is not None and type(norm) is RANCenteredRMSNorm
             if norm_fused and choose("norm", projected[..., :width]) == "triton":
@@ -131,20 +163,41 @@ class RANGatedLinearUnit(nn.Module):
             if norm is None or norm_args is not None:
                 return out
             return norm(out, norm_dropout, then_standardize)
-        if residual is not None:
-            residual = residual if residual_rows is None else gather_rows(residual, residual_rows)
-            residual = residual if residual_activation is None else residual_activation(residual)
-            residual = residual if residual_dropout is None else residual_dropout(residual)
-        if fused:  # one kernel each way instead of two (three with the sum) and four ops
-            out = triton_glu(projected, residual, bias=bias)
-        else:
-            value, gate = projected.chunk(2, dim=-1)
-            gated = value * torch.sigmoid(gate)
-            out = gated if residual is None else residual + gated
+        residual = residual_branch(residual, residual_activation, residual_dropout, residual_rows)
+        out = triton_glu(projected, residual, bias=bias)  # one kernel each way instead of two (three with the sum)
         return out if norm is None else norm(out, norm_dropout, then_standardize)
 
 
 PLAIN_WEIGHT_MODULES[RANGatedLinearUnit] = ("proj",)  # the fused scans read its projection's weight and bias
+
+
+def residual_branch(
+    residual: torch.Tensor | None,
+    activation: nn.Module | None = None,
+    dropout: nn.Dropout | None = None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """dropout(activation(residual[rows])) in PyTorch ops, each step where given; None without a residual."""
+    if residual is None:
+        return None
+    residual = residual if rows is None else gather_rows(residual, rows)
+    residual = residual if activation is None else activation(residual)
+    return residual if dropout is None else dropout(residual)
+
+
+def gated_linear_unit_reference(
+    projected: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    residual_activation: nn.Module | None = None,
+    residual_dropout: nn.Dropout | None = None,
+    residual_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`RANGatedLinearUnit` in PyTorch ops, wherever the kernel does not run, from the projection's output
+    (..., 2 D): value * sigmoid(gate), plus the residual branch where a residual is given."""
+    residual = residual_branch(residual, residual_activation, residual_dropout, residual_rows)
+    value, gate = projected.chunk(2, dim=-1)
+    gated = value * torch.sigmoid(gate)
+    return gated if residual is None else residual + gated
 
 
 def project_heads(qkv: torch.Tensor, num_heads: int, head_dim: int, act: nn.Module, qk_activation: bool):
@@ -173,6 +226,11 @@ def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> t
     """
     if choose("rotary", states) == "triton":  # one kernel each way instead of about fifteen and twenty ops
         return triton_rotate_pairs(states, rotations)
+    return rotate_pairs_reference(states, rotations)
+
+
+def rotate_pairs_reference(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """`apply_interleaved_rotary` in PyTorch ops, wherever the kernel does not run."""
     x, y = states.float().unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = rotations.unbind(-1)
     return torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).flatten(-2).to(states.dtype)

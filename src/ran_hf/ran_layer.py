@@ -260,6 +260,19 @@ class RANLayer(GradientCheckpointingLayer):
             qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
             query, key, value, *joined = triton_window_projection(qkv, layout, rotations, self.qk_activation, bias)
             return WindowProjections(query, key, value, None, None, joined)
+        return self.project_windows_reference(normed_tokens, layout, cache, rotations)
+
+    def project_windows_reference(
+        self,
+        normed_tokens: torch.Tensor,
+        layout: RANWindowLayout,
+        cache: RANCacheLayer | None,
+        rotations: torch.Tensor | None,
+    ) -> WindowProjections:
+        """`project_windows` without its kernel, wherever that does not run; `rotations` (S, d / 2, 2) are the window
+        slots' (None without the rotary embedding). The rotary embedding stays its own op (`apply_interleaved_rotary`),
+        with its own choice of kernel."""
+        config = self.config
         qkv = in_row_chunks(self.project, self.inference_chunk(normed_tokens), normed_tokens)  # (T, 3, H, d)
         new_query, new_kv = qkv.split([1, 2], dim=1)  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
