@@ -1,6 +1,7 @@
 """What a GPU would launch, counted on the meta device (scripts/benchmarks/benchmark_kernels.py): the Triton scan is
-four kernels per window and layer plus three per scan, and a training forward of a token head reads the device once
-(the window layout's sizes, its inputs' checks and its labels' range together). The count's bytes: per model part,
+four kernels per window and layer plus three per scan, and a labelled training forward reads the device twice, both
+before any token is embedded: the head its labels' checks, then the base model its window layout's sizes and its
+inputs' checks together. The count's bytes: per model part,
 backward ops included, and as a GPU moves them (dropout fused, broadcasts read once, no bytes for allocations)."""
 
 import pytest
@@ -20,9 +21,10 @@ def count_training_step(model_class, labels_max, **config_fields):
         ids = torch.randint(1, 61, (2, 37))
         labels = torch.randint(0, labels_max, (2, 37))
     counter = KernelCounter()
-    with layouts_built_with_values() as layout_reads, counter:
+    with layouts_built_with_values() as reads, counter:
         model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss.backward()
-    counter.host_syncs += len(layout_reads)
+    counter.reads = [kind for kind, _ in reads]
+    counter.host_syncs += len(reads)
     return counter
 
 
@@ -34,9 +36,12 @@ def count_training_step(model_class, labels_max, **config_fields):
         pytest.param(RANForCausalLM, 61, {"is_causal": True}, id="causal-lm"),
     ],
 )
-def test_a_labelled_training_step_reads_the_device_once(model_class, labels_max, fields):
-    """The window layout's sizes, the inputs' checks and the labels' range: one read of the device."""
-    assert count_training_step(model_class, labels_max, **fields).host_syncs == 1
+def test_a_labelled_training_step_reads_the_device_twice_before_embedding(model_class, labels_max, fields):
+    """The head reads its labels' range, then the base model its window layout's sizes and the inputs' checks: two
+    reads, both before any token is embedded, and none after."""
+    counter = count_training_step(model_class, labels_max, **fields)
+    assert counter.reads == ["labels", "layout"]
+    assert counter.host_syncs == 2
 
 
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
@@ -84,14 +89,14 @@ def test_training_dropout_of_the_token_states_runs_inside_the_triton_kernels():
         model = RANForMaskedLM(config).train()
         ids = torch.randint(1, 61, (2, 37))
     counter = KernelCounter()
-    with layouts_built_with_values() as layout_reads, counter, FusedOpsAsOnGPU():  # dropout as CUDA runs it
+    with layouts_built_with_values() as reads, counter, FusedOpsAsOnGPU():  # dropout as CUDA runs it
         model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
     counts, layers = counter.counts, config.num_hidden_layers
     # a seed per GLU (its branch's and its norm's masks: two a layer), the input norm's, the embeddings' norm's
     assert counts["aten::randint"] == layers * 3 + 1
     assert counts["aten::bernoulli_"] == layers * 2
     assert counts["aten::native_dropout"] == layers + 2
-    assert counter.host_syncs + len(layout_reads) == 1
+    assert counter.host_syncs + len(reads) == 2  # the labels', then the layout's: the dropout seeds read nothing
 
 
 class Toy(nn.Module):
@@ -199,14 +204,15 @@ def test_a_decoded_token_reads_the_device_once(monkeypatch):
         pytest.param(1, torch.tensor([0.5, -2.0]), id="regression"),
     ],
 )
-def test_a_labelled_sequence_classification_step_reads_the_device_once(num_labels, labels):
+def test_a_labelled_sequence_classification_step_reads_the_labels_once(num_labels, labels):
+    """The head's read of its labels (on the device), then the layout's; none after."""
     from ran_hf import RANForSequenceClassification
 
     with torch.device("meta"):
         model = RANForSequenceClassification(tiny_config(num_labels=num_labels)).train()
         ids = torch.randint(1, 61, (2, 37))
     counter = KernelCounter()
-    with layouts_built_with_values() as layout_reads, counter:
+    with layouts_built_with_values() as reads, counter:
         mask = torch.ones_like(ids)
         model(input_ids=ids, attention_mask=mask, labels=labels.to("meta")).loss.backward()
-    assert counter.host_syncs + len(layout_reads) == 1
+    assert counter.host_syncs == 0 and [kind for kind, _ in reads] == ["labels", "layout"]

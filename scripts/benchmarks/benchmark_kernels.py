@@ -60,6 +60,7 @@ from benchmark_utils import (
 )
 
 from ran_hf import RANConfig, RANForMaskedLM, kernels
+from ran_hf.input_checks import InputChecks
 from ran_hf.memory_review import RANMemoryReview
 from ran_hf.window_layout import RANWindowLayout
 
@@ -274,10 +275,11 @@ def memory_review_sized_for(gib: float):
 
 @contextmanager
 def layouts_built_with_values():
-    """The window layout reads its sizes (and the forward's input checks) from the device, which a meta tensor
-    cannot answer: build it from an all-ones CPU mask of the same shape (its ops are counted like any other), then
-    move it to meta. Yields a list that gets one entry per layout built: each is one host synchronisation."""
-    build = RANWindowLayout.from_attention_mask
+    """The window layout reads its sizes (and the forward's input checks) from the device, and a head reads its
+    labels' checks, which a meta tensor cannot answer: build the layout from an all-ones CPU mask of the same shape
+    (its ops are counted like any other), then move it to meta; read meta check values as zeros. Yields a list that
+    gets one entry per layout built and per labels read: each is one host synchronisation."""
+    build, read_and_judge = RANWindowLayout.from_attention_mask, InputChecks.read_and_judge
     reads = []
 
     def from_attention_mask(attention_mask, config, past_lengths=None, read_with_sizes=None, **layout_inputs):
@@ -285,8 +287,8 @@ def layouts_built_with_values():
             return build(attention_mask, config, past_lengths, read_with_sizes, **layout_inputs)
         if any(value is not None for value in layout_inputs.values()):
             raise NotImplementedError(f"counting on meta builds the layout of a plain mask only, not {layout_inputs}")
-        reads.append(attention_mask.shape)
-        if read_with_sizes is not None:  # the input and label checks' values: a meta tensor reads as zeros
+        reads.append(("layout", attention_mask.shape))
+        if read_with_sizes is not None:  # the input checks' values: a meta tensor reads as zeros
             read_with_sizes = torch.zeros(read_with_sizes.shape, dtype=read_with_sizes.dtype)
         layout = build(torch.ones(attention_mask.shape, dtype=torch.bool), config, None, read_with_sizes)
         moved = {
@@ -295,11 +297,17 @@ def layouts_built_with_values():
         }
         return dataclasses.replace(layout, **moved)
 
-    RANWindowLayout.from_attention_mask = from_attention_mask
+    def read_meta_as_zeros(checks: InputChecks) -> None:
+        if not checks.values.is_meta:
+            return read_and_judge(checks)
+        reads.append(("labels", checks.values.shape))
+        checks.judge([0] * checks.values.numel())
+
+    RANWindowLayout.from_attention_mask, InputChecks.read_and_judge = from_attention_mask, read_meta_as_zeros
     try:
         yield reads
     finally:
-        RANWindowLayout.from_attention_mask = build
+        RANWindowLayout.from_attention_mask, InputChecks.read_and_judge = build, read_and_judge
 
 
 def count_step(model_name: str, args, batch: int, length: int) -> dict:
