@@ -53,14 +53,12 @@ def head_outputs(head: RANPreTrainedModel, **inputs):
     return head.model(**inputs, return_dict=True)
 
 
-def token_label_checks(head: RANPreTrainedModel, labels, input_ids, inputs_embeds, num_classes: int, name: str):
-    """A token head's labels (one `name` of `num_classes` per token, -100 ignored): their shape and dtype now, their
-    range as `InputChecks`, which the head reads (`read_and_judge`) before it runs the base model; None without
-    labels."""
-    if labels is None:
-        return None
-    batch_shape = input_batch_shape(input_ids, inputs_embeds, head.config.hidden_size)
-    return check_token_labels(labels, batch_shape, num_classes, name)
+def check_head_token_labels(head: RANPreTrainedModel, labels, input_ids, inputs_embeds, num_classes: int, name: str):
+    """A token head's labels (one `name` of `num_classes` per token, -100 ignored): their shape and dtype, then their
+    range in one host read, before the head runs its base model. Nothing to check without labels."""
+    if labels is not None:
+        batch_shape = input_batch_shape(input_ids, inputs_embeds, head.config.hidden_size)
+        check_token_labels(labels, batch_shape, num_classes, name).read_and_judge()
 
 
 def head_output(output_class, outputs, **fields):
@@ -147,9 +145,7 @@ class RANForMaskedLM(RANLanguageModelBase):
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids to predict at masked positions; -100 (and every padding position) is ignored.
         """
-        label_checks = token_label_checks(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
-        if label_checks is not None:  # one host read, before any work of the base model
-            label_checks.read_and_judge()
+        check_head_token_labels(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
         outputs = head_outputs(
             self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
@@ -240,9 +236,7 @@ class RANForTokenClassification(RANPreTrainedModel):
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Class id of every token; -100 (and every padding position) is ignored.
         """
-        label_checks = token_label_checks(self, labels, input_ids, inputs_embeds, self.num_labels, "class id")
-        if label_checks is not None:  # one host read, before any work of the base model
-            label_checks.read_and_judge()
+        check_head_token_labels(self, labels, input_ids, inputs_embeds, self.num_labels, "class id")
         outputs = head_outputs(
             self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
@@ -311,14 +305,12 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
         """
-        label_checks = token_label_checks(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
         if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError(
                 "`labels` are scored at every position, but `logits_to_keep` keeps only some logits: pass "
                 "`logits_to_keep=0` (the default) with `labels`."
             )
-        if label_checks is not None:  # one host read, before any work of the base model
-            label_checks.read_and_judge()
+        check_head_token_labels(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
         outputs = head_outputs(
             self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, past_key_values=past_key_values, use_cache=use_cache, **kwargs,
