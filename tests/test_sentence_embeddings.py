@@ -227,12 +227,63 @@ def test_training_scripts_write_the_files(tokenizer_dir, tmp_path):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ("hidden_size=16,windw_size=16", r"`windw_size` is not a field of RANConfig \(did you mean 'window_size'\?\)"),
+        ("hidden_size=16,window_size=abc", r"`window_size` must be an int, got 'abc'"),
+        ("vocab_size=5", r"sets `vocab_size`, which the script takes from the tokenizer"),
+    ],
+)
+def test_train_embeddings_names_a_bad_override_before_any_work(tokenizer_dir, tmp_path, overrides, message):
+    """`--config_overrides` had its own parser, which guessed each value's type and split lists at their commas
+    (`cutoffs=[2000,10000]` failed to unpack); a bad field was refused only after the documents were read and
+    tokenized. Now each value is read by its field's type (`RANConfig.update_from_string`), and a bad one is named
+    before any data is read (the files here do not exist) and before the output folder is made."""
+    import train_embeddings
+
+    missing = str(tmp_path / "not-there.jsonl")
+    argv = ["--tokenizer_name", str(tokenizer_dir), "--train_file", missing, "--test_file", missing]
+    argv += ["--output_dir", str(tmp_path / "out"), "--config_overrides", overrides, "--report_to", "none"]
+    with pytest.raises(ValueError, match=message) as raised:
+        train_embeddings.main(argv)
+    assert str(raised.value).startswith("--config_overrides")  # the flag, then the field
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_embeddings_writes_results_in_the_one_result_format(tokenizer_dir, tmp_path):
+    """`--results_prefix` wrote its own layout (machine_info, setup, results), which the benchmark files' check
+    refuses; now both result files are one record of the benchmarks' format, with the typed overrides applied."""
+    import train_embeddings
+    from benchmark_utils import check_result
+
+    topics = run_pipeline.write_topic_documents(tmp_path, {"train": 24}, seed=1)
+    tiny = "hidden_size=16,num_attention_heads=2,head_dim=8,window_size=16,min_window_size=4,num_hidden_layers=1"
+    record = train_embeddings.main(
+        ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", tiny, "--output_dir", str(tmp_path / "out")]
+        + ["--train_file", str(topics["train"]), "--test_file", str(topics["train"]), "--num_train_pairs", "8"]
+        + ["--num_queries", "4", "--num_corpus", "12", "--poolings", "mean", "--no_baseline"]
+        + ["--max_seq_length", "64", "--per_device_train_batch_size", "4", "--max_steps", "1"]
+        + ["--report_to", "none", "--disable_tqdm", "true", "--results_prefix", str(tmp_path / "results" / "emb")]
+    )  # fmt: skip
+    saved = json.loads((tmp_path / "results" / "emb.json").read_text())
+    check_result(saved)
+    assert saved == record == json.loads((tmp_path / "out" / "results.json").read_text())
+    assert record["device"] == "cpu" and record["dtype"] == "float32"
+    assert record["command"].startswith("python scripts/sentence-embeddings/train_embeddings.py --tokenizer_name")
+    assert [row["model"] for row in record["results"]] == ["ran-mean"] and record["settings"]["pairs"] == 8
+    assert f"Command: `{record['command']}`" in (tmp_path / "results" / "emb.md").read_text()
+    config = json.loads((tmp_path / "out" / "ran-initial" / "config.json").read_text())
+    assert (config["window_size"], config["num_hidden_layers"]) == (16, 1)
+
+
 @pytest.mark.slow
 @pytest.mark.needs_data("20newsgroups", "wikitext-2", "conll2003")
 def test_train_embeddings_on_20_newsgroups(data_dir, wordpiece_tokenizer_dir, tmp_path):
     """The example script end to end at toy size: RAN (two pooling choices) and the BERT baseline, scored before and
     after, saved as sentence-transformers folders that keep their pooling."""
     import train_embeddings
+    from benchmark_utils import check_result
 
     newsgroups = data_dir / "20newsgroups"
     results = train_embeddings.main(
@@ -248,6 +299,8 @@ def test_train_embeddings_on_20_newsgroups(data_dir, wordpiece_tokenizer_dir, tm
     for row in results["results"]:
         assert 0 <= row["before"]["ndcg@10"] <= 1 and 0 <= row["after"]["map@100"] <= 1
     assert "| ran | cell_transform |" in (tmp_path / "embeddings.md").read_text()
-    assert json.loads((tmp_path / "embeddings.json").read_text())["results"] == results["results"]
+    saved = json.loads((tmp_path / "embeddings.json").read_text())
+    assert saved["results"] == results["results"]
+    check_result(saved)  # the benchmarks' one result format
     reloaded = SentenceTransformer(str(tmp_path / "out" / "ran-mean"), trust_remote_code=True, device="cpu")
     assert sentence_pooling(reloaded) == "mean" and reloaded.max_seq_length == 96

@@ -21,7 +21,8 @@ tokenizer (nothing is downloaded), mean-pooled, reading at most `--baseline_max_
 model is saved under `--output_dir` and loads with `SentenceTransformer(path, trust_remote_code=True)`.
 
 Results go to `--output_dir/results.json` and, with `--results_prefix benchmarks/embeddings/embeddings_cpu`, to
-`benchmarks/embeddings/embeddings_cpu.{json,md}`.
+`benchmarks/embeddings/embeddings_cpu.{json,md}`: the JSON is one record in the benchmarks' one result format
+(`benchmark_utils.result_record`), the run's setup under `settings` and one row per model under `results`.
 """
 
 import dataclasses
@@ -52,7 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # t
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the flags' ranges
 
 from argument_checks import TRAINING_ARGUMENT_RANGES, check_ranges, parse_arguments  # noqa: E402
-from benchmark_utils import machine_info, machine_line  # noqa: E402
+from benchmark_utils import (  # noqa: E402
+    command_line,
+    machine_info,
+    machine_line,
+    result_path,
+    result_record,
+    write_result,
+)
 from data_loading import cut_for_tokenizer  # noqa: E402
 from ran_trainer import StopsDivergedRuns, first_nonfinite_weight  # noqa: E402
 
@@ -229,29 +237,34 @@ def retrieval_scores(model: SentenceTransformer, evaluator) -> dict:
     }
 
 
-def parse_overrides(overrides: str) -> dict:
-    fields = {}
-    for item in filter(None, overrides.split(",")):
-        key, value = item.split("=", 1)
-        for cast in (int, float):
-            try:
-                value = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            value = {"true": True, "false": False}.get(value.lower(), value)
-        fields[key.strip()] = value
-    return fields
+def scratch_config(model_args: ModelArguments, tokenizer) -> RANConfig | None:
+    """From scratch, the RAN's config: the tokenizer's vocabulary and padding id, then --config_overrides, each value
+    read by its field's type (`RANConfig.update_from_string`), so that an unknown field or a bad value is refused,
+    naming it, before any document is read. None with --model_name_or_path, whose own config is used."""
+    if model_args.model_name_or_path is not None:
+        return None
+    fixed = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+    config = RANConfig(**fixed)
+    try:
+        config.update_from_string(model_args.config_overrides)
+    except ValueError as error:
+        raise ValueError(f"--config_overrides {model_args.config_overrides!r}: {error}") from error
+    if changed := [name for name, value in fixed.items() if getattr(config, name) != value]:
+        # the model reads the tokenizer's ids: another vocabulary size or padding id breaks it
+        names = ", ".join(f"`{name}`" for name in changed)
+        values = ", ".join(f"{name}={fixed[name]!r}" for name in changed)
+        raise ValueError(
+            f"--config_overrides sets {names}, which the script takes from the tokenizer ({values}): leave "
+            f"{'it' if len(changed) == 1 else 'them'} out of --config_overrides."
+        )
+    return config
 
 
-def starting_ran(model_args: ModelArguments, tokenizer, folder: Path) -> Path:
-    """The folder every RAN run starts from: --model_name_or_path, or a RAN from scratch saved into `folder`."""
+def starting_ran(model_args: ModelArguments, config: RANConfig | None, tokenizer, folder: Path) -> Path:
+    """The folder every RAN run starts from: --model_name_or_path, or a RAN from scratch (`config`, from
+    `scratch_config`) saved into `folder`."""
     if model_args.model_name_or_path is not None:
         return Path(model_args.model_name_or_path)
-    config = RANConfig(
-        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **parse_overrides(model_args.config_overrides)
-    )
     RANModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -317,7 +330,7 @@ def train_and_evaluate(
     return row
 
 
-def markdown(rows, info, setup) -> str:
+def markdown(rows, info, setup, command: str) -> str:
     lines = [
         f"Machine: {machine_line(info)}",
         "",
@@ -339,7 +352,7 @@ def markdown(rows, info, setup) -> str:
             f"{row['before']['ndcg@10']:.3f} | {row['after']['ndcg@10']:.3f} | {row['before']['map@100']:.3f} | "
             f"{row['after']['map@100']:.3f} | {row['train_seconds']:.0f} |"
         )
-    lines += ["", f"Command: `{setup['command']}`", ""]
+    lines += ["", f"Command: `{command}`", ""]
     return "\n".join(lines)
 
 
@@ -351,7 +364,8 @@ def check_output_dir(output_dir: Path, model_args: ModelArguments, data_args: Da
     check_not_inputs(output_dir, "--output_dir", inputs)
     if data_args.results_prefix is not None:
         for suffix in (".json", ".md"):
-            check_not_inputs(f"{data_args.results_prefix}{suffix}", f"--results_prefix's {suffix} file", inputs)
+            path = result_path(data_args.results_prefix, suffix)
+            check_not_inputs(path, f"--results_prefix's {suffix} file", inputs)
     lock_folder(output_dir)
     entries = contents(output_dir)
     if entries and not data_args.overwrite_output_dir:
@@ -372,13 +386,15 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
     set_seed(training_args.seed)
+    # The tokenizer and the from-scratch config first: a bad --config_overrides is named before any folder is made
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
+    config = scratch_config(model_args, tokenizer)
     output_dir = Path(training_args.output_dir)
     check_output_dir(output_dir, model_args, data_args)
     output_dir.mkdir(parents=True, exist_ok=True)
 
     # Data: training pairs from the train file, queries and corpus from the held-out file, each text cut to what the
     # models read (the RAN's --max_seq_length, the baseline's --baseline_max_length)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
     rng = random.Random(training_args.seed)
     read_tokens = max(model_args.max_seq_length, model_args.baseline_max_length if model_args.baseline else 0)
     train_documents = read_documents(data_args.train_file, data_args, tokenizer, read_tokens)
@@ -395,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     # The RAN every pooling choice starts from; all models share the tokenizer
-    start = starting_ran(model_args, tokenizer, output_dir / "ran-initial")
+    start = starting_ran(model_args, config, tokenizer, output_dir / "ran-initial")
     ran_config = RANConfig.from_pretrained(start)
     lengths = [len(ids) for ids in tokenizer(evaluator.queries + evaluator.corpus)["input_ids"]]
     token_stats = (
@@ -422,7 +438,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = baseline_bert(ran_config, tokenizer, model_args.baseline_max_length, output_dir / "bert-initial")
         rows.append(train_and_evaluate("bert-mean", model, train_dataset, evaluator, *trained_as))
 
-    info = machine_info()
+    device = training_args.device.type
+    info = machine_info(device)
     setup = {
         "data": f"{data_args.train_file} -> {data_args.test_file}",
         "pairs": len(train_dataset),
@@ -437,17 +454,21 @@ def main(argv: list[str] | None = None) -> dict:
         "seed": training_args.seed,
         "token_stats": token_stats,
         "relevant_share": relevant_share,
-        "command": "python scripts/sentence-embeddings/train_embeddings.py " + " ".join(argv),
     }
-    results = {"machine_info": info, "setup": setup, "results": rows}
-    (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    table = markdown(rows, info, setup)
+    # The Trainer keeps float32 weights and computes under autocast with --bf16 / --fp16
+    dtype = "bfloat16 autocast" if training_args.bf16 else "float16 autocast" if training_args.fp16 else "float32"
+    command = command_line(__file__, argv)
+    record = result_record(command, setup, rows, device=device, dtype=dtype, info=info)
+    text = json.dumps(record, indent=2) + "\n"
+    write_result(output_dir / "results.json", text)
+    table = markdown(rows, info, setup, command)
     print(table)
     if data_args.results_prefix:
-        Path(f"{data_args.results_prefix}.json").write_text(json.dumps(results, indent=2) + "\n")
-        Path(f"{data_args.results_prefix}.md").write_text(table)
-    return results
-
+        json_path, table_path = (result_path(data_args.results_prefix, suffix) for suffix in (".json", ".md"))
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        write_result(json_path, text)
+        write_result(table_path, table)
+    return record
 
 if __name__ == "__main__":
     main()
