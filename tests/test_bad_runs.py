@@ -11,6 +11,7 @@ Scripts run in this process through their `main(argv)`, on tiny models and data 
 
 import json
 import random
+import re
 from pathlib import Path
 
 import evaluate_perplexity
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from ran_hf import RANConfig, RANForSequenceClassification, RANForTokenClassification
-from ran_hf.files.data import read_records
+from ran_hf.files.data import read_conll, read_records
 
 # Windows of 16 tokens, so that every test document spans several; no dropout, so that runs are reproducible.
 TINY_OVERRIDES = (
@@ -376,7 +377,8 @@ def test_a_trained_tagger_keeps_the_order_of_its_tags(conll_files, tmp_path):
     assert results["labels"] == list(own_order)  # and data with only two of the tags is evaluated
 
     model_dir = save_tagger(conll_files["tokenizer"], tmp_path / "small", own_order[:-2])
-    with pytest.raises(ValueError, match=r"tags that the model .*small does not have: \['B-LOC', 'O'\]"):
+    first = rf"The first, 'O', is in {re.escape(str(conll_files['train']))}:1 \(validation sentence 1\)"
+    with pytest.raises(ValueError, match=rf"tags that the model .*small does not have: \['B-LOC', 'O'\] .*{first}"):
         run_ner.main(
             ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out2"), *QUIET]
             + ["--validation_file", str(conll_files["train"]), "--do_eval"]
@@ -512,15 +514,49 @@ def test_one_lora_target_module(tokenizer_dir, topic_files, tmp_path):
 
 
 def test_integer_ner_tags_in_jsonl(tokenizer_dir, tmp_path):
-    path = write_jsonl(tmp_path / "train.jsonl", [{"tokens": ["EU", "rejects"], "ner_tags": [3, 0]}])
+    """Named by the sentence's number only; now by the file's line too (a blank line makes them differ)."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n" + json.dumps({"tokens": ["EU", "rejects"], "ner_tags": [3, 0]}) + "\n", encoding="utf-8")
     argv = ["--tokenizer_name", str(tokenizer_dir), "--config_overrides", TINY_OVERRIDES, "--output_dir"]
     argv += [str(tmp_path / "out"), "--train_file", str(path), "--do_train", "--max_steps", "1", *QUIET]
     with pytest.raises(
         ValueError,
-        match=r"train sentence 1: column 'ner_tags' holds tag ids \(\[3, 0\]\); a jsonl file "
-        "must give tag names",
+        match=rf"^{re.escape(str(path))}:2 \(train sentence 1\): column 'ner_tags' holds tag ids \(\[3, 0\]\); a "
+        "jsonl file must give tag names",
     ):
         run_ner.main(argv)
+
+
+def test_a_bad_conll_tag_is_named_by_file_and_line(conll_files, tmp_path):
+    """A tag the training split never uses (a typo) was named with its split only: finding it in a CoNLL file of
+    thousands of sentences was left to the user. Now the error names the file and the line of the sentence."""
+    validation = write_conll(tmp_path / "valid.txt", CONLL_SENTENCES[:2] + [("Paris is", "B-LCO O")])
+    argv = ["--tokenizer_name", str(conll_files["tokenizer"]), "--config_overrides", TINY_OVERRIDES]
+    argv += ["--output_dir", str(tmp_path / "out"), "--train_file", str(conll_files["train"]), "--do_train"]
+    argv += ["--validation_file", str(validation), "--do_eval", "--max_steps", "1", *QUIET]
+    # 9 token lines and a blank one, 2 and a blank one: the third sentence starts on line 14
+    unseen = r"The validation split has tags the train split never uses: \['B-LCO'\]\."
+    where = rf"The first, 'B-LCO', is in {re.escape(str(validation))}:14 \(validation sentence 3\)\."
+    with pytest.raises(ValueError, match=rf"{unseen} {where}"):
+        run_ner.main(argv)
+    assert [sentence["line"] for sentence in read_conll(validation, with_lines=True)] == [1, 11, 14]
+    assert "line" not in read_conll(validation)[0]  # the data's columns, unless asked
+
+
+def test_a_bad_sentence_is_named_by_file_and_line(tmp_path):
+    """`check_sentences` names a sentence of a file by its line (a CoNLL sentence's first token, a jsonl record's
+    line, looked up only for the error), then its number."""
+    batch = {"tokens": [["EU"], ["Paris"]], "ner_tags": [["B-ORG"], [" "]]}
+    source = run_ner.SentenceFile("valid.txt", lines=(1, 4))
+    with pytest.raises(ValueError, match=r"^valid.txt:4 \(test sentence 2\): column 'tag' holds only whitespace"):
+        run_ner.check_sentences(batch, [0, 1], "test", "word", "tag", source)
+    records = [json.dumps({"tokens": words, "ner_tags": tags}) for words, tags in zip(*batch.values())]
+    (tmp_path / "test.jsonl").write_text(f"{records[0]}\n\n  \n{records[1]}\n")
+    source = run_ner.SentenceFile(str(tmp_path / "test.jsonl"))
+    with pytest.raises(ValueError, match=r"test.jsonl:4 \(test sentence 2\): column 'tag' holds only whitespace"):
+        run_ner.check_sentences(batch, [0, 1], "test", "word", "tag", source)
+    with pytest.raises(ValueError, match=r"^test sentence 2: column 'tag' holds only whitespace"):  # Hub data
+        run_ner.check_sentences(batch, [0, 1], "test", "word", "tag")
 
 
 def test_a_lone_surrogate_in_jsonl_is_named(tmp_path):

@@ -31,7 +31,15 @@ from transformers import (
     set_seed,
 )
 
-from ran_hf.files.data import TagLabels, UnknownLabelsError, check_text, file_format, load_records, read_conll
+from ran_hf.files.data import (
+    TagLabels,
+    UnknownLabelsError,
+    check_text,
+    file_format,
+    jsonl_line,
+    load_records,
+    read_conll,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
@@ -92,20 +100,48 @@ class DataTrainingArguments:
         check_data_limits(self)
 
 
-def choose_tags(splits: dict[str, list], model_args: ModelArguments) -> TagLabels:
+@dataclass(frozen=True)
+class SentenceFile:
+    """A split's file, to name a sentence by its place in it: the line of a CoNLL sentence's first token (`lines`,
+    read with the file), or that of a jsonl record (found only when an error names it, by reading the file again).
+    Kept beside the split, not in it: the Trainer sees only the sentences' columns."""
+
+    path: str
+    lines: tuple[int, ...] | None = None
+
+    def place(self, index: int) -> str:
+        line = self.lines[index] if self.lines is not None else jsonl_line(self.path, index)
+        return f"{self.path}:{line}"
+
+
+def sentence_place(split: str, index: int, source: SentenceFile | None) -> str:
+    """Sentence `index` (0-based) of `split`: `path:line (train sentence 57)` for a file, else its number."""
+    sentence = f"{split} sentence {index + 1}"
+    return sentence if source is None else f"{source.place(index)} ({sentence})"
+
+
+def choose_tags(
+    splits: dict[str, list], model_args: ModelArguments, sources: dict[str, SentenceFile] | None = None
+) -> TagLabels:
     """The tags, in the order of the model's outputs.
 
     A trained tagger (`--model_name_or_path` with named tags in its `id2label`) keeps its own: the data's tags are
     mapped onto them, tags it lacks are an error, and a split may use only some of them. Otherwise, as with
-    `--ignore_mismatched_sizes` and another number of tags (a new head), they are read off the data.
+    `--ignore_mismatched_sizes` and another number of tags (a new head), they are read off the data. An unknown tag
+    is named with the first sentence holding it, by its file and line where `sources` has the split's file.
     """
+    sources = sources or {}
+
+    def where(split: str, index: int) -> str:
+        return sentence_place(split, index, sources.get(split))
+
     trained = trained_labels(model_args)
     if trained is None:
-        return TagLabels.from_splits(splits)
+        return TagLabels.from_splits(splits, where=where)
     names, _ = trained
     model = model_args.config_name or model_args.model_name_or_path
     if model_args.ignore_mismatched_sizes:
-        from_data = TagLabels.from_splits(splits)
+        from_data = TagLabels.from_splits(splits, where=where)
         if len(from_data.names) != len(names):
             logger.warning(
                 f"--ignore_mismatched_sizes: the head of {model} for its {len(names)} tags is replaced by a new one "
@@ -113,7 +149,7 @@ def choose_tags(splits: dict[str, list], model_args: ModelArguments) -> TagLabel
             )
             return from_data
     try:
-        return TagLabels.from_splits(splits, names=names, names_from=f"the model {model}")
+        return TagLabels.from_splits(splits, names=names, names_from=f"the model {model}", where=where)
     except UnknownLabelsError as error:
         raise UnknownLabelsError(
             f"{error} Check --tags_column_name; to train a new head for the data's tags, start from a model without "
@@ -135,12 +171,16 @@ def warn_about_cut_words(split: str, dataset: Dataset, max_seq_length: int) -> N
     )
 
 
-def load_sentences(model_args: ModelArguments, data_args: DataTrainingArguments) -> DatasetDict:
+def load_sentences(
+    model_args: ModelArguments, data_args: DataTrainingArguments
+) -> tuple[DatasetDict, dict[str, SentenceFile]]:
     """Every split whole, with columns "tokens" and "ner_tags" (tag names, not ids), from the Hub, jsonl or CoNLL
-    files. Every sentence is checked (`check_sentences`), not only those --max_*_samples keeps: the tags of whole
-    splits make the tag set."""
+    files, and the file of each split read from one (for errors that name a sentence by its file and line). Every
+    sentence is checked (`check_sentences`), not only those --max_*_samples keeps: the tags of whole splits make the
+    tag set."""
     tokens_column, tags_column = data_args.tokens_column_name, data_args.tags_column_name
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    sources = {}
     if data_args.dataset_name is not None:
         splits = load_splits(
             data_args.dataset_name,
@@ -151,17 +191,19 @@ def load_sentences(model_args: ModelArguments, data_args: DataTrainingArguments)
             token=model_args.token,
         )
     else:
-        splits = DatasetDict(
-            {
-                split: load_records(path, [tokens_column, tags_column], cache_dir=model_args.cache_dir)
-                if file_format(path) == "jsonl"
-                else Dataset.from_list(read_conll(path)).rename_columns(
-                    {"tokens": tokens_column, "ner_tags": tags_column}
-                )
-                for split, path in files.items()
-                if path is not None
-            }
-        )
+        splits = DatasetDict()
+        for split, path in files.items():
+            if path is None:
+                continue
+            if file_format(path) == "jsonl":
+                splits[split] = load_records(path, [tokens_column, tags_column], cache_dir=model_args.cache_dir)
+                sources[split] = SentenceFile(str(path))
+            else:
+                conll = read_conll(path, with_lines=True)
+                lines = tuple(sentence.pop("line") for sentence in conll)  # beside the data, not a column of it
+                columns = {"tokens": tokens_column, "ner_tags": tags_column}
+                splits[split] = Dataset.from_list(conll).rename_columns(columns)
+                sources[split] = SentenceFile(str(path), lines)
     sentences = DatasetDict()
     for split, dataset in splits.items():
         dataset = dataset.select_columns([tokens_column, tags_column])
@@ -179,30 +221,52 @@ def load_sentences(model_args: ModelArguments, data_args: DataTrainingArguments)
             check_sentences,
             batched=True,
             with_indices=True,
-            fn_kwargs={"split": split, "tokens_column": tokens_column, "tags_column": tags_column},
+            fn_kwargs={
+                "split": split,
+                "tokens_column": tokens_column,
+                "tags_column": tags_column,
+                "source": sources.get(split),
+            },
             desc=f"Checking the sentences of {split}",
         )
         sentences[split] = dataset
-    return sentences
+    return sentences, sources
 
 
-def check_sentences(batch: dict, indices: list[int], split: str, tokens_column: str, tags_column: str) -> None:
+def check_sentences(
+    batch: dict,
+    indices: list[int],
+    split: str,
+    tokens_column: str,
+    tags_column: str,
+    source: SentenceFile | None = None,
+) -> None:
     """Words and tags are non-empty lists of the same length, of non-blank strings: tag names, not ids (a batched map,
-    naming the split and the sentence)."""
+    naming the split and the sentence, and, read from a file, its file and line first)."""
     for index, words, tags in zip(indices, batch["tokens"], batch["ner_tags"]):
         where = f"{split} sentence {index + 1}"
-        for column, values in ((tokens_column, words), (tags_column, tags)):
-            if not isinstance(values, list | tuple) or not values:
-                raise ValueError(f"{where}: column {column!r} must be a non-empty list, got {values!r}.")
-            for value in values:
-                if column == tags_column and isinstance(value, int) and not isinstance(value, bool):
-                    raise ValueError(
-                        f"{where}: column {column!r} holds tag ids ({values!r}); a jsonl file must give tag names "
-                        "(B-PER, I-PER, O, ...), since ids alone do not say which tag they are."
-                    )
-                check_text(value, where, column)
-        if len(words) != len(tags):
-            raise ValueError(f"{where} has {len(words)} tokens but {len(tags)} tags.")
+        try:
+            check_sentence(words, tags, where, tokens_column, tags_column)
+        except ValueError as error:  # each message starts with `where`; a jsonl line is looked up only here
+            if source is None:
+                raise
+            raise ValueError(sentence_place(split, index, source) + str(error).removeprefix(where)) from None
+
+
+def check_sentence(words, tags, where: str, tokens_column: str, tags_column: str) -> None:
+    """One sentence's checks (`check_sentences`): every error message starts with `where`."""
+    for column, values in ((tokens_column, words), (tags_column, tags)):
+        if not isinstance(values, list | tuple) or not values:
+            raise ValueError(f"{where}: column {column!r} must be a non-empty list, got {values!r}.")
+        for value in values:
+            if column == tags_column and isinstance(value, int) and not isinstance(value, bool):
+                raise ValueError(
+                    f"{where}: column {column!r} holds tag ids ({values!r}); a jsonl file must give tag names "
+                    "(B-PER, I-PER, O, ...), since ids alone do not say which tag they are."
+                )
+            check_text(value, where, column)
+    if len(words) != len(tags):
+        raise ValueError(f"{where} has {len(words)} tokens but {len(tags)} tags.")
 
 
 def load_seqeval():
@@ -267,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(training_args.seed)
 
     # Data
-    raw_datasets = load_sentences(model_args, data_args)
+    raw_datasets, sources = load_sentences(model_args, data_args)
     for split, needed in (
         ("train", training_args.do_train),
         ("validation", training_args.do_eval),
@@ -278,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"The {split} split is needed (--do_{'eval' if split == 'validation' else split}) but missing."
             )
     # The tags of whole splits (a run with --max_*_samples has the tags of a full run), then the first sentences
-    tags = choose_tags({split: dataset["ner_tags"][:] for split, dataset in raw_datasets.items()}, model_args)
+    tags = choose_tags({split: dataset["ner_tags"][:] for split, dataset in raw_datasets.items()}, model_args, sources)
     logger.info(f"{len(tags.names)} tags: {list(tags.names)}")
     limits = {
         "train": data_args.max_train_samples,

@@ -31,7 +31,7 @@ import json
 import logging
 import sys
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -438,20 +438,25 @@ def split_before_whitespace(text: str, characters: int = 1 << 16) -> list[str]:
     return pieces
 
 
-def read_conll(path: str | Path) -> list[dict]:
+def read_conll(path: str | Path, with_lines: bool = False) -> list[dict]:
     """Sentences of a CoNLL file as `{"tokens": [...], "ner_tags": [...]}` (the first column and the last), the layout
-    of the Hub's `conll2003`.
+    of the Hub's `conll2003`; `with_lines` adds `"line"`, the line (1-based) of the sentence's first token, for
+    errors that name a sentence by its place in the file.
 
     Every token line must have as many columns as the first one, and at least two; `-DOCSTART-` lines and the blank
     line after them are skipped.
     """
     sentences, tokens, tags = [], [], []
-    num_columns = None
+    num_columns = first_line = None
+
+    def sentence() -> dict:
+        return {"tokens": tokens, "ner_tags": tags, **({"line": first_line} if with_lines else {})}
+
     for line_number, line in enumerate(read_lines(path), start=1):
         columns = line.split()
         if not columns:
             if tokens:
-                sentences.append({"tokens": tokens, "ner_tags": tags})
+                sentences.append(sentence())
                 tokens, tags = [], []
             continue
         if columns[0] == DOCSTART:
@@ -467,13 +472,28 @@ def read_conll(path: str | Path) -> list[dict]:
                 f"{path}, line {line_number}: {len(columns)} columns, but the file started with {num_columns} "
                 f"(token ... tag): {line.strip()!r}."
             )
+        if not tokens:
+            first_line = line_number
         tokens.append(columns[0])
         tags.append(columns[-1])
     if tokens:
-        sentences.append({"tokens": tokens, "ner_tags": tags})
+        sentences.append(sentence())
     if not sentences:
         raise ValueError(f"{path} holds no sentences (the file is empty or holds only -DOCSTART- lines).")
     return sentences
+
+
+def jsonl_line(path: str | Path, index: int) -> int:
+    """The line (1-based) of record `index` (0-based) of a JSON Lines file: its `index + 1`-th non-blank line, as
+    `jsonl_records` and `load_records` read it. Reads the file up to that line, so it is for naming a bad record in an
+    error, once, not for every record."""
+    records = -1
+    for line_number, line in enumerate(read_lines(path), start=1):
+        if line.strip():
+            records += 1
+            if records == index:
+                return line_number
+    raise IndexError(f"{path} holds {records + 1} records, not {index + 1}.")
 
 
 def value_kind(value) -> str | None:
@@ -683,15 +703,29 @@ class TagLabels:
         splits: Mapping[str, Sequence[Sequence[str]]],
         names: Sequence[str] | None = None,
         names_from: str = "the dataset's ClassLabel feature",
+        where: Callable[[str, int], str] | None = None,
     ):
         """Tags of every sentence of every split; tags outside the training split's set are an error. `names` (a
-        trained model's, say) fixes the tags and their order instead; tags outside them are an error."""
+        trained model's, say) fixes the tags and their order instead; tags outside them are an error. With `where`
+        (`where(split, index)` names sentence `index` of `split`: its file and line, say), the error also names the
+        first sentence holding such a tag."""
+
+        def first(split_names, bad) -> str:  # searched only for the error
+            if where is None:
+                return ""
+            for split in split_names:
+                for index, sentence in enumerate(splits[split]):
+                    if not bad.isdisjoint(sentence):
+                        tag = next(tag for tag in sentence if tag in bad)
+                        return f" The first, {tag!r}, is in {where(split, index)}."
+            return ""
+
         if names is not None:
             unknown = {tag for sentences in splits.values() for sentence in sentences for tag in sentence} - set(names)
             if unknown:
                 raise UnknownLabelsError(
                     f"The data has tags that {names_from} does not have: {sorted(unknown)[:10]} (its tags: "
-                    f"{list(names[:20])}{' ...' if len(names) > 20 else ''})."
+                    f"{list(names[:20])}{' ...' if len(names) > 20 else ''}).{first(splits, unknown)}"
                 )
             return cls(tuple(names))
         reference = "train" if "train" in splits else next(iter(splits))
@@ -700,8 +734,8 @@ class TagLabels:
             unseen = {tag for sentence in sentences for tag in sentence} - known
             if unseen:
                 raise ValueError(
-                    f"The {split} split has tags the {reference} split never uses: {sorted(unseen)[:10]}. "
-                    "Check the tag column and the files."
+                    f"The {split} split has tags the {reference} split never uses: {sorted(unseen)[:10]}."
+                    f"{first([split], unseen)} Check the tag column and the files."
                 )
         ordered = (["O"] if "O" in known else []) + sorted(known - {"O"})
         return cls(tuple(ordered))
@@ -720,6 +754,7 @@ __all__ = [
     "check_texts",
     "file_format",
     "iter_records",
+    "jsonl_line",
     "label_kind",
     "load_records",
     "open_text",
