@@ -51,8 +51,9 @@ def is_run_file(name: str) -> bool:
 def missing_from_checkpoint(folder: str | Path) -> list[str]:
     """What a checkpoint folder lacks to resume from (empty when complete).
 
-    Trainer writes `checkpoint-N/` in place: weights, then optimizer, scheduler and RNG states, and `trainer_state.json`
-    last. A run killed while saving leaves a folder without (or with a truncated) `trainer_state.json`.
+    Trainer writes `checkpoint-N/` in place: weights, then optimizer, scheduler and RNG states, and
+    `trainer_state.json` last. A run killed while saving leaves a folder without (or with a truncated)
+    `trainer_state.json`.
     """
     folder = Path(folder)
     if not folder.is_dir():

@@ -229,8 +229,8 @@ class RANTrainer(StopsDivergedRuns, Trainer):
         """The final save (into `--output_dir`) goes through `ran_hf.files.folders.write_folder`: the model is written
         into a temporary folder, which then replaces the old one (its contents, for a mount point); checkpoints and
         other entries of the old folder stay, its previous model, metrics and card do not. A full disk or a kill
-        leaves the old model or the new one, whole. Checkpoint saves, other ranks and DeepSpeed saves are Transformers' own. Weights that are NaN or
-        infinite are never saved."""
+        leaves the old model or the new one, whole. Checkpoint saves, other ranks and DeepSpeed saves are Transformers'
+        own. Weights that are NaN or infinite are never saved."""
         self.refuse_nonfinite_weights(output_dir)
         final = output_dir is None or os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir)
         if not final or not self.args.should_save or self.is_deepspeed_enabled:

@@ -20,8 +20,8 @@ Built-in data (no network needed): synthetic "topic documents", written by `writ
 is 25 to 45 sentences (300 to 550 tokens) built from one shared filler vocabulary, into which 4 to 8 words of one of
 six topic word lists (astronomy, cooking, football, finance, medicine, sailing) are mixed, never in the first quarter
 of the document; the label is that topic. The opening window of a document therefore never shows its label, and a
-model reading only the start of a document cannot classify it. These documents are generated, not real text: they check the plumbing
-and that a RAN learns a decision spread over a whole document, nothing about language.
+model reading only the start of a document cannot classify it. These documents are generated, not real text: they
+check the plumbing and that a RAN learns a decision spread over a whole document, nothing about language.
 """
 
 import json
@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         "load it anywhere with:\n"
         "  from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
-        f"  model = AutoModelForSequenceClassification.from_pretrained({summary['output_dir']!r}, trust_remote_code=True)\n"
+        f"  model = AutoModelForSequenceClassification.from_pretrained({summary['output_dir']!r}, "
+        "trust_remote_code=True)\n"
         f"  tokenizer = AutoTokenizer.from_pretrained({summary['output_dir']!r})"
     )
     return summary

@@ -213,7 +213,8 @@ def test_the_final_save_refuses_nan_weights(tokenizer_dir, topic_files, tmp_path
 
 
 def embedding_argv(tokenizer_dir, topic_files, output_dir, *extra) -> list[str]:
-    """A tiny from-scratch `train_embeddings.py` run: one pooling, no baseline, held-out topics as queries and corpus."""
+    """A tiny from-scratch `train_embeddings.py` run: one pooling, no baseline, held-out topics as queries and
+    corpus."""
     return [
         "--tokenizer_name", str(tokenizer_dir), "--config_overrides", TINY_OVERRIDES + ",num_hidden_layers=1",
         "--train_file", str(topic_files["train"]), "--test_file", str(topic_files["train"]), "--num_train_pairs", "32",
@@ -244,7 +245,7 @@ def test_an_embedding_model_with_nan_weights_is_not_trained(tokenizer_dir, topic
     assert not list((tmp_path / "out").glob("ran-mean/*"))  # Trainer made the folder; nothing was saved in it
 
 
-# ---- labels: a trained model's classes are its own -------------------------------------------------------------------
+# ---- labels: a trained model's classes are its own ------------------------------------------------------------------
 
 TOPICS = ("astronomy", "cooking", "finance", "football", "medicine", "sailing")
 
@@ -494,7 +495,8 @@ def test_a_json_array_instead_of_json_lines(tokenizer_dir, tmp_path):
     path.write_text(json.dumps([{"text": "a", "label": "x"}, {"text": "b", "label": "y"}], indent=2))
     with pytest.raises(
         ValueError,
-        match=r"train.jsonl, line 1: expected a JSON object, got the start of a JSON array. This reader takes JSON Lines",
+        match=r"train.jsonl, line 1: expected a JSON object, got the start of a JSON array. This reader takes "
+        "JSON Lines",
     ):
         read_records(path)
 
@@ -560,7 +562,8 @@ def test_a_bad_sentence_is_named_by_file_and_line(tmp_path):
 
 
 def test_a_lone_surrogate_in_jsonl_is_named(tmp_path):
-    """`"\\ud800"` is valid JSON but no text: the tokenizer failed on it with "TypeError: TextEncodeInput must be ..."""
+    """`"\\ud800"` is valid JSON but no text: the tokenizer failed on it with "TypeError: TextEncodeInput must be
+    ..."""
     path = tmp_path / "train.jsonl"
     path.write_text('{"text": "fine", "label": "a"}\n{"text": "broken \\ud800 here", "label": "b"}\n')
     with pytest.raises(

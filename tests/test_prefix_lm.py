@@ -118,7 +118,8 @@ def test_no_target_token_reads_a_later_target_token(seed):
             assert torch.equal(logits[:, :position], reference[:, :position]), f"target {position} leaked backwards"
             assert not torch.equal(logits[:, position:], reference[:, position:])
             cut = model(ids[:, : position + 1], token_type_ids=types[:, : position + 1]).logits
-            assert torch.allclose(cut, reference[:, : position + 1], atol=1e-5), f"the target's length leaked at {position}"
+            leaked = f"the target's length leaked at {position}"
+            assert torch.allclose(cut, reference[:, : position + 1], atol=1e-5), leaked
 
 
 def test_every_source_token_reads_the_whole_source():
@@ -178,7 +179,7 @@ def test_loss_scores_each_target_token_from_the_tokens_before_it():
     assert torch.allclose(output.loss, expected, atol=1e-6)
 
 
-# ---- bad input --------------------------------------------------------------------------------------------------------
+# ---- bad input ------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -203,7 +204,7 @@ def test_token_type_ids_on_a_causal_model_are_refused():
         model(torch.ones(1, 4, dtype=torch.long), token_type_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
-# ---- training, generation, saving -------------------------------------------------------------------------------------
+# ---- training, generation, saving -----------------------------------------------------------------------------------
 
 
 def test_generate_continues_the_source_as_the_full_forward_predicts():

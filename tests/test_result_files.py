@@ -73,7 +73,8 @@ def test_result_record_moves_the_machine_lines_revision_and_day_to_the_record():
     assert record["commit"] == "abc1234" and record["date"] == "2026-11-27" and record["device"] == "cpu"
     assert record["machine_info"] == {"cpu": "x86_64", "cores": 2, "threads": 2, "torch": "2", "transformers": "5"}
     assert record["settings"] == {"output_dir": "out"}  # as saved: paths as strings
-    outside_git = result_record("python x.py", {}, [], device="cpu", dtype="float32", info=info | {"git_sha": "unknown"})
+    outside = info | {"git_sha": "unknown"}
+    outside_git = result_record("python x.py", {}, [], device="cpu", dtype="float32", info=outside)
     assert outside_git["commit"] is None and "commit: null" in outside_git["provenance_note"]
 
 

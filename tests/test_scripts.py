@@ -88,7 +88,7 @@ def write_jsonl(path: Path, records) -> Path:
     return path
 
 
-# ---- readers ---------------------------------------------------------------------------------------------------------
+# ---- readers --------------------------------------------------------------------------------------------------------
 
 
 def test_readers_accept_jsonl_gzip_csv_and_text(tmp_path):
@@ -109,7 +109,8 @@ def test_readers_accept_jsonl_gzip_csv_and_text(tmp_path):
 def test_read_conll_skips_docstart_and_splits_sentences(tmp_path):
     path = tmp_path / "train.txt"
     path.write_text(
-        "-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\nPeter NNP B-NP B-PER\nBlackburn NNP I-NP I-PER\n"
+        "-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\n"
+        "Peter NNP B-NP B-PER\nBlackburn NNP I-NP I-PER\n"
     )
     assert read_conll(path) == [
         {"tokens": ["EU", "rejects"], "ner_tags": ["B-ORG", "O"]},
@@ -392,7 +393,8 @@ def test_run_classification_multi_label_from_gzipped_jsonl(tokenizer_dir, tmp_pa
 
 
 def test_run_classification_reads_a_dataset_by_name(tokenizer_dir, tmp_path, topic_files):
-    """--dataset_name goes through `datasets.load_dataset`; a local folder of split files exercises that path offline."""
+    """--dataset_name goes through `datasets.load_dataset`; a local folder of split files exercises that path
+    offline."""
     dataset_dir = tmp_path / "dataset"
     dataset_dir.mkdir()
     shutil.copy(topic_files["train"], dataset_dir / "train.jsonl")
@@ -498,7 +500,7 @@ report["max_difference"] = (logits - expected["logits"]).abs().max().item()
 """
 
 
-# ---- bad input stops a script before training ------------------------------------------------------------------------
+# ---- bad input stops a script before training -----------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -615,7 +617,7 @@ def test_config_overrides_that_break_the_config(tokenizer_dir, tmp_path, topic_f
         run_mlm.main(argv)
 
 
-# ---- faults: a killed run resumes where its last complete checkpoint left it -------------------------------------------
+# ---- faults: a killed run resumes where its last complete checkpoint left it ----------------------------------------
 
 
 def classification_run(tokenizer_dir, topic_files, output_dir, max_steps: int) -> list[str]:

@@ -3,8 +3,8 @@
 The `tests/` folder is not part of the Transformers wheel, so the sdist of the installed version is downloaded once
 with pip into a cache directory outside the repository (`$RAN_HF_CACHE`, default `~/.cache/ran_hf`), extracted there,
 and its test modules are imported as the package `transformers_sdist_tests`. Where the package registry cannot be
-reached, `SdistUnavailable` says so and `test_conformance.py` skips with that reason. The few modules they import that the
-sdist does not ship (generation and export mixins, the shared config kwargs) are replaced by small stand-ins.
+reached, `SdistUnavailable` says so and `test_conformance.py` skips with that reason. The few modules they import that
+the sdist does not ship (generation and export mixins, the shared config kwargs) are replaced by small stand-ins.
 """
 
 import importlib

@@ -2,8 +2,9 @@
 """Peak memory of RAN on one long sequence, at growing lengths: inference (forward) and training (forward + backward),
 and stream training of the causal LM (chunks carrying a detached `RANCache`: truncated backpropagation).
 
-    python scripts/benchmarks/benchmark_memory.py --threads 1   # inference at 62.5K ... 1M tokens, training at 8K ... 128K
-    python scripts/benchmarks/benchmark_memory.py --inference_lengths 100000 --training_lengths 8192 32768 --device cuda
+    python scripts/benchmarks/benchmark_memory.py --threads 1   # inference at 62.5K ... 1M, training at 8K ... 128K
+    python scripts/benchmarks/benchmark_memory.py --inference_lengths 100000 --training_lengths 8192 32768 \\
+        --device cuda
 
 Every measurement runs in a fresh process so that one cannot inherit another's peak. On CPU the peak is the growth
 of the process's resident memory over its size just before the pass (after a short warm-up), and, exactly, the most

@@ -5,8 +5,9 @@
     python scripts/benchmarks/benchmark_scan.py --scans reference fused --repeats 21 --threads 1
     python scripts/benchmarks/benchmark_scan.py --dropout 0.1      # training with dropout: scan_<device>_dropout.*
 
-One RAN layer with random weights (dropout off unless `--dropout` sets both rates) and random window keys and values; each measurement times the scan
-function that `config.scan_implementation` names (`ALL_SCAN_FUNCTIONS`), nothing else of the layer:
+One RAN layer with random weights (dropout off unless `--dropout` sets both rates) and random window keys and values;
+each measurement times the scan function that `config.scan_implementation` names (`ALL_SCAN_FUNCTIONS`), nothing else
+of the layer:
   train   forward and backward (a fixed random probe of all four outputs), per scan step
   infer   forward under `torch.no_grad()`, per scan step
 Every figure is the median of `--repeats` timed calls after a warm-up call. A scan step is one window of every

@@ -142,8 +142,8 @@ def markdown(summary: dict, results: list[dict], args, info: dict, command: str)
     lines = [
         "# Task benchmark (from scratch, matched size, equal budget)",
         "",
-        f"Machine: {machine_line(info)}{runs_from}. Seeds: {', '.join(map(str, seeds))}; each cell is the mean ± half "
-        f"the range over seeds. Training time summed over runs: {minutes:.0f} min.",
+        f"Machine: {machine_line(info)}{runs_from}. Seeds: {', '.join(map(str, seeds))}; each cell is the mean ± "
+        f"half the range over seeds. Training time summed over runs: {minutes:.0f} min.",
         "",
         f"Command: `{command}`",
         "",

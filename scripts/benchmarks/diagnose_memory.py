@@ -276,8 +276,8 @@ def markdown(rows: list[dict], info: dict, args, command: str | None = None) -> 
         f"lr {args.learning_rate} (linear warmup over {args.warmup_steps} "
         f"steps); at most {args.in_window_steps} steps "
         f"in-window and {args.across_steps} across windows; final accuracy per seed, and the step at which each "
-        "seed first reached 99%; digits missed: per seed that falls short, the (first) key digits it answers right less "
-        "than half the time (1,024 held-out examples).",
+        "seed first reached 99%; digits missed: per seed that falls short, the (first) key digits it answers right "
+        "less than half the time (1,024 held-out examples).",
         "",
         "| task | model | final accuracy per seed | seeds at 99% | steps to 99% | digits missed |",
         "|---|---|---|---|---|---|",

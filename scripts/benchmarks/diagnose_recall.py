@@ -426,22 +426,23 @@ def markdown(results: list[RunResult], gradients: list[dict], info: dict, args, 
         lines += [
             (
                 f"MQAR through memory review: {args.steps} steps at most, batch {args.batch_size}, lr "
-                f"{args.learning_rate} (warmup {args.warmup_steps}); accuracy over all queries of 128 held-out examples "
-                "(chance 1.6%); review on pair cell: per layer, the mean memory-review weight a query puts on the cell "
-                "of its pair's window at the end."
+                f"{args.learning_rate} (warmup {args.warmup_steps}); accuracy over all queries of 128 held-out "
+                "examples (chance 1.6%); review on pair cell: per layer, the mean memory-review weight a query puts "
+                "on the cell of its pair's window at the end."
             ),
             "",
             (
-                "| experiment | layout | model | pairs | hidden | tokens | final accuracy | steps to 90% | final loss | "
-                "review on pair cell | seconds |"
+                "| experiment | layout | model | pairs | hidden | tokens | final accuracy | steps to 90% | "
+                "final loss | review on pair cell | seconds |"
             ),
             "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
         for r in results:
             lines.append(
                 f"| {r.experiment} | {r.layout} | {r.model} | {r.pairs} | {r.hidden_size} | "
-                f"{sequence_length(r.layout, r.pairs, args.length)} | {100 * r.accuracy:.1f}% | {r.steps_to_90 or '-'} | "
-                f"{r.history[-1][1]:.2f} | {', '.join(map(str, r.review_on_pair_cell)) or '-'} | {r.seconds:.0f} |"
+                f"{sequence_length(r.layout, r.pairs, args.length)} | {100 * r.accuracy:.1f}% | "
+                f"{r.steps_to_90 or '-'} | {r.history[-1][1]:.2f} | "
+                f"{', '.join(map(str, r.review_on_pair_cell)) or '-'} | {r.seconds:.0f} |"
             )
     spread = [r for r in results if r.length_accuracy]
     if spread:
@@ -467,14 +468,14 @@ def markdown(results: list[RunResult], gradients: list[dict], info: dict, args, 
         lines += [
             "",
             (
-                "At initialisation (plain causal RAN, one batch of 32): gradient norms, and per layer the gradient on the "
-                "raw cells of pair windows and of the other windows before the queries, the review weight of a query on "
-                "its pair's cell against a uniform guess, and the mean cosine between the cells' review keys."
+                "At initialisation (plain causal RAN, one batch of 32): gradient norms, and per layer the gradient on "
+                "the raw cells of pair windows and of the other windows before the queries, the review weight of a "
+                "query on its pair's cell against a uniform guess, and the mean cosine between the cells' review keys."
             ),
             "",
             (
-                "| layout | pairs | loss | all | memory review | window attention + cell write | layer | cell grad, pair "
-                "windows | cell grad, others | review on pair cell | uniform | key cosine |"
+                "| layout | pairs | loss | all | memory review | window attention + cell write | layer | "
+                "cell grad, pair windows | cell grad, others | review on pair cell | uniform | key cosine |"
             ),
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]

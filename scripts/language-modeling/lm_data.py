@@ -143,8 +143,8 @@ def interleave_streams(token_ids: np.ndarray, num_streams: int, chunk_size: int)
     chunks_per_stream = len(token_ids) // (num_streams * chunk_size)
     if chunks_per_stream == 0:
         raise ValueError(
-            f"{len(token_ids):,} tokens cannot fill one chunk of {chunk_size} tokens in each of {num_streams} streams: "
-            "use fewer streams (--per_device_train_batch_size) or a smaller --block_size."
+            f"{len(token_ids):,} tokens cannot fill one chunk of {chunk_size} tokens in each of {num_streams} "
+            "streams: use fewer streams (--per_device_train_batch_size) or a smaller --block_size."
         )
     streams = token_ids[: num_streams * chunks_per_stream * chunk_size].reshape(num_streams, chunks_per_stream, -1)
     return Dataset.from_dict({"input_ids": streams.transpose(1, 0, 2).reshape(-1, chunk_size).tolist()})

@@ -286,8 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
         lengths = [len(ids) for ids in dataset["input_ids"]]
         truncated = sum(length == data_args.max_seq_length for length in lengths)
         logger.info(
-            f"{split}: {len(lengths):,} documents, {np.mean(lengths):.0f} tokens on average, longest {max(lengths):,}; "
-            f"{truncated:,} truncated to {data_args.max_seq_length}"
+            f"{split}: {len(lengths):,} documents, {np.mean(lengths):.0f} tokens on average, longest "
+            f"{max(lengths):,}; {truncated:,} truncated to {data_args.max_seq_length}"
         )
     train_dataset = processed.get("train") if training_args.do_train else None
     eval_dataset = processed.get("validation") if training_args.do_eval else None
