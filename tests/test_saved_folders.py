@@ -78,7 +78,9 @@ for name, (auto_class, output) in json.loads(sys.argv[2]).items():
     report["differences"][name] = (actual - expected[name]).abs().max().item()
     report["modules"][name] = type(model).__module__ + "." + type(model).__name__
 # A folder saved from the encoder loads with any head's Auto class (its config names them all).
-classifier = transformers.AutoModelForSequenceClassification.from_pretrained(f"{root}/RANModel", trust_remote_code=True)
+classifier = transformers.AutoModelForSequenceClassification.from_pretrained(
+    f"{root}/RANModel", trust_remote_code=True
+)
 report["encoder_as_classifier"] = type(classifier).__name__
 """
 
