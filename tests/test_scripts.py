@@ -1142,7 +1142,8 @@ def test_a_null_ner_sentence(tmp_path, tokenizer_dir):
     sentences = [{"tokens": ["EU"], "ner_tags": ["B-ORG"]}, {"tokens": None, "ner_tags": []}]
     train = write_jsonl(tmp_path / "train.jsonl", sentences)
     argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--train_file", str(train), "--do_train"]
-    with pytest.raises(ValueError, match="train sentence 2: column 'tokens' must be a non-empty list, got None"):
+    named = r"train.jsonl:2 \(train sentence 2\): column 'tokens' must be a non-empty list, got None"
+    with pytest.raises(ValueError, match=named):
         run_ner.main(argv + QUIET)
 
 
