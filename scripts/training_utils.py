@@ -196,9 +196,10 @@ def setup_logging(training_args: transformers.TrainingArguments, script_logger: 
 def configure_data_parallelism(training_args: transformers.TrainingArguments) -> None:
     """Let DDP skip parameters that receive no gradient in a step, unless the user chose otherwise.
 
-    RAN's cell-residual weights (`cell_glu`, `cell_norm` of every layer) get no gradient in a batch whose sequences all
-    fit in one window, where no cell follows another. Transformers would turn `find_unused_parameters` off under
-    activation checkpointing, which is safe here because RAN checkpoints with `use_reentrant=False`.
+    RAN's cell-residual weights (`cell_scan.cell_glu`, `cell_scan.cell_norm` of every layer) get no gradient in a batch
+    whose sequences all fit in one window, where no cell follows another. Transformers would turn
+    `find_unused_parameters` off under activation checkpointing, which is safe here because RAN checkpoints with
+    `use_reentrant=False`.
     """
     if training_args.ddp_find_unused_parameters is None:
         training_args.ddp_find_unused_parameters = True

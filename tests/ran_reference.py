@@ -152,7 +152,8 @@ def reference_forward(model, input_ids):
             if previous_raw is None or not config.use_cell_residual:
                 cell = raw
             else:
-                cell = layer_norm(raw + glu(previous_raw, layer.cell_glu), layer.cell_norm, eps)
+                scan = layer.cell_scan  # the cell's own GLU and norm
+                cell = layer_norm(raw + glu(previous_raw, scan.cell_glu), scan.cell_norm, eps)
             previous_raw = raw
         outputs, raw_cells = torch.cat(outputs), torch.stack(raw_cells)
         if config.memory_review:

@@ -116,7 +116,7 @@ def test_run_classification_on_two_processes_with_unused_parameters(data, tmp_pa
     assert unused == {
         f"model.layers.{layer}.{module}.{tensor}"
         for layer in (0, 1)
-        for module in ("cell_glu.proj", "cell_norm")
+        for module in ("cell_scan.cell_glu.proj", "cell_scan.cell_norm")
         for tensor in ("weight", "bias")
     }
 

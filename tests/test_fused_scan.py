@@ -64,7 +64,7 @@ def run_scan(scan, layer, *inputs):
 
 def unsupported(layer):
     """Why the fused scan cannot run `layer`, or None."""
-    return fused_scan_unsupported(layer.config.hidden_act, layer.cell_scan_weights())
+    return fused_scan_unsupported(layer.config.hidden_act, layer.cell_scan.modules_read(layer.cell_scan_weights()))
 
 
 def outputs_and_gradients(scan, layer, inputs, layout):
@@ -279,17 +279,29 @@ def test_dropout_does_not_send_the_fused_scan_back_to_the_reference(train, caplo
     assert "fused cell scan" not in caplog.text
 
 
-def test_a_wrapped_projection_sends_the_fused_scan_back_to_the_reference(caplog):
-    """The fused scan reads weights: a projection changed by a forward hook (as LoRA adapters or quantisation change
-    theirs) would be silently bypassed. It falls back, says why, and gives the wrapped layer's results."""
+# A module of the layer the scan shares with the tokens, and each of the scan's own (the cell's GLU and norm).
+WRAPPED_MODULES = [
+    pytest.param("qkv_proj", "`qkv_proj`", id="layer-projection"),
+    pytest.param("cell_scan.cell_glu.proj", "`cell_glu.proj`", id="scan-glu-projection"),
+    pytest.param("cell_scan.cell_norm", "`cell_norm`", id="scan-norm"),
+]
+
+
+@pytest.mark.parametrize("path,named", WRAPPED_MODULES)
+def test_a_wrapped_module_sends_the_fused_scan_back_to_the_reference(path, named, caplog):
+    """The fused scan reads weights: a module changed by a forward hook (as LoRA adapters or quantisation change
+    theirs) would be silently bypassed, whether it is the layer's or the scan's own. It falls back, says why, and
+    gives the wrapped layer's results."""
     transformers_logging.warning_once.cache_clear()
     layer, inputs, layout = layer_and_inputs({}, [23, 7], None)
-    layer.qkv_proj.register_forward_hook(lambda module, args, output: output + 0.5)
-    assert "qkv_proj" in unsupported(layer)
+    layer.get_submodule(path).register_forward_hook(lambda module, args, output: output + 0.5)
+    assert named in unsupported(layer)
     layer.config.scan_implementation = "fused"
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ran_hf.kernels"):
         fused = layer.cell_scan(layer.cell_scan_weights(), *inputs, layout)
         expected = run_scan(reference_cell_scan, layer, *inputs, layout)
+        unwrapped = run_scan(fused_cell_scan, layer, *inputs, layout)
     for got, want in zip(fused, expected):
         torch.testing.assert_close(got, want)
-    assert "qkv_proj" in caplog.text
+    assert not all(torch.equal(got, bypassed) for got, bypassed in zip(fused, unwrapped))  # the hook counts
+    assert named in caplog.text

@@ -138,7 +138,8 @@ def test_the_reference_functions_ask_nothing_of_choose(monkeypatch):
 
 def scan_choice(requested: str, **config_fields) -> str:
     layer = RANLayer(tiny_config(**config_fields), layer_idx=0)
-    return choose("scan", requested, layer.config.hidden_act, layer.cell_scan_weights(), torch.zeros(2, 16))
+    modules_read = layer.cell_scan.modules_read(layer.cell_scan_weights())
+    return choose("scan", requested, layer.config.hidden_act, modules_read, torch.zeros(2, 16))
 
 
 def test_the_scan_falls_back_where_its_kernel_cannot_run():

@@ -3,6 +3,7 @@ a training step changes only those; a saved adapter reloads on a fresh base to i
 nothing; generation runs through a LoRA causal LM; the training scripts take --lora_r and save an adapter."""
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from huggingface_hub import ModelCard
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+from transformers.utils import logging as transformers_logging
 
 from ran_hf import (
     RAN_LORA_TARGET_MODULES,
@@ -98,6 +100,31 @@ def test_the_target_modules_are_the_attention_projections():
     layer_paths = {name for name, module in adapted.named_modules() if hasattr(module, "lora_A")}
     assert sum(".memory_review." in name for name in layer_paths) == 3 * TINY_CONFIG["num_hidden_layers"]
     assert sum(".memory_review." not in name for name in layer_paths) == 2 * TINY_CONFIG["num_hidden_layers"]
+
+
+def test_a_lora_on_the_scans_own_glu_sends_the_fused_scan_back_to_the_reference(caplog):
+    """The cell's GLU is the scan's own module (`layers.N.cell_scan.cell_glu`), matched by name suffix as any target
+    module; the fused scan reads plain weights, so an adapter there runs the reference scan, which calls it."""
+    transformers_logging.warning_once.cache_clear()
+    torch.manual_seed(0)
+    model = RANForMaskedLM(RANConfig(**TINY_CONFIG, scan_implementation="fused")).eval()
+    # Non-zero adapters, so that skipping them would change the outputs.
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["cell_glu.proj"], init_lora_weights=False))
+    wrapped = {name for name, module in adapted.named_modules() if hasattr(module, "lora_A")}
+    assert wrapped == {
+        f"base_model.model.model.layers.{layer}.cell_scan.cell_glu.proj"
+        for layer in range(TINY_CONFIG["num_hidden_layers"])
+    }
+    inputs = {name: value for name, value in batch("masked-lm").items() if name != "labels"}
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ran_hf.kernels"):
+        fused = adapted(**inputs).logits
+        model.config.scan_implementation = "reference"
+        reference = adapted(**inputs).logits
+        with adapted.disable_adapter():
+            without_adapters = adapted(**inputs).logits
+    assert "`cell_glu.proj` is wrapped" in caplog.text
+    torch.testing.assert_close(fused, reference, rtol=0, atol=0)
+    assert not torch.allclose(fused, without_adapters)
 
 
 @pytest.mark.parametrize("head", list(HEADS))

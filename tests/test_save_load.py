@@ -1,10 +1,13 @@
 """Saving and loading RAN models: the folder layout, in-process round trips, and loading as remote code."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -15,7 +18,7 @@ from transformers import (
 
 import ran_hf
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
-from ran_testing import tiny_config
+from ran_testing import randomize_, tiny_config
 from remote_code import run_without_ran_hf
 
 HEADS = [
@@ -61,6 +64,27 @@ def outputs(model, input_ids, attention_mask):
 
 def without_path(config_dict):
     return {key: value for key, value in config_dict.items() if key != "_name_or_path"}
+
+
+# The weight names of checkpoints saved while the cell's own GLU and norm were the layer's, not its scan's.
+TODAYS_CELL_WEIGHT = re.compile(r"(layers\.\d+)\.cell_scan\.(cell_glu|cell_norm)\.")
+OLD_CELL_WEIGHT = re.compile(r"layers\.\d+\.(cell_glu|cell_norm)\.")
+
+
+def with_old_weight_names(folder: Path) -> None:
+    """Rewrite the folder's weights under the names a checkpoint saved before the scan owned them has."""
+    weights = load_file(folder / "model.safetensors")
+    renamed = {TODAYS_CELL_WEIGHT.sub(r"\1.\2.", name): tensor for name, tensor in weights.items()}
+    assert sum(bool(OLD_CELL_WEIGHT.search(name)) for name in renamed) == 4 * weights_per_layer(folder)
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def weights_per_layer(folder: Path) -> int:
+    return json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+
+
+def saved_weight_names(folder: Path) -> set[str]:
+    return set(load_file(folder / "model.safetensors"))
 
 
 @pytest.fixture
@@ -134,7 +158,10 @@ def max_difference(actual, name):
 
 with torch.no_grad():
     config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    classifier = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True)
+    classifier, info = AutoModelForSequenceClassification.from_pretrained(
+        folder, trust_remote_code=True, output_loading_info=True
+    )
+    report["loading_info"] = {key: sorted(map(str, value)) for key, value in info.items()}
     encoder = AutoModel.from_pretrained(folder, trust_remote_code=True)
     masked_lm = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)
     encoded = encoder(**inputs)
@@ -156,9 +183,14 @@ report["masked_lm_decoder_tied"] = masked_lm.decoder.weight is masked_lm.model.e
 """
 
 
-def test_auto_classes_load_the_folder_as_remote_code_without_ran_hf(saved_classifier, tmp_path):
-    """With `ran_hf` unimportable, `trust_remote_code=True` loads the saved code and reproduces the saved outputs."""
+@pytest.mark.parametrize("old_names", [False, True], ids=["todays-names", "old-cell-weight-names"])
+def test_auto_classes_load_the_folder_as_remote_code_without_ran_hf(saved_classifier, old_names, tmp_path):
+    """With `ran_hf` unimportable, `trust_remote_code=True` loads the saved code and reproduces the saved outputs;
+    also from weights under the names of a checkpoint saved while the cell's GLU and norm were the layer's (the
+    shipped code registers their renaming)."""
     model, folder = saved_classifier
+    if old_names:
+        with_old_weight_names(folder)
     input_ids, attention_mask = batch()
     with torch.no_grad():
         encoded = model.model(input_ids=input_ids, attention_mask=attention_mask)
@@ -182,6 +214,7 @@ def test_auto_classes_load_the_folder_as_remote_code_without_ran_hf(saved_classi
     assert report["classes"]["encoder"].endswith(".ran_model.RANModel")  # named in `auto_map` through modeling_ran
     assert report["classes"]["masked_lm"].endswith(".modeling_ran.RANForMaskedLM")
     assert report["masked_lm_decoder_tied"]
+    assert not any(report["loading_info"].values()), report["loading_info"]
     for name, difference in report["differences"].items():
         assert difference <= 1e-6, f"{name} differs by {difference}"
 
@@ -232,3 +265,74 @@ def test_a_causal_checkpoint_saved_before_a_memory_field_existed_loads_exactly(t
     assert not any(info.values()), info
     ids = torch.randint(1, model.config.vocab_size, (2, 19))
     assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+# Every head with the Auto class that loads it (the prefix LM is a sequence-to-sequence model to the Auto classes).
+EVERY_HEAD = {
+    "RANModel": "AutoModel",
+    "RANForMaskedLM": "AutoModelForMaskedLM",
+    "RANForSequenceClassification": "AutoModelForSequenceClassification",
+    "RANForTokenClassification": "AutoModelForTokenClassification",
+    "RANForQuestionAnswering": "AutoModelForQuestionAnswering",
+    "RANForCausalLM": "AutoModelForCausalLM",
+    "RANForPrefixLM": "AutoModelForSeq2SeqLM",
+}
+
+
+@pytest.mark.parametrize("name", EVERY_HEAD)
+def test_a_checkpoint_with_the_layers_old_cell_weight_names_loads_exactly(name, make_config, tmp_path):
+    """Checkpoints saved while the cell's GLU and norm were the layer's (`layers.N.cell_glu.*`, `layers.N.cell_norm.*`)
+    load into the scan's modules through the renaming registered with Transformers (`CHECKPOINT_RENAMINGS`), by the
+    head's class and by its Auto class; saved again, they carry today's names."""
+    model = getattr(ran_hf, name)(make_config(is_causal=name == "RANForCausalLM", window_overlap=1))
+    model = randomize_(model, seed=3).eval()  # no weight left at a value its initialisation would give anyway
+    old = tmp_path / "old"
+    model.save_pretrained(old)
+    todays_names = saved_weight_names(old)
+    assert any(TODAYS_CELL_WEIGHT.search(weight) for weight in todays_names)
+    assert not any(OLD_CELL_WEIGHT.search(weight) for weight in todays_names)
+    with_old_weight_names(old)
+    input_ids, attention_mask = batch()
+    expected = outputs(model, input_ids, attention_mask)
+
+    for loader in (getattr(ran_hf, name), getattr(transformers, EVERY_HEAD[name])):
+        loaded, info = loader.from_pretrained(old, output_loading_info=True)
+        assert type(loaded) is type(model)
+        assert not any(info.values()), info
+        loaded_state = loaded.state_dict()
+        assert loaded_state.keys() == model.state_dict().keys()
+        for weight, tensor in model.state_dict().items():
+            assert torch.equal(loaded_state[weight], tensor), weight
+        actual = outputs(loaded, input_ids, attention_mask)
+        for output, tensor in expected.items():
+            torch.testing.assert_close(actual[output], tensor, rtol=0, atol=1e-6, msg=output)
+
+    # Saved again, the model writes today's names (Transformers would revert the renaming it loaded through).
+    resaved = tmp_path / "resaved"
+    loaded.save_pretrained(resaved)
+    assert saved_weight_names(resaved) == todays_names
+    reloaded = getattr(ran_hf, name).from_pretrained(resaved)
+    for weight, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[weight], tensor), weight
+
+
+def test_an_encoder_with_the_old_names_loads_into_a_head_and_saves_them_only_when_asked(make_config, tmp_path):
+    """The renaming also finds the names of a bare model's checkpoint under a head's prefix. Asked for Transformers'
+    original format (`save_original_format=True`), saving writes the old names, which load back."""
+    encoder = randomize_(RANModel(make_config()), seed=4).eval()
+    encoder.save_pretrained(tmp_path / "encoder")
+    with_old_weight_names(tmp_path / "encoder")
+    classifier, info = RANForSequenceClassification.from_pretrained(tmp_path / "encoder", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert all(weight.startswith(("model.pooler.", "classifier.")) for weight in info["missing_keys"]), info
+    classifier_state = classifier.state_dict()
+    for weight, tensor in encoder.state_dict().items():
+        assert torch.equal(classifier_state[f"model.{weight}"], tensor), weight
+
+    encoder.save_pretrained(tmp_path / "original-format", save_original_format=True)
+    saved = saved_weight_names(tmp_path / "original-format")
+    assert sum(bool(OLD_CELL_WEIGHT.search(weight)) for weight in saved) == 4 * encoder.config.num_hidden_layers
+    assert not any(TODAYS_CELL_WEIGHT.search(weight) for weight in saved)
+    reloaded = RANModel.from_pretrained(tmp_path / "original-format")
+    for weight, tensor in encoder.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[weight], tensor), weight

@@ -3,6 +3,7 @@ unimportable (see `remote_code.py`), every Auto class loads it with `trust_remot
 model's folder serves the `extractive-question-answering` pipeline, with the answers of the installed package."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerFast, pipeline
 import ran_hf
 from ran_testing import tiny_config
 from remote_code import run_without_ran_hf
+from test_save_load import OLD_CELL_WEIGHT, TODAYS_CELL_WEIGHT, saved_weight_names, with_old_weight_names
 
 PACKAGE = Path(ran_hf.__file__).parent
 # Flat modules that are no model's code (checkpoint conversion, export, PEFT and sentence-transformers glue): no
@@ -62,21 +64,27 @@ def test_a_saved_folder_carries_the_modeling_code_only(name, tmp_path):
     assert ("custom_pipelines" in config) == (name == "RANForQuestionAnswering")
 
 
-# Runs where `ran_hf` cannot be imported: loads each folder with its Auto class (and the encoder's with a head's)
-# and reports the largest difference from the outputs the parent saved.
+# Runs where `ran_hf` cannot be imported: loads each folder with its Auto class (and the encoder's with a head's),
+# also from a copy under the weight names of a checkpoint saved while the cell's GLU and norm were the layer's, and
+# reports the largest difference from the outputs the parent saved. Saves each model loaded from old names again.
 LOAD_EACH_HEAD = r"""
 import torch
 import transformers
 
 root = sys.argv[1]
 expected = torch.load(f"{root}/expected.pt")
-report["differences"], report["modules"] = {}, {}
+report["differences"], report["modules"], report["loading_info"] = {}, {}, {}
 for name, (auto_class, output) in json.loads(sys.argv[2]).items():
-    model = getattr(transformers, auto_class).from_pretrained(f"{root}/{name}", trust_remote_code=True).eval()
-    with torch.no_grad():
-        actual = getattr(model(input_ids=expected["input_ids"]), output)
-    report["differences"][name] = (actual - expected[name]).abs().max().item()
-    report["modules"][name] = type(model).__module__ + "." + type(model).__name__
+    for folder in (name, f"{name}-old-names"):
+        model, info = getattr(transformers, auto_class).from_pretrained(
+            f"{root}/{folder}", trust_remote_code=True, output_loading_info=True
+        )
+        with torch.no_grad():
+            actual = getattr(model.eval()(input_ids=expected["input_ids"]), output)
+        report["differences"][folder] = (actual - expected[name]).abs().max().item()
+        report["modules"][folder] = type(model).__module__ + "." + type(model).__name__
+        report["loading_info"][folder] = {key: sorted(map(str, value)) for key, value in info.items()}
+    model.save_pretrained(f"{root}/{name}-resaved")
 # A folder saved from the encoder loads with any head's Auto class (its config names them all).
 classifier = transformers.AutoModelForSequenceClassification.from_pretrained(
     f"{root}/RANModel", trust_remote_code=True
@@ -93,13 +101,22 @@ def test_every_saved_head_loads_and_runs_without_ran_hf(tmp_path):
         model = saved_head(name, tmp_path / name)
         with torch.no_grad():
             expected[name] = getattr(model(input_ids=input_ids), output)
+        shutil.copytree(tmp_path / name, tmp_path / f"{name}-old-names")
+        with_old_weight_names(tmp_path / f"{name}-old-names")
     torch.save(expected, tmp_path / "expected.pt")
 
     report = run_without_ran_hf(LOAD_EACH_HEAD, [tmp_path, json.dumps(HEADS)], tmp_path)
-    for name, module in report["modules"].items():
+    assert len(report["modules"]) == 2 * len(HEADS)
+    for folder, module in report["modules"].items():
+        name = folder.removesuffix("-old-names")
         assert module.startswith("transformers_modules.") and module.endswith(f".{name}"), module
-    for name, difference in report["differences"].items():
-        assert difference <= 1e-6, f"{name} differs by {difference}"
+    for folder, difference in report["differences"].items():
+        assert difference <= 1e-6, f"{folder} differs by {difference}"
+        assert not any(report["loading_info"][folder].values()), (folder, report["loading_info"][folder])
+    for name in HEADS:  # saved again by the remote code, under today's names
+        resaved = saved_weight_names(tmp_path / f"{name}-resaved")
+        assert resaved == saved_weight_names(tmp_path / name), name
+        assert any(map(TODAYS_CELL_WEIGHT.search, resaved)) and not any(map(OLD_CELL_WEIGHT.search, resaved))
     assert report["encoder_as_classifier"] == "RANForSequenceClassification"
 
 

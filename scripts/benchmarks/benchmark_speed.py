@@ -73,7 +73,7 @@ def scan_without_recurrence(cell_scan, weights, cell, previous_raw, keys, values
     attended = probs[..., :1] * value + torch.einsum("khs,khsd->khd", probs[..., 1:], values)
     raw = cell_scan.write_cell(weights, attended.flatten(-2), normed)  # (K, D)
     previous = torch.cat([raw[:1], raw[:-1]])  # the window before (ignored across sequences: timing only)
-    cells = weights.cell_norm(raw + weights.cell_glu(previous))
+    cells = cell_scan.cell_norm(raw + cell_scan.cell_glu(previous))
 
     def step_major(per_window):  # (K, ...) -> (N, B, ...)
         return torch.cat([per_window, per_window[:1] * 0])[layout.step_windows]

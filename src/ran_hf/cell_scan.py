@@ -1,10 +1,11 @@
 """The cell scan: the one sequential part of a RAN layer, window by window.
 
-`RANCellScan` is the layer's scan (`layer.cell_scan`): the shapes and switches of the cell's maths, and its dropout.
-It has no parameters of its own. The weights it uses are the layer's (`CellScanWeights`: the input norm, the
-projections, the attention's GLU and norm, the cell's GLU and norm), handed to it by the layer at every call, so
-that a module an adapter has replaced (PEFT's LoRA replaces `qkv_proj` and `o_proj`) is the one the scan calls, and
-so that state-dict keys are those of the layer.
+`RANCellScan` is the layer's scan (`layer.cell_scan`): the shapes and switches of the cell's maths, its dropout, and
+the parameters that are the cell's alone: with `use_cell_residual`, the gated residual of the raw cell before and
+the norm that writes the cell (`cell_glu`, `cell_norm`; paper eq. 7). The modules that tokens and cells share (the
+input norm, the projections, the attention's GLU and norm) are the layer's, handed to the scan at every call as
+`CellScanWeights`, so that a module an adapter has replaced (PEFT's LoRA replaces `qkv_proj` and `o_proj`) is the
+one the scan calls. Every implementation reads the scan's own modules from the scan.
 
 Every implementation has one signature, `scan(cell_scan, weights, cell, previous_raw, keys, values, layout)`, and
 returns `CellScanOutputs`; `ALL_SCAN_FUNCTIONS` holds them by name:
@@ -30,7 +31,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.utils.generic import GeneralInterface
 
-from .building_blocks import gather_rows, project_heads, standard_normalize
+from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, gather_rows, project_heads, standard_normalize
 from .fused_scan import FusedCellScan, ScanPlan, window_maxima
 from .kernels import choose
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
@@ -40,15 +41,14 @@ from .window_layout import RANWindowLayout
 
 
 class CellScanWeights(NamedTuple):
-    """The layer's modules whose weights a cell scan uses (None: the layer's design has no such step)."""
+    """The layer's modules, shared with its tokens, whose weights a cell scan uses (None: the layer's design has no
+    such step). The cell's own modules are the scan's (`RANCellScan.cell_glu`, `RANCellScan.cell_norm`)."""
 
     input_norm: nn.Module  # the cell's input norm (the layer's concat norm of tokens and cells)
     qkv_proj: nn.Module  # queries, keys and values of the cell, as of the tokens
     o_proj: nn.Module  # the output projection that writes the raw cell
     attention_glu: nn.Module | None  # with `cell_input_residual`: the gated residual of the cell's input ...
     attention_norm: nn.Module | None  # ... and the norm after it
-    cell_glu: nn.Module | None  # with `use_cell_residual`: the gated residual of the raw cell before ...
-    cell_norm: nn.Module | None  # ... and the norm that writes the cell
 
 
 class CellScanOutputs(NamedTuple):
@@ -153,7 +153,7 @@ def cell_step(scan, weights, cell, previous_raw, keys, values, mask, maxima, mas
     raw = scan.write_cell(weights, attended.flatten(-2), normed, masks.output, masks.written)  # (B, D)
     if continues is None:
         return key, value, raw, raw
-    updated = drop(weights.cell_norm(raw + weights.cell_glu(previous_raw)), masks.cell)
+    updated = drop(scan.cell_norm(raw + scan.cell_glu(previous_raw)), masks.cell)
     return key, value, raw, updated if continues is True else torch.where(continues, updated, raw)
 
 
@@ -197,15 +197,16 @@ def triton_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) ->
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The layer-to-kernel adapter: the fused and Triton scans take tensors and plain weights, read from `weights` here.
+# The layer-to-kernel adapter: the fused and Triton scans take tensors and plain weights, read here from `weights`
+# and the scan.
 # --------------------------------------------------------------------------------------------------------------------
 
 
 def fused_scan(scan, weights, cell, previous_raw, step_keys, step_values, step_mask, layout, kernels=None):
-    """Run `FusedCellScan` for the scan `scan` with the modules `weights`, its steps computed by `kernels` (a forward
-    and a backward function with `scan_forward`'s and `scan_backward`'s signatures, such as the Triton scan's) or by
-    fused_scan.py's: the step-major slots (N, B, H, S, d) and their mask (N, B, S) as in the reference scan. Returns
-    what `reference_cell_scan` returns."""
+    """Run `FusedCellScan` for the scan `scan` with its own modules and the layer's `weights`, its steps computed by
+    `kernels` (a forward and a backward function with `scan_forward`'s and `scan_backward`'s signatures, such as the
+    Triton scan's) or by fused_scan.py's: the step-major slots (N, B, H, S, d) and their mask (N, B, S) as in the
+    reference scan. Returns what `reference_cell_scan` returns."""
     num_heads = scan.num_heads
     num_steps, batch_size = step_mask.shape[:2]
 
@@ -239,9 +240,9 @@ def fused_scan(scan, weights, cell, previous_raw, step_keys, step_values, step_m
     score_bias = score_bias.masked_fill_(~visible, float("-inf"))
     score_bias = score_bias[:, :, None, None].expand(-1, -1, num_heads, 1, -1).flatten(1, 2)  # (N, B H, 1, 1 + S)
     attention_glu = None if weights.attention_glu is None else weights.attention_glu.proj
-    cell_glu = None if weights.cell_glu is None else weights.cell_glu.proj
+    cell_glu, cell_norm = (scan.cell_glu.proj, scan.cell_norm) if scan.use_cell_residual else (None, None)
     modules = (weights.input_norm, weights.qkv_proj, weights.o_proj, attention_glu, weights.attention_norm, cell_glu,
-               weights.cell_norm)  # fmt: skip
+               cell_norm)  # fmt: skip
     plain = tuple(tensor for module in modules for tensor in weight_and_bias(module))  # the 14 weights
     plain = tuple(None if weight is None else weight.to(compute_dtype) for weight in plain)
     dropout = draw_scan_dropout(scan, num_steps, batch_size, step_keys.shape[-2], compute_dtype, cell.device)
@@ -279,8 +280,10 @@ ALL_SCAN_FUNCTIONS = RANScanInterface()
 
 
 class RANCellScan(nn.Module):
-    """The cell scan of one layer: what shapes its maths (heads, switches of the layer's design) and its dropout.
-    Its weights are the layer's, passed at every call as `CellScanWeights`; it has no parameters of its own."""
+    """The cell scan of one layer: what shapes its maths (heads, switches of the layer's design), its dropout, and
+    the parameters only the cell uses: with `config.use_cell_residual`, `cell_glu` (the gated residual of the raw
+    cell before) and `cell_norm` (the norm that writes the cell). The weights it shares with the tokens are the
+    layer's, passed at every call as `CellScanWeights`."""
 
     def __init__(self, config):
         super().__init__()
@@ -289,12 +292,20 @@ class RANCellScan(nn.Module):
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.cell_input_residual = config.cell_input_residual
         self.use_cell_residual = config.use_cell_residual
+        if config.use_cell_residual:
+            self.cell_glu = RANGatedLinearUnit(config.hidden_size)
+            self.cell_norm = RANCenteredRMSNorm(config.hidden_size, config.layer_norm_eps)
         self.qk_activation = config.attention_qk_activation
         self.output_activation = config.memory_value_activation  # of what the cell writes
         self.cell_max_pool = config.cell_max_pool
         self.act = ACT2FN[config.hidden_act]
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
+
+    def modules_read(self, weights: CellScanWeights) -> dict[str, nn.Module]:
+        """Every module whose weights the scan reads, by name: the layer's (`weights`), then its own."""
+        own = {"cell_glu": self.cell_glu, "cell_norm": self.cell_norm} if self.use_cell_residual else {}
+        return {name: module for name, module in (weights._asdict() | own).items() if module is not None}
 
     def project(self, qkv_proj: nn.Module, normed: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., 3, H, d) queries, keys and values, as the layer projects its tokens."""
@@ -325,7 +336,7 @@ class RANCellScan(nn.Module):
                 f"{sorted(ALL_SCAN_FUNCTIONS)}. Add one with `ran_hf.cell_scan.RANScanInterface.register(name, "
                 f"function)`."
             )
-        name = choose("scan", requested, self.config.hidden_act, weights, cell)
+        name = choose("scan", requested, self.config.hidden_act, self.modules_read(weights), cell)
         try:
             outputs = ALL_SCAN_FUNCTIONS[name](self, weights, cell, previous_raw, keys, values, layout)
         except kernel_build_errors() as error:  # built on first use: a GPU they cannot be built for

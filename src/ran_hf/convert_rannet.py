@@ -490,8 +490,9 @@ def convert_variables(
         state.update(linear(f"{ours}.o_proj", f"{attention}/dense-o"))
         state.update(linear(f"{ours}.attention_glu.proj", f"{attention}/glu/dense-t", f"{attention}/glu/dense-g"))
         state.update(norm(f"{ours}.attention_norm", f"{attention}/layernorm"))
-        state.update(linear(f"{ours}.cell_glu.proj", f"{theirs}/cell-glu/dense-t", f"{theirs}/cell-glu/dense-g"))
-        state.update(norm(f"{ours}.cell_norm", f"{theirs}/cell-residual-layernorm"))
+        cell = f"{ours}.cell_scan"  # the modules only the cell uses are its scan's
+        state.update(linear(f"{cell}.cell_glu.proj", f"{theirs}/cell-glu/dense-t", f"{theirs}/cell-glu/dense-g"))
+        state.update(norm(f"{cell}.cell_norm", f"{theirs}/cell-residual-layernorm"))
         if config.memory_review:
             review, source = f"{ours}.memory_review", f"{theirs}/output-attn"
             state.update(linear(f"{review}.q_proj", f"{source}/dense-q"))

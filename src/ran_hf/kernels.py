@@ -88,13 +88,14 @@ def _window_projection(projected: torch.Tensor, hidden_act: str, cached: bool) -
     return "triton" if runs else "pytorch"
 
 
-def fused_scan_unsupported(hidden_act: str, weights) -> str | None:
-    """Why the fused scan cannot run a layer with activation `hidden_act` and the scan's modules `weights`
-    (`cell_scan.CellScanWeights`), or None if it can."""
+def fused_scan_unsupported(hidden_act: str, modules_read: dict) -> str | None:
+    """Why the fused scan cannot run a layer with activation `hidden_act` and `modules_read`, every module whose
+    weights the scan reads by name (`cell_scan.RANCellScan.modules_read`: the layer's and the scan's own), or None if
+    it can."""
     if hidden_act not in SILU_ACTIVATIONS:
         return f"it computes SiLU activations only (`hidden_act` is {hidden_act!r})"
     # It reads weights, not modules: a wrapped projection (LoRA adapters, quantisation, hooks) would be bypassed.
-    modules = [(name, module) for name, module in weights._asdict().items() if module is not None]
+    modules = [(name, module) for name, module in modules_read.items() if module is not None]
     while modules:
         name, module = modules.pop(0)
         if type(module) not in PLAIN_WEIGHT_MODULES or module._forward_hooks or module._forward_pre_hooks:
@@ -105,7 +106,7 @@ def fused_scan_unsupported(hidden_act: str, weights) -> str | None:
     return None
 
 
-def _scan(requested: str, hidden_act: str, weights, cell: torch.Tensor) -> str:
+def _scan(requested: str, hidden_act: str, modules_read: dict, cell: torch.Tensor) -> str:
     """The cell scan that runs for `config.scan_implementation == requested` (see the module's docstring)."""
     if requested == "auto":
         runs_triton = cell.device.type == "cuda" and triton_scan_unsupported(cell) is None
@@ -113,13 +114,13 @@ def _scan(requested: str, hidden_act: str, weights, cell: torch.Tensor) -> str:
     if requested == "triton":
         reason = triton_scan_unsupported(cell)
         if reason is None and not torch.compiler.is_compiling():
-            if fused_scan_unsupported(hidden_act, weights) is None:
+            if fused_scan_unsupported(hidden_act, modules_read) is None:
                 return "triton"
         elif reason is not None:
             logger.warning_once(f"The Triton cell scan runs the fused scan instead: {reason}.")
         requested = "fused"
     if requested == "fused":
-        reason = fused_scan_unsupported(hidden_act, weights)
+        reason = fused_scan_unsupported(hidden_act, modules_read)
         if reason is None:
             return "fused"
         logger.warning_once(f"The fused cell scan runs the reference scan instead: {reason}.")
@@ -129,7 +130,7 @@ def _scan(requested: str, hidden_act: str, weights, cell: torch.Tensor) -> str:
     if torch.compiler.is_exporting():
         return "export"
     if torch.compiler.is_compiling():
-        reason = fused_scan_unsupported(hidden_act, weights)
+        reason = fused_scan_unsupported(hidden_act, modules_read)
         if reason is None:
             return "fused"
         logger.warning_once(
@@ -152,7 +153,7 @@ def choose(op: str, *args) -> str:
     """The implementation `op` runs for these arguments: `FORCED[op]` where set, else its rule's answer.
 
     norm: (hidden_states); glu: (projected); rotary: (states); window_projection: (projected, hidden_act, cached);
-    scan: (config.scan_implementation, config.hidden_act, the scan's `CellScanWeights`, the starting cell).
+    scan: (config.scan_implementation, config.hidden_act, the modules the scan reads, the starting cell).
     """
     name = FORCED.get(op) or RULES[op](*args)
     if not torch.compiler.is_compiling():

@@ -10,8 +10,8 @@ adapter weights):
 - `o_proj`: the output projections of window attention and of memory review (`memory_review.o_proj`);
 - `q_proj`, `kv_proj`: memory review's query projection and its key/value projection of the cells.
 
-Left out: the gated linear units (`attention_glu`, `cell_glu`, `memory_review.glu`: RAN's gated residuals, not
-attention), the pooler, the masked-LM transform and the decoder (the token embedding itself, where tied).
+Left out: the gated linear units (`attention_glu`, `cell_scan.cell_glu`, `memory_review.glu`: RAN's gated residuals,
+not attention), the pooler, the masked-LM transform and the decoder (the token embedding itself, where tied).
 
 A classifier fine-tuned from an encoder gets new, randomly initialised modules: the pooler (the cell transform) and
 the classifier of `RANForSequenceClassification`, the classifier of `RANForTokenClassification`, the span layer of

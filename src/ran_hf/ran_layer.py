@@ -173,9 +173,9 @@ class RANLayer(GradientCheckpointingLayer):
         self.attention_glu = RANGatedLinearUnit(hidden_size)
         if not self.residual_stream or self.cell_input_residual:
             self.attention_norm = RANCenteredRMSNorm(hidden_size, eps)
-        if config.use_cell_residual:
-            self.cell_glu = RANGatedLinearUnit(hidden_size)
-            self.cell_norm = RANCenteredRMSNorm(hidden_size, eps)
+        # The scan owns what only the cell uses (its GLU and norm with `use_cell_residual`). Built at this point, they
+        # keep the parameter order, and so the initial weights a seed gives, they had as the layer's.
+        self.cell_scan = RANCellScan(config)
         if config.associative_memory:
             self.associative_memory = RANAssociativeMemory(config)
         if config.memory_review:
@@ -186,7 +186,6 @@ class RANLayer(GradientCheckpointingLayer):
         self.act = ACT2FN[config.hidden_act]
         self.qk_activation = config.attention_qk_activation
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.cell_scan = RANCellScan(config)  # no parameters: it runs on this layer's (`cell_scan_weights`)
         self.attention_dropout = config.attention_probs_dropout_prob  # the scan's window attention reads it too
         self.window_attention = RANWindowAttention(config)
 
@@ -223,16 +222,15 @@ class RANLayer(GradientCheckpointingLayer):
         )
 
     def cell_scan_weights(self) -> CellScanWeights:
-        """The modules whose weights the cell scan uses, read now (an adapter may have replaced one since)."""
-        cell_input_residual, cell_residual = self.cell_input_residual, self.config.use_cell_residual
+        """The layer's modules that the cell scan shares with the tokens, read now (an adapter may have replaced one
+        since). The cell's own modules are the scan's."""
+        cell_input_residual = self.cell_input_residual
         return CellScanWeights(
             input_norm=self.input_norm,
             qkv_proj=self.qkv_proj,
             o_proj=self.o_proj,
             attention_glu=self.attention_glu if cell_input_residual else None,
             attention_norm=self.attention_norm if cell_input_residual else None,
-            cell_glu=self.cell_glu if cell_residual else None,
-            cell_norm=self.cell_norm if cell_residual else None,
         )
 
     # ---- phase 1 ---------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import merge_with_config_defaults
@@ -119,6 +121,15 @@ def masked_mean(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return total / mask.sum(1, keepdim=True).clamp(min=1)
 
 
+# Checkpoints saved while the cell's own GLU and norm were the layer's name them `layers.N.cell_glu.*` and
+# `layers.N.cell_norm.*`; `from_pretrained` renames them to the scan's (`layers.N.cell_scan.cell_glu.*`). Registered
+# on import, so that remote code (a saved folder ships this module) loads such checkpoints too.
+CHECKPOINT_RENAMINGS = [
+    WeightRenaming(rf"(layers\.\d+)\.{name}\.", rf"\1.cell_scan.{name}.") for name in ("cell_glu", "cell_norm")
+]
+register_checkpoint_conversion_mapping(RANConfig.model_type, CHECKPOINT_RENAMINGS, overwrite=True)
+
+
 @auto_docstring
 class RANPreTrainedModel(PreTrainedModel):
     config: RANConfig
@@ -152,9 +163,12 @@ class RANPreTrainedModel(PreTrainedModel):
         field and the fix); validate other changes. Host-only: compiled code skips it."""
         self._built_config = self.config.check_built(self._built_config)
 
-    def save_pretrained(self, *args, **kwargs):
+    def save_pretrained(self, *args, save_original_format: bool = False, **kwargs):
+        """Transformers' `save_pretrained`, writing today's weight names. `save_original_format=True` (Transformers'
+        own default) reverts `CHECKPOINT_RENAMINGS`: the names of the checkpoint the model was loaded from, and for a
+        model built from a config the names an older version of this code reads."""
         self.check_config()
-        return super().save_pretrained(*args, **kwargs)
+        return super().save_pretrained(*args, save_original_format=save_original_format, **kwargs)
 
     def resize_token_embeddings(self, *args, **kwargs):
         embeddings = super().resize_token_embeddings(*args, **kwargs)
