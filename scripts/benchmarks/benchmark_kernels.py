@@ -66,7 +66,8 @@ from ran_hf.window_layout import RANWindowLayout
 
 # Allocations and aliases (`_unsafe_view` is a view that the schema does not mark as one) launch nothing.
 NOT_LAUNCHED = {
-    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh", "aten::_unsafe_view"
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::lift_fresh",
+    "aten::_unsafe_view",
 }  # fmt: skip
 # Ops that only write their output: their tensor argument gives a shape and dtype, or is overwritten unread.
 WRITE_ONLY = {

@@ -22,8 +22,9 @@ Models, all at the same width, depth and heads, random weights, dropout off:
   rannet         the official TensorFlow rannet 0.3.1, when `--rannet_python` points at an interpreter that has it
 
 Each (model, length) runs in a fresh process: a warm-up pass, then inference (no grad) and training (forward and
-backward of the mean token state), each the fastest of at least `--repeats` calls and `--min_seconds` of timing. Peak memory: growth of resident memory on CPU,
-the allocator's peak on CUDA. Writes JSON, a markdown table and log-log plots under --output_dir.
+backward of the mean token state), each the fastest of at least `--repeats` calls and `--min_seconds` of timing.
+Peak memory: growth of resident memory on CPU, the allocator's peak on CUDA. Writes JSON, a markdown table and
+log-log plots under --output_dir.
 """
 
 import argparse

@@ -67,13 +67,13 @@ def check_exportable(past_key_values, use_cache) -> None:
         return
     if past_key_values is not None or use_cache:
         raise NotImplementedError(
-            "An exported RAN reads whole texts: export a causal model with `use_cache=False` (a graph that carries the "
-            "recurrent cache from call to call is not supported)."
+            "An exported RAN reads whole texts: export a causal model with `use_cache=False` (a graph that carries "
+            "the recurrent cache from call to call is not supported)."
         )
     if torch.is_grad_enabled():
         raise RuntimeError(
-            "Export a RAN under `torch.no_grad()` (`ran_hf.export_onnx` does): with gradients enabled, ONNX's exporter "
-            "runs the cell scan's `scan` operator in its autograd form, which it cannot convert."
+            "Export a RAN under `torch.no_grad()` (`ran_hf.export_onnx` does): with gradients enabled, ONNX's "
+            "exporter runs the cell scan's `scan` operator in its autograd form, which it cannot convert."
         )
 
 
@@ -244,8 +244,8 @@ def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_
         )
     if not initial_cell.is_floating_point():
         raise ValueError(
-            f"`initial_cell` must hold floating-point values (a cell such as an earlier call's `last_cell`), got dtype "
-            f"{initial_cell.dtype}."
+            f"`initial_cell` must hold floating-point values (a cell such as an earlier call's `last_cell`), got "
+            f"dtype {initial_cell.dtype}."
         )
     if past_positions:
         raise ValueError(
