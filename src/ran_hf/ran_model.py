@@ -20,7 +20,7 @@ from transformers.core_model_loading import WeightRenaming
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+from transformers.utils.output_capturing import capture_outputs
 
 from .adaptive_softmax import RANAdaptiveEmbedding
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit
@@ -150,7 +150,7 @@ class RANPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {
         "hidden_states": RANLayer,
         "attentions": RANWindowAttention,
-        "memory_attentions": OutputRecorder(RANMemoryReview, index=1),
+        "memory_attentions": RANMemoryReview,  # its output's second item, as for attention modules
     }
 
     def post_init(self):
