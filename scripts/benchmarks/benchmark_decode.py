@@ -9,10 +9,14 @@ the latency is the mean over those steps, which cover a whole window so that the
 counted. GPT-2 (Transformers, same width, depth and heads, random weights) gets a `DynamicCache` holding keys and
 values for the whole context — filled with random values, since decoding cost depends only on the cache size and a
 quadratic prefill of 64K tokens would take hours on a CPU — then decodes `--gpt2_steps` tokens. Cache memory is the
-bytes the cache object holds. Writes a table to stdout and JSON + PNG under --output_dir.
+bytes the cache object holds (for RAN, `RANCache.nbytes()`: the total bytes of its tensors), per context, so that
+a flat cache shows as the same bytes at every context. `--bf16_autocast` runs both models under
+`torch.autocast(dtype=torch.bfloat16)` (float32 weights). Writes a table to stdout and JSON + PNG under
+--output_dir; the JSON is rewritten after every context, so a run stopped by a time limit keeps those it finished.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -22,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record
+from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record, write_result
 from ran_hf import RANConfig, RANForCausalLM
 
 
@@ -58,13 +62,14 @@ def ran_decode(model, context: int, steps: int, prefill_chunk: int, device) -> d
 
 
 @torch.no_grad()
-def gpt2_decode(model, context: int, steps: int, device) -> dict:
+def gpt2_decode(model, context: int, steps: int, device, dtype=torch.float32) -> dict:
     config = model.config
     head_dim = config.n_embd // config.n_head
     cache = DynamicCache(config=config)
     shape = (1, config.n_head, context, head_dim)
     for layer_idx in range(config.n_layer):
-        cache.update(torch.randn(shape, device=device), torch.randn(shape, device=device), layer_idx)
+        keys, values = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))  # as a prefill makes them
+        cache.update(keys, values, layer_idx)
     token = torch.ones(1, 1, dtype=torch.long, device=device)
     latencies = []
     for step in range(steps):
@@ -114,6 +119,7 @@ def main():
     parser.add_argument("--gpt2_steps", type=POSITIVE, default=32)
     parser.add_argument("--gpt2_max_context", type=POSITIVE, default=65536, help="largest context tried for GPT-2")
     parser.add_argument("--prefill_chunk", type=POSITIVE, default=8192)
+    parser.add_argument("--bf16_autocast", action="store_true", help="decode under bfloat16 autocast")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/decode"))
     args = parser.parse_args()
@@ -145,16 +151,25 @@ def main():
     print(machine_line(info))
     print(f"RAN {ran.num_parameters():,} parameters, GPT-2 {gpt2.num_parameters():,} (incl. position table)")
 
-    ran_decode(ran, 64, 8, args.prefill_chunk, device)  # warm-up: allocator, lazy initialisation
-    gpt2_decode(gpt2, 64, 4, device)
+    dtype = "bfloat16 autocast" if args.bf16_autocast else "float32"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16_autocast else contextlib.nullcontext()
+    cache_dtype = torch.bfloat16 if args.bf16_autocast else torch.float32  # GPT-2's keys and values under autocast
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    name = f"decode_{device.type}"
+    command = command_line(__file__)
+    with autocast:
+        ran_decode(ran, 64, 8, args.prefill_chunk, device)  # warm-up: allocator, lazy initialisation
+        gpt2_decode(gpt2, 64, 4, device, cache_dtype)
     results = []
     header = f"{'context':>8} {'RAN ms/tok':>11} {'RAN cache MiB':>14} {'GPT-2 ms/tok':>13} {'GPT-2 cache MiB':>16}"
     print(header)
     for context in args.contexts:
-        row = {"context": context, "ran": ran_decode(ran, context, args.steps, args.prefill_chunk, device)}
+        with autocast:
+            row = {"context": context, "ran": ran_decode(ran, context, args.steps, args.prefill_chunk, device)}
         if context <= args.gpt2_max_context:
             try:
-                row["gpt2"] = gpt2_decode(gpt2, context, args.gpt2_steps, device)
+                with autocast:
+                    row["gpt2"] = gpt2_decode(gpt2, context, args.gpt2_steps, device, cache_dtype)
             except (RuntimeError, MemoryError) as error:  # out of memory: report where GPT-2 stops fitting
                 row["gpt2"] = None
                 print(f"GPT-2 at {context}: {type(error).__name__}: {str(error)[:80]}")
@@ -169,21 +184,19 @@ def main():
             ),
             flush=True,
         )
+        report = result_record(command, vars(args), results, device=device.type, dtype=dtype, info=info)
+        write_result(args.output_dir / f"{name}.json", json.dumps(report, indent=2))
 
     first, last = results[0], results[-1]
     ran_ratio = last["ran"]["ms_per_token"] / first["ran"]["ms_per_token"]
     print(f"RAN latency {last['context']} / {first['context']}: {ran_ratio:.2f}")
+    print(f"RAN cache bytes {last['context']} / {first['context']}: "
+          f"{last['ran']['cache_bytes'] / first['ran']['cache_bytes']:.2f}")  # fmt: skip
     if first.get("gpt2") and last.get("gpt2"):
         gpt2_ratio = last["gpt2"]["ms_per_token"] / first["gpt2"]["ms_per_token"]
         print(f"GPT-2 latency {last['context']} / {first['context']}: {gpt2_ratio:.2f}")
-
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    name = f"decode_{device.type}"
-    report = result_record(command_line(__file__), vars(args), results, device=device.type, dtype="float32", info=info)
-    (args.output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json and .png")
-
 
 if __name__ == "__main__":
     main()
