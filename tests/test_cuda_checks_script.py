@@ -14,8 +14,8 @@ from benchmark_utils import check_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "benchmarks" / "run_cuda_checks.sh"
-PARTS = ["tests_scan", "tests_tokens", "step_8k", "bf16", "step_32k", "decode", "bf16_check", "results_check",
-         "report"]  # fmt: skip
+PARTS = ["tests_scan", "tests_tokens", "step_8k", "bf16", "step_32k", "decode", "decode_review", "bf16_check",
+         "results_check", "report"]  # fmt: skip
 
 
 def benchmark_files() -> dict:
@@ -38,7 +38,8 @@ def test_the_smoke_run_runs_every_part_on_the_cpu(tmp_path):
 
     records = {path.name: json.loads(path.read_text()) for path in out.glob("*.json")}
     assert set(records) == {"tests_scan.json", "tests_tokens.json", "profile_1x128.json", "profile_1x256.json",
-                            "bf16_cpu.json", "bf16_check.json", "decode_cpu.json"}  # fmt: skip
+                            "bf16_cpu.json", "bf16_check.json", "decode_cpu.json",
+                            "decode_cpu_review8.json"}  # fmt: skip
     for name, record in records.items():
         check_result(record)
         assert record["device"] == "cpu" and "gpu" not in record["machine_info"], name
@@ -56,6 +57,11 @@ def test_the_smoke_run_runs_every_part_on_the_cpu(tmp_path):
     assert decode["dtype"] == "bfloat16 autocast"
     assert [row["context"] for row in decode["results"]] == [128, 512]
     assert all(row["ran"]["cache_bytes"] > 0 and row["ran"]["ms_per_token"] > 0 for row in decode["results"])
+    # Reviewing the last 8 windows only, the cache at 512 tokens (16 windows of 32) keeps fewer cells; no GPT-2.
+    bounded = records["decode_cpu_review8.json"]
+    assert bounded["settings"]["memory_review_cells"] == 8
+    assert bounded["results"][-1]["ran"]["cache_bytes"] < decode["results"][-1]["ran"]["cache_bytes"]
+    assert all(row.get("gpt2") is None for row in bounded["results"])
     for name in ("tests_scan.log", "step_8k.log", "decode.log"):
         assert "# device: cpu (smoke run" in logs[name] or "device: cpu" in (out / name).read_text(), name
     # Files of the run's names new or rewritten under benchmarks/ (other work may write there meanwhile).

@@ -10,7 +10,9 @@ counted. GPT-2 (Transformers, same width, depth and heads, random weights) gets 
 values for the whole context — filled with random values, since decoding cost depends only on the cache size and a
 quadratic prefill of 64K tokens would take hours on a CPU — then decodes `--gpt2_steps` tokens. Cache memory is the
 bytes the cache object holds (for RAN, `RANCache.nbytes()`: the total bytes of its tensors), per context, so that
-a flat cache shows as the same bytes at every context. `--bf16_autocast` runs both models under
+a flat cache shows as the same bytes at every context. By default a causal RAN's tokens review every earlier window's
+cell, so its cache grows by one cell per window and layer; `--memory_review_cells N` bounds the review to the last N
+windows (a setting of a trained model too), and the cache stays flat. `--bf16_autocast` runs both models under
 `torch.autocast(dtype=torch.bfloat16)` (float32 weights). Writes a table to stdout and JSON + PNG under
 --output_dir; the JSON is rewritten after every context, so a run stopped by a time limit keeps those it finished.
 """
@@ -119,6 +121,9 @@ def main():
     parser.add_argument("--gpt2_steps", type=POSITIVE, default=32)
     parser.add_argument("--gpt2_max_context", type=POSITIVE, default=65536, help="largest context tried for GPT-2")
     parser.add_argument("--prefill_chunk", type=POSITIVE, default=8192)
+    parser.add_argument(
+        "--memory_review_cells", type=POSITIVE, help="RAN reviews the cells of the last N windows only (a flat cache)"
+    )
     parser.add_argument("--bf16_autocast", action="store_true", help="decode under bfloat16 autocast")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/decode"))
@@ -135,6 +140,7 @@ def main():
         window_size=args.window_size,
         min_window_size=16,
         is_causal=True,
+        memory_review_cells=args.memory_review_cells,
     )
     ran = RANForCausalLM(ran_config).to(device).eval()
     gpt2_config = GPT2Config(
@@ -155,7 +161,7 @@ def main():
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16_autocast else contextlib.nullcontext()
     cache_dtype = torch.bfloat16 if args.bf16_autocast else torch.float32  # GPT-2's keys and values under autocast
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    name = f"decode_{device.type}"
+    name = f"decode_{device.type}" + (f"_review{args.memory_review_cells}" if args.memory_review_cells else "")
     command = command_line(__file__)
     with autocast:
         ran_decode(ran, 64, 8, args.prefill_chunk, device)  # warm-up: allocator, lazy initialisation

@@ -11,16 +11,17 @@
 # The smoke run's figures are CPU figures of tiny models: they check that the run works, and measure nothing.
 #
 # Parts, most important first, each under its own `timeout` so that a slow part leaves the others their time.
-# Planned limits in seconds (plans, not measurements), 476 in all with 2 s each to stop:
+# Planned limits in seconds (plans, not measurements), 478 in all with 2 s each to stop:
 #   gpu           10  nvidia-smi: the card, its memory, the driver (skipped in the smoke run)
 #   tests_scan   130  tests/test_triton_scan.py, tests/test_devices.py compiled on CUDA, --run-slow (fp32, bf16)
-#   tests_tokens  60  tests/test_triton_{norm,glu,rotary,window_projection}.py compiled, --run-slow (fp32, fp16)
+#   tests_tokens  55  tests/test_triton_{norm,glu,rotary,window_projection}.py compiled, --run-slow (fp32, fp16)
 #   step_8k      105  profile_step.py 8 x 8192: RAN (Triton scan), transformer, ModernBERT, Longformer, RAN (fused
 #                     scan), RAN (Triton scan, token-wise ops in PyTorch): step, peak memory, top 15 kernels
 #   bf16          40  benchmark_bf16_gradients.py: every head's gradient error under bf16 autocast, per scan
 #   step_32k      45  profile_step.py 2 x 32768: RAN (Triton scan), transformer
-#   decode        50  benchmark_decode.py: causal RAN and GPT-2, per-token latency and cache bytes, 512 and 65536
-#   report        20  the tests' JSONs, the bf16 check (each scan <= 2x the reference scan's error) and every
+#   decode        40  benchmark_decode.py: causal RAN and GPT-2, per-token latency and cache bytes, 512 and 65536
+#   decode_review 25  the same for RAN reviewing the cells of its last 8 windows only (a flat cache), no GPT-2
+#   report        10  the tests' JSONs, the bf16 check (each scan <= 2x the reference scan's error) and every
 #                     result JSON checked against the result format (status lines bf16_check and results_check)
 set -uo pipefail
 smoke=0
@@ -100,7 +101,7 @@ fi
 tests=(-m pytest -q -p no:cacheprovider --run-slow --durations=20 "${workers[@]}")
 run_part tests_scan 130 "float32; bfloat16 autocast" "$python" "${tests[@]}" --junitxml="$out/tests_scan.xml" \
     "${scan_tests[@]}" tests/test_triton_scan.py tests/test_devices.py
-run_part tests_tokens 60 "float32, float16" "$python" "${tests[@]}" --junitxml="$out/tests_tokens.xml" \
+run_part tests_tokens 55 "float32, float16" "$python" "${tests[@]}" --junitxml="$out/tests_tokens.xml" \
     "${token_tests[@]}" tests/test_triton_norm.py tests/test_triton_glu.py tests/test_triton_rotary.py \
     tests/test_triton_window_projection.py
 run_part step_8k 105 "bfloat16 autocast" "$python" scripts/benchmarks/profile_step.py --device "$device" \
@@ -110,8 +111,10 @@ run_part bf16 40 "float32 vs bfloat16 autocast" "$python" scripts/benchmarks/ben
     --device "$device" "${bf16[@]}" --seeds 0 --output_dir "$out"
 run_part step_32k 45 "bfloat16 autocast" "$python" scripts/benchmarks/profile_step.py --device "$device" \
     --shape "$shape_32k" "${step[@]}" --top_kernels 15 --output_dir "$out" --models ran-triton transformer
-run_part decode 50 "bfloat16 autocast" "$python" scripts/benchmarks/benchmark_decode.py --device "$device" \
+run_part decode 40 "bfloat16 autocast" "$python" scripts/benchmarks/benchmark_decode.py --device "$device" \
     --bf16_autocast "${decode[@]}" --output_dir "$out"
+run_part decode_review 25 "bfloat16 autocast" "$python" scripts/benchmarks/benchmark_decode.py --device "$device" \
+    --bf16_autocast "${decode[@]}" --memory_review_cells 8 --gpt2_max_context 1 --output_dir "$out"
 
 # The report: each test part's JUnit XML as a result JSON; the bf16 check; every result JSON against the format.
 report=$(cat <<'PYTHON'
@@ -200,6 +203,6 @@ with status.open("a") as file:
     file.write(f"results_check exit {int(bool(bad))} files {len(list(out.glob('*.json')))}\n")
 PYTHON
 )
-shown="$python -c <the report in run_cuda_checks.sh> $out $device" run_part report 20 none \
+shown="$python -c <the report in run_cuda_checks.sh> $out $device" run_part report 10 none \
     "$python" -c "$report" "$out" "$device" "$this_run"
 cat "$out/status.txt"
