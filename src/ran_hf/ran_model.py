@@ -377,6 +377,7 @@ class RANModel(RANPreTrainedModel):
                 cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
+                # By position: reentrant gradient checkpointing returns the layer's `LayerOutputs` as a plain tuple.
                 hidden_states, raw_cells, cell, *_ = layer(
                     hidden_states, cell, layout=layout, cache=layer_cache, output_attentions=output_attentions
                 )
