@@ -22,7 +22,6 @@ if not torch.cuda.is_available():
 from transformers import PreTrainedTokenizerFast
 
 from ran_hf import RANConfig, triton_scan_kernels
-from ran_hf.files.data import read_conll
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # The interpreter runs a kernel's programs one after another: splitting a head's attention over programs by rows
@@ -42,9 +41,6 @@ SCRIPT_FOLDERS = (
     "benchmarks",
 )
 sys.path[:0] = [str(SCRIPTS / folder) for folder in SCRIPT_FOLDERS]
-
-# The tokenizer the tests use is trained by the project's own script.
-from train_tokenizer import TokenizerArguments, build_tokenizer  # noqa: E402
 
 # The test models are tiny: one intra-op thread is faster than several, and does not oversubscribe shared cores
 # (pytest-xdist workers, other jobs on the machine).
@@ -126,6 +122,12 @@ def wordpiece_tokenizer_dir(tmp_path_factory) -> Path:
     Trained once per session and saved to a temporary folder, whose path is returned. Tests that use it are marked
     `needs_data("wikitext-2", "conll2003")` (`test_markers.py` checks).
     """
+    # Trained by the project's own script. Imported here, as the readers are: tests that need no data (the GPU
+    # run's kernel tests, say) then need no `datasets` either.
+    from train_tokenizer import TokenizerArguments, build_tokenizer
+
+    from ran_hf.files.data import read_conll
+
     wikitext = [line for line in (DATA_DIR / "wikitext-2" / "valid.txt").open(encoding="utf-8") if line.strip()]
     conll = [" ".join(sentence["tokens"]) for sentence in read_conll(DATA_DIR / "conll2003" / "train.txt")]
     folder = tmp_path_factory.mktemp("wordpiece_tokenizer")
