@@ -61,6 +61,18 @@ def check_head_token_labels(head: RANPreTrainedModel, labels, input_ids, inputs_
         check_token_labels(labels, batch_shape, num_classes, name).read_and_judge()
 
 
+def check_language_model_labels(
+    head: RANPreTrainedModel, labels, logits_to_keep, input_ids, inputs_embeds, scored: str = "every position"
+):
+    """A language model's labels: scored at `scored`, so all logits are kept; then `check_head_token_labels`."""
+    if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError(
+            f"`labels` are scored at {scored}, but `logits_to_keep` keeps only some logits: pass "
+            "`logits_to_keep=0` (the default) with `labels`."
+        )
+    check_head_token_labels(head, labels, input_ids, inputs_embeds, head.config.vocab_size, "token id")
+
+
 def head_output(output_class, outputs, **fields):
     """A head's `output_class` from its own `fields` and the base model's recorded outputs."""
     return output_class(
@@ -305,12 +317,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
         """
-        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise ValueError(
-                "`labels` are scored at every position, but `logits_to_keep` keeps only some logits: pass "
-                "`logits_to_keep=0` (the default) with `labels`."
-            )
-        check_head_token_labels(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
+        check_language_model_labels(self, labels, logits_to_keep, input_ids, inputs_embeds)
         outputs = head_outputs(
             self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, past_key_values=past_key_values, use_cache=use_cache, **kwargs,

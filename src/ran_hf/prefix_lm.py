@@ -18,7 +18,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .configuration_ran import RANConfig
 from .input_checks import input_batch_shape, scored_token_loss
-from .modeling_ran import HEAD_ARGS, RANLanguageModelBase, check_head_token_labels, head_output, head_outputs
+from .modeling_ran import HEAD_ARGS, RANLanguageModelBase, check_language_model_labels, head_output, head_outputs
 from .outputs_ran import RANCausalLMOutputWithPast
 
 logger = logging.get_logger(__name__)
@@ -184,12 +184,7 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
             )
         if token_type_ids is None:
             token_type_ids = torch.full(batch_shape, SOURCE, dtype=torch.long, device=device)
-        if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise ValueError(
-                "`labels` are scored at every target position, but `logits_to_keep` keeps only some logits: pass "
-                "`logits_to_keep=0` (the default) with `labels`."
-            )
-        check_head_token_labels(self, labels, input_ids, inputs_embeds, self.config.vocab_size, "token id")
+        check_language_model_labels(self, labels, logits_to_keep, input_ids, inputs_embeds, "every target position")
         outputs = head_outputs(
             self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             token_type_ids=token_type_ids, initial_cell=initial_cell, **kwargs,
