@@ -4,6 +4,8 @@ before any token is embedded: the head its labels' checks, then the base model i
 inputs' checks together. The count's bytes: per model part,
 backward ops included, and as a GPU moves them (dropout fused, broadcasts read once, no bytes for allocations)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -173,8 +175,10 @@ def test_bytes_count_a_broadcast_axis_once_and_an_allocation_not_at_all():
     assert counter.other_bytes == 3 * 5 * 4  # the zeros written, not the tensor that gave their dtype
 
 
-def test_a_decoded_token_reads_the_device_once(monkeypatch):
-    """One cached decoding step: the layout's sizes and the inputs' checks in one read (`tolist`), no `item()`."""
+def test_a_decoded_token_reads_the_device_only_through_the_general_pass(monkeypatch):
+    """A cached decoding step (one token per row, no mask) reads nothing to the host; the same token with a mask
+    takes the general pass, which reads the layout's sizes and the inputs' checks in one read (`tolist`), no
+    `item()`. Both give the same logits."""
     from ran_testing import randomize_
 
     model = randomize_(RANForCausalLM(tiny_config(is_causal=True)), seed=1).eval()
@@ -191,9 +195,13 @@ def test_a_decoded_token_reads_the_device_once(monkeypatch):
                 reads.append(func._schema.name)
             return func(*args, **(kwargs or {}))
 
+    token, mask = ids[:, -1:], torch.ones(2, 24, dtype=torch.long)
     with torch.no_grad(), ScalarReads():
-        model(ids[:, -1:], past_key_values=cache, use_cache=True)
+        stepped = model(token, past_key_values=copy.deepcopy(cache), use_cache=True).logits
+        assert reads == []
+        general = model(token, attention_mask=mask, past_key_values=cache, use_cache=True).logits
     assert reads == ["tolist"]
+    torch.testing.assert_close(stepped, general, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import functools
 import inspect
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
 # The config fields that decide what a cache holds and how a forward reads it: a cache made by a model that differs
@@ -88,7 +89,9 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
             the last finished window, and the write strengths of the tail's tokens (written when their window ends).
     """
 
-    is_compileable = False  # the window tail and the cells written so far grow from pass to pass
+    # Fixed shapes between passes: the tail is `window_size - 1 + window_overlap` slots wide whatever it holds, and the
+    # cells memory review reads have a fixed room (`RANCache.cell_room`), so a decoding step can be compiled.
+    is_compileable = True
     is_sliding = False
 
     def __init__(self):
@@ -102,6 +105,11 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         self.tail_values = None
         self.binding_state = None
         self.tail_betas = None
+        self.cell_room = 0  # how many cells `cell_states` holds without a bound (`RANCache.cell_room`)
+        # What decoding steps compute from the cell and the starting cell, kept until the cell changes: the key and
+        # value window attention reads of the cell (B, H, d) each, and memory review's of the starting cell.
+        self.read_cell_states = None
+        self.initial_cell_states = None
 
     @property
     def cell(self) -> torch.Tensor | None:
@@ -133,6 +141,7 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         """Set the cell the next window reads, (B, D)."""
         self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
         self.cell = recurrent_states
+        self.read_cell_states = None
         return recurrent_states
 
     def update_cell(self, cells, raw_cells, finished_here: torch.Tensor, start: tuple) -> None:
@@ -154,7 +163,8 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         self.salient_cell_states, self.salient_windows = cell_states, windows
 
     def update_tail(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.tail_keys, self.tail_values = keys, values
+        # Contiguous, whoever wrote it: a compiled step's graph is specialised on the strides it reads.
+        self.tail_keys, self.tail_values = keys.contiguous(), values.contiguous()
 
     def update_last_token(self, last_token: torch.Tensor) -> None:
         self.last_token = last_token
@@ -172,6 +182,7 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, function) -> None:
+        self.read_cell_states = self.initial_cell_states = None  # recomputed by the next step, for the rows it has
         for name, tensor in self.tensors().items():
             setattr(self, name, function(tensor))
 
@@ -222,27 +233,37 @@ class RANCache(Cache):
     skipped and each row continues its own windows.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, max_cache_len: int | None = None):
         super().__init__(layers=[RANCacheLayer() for _ in range(config.num_hidden_layers)])
         self.model_shape = cache_shape(config)  # what a model continuing this cache must have (`check_cache`)
         self.window_size = config.window_size
         self.window_overlap = config.window_overlap
-        self.lengths = None  # (B,) real tokens read by each row
+        self.tail_slots = config.window_size - 1 + config.window_overlap  # the longest tail a row can have
+        self.memory_review_cells = config.memory_review_cells
+        # Room for the cells of this many tokens from the start (`reserve`): a compiled step then never needs more.
+        self.reserved_tokens = max_cache_len or 0
+        self.lengths = None  # (B,) real tokens read by each row, on the device
+        self.host_lengths = None  # the same as a list on the host, where known without a read (None: read it)
         self.seen_positions = 0  # padded positions read, what `generate` slices its inputs by
+        self.compiled_positions = None  # (,) positions read by compiled steps since the host counts were last read
+        self.host_counts_stale = False  # compiled steps ran since: `bring_host_counts_up` reads their count
         self.graph_probe = None  # the autograd node `watch_graph` put after the last forward that built a graph
+        self.in_transaction = False  # a head's `cache_transaction` already holds a snapshot
+        self.checked_by = None  # the (config, edit count) of the model that checked it (`check_cache`) last
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        self.bring_host_counts_up()
         return self.seen_positions
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.seen_positions + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        return True
 
     @property
     def is_initialized(self) -> bool:
@@ -251,6 +272,35 @@ class RANCache(Cache):
     @property
     def batch_size(self) -> int:
         return -1 if self.lengths is None else self.lengths.shape[0]
+
+    def cell_room(self, finished_windows: int) -> int:
+        """How many cells memory review's cache holds for rows that finished at most `finished_windows` windows:
+        `memory_review_cells` when bounded; else room that doubles as it fills (at least for the windows of the
+        reserved tokens), so that decoding writes each new cell into place and a compiled step keeps its shapes."""
+        if self.memory_review_cells is not None:
+            return self.memory_review_cells
+        needed = max(finished_windows, self.reserved_tokens // self.window_size, 1)
+        return 1 << (needed - 1).bit_length()
+
+    def reserve(self, total_tokens: int) -> None:
+        """Make room for the cells of `total_tokens` tokens per row (`RANForCausalLM.prepare_inputs_for_generation`
+        calls it before every step): a compiled decoding step cannot grow the cache itself."""
+        if total_tokens <= self.reserved_tokens:
+            return
+        self.reserved_tokens = total_tokens
+        room = self.cell_room(0)
+        for layer in self.layers:
+            layer.cell_room = max(layer.cell_room, room)
+            cells = layer.cell_states
+            if cells is not None and cells.shape[1] < layer.cell_room:
+                layer.cell_states = F.pad(cells, (0, 0, 0, layer.cell_room - cells.shape[1]))
+
+    def make_room(self, finished_windows: int) -> None:
+        """Before a forward pass after which rows have finished at most `finished_windows` windows: the room every
+        layer keeps its cells in (`cell_room`)."""
+        room = self.cell_room(finished_windows)
+        for layer in self.layers:
+            layer.cell_room = room
 
     def past_lengths(self, batch_size: int, device: torch.device) -> torch.Tensor:
         if self.lengths is None:
@@ -265,32 +315,70 @@ class RANCache(Cache):
             )
         return self.lengths
 
-    def advance(self, new_tokens: torch.Tensor, new_positions: int) -> None:
-        """Count what one forward pass read: `new_tokens` (B,) real tokens over `new_positions` padded columns."""
-        self.lengths = new_tokens if self.lengths is None else self.lengths + new_tokens
+    def advance(self, new_tokens: torch.Tensor, new_positions: int, host_lengths: list[int] | None = None) -> None:
+        """Count what one forward pass read: `new_tokens` (B,) real tokens over `new_positions` padded columns, and
+        each row's length after it as read to the host (`host_lengths`, None where it was not read)."""
+        self.bring_host_counts_up()
+        if self.lengths is None:
+            self.lengths, self.compiled_positions = new_tokens, new_tokens.new_zeros(())
+        else:
+            self.lengths = self.lengths + new_tokens
+        self.host_lengths = host_lengths
         self.seen_positions += new_positions
+
+    def advance_one_token(self) -> None:
+        """Count a decoding step's one real token per row. Compiled, only on the device: the host counts are
+        brought up to date when next asked for (`bring_host_counts_up`), so that no step reads a changing number."""
+        self.lengths = self.lengths + 1
+        if torch.compiler.is_compiling():
+            self.compiled_positions = self.compiled_positions + 1
+            self.host_lengths, self.host_counts_stale = None, True
+            return
+        self.seen_positions += 1
+        self.host_lengths = [length + 1 for length in self.host_lengths]
+
+    def bring_host_counts_up(self) -> None:
+        """After compiled steps, read their count and every row's length to the host (one read)."""
+        if not self.host_counts_stale:
+            return
+        positions, self.compiled_positions = self.compiled_positions, self.compiled_positions.new_zeros(())
+        self.seen_positions += int(positions)
+        self.host_lengths, self.host_counts_stale = None, False
+
+    def known_lengths(self) -> list[int]:
+        """Every row's length on the host: known after a forward pass, read (once) after beam search reordered the
+        rows or compiled steps ran."""
+        self.bring_host_counts_up()
+        if self.host_lengths is None:
+            self.host_lengths = self.lengths.tolist()
+        return self.host_lengths
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         if self.lengths is not None:
             self.lengths = self.lengths.index_select(0, beam_idx.to(self.lengths.device))
+            self.host_lengths = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.lengths is not None:
             self.lengths = self.lengths[indices]
+            self.host_lengths = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.lengths is not None:
             self.lengths = self.lengths.repeat_interleave(repeats, dim=0)
+            if self.host_lengths is not None:
+                self.host_lengths = [length for length in self.host_lengths for _ in range(repeats)]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("A RAN cache cannot be cropped: its cells have already read the tokens to remove.")
 
     def reset(self) -> None:
         super().reset()
-        self.lengths, self.seen_positions, self.graph_probe = None, 0, None
+        self.lengths, self.host_lengths, self.seen_positions, self.graph_probe = None, None, 0, None
+        self.compiled_positions, self.host_counts_stale = None, False
 
     def __deepcopy__(self, memo) -> "RANCache":
         # torch copies only graph leaves: a cache filled with gradients on would fail inside torch, unnamed.
@@ -319,14 +407,18 @@ class RANCache(Cache):
     def snapshot(self) -> tuple:
         """What a forward may change, by reference: every update replaces a tensor, none writes into one (the base
         layer's per-state dicts are copied, their tensors are not)."""
-        layers = [{name: shallow(value) for name, value in vars(layer).items()} for layer in self.layers]
-        return layers, self.lengths, self.seen_positions, self.graph_probe
+        layers = [(dict(vars(layer)), *map(dict, per_state(layer))) for layer in self.layers]
+        return layers, dict(vars(self))
 
     def restore(self, snapshot: tuple) -> None:
-        layers, self.lengths, self.seen_positions, self.graph_probe = snapshot
-        for layer, state in zip(self.layers, layers):
+        layers, own = snapshot
+        vars(self).clear()
+        vars(self).update(own)
+        for layer, (state, *state_dicts) in zip(self.layers, layers):
             vars(layer).clear()
-            vars(layer).update({name: shallow(value) for name, value in state.items()})
+            vars(layer).update(state)
+            for name, saved in zip(PER_STATE_DICTS, state_dicts):
+                setattr(layer, name, dict(saved))
 
     # ---- a graph that backward has freed -------------------------------------------------------------------------
 
@@ -368,9 +460,13 @@ class RANCache(Cache):
         return total
 
 
-def shallow(value):
-    """A dict copied (its tensors shared), anything else as it is."""
-    return dict(value) if isinstance(value, dict) else value
+# The base layer's state dicts (`LinearAttentionCacheLayerMixin`), written into by key: copied by a snapshot.
+PER_STATE_DICTS = ("recurrent_states", "conv_states", "is_recurrent_states_initialized", "is_conv_states_initialized",
+                   "has_previous_state")  # fmt: skip
+
+
+def per_state(layer) -> list:
+    return [getattr(layer, name) for name in PER_STATE_DICTS]
 
 
 class _GraphProbe(torch.autograd.Function):
@@ -395,14 +491,18 @@ def cache_transaction(forward):
     @functools.wraps(forward)
     def transaction(*args, **kwargs):
         cache = kwargs.get("past_key_values", args[position] if len(args) > position else None)
-        if not isinstance(cache, RANCache) or torch.compiler.is_compiling():
+        # One snapshot per call: a head's transaction covers its base model's.
+        if type(cache) is not RANCache or cache.in_transaction or torch.compiler.is_compiling():
             return forward(*args, **kwargs)
         snapshot = cache.snapshot()
+        cache.in_transaction = True
         try:
             return forward(*args, **kwargs)
         except BaseException:
             cache.restore(snapshot)
             raise
+        finally:
+            cache.in_transaction = False
 
     return transaction
 

@@ -52,6 +52,7 @@ def reviewable_cells(cells: torch.Tensor, layout: RANWindowLayout, cache: RANCac
         first_cell = layout.first_window - cached.shape[1]
         room = layout.num_steps
     else:
+        cached = cached[:, : layout.cell_capacity]  # the cells there are, not the room decoding steps keep
         room = max(0, layout.cell_capacity - cached.shape[1])
     # The packed windows are exactly this pass's cells: window k is cell `window_number[k]` of its sequence.
     sequence, number = layout.window_sequence, layout.window_number
@@ -87,7 +88,8 @@ def causal_reading(config: RANConfig, salience: Salience, cells, first_cell, ini
     (B, C', 2 D) to review, (B, L) each token's limit and first readable cell (None: from 0), and the salient table
     and each token's row of it (None without salient cells).
     """
-    readable_cells = layout.token_window - first_cell[:, None]  # (B, L)
+    # (B, L); none in the first window, whose range is empty (a bounded cache's room holds zeros before it)
+    readable_cells = (layout.token_window - first_cell[:, None]) * (layout.token_window > 0)
     first_readable, salient = None, None
     if config.memory_review_cells is not None:
         oldest = (layout.token_window - config.memory_review_cells).clamp(min=0)
@@ -110,12 +112,13 @@ def remember(config: RANConfig, salience: Salience, cache: RANCacheLayer, layout
     """Cache the cells memory review may read again: every finished window's, or the last `memory_review_cells`
     (right-aligned) and, with `memory_salient_cells`, the salient older ones the next window reads."""
     finished_windows = layout.finished_windows
-    if config.memory_review_cells is None:
-        kept = layout.most_finished_windows
+    if config.memory_review_cells is None:  # in a room of `cache.cell_room` cells, zeros after a row's last
+        kept = min(layout.most_finished_windows, cell_states.shape[1])
         finished = torch.arange(kept, device=cell_states.device)[None, :] < finished_windows[:, None]
-        cache.update_cell_states(cell_states[:, :kept] * finished[..., None])
+        kept_cells = cell_states[:, :kept] * finished[..., None]
+        cache.update_cell_states(F.pad(kept_cells, (0, 0, 0, max(0, cache.cell_room - kept))))
         return
-    bound = min(config.memory_review_cells, layout.most_finished_windows)
+    bound = config.memory_review_cells  # the last M windows', right-aligned; zeros for windows before the first
     window = finished_windows[:, None] - bound + torch.arange(bound, device=cell_states.device)  # (B, M)
     index = (window - first_cell[:, None]).clamp(min=0)[..., None].expand(-1, -1, cell_states.shape[-1])
     cache.update_cell_states(cell_states.gather(1, index) * (window >= 0)[..., None])
@@ -166,4 +169,8 @@ def update_cache(config: RANConfig, salience: Salience | None, cache: RANCacheLa
     if config.memory_review:
         cell_states, first_cell, pool = memory
         remember(config, salience, cache, layout, cell_states, first_cell, pool)
-    cache.update_tail(*layout.sources(new_kv, cache.tail)[layout.next_tail].unbind(2))
+    tail = layout.sources(new_kv, cache.tail)[layout.next_tail]  # (B, P', 2, H, d)
+    # Kept `window_size - 1 + window_overlap` slots wide, zeros after a row's last: the most any row can need, so
+    # that a decoding step writes its token into place and keeps the cache's shapes.
+    tail_slots = config.window_size - 1 + config.window_overlap
+    cache.update_tail(*F.pad(tail, (0, 0, 0, 0, 0, 0, 0, tail_slots - tail.shape[1])).unbind(2))

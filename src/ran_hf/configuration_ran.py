@@ -13,6 +13,8 @@ from .config_checks import estimated_parameters, interval, value_errors
 from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
 
 
+_UNSET = object()
+
 # The layer's two designs, as data: the value each gives the fields that differ between them. "official" is the layer
 # of the paper and of its checkpoints; "learnable_memory" the causal layer whose memory learns to carry what a later
 # window needs (docs/memory.md). `layer_design` picks one when the config is made; a field set on its own overrides it.
@@ -157,6 +159,12 @@ class RANConfig(PreTrainedConfig):
         pipelines = kept_pipelines(self, kwargs.pop("custom_pipelines", None))
         super().__post_init__(**kwargs, **({"custom_pipelines": pipelines} if pipelines else {}))
 
+    @property
+    def edits(self) -> int:
+        """How many times a field was set since the config was made: a model checks its config again only after
+        this changed (`RANPreTrainedModel.check_config`)."""
+        return self.__dict__.get("_edits", 0)
+
     def _resolve_design(self):
         """Give the fields left to the design (`_from_mode`) the values of `layer_design` (or of the mode's)."""
         if "layer_design" in self._from_mode or self.layer_design is None:
@@ -166,8 +174,13 @@ class RANConfig(PreTrainedConfig):
                 self.__dict__[name] = LAYER_DESIGNS[self.layer_design][name]
 
     def __setattr__(self, name, value):
+        state = self.__dict__
+        if state.get("_post_init_done") and state.get(name, _UNSET) is value:
+            # Set to what it holds: nothing changes. Transformers' defaults merger sets `is_causal` on every call.
+            return
         check_new_name(self, name)  # a misspelt field (`config.windowsize = 3`) is refused, as `@strict` does
         super().__setattr__(name, value)
+        state["_edits"] = state.get("_edits", 0) + 1
         if self.__dict__.get("_post_init_done") and name in ("is_causal", "layer_design", *LAYER_DESIGN_FIELDS):
             # Set by hand, a design field no longer follows the design (set to None, it follows it again).
             kept = tuple(field for field in self._from_mode if field != name)
@@ -186,6 +199,7 @@ class RANConfig(PreTrainedConfig):
     def to_dict(self) -> dict:
         output = super().to_dict()
         output.pop("_from_mode", None)
+        output.pop("_edits", None)
         output.pop("custom_pipelines", None)  # what a saved folder serves follows from its model, as `auto_map` does
         return output | ({"custom_pipelines": pipelines} if (pipelines := served_pipelines(self)) else {})
 

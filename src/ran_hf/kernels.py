@@ -59,9 +59,9 @@ PLAIN_WEIGHT_MODULES: dict = {nn.Linear: ()}
 
 def _on_a_triton_device(op: str, tensor: torch.Tensor) -> bool:
     return (
-        TRITON[op]
+        tensor.device.type in ("cuda", "meta")
+        and TRITON[op]
         and TRITON_AVAILABLE
-        and tensor.device.type in ("cuda", "meta")
         and not torch.compiler.is_compiling()
     )
 
@@ -156,6 +156,6 @@ def choose(op: str, *args) -> str:
     scan: (config.scan_implementation, config.hidden_act, the modules the scan reads, the starting cell).
     """
     name = FORCED.get(op) or RULES[op](*args)
-    if not torch.compiler.is_compiling():
+    if name != CHOSEN.get(op) and not torch.compiler.is_compiling():  # (a dict store is cheaper than the question)
         CHOSEN[op] = name
     return name

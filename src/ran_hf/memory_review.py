@@ -202,6 +202,7 @@ class RANMemoryReview(nn.Module):
         if salient_table is not None:  # ... but the salient ones among them are kept
             index = salient_rows[..., None].expand(-1, -1, salient_table.shape[-1])
             hidden = hidden & ~salient_table.gather(1, index)
+        hidden = hidden & readable  # a token that reads nothing: nothing hidden, so that its softmax stays finite
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype) @ value  # (B, l, D)
         # dropout(value_act(o_proj(review))) + GLU(query), then the norm: on CUDA all inside the GLU's kernel

@@ -288,13 +288,39 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         # RAN keeps a recurrent state, not per-token keys and values: forward() creates its own `RANCache`.
         return False
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, inputs_embeds=None, **kwargs):
+    # What `generate` hands a step that a decoding step leaves out: the mask (see below), and what the prompt's pass
+    # read once (`initial_cell`) or a causal RAN does not take.
+    _NOT_STEP_INPUTS = ("attention_mask", "initial_cell", "labels", "position_ids", "token_type_ids")
+
+    def prepare_inputs_for_generation(
+        self, input_ids, past_key_values=None, inputs_embeds=None, next_sequence_length=None, **kwargs
+    ):
+        if next_sequence_length == 1 and isinstance(past_key_values, RANCache) and past_key_values.is_initialized:
+            # A decoding step, as Mamba's: the last token and the cache. `generate` extends the attention mask with
+            # ones, so the new tokens are all real, and the cache knows where each row stands; without the mask the
+            # step reads nothing to the host.
+            past_key_values.reserve(input_ids.shape[1])  # room for the cells a compiled step writes
+            model_inputs = {
+                "input_ids": input_ids[:, -1:].clone(memory_format=torch.contiguous_format),  # fixed strides
+                "past_key_values": past_key_values,
+            }
+            kwargs.pop("is_first_iteration", None)
+            for key, value in kwargs.items():
+                if key not in self._NOT_STEP_INPUTS:
+                    model_inputs[key] = value
+            return model_inputs
         model_inputs = super().prepare_inputs_for_generation(
-            input_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs
-        )
-        if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            input_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+            next_sequence_length=next_sequence_length, **kwargs,
+        )  # fmt: skip
+        if isinstance(past_key_values, RANCache) and past_key_values.is_initialized:
             model_inputs.pop("initial_cell", None)  # read by the prompt's pass; the cache carries the cells since
         return model_inputs
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        # RAN reads the 2D padding mask (its windows are causal by construction); no 4D mask is built for a
+        # compilable cache.
+        return attention_mask
 
     @cache_transaction  # a forward that fails, in the layers or in the loss, leaves `past_key_values` as it was
     @can_return_tuple

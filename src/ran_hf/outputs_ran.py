@@ -1,5 +1,7 @@
 """The RAN models' outputs: Transformers' output classes, plus the memory-review weights and the cells."""
 
+import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,22 @@ from transformers.utils import ModelOutput
 from .cache_ran import RANCache
 
 
+def with_field_names(output_class: type) -> type:
+    """`output_class` with its field names kept as a class attribute, for `set_field`."""
+    output_class.field_names = frozenset(field.name for field in dataclasses.fields(output_class))
+    return output_class
+
+
+def set_field(self, name, value):
+    """`ModelOutput.__setattr__` with the class's field names looked up once, not rebuilt from `dataclasses.fields` at
+    every assignment: a decoding step builds two outputs of up to ten fields each, and that rebuilding was the largest
+    part of its Python calls."""
+    if value is not None and name in self.field_names:
+        OrderedDict.__setitem__(self, name, value)  # as `ModelOutput.__setattr__`: the item a tuple returns
+    object.__setattr__(self, name, value)
+
+
+@with_field_names
 @dataclass
 class RANModelOutput(ModelOutput):
     """
@@ -62,6 +80,8 @@ class RANModelOutput(ModelOutput):
     memory_attentions: tuple[torch.FloatTensor, ...] | None = None
     past_key_values: RANCache | None = None
 
+    __setattr__ = set_field
+
 
 MEMORY_ATTENTIONS_DOC = """
         memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
@@ -74,6 +94,7 @@ def with_memory_attentions(output_class: type[ModelOutput], name: str, note: str
     namespace = {
         "__annotations__": {"memory_attentions": tuple[torch.FloatTensor, ...] | None},
         "memory_attentions": None,
+        "__setattr__": set_field,
         "__module__": __name__,
         "__qualname__": name,
         "__doc__": (
@@ -81,7 +102,7 @@ def with_memory_attentions(output_class: type[ModelOutput], name: str, note: str
             f"    Args:{MEMORY_ATTENTIONS_DOC}\n"
         ),
     }
-    return dataclass(type(name, (output_class,), namespace))
+    return with_field_names(dataclass(type(name, (output_class,), namespace)))
 
 
 RANMaskedLMOutput = with_memory_attentions(MaskedLMOutput, "RANMaskedLMOutput")

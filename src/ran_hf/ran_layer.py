@@ -178,6 +178,7 @@ class RANLayer(GradientCheckpointingLayer):
         self.cell_scan = RANCellScan(config)
         if config.associative_memory:
             self.associative_memory = RANAssociativeMemory(config)
+        self.reviews_memory = config.memory_review  # an architecture field: fixed once built
         if config.memory_review:
             self.memory_review = RANMemoryReview(config)
         elif not self.residual_stream:

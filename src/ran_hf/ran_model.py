@@ -26,6 +26,7 @@ from .adaptive_softmax import RANAdaptiveEmbedding
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit
 from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache
 from .configuration_ran import RANConfig
+from .decode_step import decode_layer, step_positions, step_settings, write_step
 from .input_checks import (
     check_exportable,
     check_initial_cell,
@@ -157,11 +158,18 @@ class RANPreTrainedModel(PreTrainedModel):
         super().post_init()
         # The config's fields as built: a forward or save after a field it was built from changed is refused.
         self._built_config = self.config.snapshot()
+        self.checked_config = None  # (config, its edit count) when last checked: unchanged since, nothing to check
+        self.step_settings = None  # what a decoding step reads of the config, as last checked (decode_step.py)
 
     def check_config(self):
         """Refuse to run or save after a field the model was built from changed (`RANConfig.check_built`, naming the
-        field and the fix); validate other changes. Host-only: compiled code skips it."""
-        self._built_config = self.config.check_built(self._built_config)
+        field and the fix); validate other changes. Only when the config was edited since the last check (its edit
+        count, `RANConfig.edits`): a forward pass does no config work otherwise. Host-only: compiled code skips it."""
+        config = self.config
+        checked = (id(config), config.edits)
+        if checked != self.checked_config:
+            self._built_config = config.check_built(self._built_config)
+            self.checked_config, self.step_settings = checked, step_settings(config)
 
     def save_pretrained(self, *args, save_original_format: bool = False, **kwargs):
         """Transformers' `save_pretrained`, writing today's weight names. `save_original_format=True` (Transformers'
@@ -174,7 +182,7 @@ class RANPreTrainedModel(PreTrainedModel):
         embeddings = super().resize_token_embeddings(*args, **kwargs)
         for module in self.modules():  # `vocab_size` now matches the resized embedding
             if isinstance(module, RANPreTrainedModel):
-                module._built_config = module.config.snapshot()
+                module._built_config, module.checked_config = module.config.snapshot(), None
         return embeddings
 
     @staticmethod
@@ -264,11 +272,58 @@ class RANModel(RANPreTrainedModel):
         # A residual stream is normalised once, after the last layer; official layers end in their own norm.
         self.norm = RANCenteredRMSNorm(config.hidden_size, config.layer_norm_eps) if config.residual_stream else None
         self.pooler = RANPooler(config) if add_pooling_layer else None
+        self.embeddings_shift_tokens = config.token_shift  # a size field: fixed once built
         self.gradient_checkpointing = False
         self.post_init()
 
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings
+
+    def decodes_in_steps(self, input_ids, inputs_embeds, cache, output_attentions, output_hidden_states) -> bool:
+        """Whether this call is a decoding step (`decode_step`): one new real token per row (no attention mask: all
+        are real) continuing an initialised `RANCache` this model has checked, in inference, with nothing recorded
+        on the way. Everything else, and the options a step does not compute (the associative memory, salient
+        cells), takes the general forward pass."""
+        if (
+            type(cache) is not RANCache
+            or cache.lengths is None
+            or self.training
+            or torch.is_grad_enabled()
+            or (input_ids if input_ids is not None else inputs_embeds).shape[1] != 1
+        ):
+            return False
+        return (
+            self.step_settings is not None
+            and cache.checked_by == self.checked_config
+            and not (output_attentions or output_hidden_states)
+            and self.pooler is None
+        )
+
+    def decode_step(self, input_ids, inputs_embeds, cache: RANCache) -> RANModelOutput:
+        """One new token per row against `cache` (decode_step.py), in shapes that do not change from step to step and
+        without a host read. Returns the last layer's token states and the cache; a step computes no cells for the
+        output (`cells`, `pooled_cell` and `last_cell` are None)."""
+        embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)[:, 0]  # (B, D)
+        if not torch.compiler.is_compiling():
+            cache.reserve(max(cache.known_lengths()) + 1)  # room for a cell each row may write
+        settings = self.step_settings
+        at = step_positions(settings, cache, embeddings.device)
+        states = embeddings
+        if self.embeddings_shift_tokens:
+            states = embeddings + self.embeddings.token_shift(cache.layers[0].last_token)
+        steps = []
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            states, step = decode_layer(layer, states, layer_cache, at, settings)
+            steps.append(step)
+        if self.norm is not None:
+            states = self.norm(states)
+        # Every layer's state is written once all have run: a step that fails leaves the cache as it was.
+        for layer_cache, step in zip(cache.layers, steps):
+            write_step(layer_cache, step, at.scan_runs)
+        if self.embeddings_shift_tokens:
+            cache.layers[0].update_last_token(embeddings)
+        cache.advance_one_token()
+        return RANModelOutput(last_hidden_state=states[:, None], past_key_values=cache)
 
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
@@ -323,10 +378,17 @@ class RANModel(RANPreTrainedModel):
         """
         if not torch.compiler.is_compiling():
             self.check_config()  # a field the model was built from, changed since, is named
+        if past_key_values is not None and attention_mask is None and token_type_ids is None and initial_cell is None:
+            if self.decodes_in_steps(input_ids, inputs_embeds, past_key_values, output_attentions, output_hidden_states):
+                return self.decode_step(input_ids, inputs_embeds, past_key_values)
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
-        check_cache(past_key_values, self.config)
+        if past_key_values is not None and getattr(past_key_values, "checked_by", None) != self.checked_config:
+            check_cache(past_key_values, self.config)
+            past_key_values.checked_by = self.checked_config  # a decoding step trusts it while the config stays
+        if past_key_values is not None:
+            past_key_values.check_graph()  # per pass: a backward may have freed the graph it carries since
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
         cell_checks = type_checks = None
@@ -353,6 +415,7 @@ class RANModel(RANPreTrainedModel):
         attention_mask = attention_mask[:, -padded_length:]  # generate() passes the mask of the whole text so far
         if use_cache and past_key_values is None:
             past_key_values = RANCache(self.config)
+            past_key_values.checked_by = self.checked_config
         past_lengths = None if past_key_values is None else past_key_values.past_lengths(batch_size, device)
         # The layout's sizes and the inputs' checks in one host synchronisation, before any token is embedded.
         layout = RANWindowLayout.from_attention_mask(
@@ -361,6 +424,8 @@ class RANModel(RANPreTrainedModel):
         )
         if input_checks is not None:
             input_checks.judge(layout.read_values)  # a bad input is named before any token is embedded
+        if past_key_values is not None:
+            past_key_values.make_room(layout.most_finished_windows)
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
 
         token_states = layout.from_padded(embeddings)  # (T, D)
@@ -384,7 +449,7 @@ class RANModel(RANPreTrainedModel):
         token_states = layout.from_padded(hidden_states)  # (T, D)
 
         if past_key_values is not None:
-            past_key_values.advance(layout.lengths, padded_length)
+            past_key_values.advance(layout.lengths, padded_length, layout.total_lengths)
             token_states = past_key_values.watch_graph(token_states)  # tells a later forward when backward freed it
         if self.norm is not None:
             token_states = self.norm(token_states)

@@ -107,6 +107,7 @@ class RANWindowLayout:
     slot_is_source: torch.Tensor | None = None  # (K, S) prefix LM (token_type_ids): the slot holds a source token
     source_windows: torch.Tensor | None = None  # (B,) prefix LM: windows that hold a source token, the first ones
     read_values: list | None = None  # `read_with_sizes` as read to the host with the sizes; None in an export
+    total_lengths: list | None = None  # continuing a cache: each row's length after this pass, read with the sizes
 
     @property
     def num_steps(self) -> int:
@@ -132,6 +133,7 @@ class RANWindowLayout:
         read in the same synchronisation and kept as `read_values` (None when nothing is read: an export).
         """
         window, overlap = config.window_size, config.window_overlap
+        total_lengths = None
         # A prefix LM (`token_type_ids`) never merges a short tail either: whether it would depends on the target's
         # length, which a target token may not read.
         min_window = 1 if config.is_causal or token_type_ids is not None else config.min_window_size
@@ -165,11 +167,16 @@ class RANWindowLayout:
             sizes = [lengths.sum(), tail_lengths.sum(), num_windows.sum(), num_windows.max(), lengths.max()]
             sizes += [tail_lengths.max(), next_tail_lengths.max(), (first_window > 0).sum()]
             sizes += [(first_window + num_windows).max(), finished_windows.max()]
+            read = [torch.stack(sizes)]
+            if past_lengths is not None:  # a cache's rows' lengths after this pass, for its decoding steps
+                read.append(total)
             if read_with_sizes is not None:  # the caller's values, read in the same synchronisation
-                sizes += read_with_sizes.to(device).unbind()
-            found = torch.stack(sizes).tolist()
+                read.append(read_with_sizes.to(device))
+            found = torch.cat(read).tolist()
             (num_tokens, num_tail, num_packed, num_steps, longest, longest_tail, longest_next_tail, continued_rows,
              cell_capacity, most_finished_windows) = found[:10]  # fmt: skip
+            if past_lengths is not None:
+                total_lengths, found = found[10 : 10 + batch_size], found[:10] + found[10 + batch_size :]
             read_values = found[10:]
         token_index = true_positions(real.flatten(), num_tokens)  # (T,)
         empty = num_tokens + num_tail
@@ -280,6 +287,7 @@ class RANWindowLayout:
             slot_is_source=slot_is_source,
             source_windows=source_windows,
             read_values=read_values,
+            total_lengths=total_lengths,
         )
 
     def for_cell_scan(self) -> "RANWindowLayout":

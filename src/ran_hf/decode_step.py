@@ -1,0 +1,260 @@
+"""A decoding step of a causal RAN: one new token per row, read against the cache in fixed shapes.
+
+The general forward pass (ran_layer.py) lays out windows for any number of new tokens, which costs a host read of
+the layout's sizes and a few hundred small ops. A decoding step needs none of it: each row's new token joins its
+current window at the slot after the cached tail, attends over the read cell and that window, reviews the cached
+cells, and, where it ends its window, the cell scan takes one step. Every shape is the cache's own (a tail of
+`window_size - 1 + window_overlap` slots, a fixed room of cells), so the step reads nothing to the host and
+compiles into one graph that a GPU can replay.
+
+`decode_layer` computes one layer's step and returns the layer's new cache state without writing it; `RANModel`
+writes every layer's state once all layers have run, so that a step that fails leaves the cache as it was.
+
+Shapes: B batch, H heads, d head size, D hidden size, S window slots (the tail plus the new token), C cached cells.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .building_blocks import apply_interleaved_rotary, rotary_rotations
+from .cache_ran import RANCache, RANCacheLayer
+from .cell_scan import cell_step
+from .fused_scan import window_maxima
+from .scan_dropout import NO_DROPOUT
+
+
+class StepSettings(NamedTuple):
+    """The config fields a step reads, read once when the config is checked (`RANPreTrainedModel.check_config`)."""
+
+    window_size: int
+    window_overlap: int
+    review_initial_cell: bool
+    memory_review_cells: int | None
+    head_dim: int
+    rope_theta: float
+
+
+def step_settings(config) -> StepSettings | None:
+    """What decoding steps read of `config`, or None where they do not run: an encoder, and the options a step does
+    not compute (the associative memory, salient cells) or what it does not record (attentions, hidden states)."""
+    if (
+        not config.is_causal
+        or config.associative_memory
+        or config.memory_salient_cells is not None
+        or config.output_attentions
+        or config.output_hidden_states
+    ):
+        return None
+    return StepSettings(
+        config.window_size, config.window_overlap, config.review_initial_cell, config.memory_review_cells,
+        config.head_dim, config.rope_theta,
+    )  # fmt: skip
+
+
+class StepPositions(NamedTuple):
+    """Where every row's new token sits, shared by all layers of a step."""
+
+    slot: torch.Tensor  # (B,) the new token's window slot: the length of the row's cached tail
+    window: torch.Tensor  # (B,) the number of the token's window in its row
+    visible: torch.Tensor  # (B, S) the slots the token reads: its tail and itself
+    query_rotations: torch.Tensor  # (B, 1, d / 2, 2) the new token's rotary embedding (slot s is position s + 1)
+    key_rotations: torch.Tensor  # (S, 1, d / 2, 2) every slot's
+    ends_window: torch.Tensor  # (B,) the token is the last of its window: the cell scan takes a step
+    scan_runs: bool  # whether any row ends a window (always, compiled: the step cannot ask)
+    first_readable: torch.Tensor | None  # (B, 1) the first cached cell the token's memory review reads (None: 0)
+    readable: torch.Tensor  # (B, 1) the cells it reads end before this one (0: it reads none)
+
+
+def step_positions(config: StepSettings, cache: RANCache, device: torch.device) -> StepPositions:
+    """Where the new tokens go, from the lengths the cache has read (on the device; on the host only to skip the
+    cell scan in a step where no row ends a window)."""
+    window_size, overlap = config.window_size, config.window_overlap
+    past = cache.lengths  # (B,)
+    window = past // window_size
+    slot = torch.minimum(past, past % window_size + overlap)
+    num_slots = cache.tail_slots + 1
+    visible = torch.arange(num_slots, device=device) <= slot[:, None]
+    rotations = step_rotations(config, num_slots, device)
+    ends_window = (past + 1) % window_size == 0
+    if torch.compiler.is_compiling():
+        scan_runs = True
+    else:
+        scan_runs = any((length + 1) % window_size == 0 for length in cache.known_lengths())
+    # Memory review: window w reads the cells of windows before it (the last `memory_review_cells`), after the
+    # layer's starting cell where `review_initial_cell` puts it first. Unbounded, cached cell c is window c's; bounded,
+    # the M cached cells are right-aligned, the last being window w - 1's.
+    initial = int(config.review_initial_cell)
+    bound = config.memory_review_cells
+    if bound is None:
+        first_readable, readable = None, (window + initial)[:, None]
+    else:
+        # (a token of the first window reads no cached cell: its range is empty, not hidden, so its review is zero)
+        reads_cells = window > 0
+        first_readable = torch.where(reads_cells, (bound - window).clamp(min=0) + initial, 0)[:, None]
+        readable = torch.where(reads_cells, bound + initial, initial)[:, None]
+    return StepPositions(
+        slot=slot,
+        window=window,
+        visible=visible,
+        query_rotations=rotations[slot + 1][:, None],
+        key_rotations=rotations[1:][:, None],
+        ends_window=ends_window,
+        scan_runs=scan_runs,
+        first_readable=first_readable,
+        readable=readable,
+    )
+
+
+_ROTATIONS: dict = {}
+
+
+def step_rotations(config: StepSettings, num_slots: int, device: torch.device) -> torch.Tensor:
+    """(1 + S, d / 2, 2) the rotary embedding of the cell (position 0) and of every slot, made once per device."""
+    if torch.compiler.is_compiling():  # a constant of the graph
+        return rotary_rotations(num_slots + 1, config.head_dim, config.rope_theta, device)
+    key = (num_slots, config.head_dim, config.rope_theta, device)
+    if key not in _ROTATIONS:
+        _ROTATIONS[key] = rotary_rotations(num_slots + 1, config.head_dim, config.rope_theta, device)
+    return _ROTATIONS[key]
+
+
+class LayerStep(NamedTuple):
+    """A layer's cache state after a step, written by `write_step`."""
+
+    cell: torch.Tensor
+    previous_raw_cell: torch.Tensor
+    cell_states: torch.Tensor | None
+    tail_keys: torch.Tensor
+    tail_values: torch.Tensor
+
+
+def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPositions, config: StepSettings):
+    """One layer's decoding step: states (B, D) of the new tokens -> their states after the layer (B, D), and the
+    layer's cache state after the step (`LayerStep`)."""
+    rows = states.shape[0]
+    # 1. The new token's query, key and value, and its window: the cached tail with the token in its slot.
+    normed = layer.normalize_input(states)  # (B, D)
+    query, key, value = layer.project(normed).unbind(-3)  # (B, H, d) each
+    batch = torch.arange(rows, device=states.device)
+    keys = F.pad(cache.tail_keys, (0, 0, 0, 0, 0, 1)).index_put((batch, at.slot), key)  # (B, S, H, d), un-rotated
+    values = F.pad(cache.tail_values, (0, 0, 0, 0, 0, 1)).index_put((batch, at.slot), value)  # (B, S, H, d)
+    rotated_query = apply_interleaved_rotary(query, at.query_rotations)  # (B, H, d)
+    rotated_keys = apply_interleaved_rotary(keys, at.key_rotations).transpose(1, 2)  # (B, H, S, d)
+    window_values = values.transpose(1, 2)  # (B, H, S, d)
+
+    # 2. Token attention over the read cell (position 0, not rotated) and the window's visible slots.
+    cell_key, cell_value = read_cell(layer, cache)  # (B, H, d) each
+    all_keys = torch.cat([cell_key[:, :, None], rotated_keys], dim=2)  # (B, H, 1 + S, d)
+    all_values = torch.cat([cell_value[:, :, None], window_values], dim=2)
+    scores = (rotated_query[:, :, None] @ all_keys.transpose(-1, -2))[:, :, 0] / math.sqrt(layer.head_dim)
+    hidden = ~F.pad(at.visible, (1, 0), value=True)[:, None]  # (B, 1, 1 + S)
+    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32)
+    attended = (weights.to(all_values.dtype)[:, :, None] @ all_values)[:, :, 0].flatten(-2)  # (B, H * d)
+    if layer.residual_stream:
+        token = states + layer.attention_output(attended, normed)
+    else:
+        token = layer.finish_attention(attended, normed)
+        token = token if layer.reviews_memory else layer.output_norm(token)
+
+    # 3. Memory review of the cached cells (the layer's starting cell first, where it reads it).
+    if layer.reviews_memory:
+        cells = cache.cell_states
+        if config.review_initial_cell:
+            cells = torch.cat([reviewed_initial_cell(layer, cache, rows).to(cells.dtype), cells], dim=1)
+        token = layer.memory_review.review_chunk(token[:, None], cells, at.readable, at.first_readable, None, None)[0][:, 0]
+
+    # 4. Where a row's token ends its window, the cell scan's step for that window.
+    cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states
+    tail_keys, tail_values = keys[:, :-1], values[:, :-1]
+    if at.scan_runs:
+        raw, new_cell = scan_step(layer, cell, previous_raw, rotated_keys, window_values, at)
+        ends = at.ends_window[:, None]
+        cell, previous_raw = torch.where(ends, new_cell, cell), torch.where(ends, raw, previous_raw)
+        if layer.reviews_memory:
+            cell_states = remember_cell(layer.memory_review.project_cells(raw), cell_states, at, config)
+        tail_keys, tail_values = (next_tail(slots, at, config.window_overlap) for slots in (keys, values))
+    return token, LayerStep(cell, previous_raw, cell_states, tail_keys, tail_values)
+
+
+def read_cell(layer, cache: RANCacheLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value (B, H, d) of the cell the current window reads. Kept in the cache until the cell changes
+    (a cache holds what the weights that wrote it computed, as its tail's keys do); computed every step when
+    compiled, where the step cannot ask whether it is there."""
+    if torch.compiler.is_compiling() or cache.read_cell_states is None:
+        _, key, value = layer.project(layer.normalize_input(cache.cell)).unbind(-3)
+        if torch.compiler.is_compiling():
+            return key, value
+        cache.read_cell_states = key, value
+    return cache.read_cell_states
+
+
+def reviewed_initial_cell(layer, cache: RANCacheLayer, rows: int) -> torch.Tensor:
+    """(B, 1, 2 D) memory review's key and value of the layer's starting cell, kept in the cache as `read_cell`."""
+    if torch.compiler.is_compiling() or cache.initial_cell_states is None:
+        review = layer.memory_review
+        projected = review.project_cells(layer.initial_cell[None].expand(rows, -1))[:, None]
+        if torch.compiler.is_compiling():
+            return projected
+        cache.initial_cell_states = projected
+    return cache.initial_cell_states
+
+
+def scan_step(layer, cell, previous_raw, rotated_keys, window_values, at: StepPositions):
+    """The cell scan's step for the window each row's token ends (`cell_scan.cell_step`): the raw cell and the cell
+    (B, D). In the weights' dtype under autocast, as the scan runs: the cell is a running state."""
+    device = cell.device.type
+    if device != "meta" and torch.is_autocast_enabled(device):
+        dtype = layer.qkv_proj.weight.dtype
+        with torch.autocast(device, enabled=False):
+            return scan_step(
+                layer, cell.to(dtype), previous_raw.to(dtype), rotated_keys.to(dtype), window_values.to(dtype), at
+            )
+    scan = layer.cell_scan
+    maxima = None
+    if scan.cell_max_pool:
+        maxima = window_maxima(window_values[None], at.visible[None])[0]  # (B, H, d)
+    continues = (at.window > 0)[:, None] if scan.use_cell_residual else None
+    _, _, raw, new_cell = cell_step(
+        scan, layer.cell_scan_weights(), cell, previous_raw, rotated_keys, window_values, at.visible, maxima,
+        NO_DROPOUT, continues,
+    )  # fmt: skip
+    return raw, new_cell
+
+
+def remember_cell(projected, cell_states: torch.Tensor, at: StepPositions, config: StepSettings) -> torch.Tensor:
+    """The cached cells after the windows that end here wrote theirs (`projected` (B, 2 D)): unbounded, into the
+    window's place; bounded, after the last M - 1 (right-aligned)."""
+    ends = at.ends_window[:, None]
+    if config.memory_review_cells is not None:
+        shifted = torch.cat([cell_states[:, 1:], projected[:, None].to(cell_states.dtype)], dim=1)
+        return torch.where(ends[..., None], shifted, cell_states)
+    rows = torch.arange(cell_states.shape[0], device=cell_states.device)
+    place = at.window.clamp(max=cell_states.shape[1] - 1)
+    written = torch.where(ends, projected.to(cell_states.dtype), cell_states[rows, place])
+    return cell_states.index_put((rows, place), written)
+
+
+def next_tail(slots: torch.Tensor, at: StepPositions, overlap: int) -> torch.Tensor:
+    """(B, S, H, d) the window's slots with the new token -> the tail the next step reads (B, S - 1, H, d): the same,
+    or for a row whose window ended, the last `overlap` tokens of it (the next window's enrichment), zeros after."""
+    kept = slots[:, :-1]
+    ends = at.ends_window[:, None, None, None]
+    if overlap == 0:
+        return kept.masked_fill(ends, 0)
+    offsets = torch.arange(kept.shape[1], device=slots.device)
+    index = (at.slot[:, None] + 1 - overlap + offsets).clamp(max=kept.shape[1])  # (B, S - 1)
+    moved = slots.gather(1, index[..., None, None].expand(-1, -1, *slots.shape[2:]))
+    moved = moved.masked_fill((offsets >= overlap)[None, :, None, None], 0)
+    return torch.where(ends, moved, kept)
+
+
+def write_step(layer_cache: RANCacheLayer, step: LayerStep, scan_ran: bool) -> None:
+    if scan_ran:  # the cell may have changed
+        layer_cache.update_recurrent_state(step.cell)
+    layer_cache.previous_raw_cell = step.previous_raw_cell
+    if step.cell_states is not None:
+        layer_cache.update_cell_states(step.cell_states)
+    layer_cache.update_tail(step.tail_keys, step.tail_values)

@@ -1,0 +1,117 @@
+"""What a decoding step costs besides the model's arithmetic: Python calls beside Mamba-2's, host reads, and a
+compiled step's graph (scripts/benchmarks/benchmark_per_call.py prints the figures and the times)."""
+
+import sys
+
+import pytest
+import torch
+from transformers import Mamba2Config, Mamba2ForCausalLM
+
+from benchmark_kernels import KernelCounter
+
+from ran_hf import RANCache, RANConfig, RANForCausalLM
+from ran_testing import randomize_, tiny_config
+
+
+def python_calls(function) -> int:
+    """Python function calls (not C ones) while `function` runs, as `sys.setprofile` sees them."""
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        function()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def calls_per_decoding_step(model, prompt_length: int = 64) -> float:
+    """Python calls per step of greedy `generate()`: the difference between 12 and 2 new tokens, over 10 steps."""
+    ids = torch.randint(1, 1000, (1, prompt_length), generator=torch.Generator().manual_seed(0))
+
+    def generate(steps):
+        return lambda: model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+
+    with torch.no_grad():
+        generate(3)()
+        return (python_calls(generate(12)) - python_calls(generate(2))) / 10
+
+
+def width_128_ran() -> RANForCausalLM:
+    config = RANConfig(
+        vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=32, window_size=128,
+        min_window_size=16, is_causal=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return RANForCausalLM(config).eval()
+
+
+def width_128_mamba2() -> Mamba2ForCausalLM:
+    config = Mamba2Config(
+        vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_heads=4, head_dim=64, state_size=64, n_groups=1,
+        expand=2, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return Mamba2ForCausalLM(config).eval()
+
+
+def test_a_decoding_step_runs_at_most_twice_the_python_calls_of_mamba2():
+    """A recurrent step should run about as much Python as another recurrent model's: within twice Mamba-2's,
+    `generate()`'s own calls included on both sides."""
+    ran, mamba = calls_per_decoding_step(width_128_ran()), calls_per_decoding_step(width_128_mamba2())
+    assert ran <= 2 * mamba, f"RAN {ran:.0f} Python calls per decoding step, Mamba-2 {mamba:.0f}"
+
+
+def test_a_decoding_step_reads_nothing_to_the_host():
+    """After the prompt's pass, a step of every layer runs on the device alone: counted on the meta device, which
+    stands in for a GPU (a read there would have to wait for the device)."""
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True, window_size=4, min_window_size=2)))
+    ids = torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        model.to("meta")
+        for layer in cache.layers:
+            layer._map(lambda tensor: tensor.to("meta"))
+        cache.lengths, cache.compiled_positions = cache.lengths.to("meta"), cache.compiled_positions.to("meta")
+        counter = KernelCounter()
+        token = torch.ones(2, 1, dtype=torch.long, device="meta")
+        with counter:
+            for _ in range(5):  # through the end of a window (lengths 7 -> 12, window 4)
+                logits = model(token, past_key_values=cache, use_cache=True).logits
+    assert logits.shape == (2, 1, 61)
+    assert counter.host_syncs == 0
+    assert cache.seen_positions == 12 and cache.known_lengths() == [12, 12]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({}, id="learnable-memory"),
+        pytest.param({"layer_design": "official", "window_overlap": 1}, id="official-overlap"),
+        pytest.param({"memory_review_cells": 2}, id="bounded-memory"),
+    ],
+)
+def test_a_compiled_decoding_step_runs_64_steps_in_one_graph(fields):
+    """`torch.compile(fullgraph=True)` of the model's forward takes 64 single-token steps (16 windows end among them)
+    without a graph break or a recompilation, and gives the eager steps' logits."""
+    torch._dynamo.reset()
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True, window_size=4, min_window_size=2, **fields)))
+    ids = torch.randint(1, 61, (2, 70), generator=torch.Generator().manual_seed(2))
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    eager_cache, compiled_cache = RANCache(model.config, max_cache_len=70), RANCache(model.config, max_cache_len=70)
+    with torch.no_grad():
+        model(ids[:, :6], past_key_values=eager_cache, use_cache=True)
+        model(ids[:, :6], past_key_values=compiled_cache, use_cache=True)
+        counts = torch._dynamo.utils.counters
+        counts.clear()
+        for position in range(6, 70):
+            token = ids[:, position : position + 1]
+            eager = model(token, past_key_values=eager_cache, use_cache=True).logits
+            step = compiled(token, past_key_values=compiled_cache, use_cache=True).logits
+            torch.testing.assert_close(step, eager, rtol=1e-4, atol=1e-4)
+    assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
+    assert not counts["graph_break"], dict(counts["graph_break"])
+    assert compiled_cache.get_seq_length() == 70 and compiled_cache.known_lengths() == [70, 70]
