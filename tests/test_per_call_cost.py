@@ -1,66 +1,29 @@
 """What a decoding step costs besides the model's arithmetic: Python calls beside Mamba-2's, host reads, and a
 compiled step's graph (scripts/benchmarks/benchmark_per_call.py prints the figures and the times)."""
 
-import sys
-
+import benchmark_per_call
 import pytest
 import torch
-from transformers import Mamba2Config, Mamba2ForCausalLM
-
 from benchmark_kernels import KernelCounter
+from benchmark_per_call import build, calls_per_step
 
-from ran_hf import RANCache, RANConfig, RANForCausalLM
+from ran_hf import RANCache, RANForCausalLM
 from ran_testing import randomize_, tiny_config
 
 
-def python_calls(function) -> int:
-    """Python function calls (not C ones) while `function` runs, as `sys.setprofile` sees them."""
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(profile)
-    try:
-        function()
-    finally:
-        sys.setprofile(None)
-    return calls
+def width_128(name: str):
+    """The causal RAN, Llama or Mamba-2 of benchmark_per_call.py's defaults (width 128, 2 layers, window 128)."""
+    return build(name, benchmark_per_call.parse_args([]))
 
 
-def calls_per_decoding_step(model, prompt_length: int = 64) -> float:
-    """Python calls per step of greedy `generate()`: the difference between 12 and 2 new tokens, over 10 steps."""
-    ids = torch.randint(1, 1000, (1, prompt_length), generator=torch.Generator().manual_seed(0))
-
-    def generate(steps):
-        return lambda: model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-
-    with torch.no_grad():
-        generate(3)()
-        return (python_calls(generate(12)) - python_calls(generate(2))) / 10
-
-
-def width_128_ran() -> RANForCausalLM:
-    config = RANConfig(
-        vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=32, window_size=128,
-        min_window_size=16, is_causal=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    return RANForCausalLM(config).eval()
-
-
-def width_128_mamba2() -> Mamba2ForCausalLM:
-    config = Mamba2Config(
-        vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_heads=4, head_dim=64, state_size=64, n_groups=1,
-        expand=2, bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    return Mamba2ForCausalLM(config).eval()
+def calls_per_decoding_step(model) -> float:
+    return calls_per_step(model, benchmark_per_call.parse_args(["--steps", "10"]))
 
 
 def test_a_decoding_step_runs_at_most_twice_the_python_calls_of_mamba2():
     """A recurrent step should run about as much Python as another recurrent model's: within twice Mamba-2's,
     `generate()`'s own calls included on both sides."""
-    ran, mamba = calls_per_decoding_step(width_128_ran()), calls_per_decoding_step(width_128_mamba2())
+    ran, mamba = calls_per_decoding_step(width_128("ran")), calls_per_decoding_step(width_128("mamba2"))
     assert ran <= 2 * mamba, f"RAN {ran:.0f} Python calls per decoding step, Mamba-2 {mamba:.0f}"
 
 

@@ -390,6 +390,7 @@ class RANCache(Cache):
             )
         copied = self.__class__.__new__(self.__class__)
         memo[id(self)] = copied
+        memo[id(self.checked_by)] = self.checked_by  # a copy is as checked as the cache it copies
         copied.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
         return copied
 

@@ -158,7 +158,8 @@ class RANPreTrainedModel(PreTrainedModel):
         super().post_init()
         # The config's fields as built: a forward or save after a field it was built from changed is refused.
         self._built_config = self.config.snapshot()
-        self.checked_config = None  # (config, its edit count) when last checked: unchanged since, nothing to check
+        self._checked_key = None  # (config, its edit count) when last checked: unchanged since, nothing to check
+        self.checked_config = None  # a token of that check, which the caches it checked carry
         self.step_settings = None  # what a decoding step reads of the config, as last checked (decode_step.py)
 
     def check_config(self):
@@ -167,9 +168,10 @@ class RANPreTrainedModel(PreTrainedModel):
         count, `RANConfig.edits`): a forward pass does no config work otherwise. Host-only: compiled code skips it."""
         config = self.config
         checked = (id(config), config.edits)
-        if checked != self.checked_config:
+        if checked != self._checked_key:
             self._built_config = config.check_built(self._built_config)
-            self.checked_config, self.step_settings = checked, step_settings(config)
+            self._checked_key, self.step_settings = checked, step_settings(config)
+            self.checked_config = object()  # what a cache this model checks is marked with (`RANCache.checked_by`)
 
     def save_pretrained(self, *args, save_original_format: bool = False, **kwargs):
         """Transformers' `save_pretrained`, writing today's weight names. `save_original_format=True` (Transformers'
@@ -182,7 +184,7 @@ class RANPreTrainedModel(PreTrainedModel):
         embeddings = super().resize_token_embeddings(*args, **kwargs)
         for module in self.modules():  # `vocab_size` now matches the resized embedding
             if isinstance(module, RANPreTrainedModel):
-                module._built_config, module.checked_config = module.config.snapshot(), None
+                module._built_config, module._checked_key = module.config.snapshot(), None
         return embeddings
 
     @staticmethod
@@ -294,7 +296,7 @@ class RANModel(RANPreTrainedModel):
             return False
         return (
             self.step_settings is not None
-            and cache.checked_by == self.checked_config
+            and cache.checked_by is self.checked_config
             and not (output_attentions or output_hidden_states)
             and self.pooler is None
         )
@@ -384,7 +386,7 @@ class RANModel(RANPreTrainedModel):
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
-        if past_key_values is not None and getattr(past_key_values, "checked_by", None) != self.checked_config:
+        if past_key_values is not None and getattr(past_key_values, "checked_by", None) is not self.checked_config:
             check_cache(past_key_values, self.config)
             past_key_values.checked_by = self.checked_config  # a decoding step trusts it while the config stays
         if past_key_values is not None:

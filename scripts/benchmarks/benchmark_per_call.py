@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""What a call costs besides the arithmetic: the causal RAN beside Llama and Mamba-2 of the same width, in one run.
+
+    python scripts/benchmarks/benchmark_per_call.py                                  # width 128, 2 layers
+    python scripts/benchmarks/benchmark_per_call.py --hidden_size 512 --num_layers 4 --output benchmarks/per_call/per_call_512.json
+
+Per model: Python calls (`sys.setprofile`) of one decoding step inside greedy `generate()` (the difference between
+`--steps` + 2 and 2 new tokens, per step), and of one sequence-classifier forward at `--classifier_length` tokens
+(RAN and Llama); then milliseconds per new token after prompts of `--contexts` tokens: every model reads the prompt
+for real (RAN and Mamba-2 in chunks of `--prefill_chunk` through their caches, Llama in one pass up to
+`--llama_max_context`, beyond which it is left out), then `generate()` adds `--steps` tokens greedily, timed from the
+first step's logits to the last's by a logits processor (so the prompt's pass is not counted). One thread by default.
+Writes a table to stdout and one JSON in the benchmarks' result format.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    LogitsProcessor,
+    LogitsProcessorList,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+)
+
+from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record, write_result
+from causal_baselines import llama_inner_size
+from ran_hf import RANCache, RANConfig, RANForCausalLM, RANForSequenceClassification
+
+
+class StepClock(LogitsProcessor):
+    """Records the time at every step of `generate()` (called once per new token, after its forward)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def python_calls(function) -> int:
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        function()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def build(name: str, args, classifier: bool = False):
+    width, layers, heads, vocab = args.hidden_size, args.num_layers, args.num_heads, args.vocab_size
+    if name == "ran":
+        config = RANConfig(
+            vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+            head_dim=width // heads, window_size=args.window_size, min_window_size=min(16, args.window_size // 4),
+            is_causal=not classifier, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        return (RANForSequenceClassification if classifier else RANForCausalLM)(config).eval()
+    if name == "llama":
+        config = LlamaConfig(
+            vocab_size=vocab, hidden_size=width, intermediate_size=llama_inner_size(width), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=args.llama_max_context + 64,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+        return (LlamaForSequenceClassification if classifier else LlamaForCausalLM)(config).eval()
+    config = Mamba2Config(
+        vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_heads=2 * width // 64, head_dim=64,
+        state_size=64, n_groups=1, expand=2, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return Mamba2ForCausalLM(config).eval()
+
+
+def generate(model, ids, steps, **kwargs):
+    clock = StepClock()
+    model.generate(
+        ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, logits_processor=LogitsProcessorList([clock]),
+        **kwargs,
+    )  # fmt: skip
+    return clock.times
+
+
+@torch.no_grad()
+def calls_per_step(model, args) -> float:
+    ids = torch.randint(1, args.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+
+    def run(steps):  # without the clock: only the model's and `generate`'s own calls
+        return model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+
+    run(3)
+    return (python_calls(lambda: run(args.steps + 2)) - python_calls(lambda: run(2))) / args.steps
+
+
+@torch.no_grad()
+def classifier_calls(name: str, args) -> int:
+    model = build(name, args, classifier=True)
+    ids = torch.randint(1, args.vocab_size, (1, args.classifier_length), generator=torch.Generator().manual_seed(0))
+    model(ids)
+    return python_calls(lambda: model(ids))
+
+
+@torch.no_grad()
+def ms_per_token(name: str, model, context: int, args) -> float | None:
+    if name == "llama" and context > args.llama_max_context:
+        return None
+    ids = torch.randint(1, args.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
+    kwargs = {}
+    if name == "ran":  # the prompt read through the cache in chunks, as a long text is; `generate` adds the last token
+        cache = RANCache(model.config)
+        for start in range(0, context - 1, args.prefill_chunk):
+            model(ids[:, start : min(start + args.prefill_chunk, context - 1)], past_key_values=cache, use_cache=True)
+        kwargs["past_key_values"] = cache
+    elif name == "mamba2" and context > args.prefill_chunk:
+        kwargs["prefill_chunk_size"] = args.prefill_chunk
+    times = generate(model, ids, args.steps + 1, **kwargs)
+    return 1000 * statistics.median(later - earlier for earlier, later in zip(times, times[1:]))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden_size", type=POSITIVE, default=128)
+    parser.add_argument("--num_layers", type=POSITIVE, default=2)
+    parser.add_argument("--num_heads", type=POSITIVE, default=4)
+    parser.add_argument("--vocab_size", type=POSITIVE, default=1000)
+    parser.add_argument("--window_size", type=POSITIVE, default=128)
+    parser.add_argument("--contexts", type=POSITIVE, nargs="+", default=[512, 4096])
+    parser.add_argument("--steps", type=POSITIVE, default=32, help="new tokens timed per context")
+    parser.add_argument("--prefill_chunk", type=POSITIVE, default=4096)
+    parser.add_argument("--llama_max_context", type=POSITIVE, default=32768)
+    parser.add_argument("--classifier_length", type=POSITIVE, default=512)
+    parser.add_argument("--threads", type=POSITIVE, default=1)
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/per_call/per_call_128.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    info = machine_info("cpu")
+    print(machine_line(info))
+    results = []
+    for name in tqdm(("ran", "llama", "mamba2"), desc="models"):
+        model = build(name, args)
+        row = {"model": name, "python_calls_per_decoding_step": calls_per_step(model, args)}
+        row["python_calls_classifier_forward"] = classifier_calls(name, args) if name != "mamba2" else None
+        for context in tqdm(args.contexts, desc=name, leave=False):
+            row[f"ms_per_token_at_{context}"] = ms_per_token(name, model, context, args)
+        results.append(row)
+    columns = list(results[0])
+    print(" | ".join(f"{column:>14}" for column in columns))
+    for row in results:
+        print(" | ".join(f"{row[c]:>14.1f}" if isinstance(row[c], float) else f"{row[c]!s:>14}" for c in columns))
+    record = result_record(command_line(__file__, argv), vars(args), results, device="cpu", dtype="float32", info=info)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    write_result(args.output, json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
