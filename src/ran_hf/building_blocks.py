@@ -236,6 +236,13 @@ def rotate_pairs_reference(states: torch.Tensor, rotations: torch.Tensor) -> tor
     return torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).flatten(-2).to(states.dtype)
 
 
+def rotate_pairs_complex(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """`rotate_pairs_reference` with `rotations` as complex numbers, (..., d / 2) `cos + i sin`: the pair (x, y) times
+    them, in four ops whatever the size, for a decoding step whose tensors are small. Not exportable to ONNX."""
+    pairs = torch.view_as_complex(states.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotations).flatten(-2).to(states.dtype)
+
+
 def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`source[index]` for an integer `index` of any shape into the first axis, as `index_select`: its gradient adds
     rows back with `index_add_`, where advanced indexing's sorts the indices first (on an H200, 12% of a training

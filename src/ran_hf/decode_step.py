@@ -13,13 +13,12 @@ writes every layer's state once all layers have run, so that a step that fails l
 Shapes: B batch, H heads, d head size, D hidden size, S window slots (the tail plus the new token), C cached cells.
 """
 
-import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .building_blocks import apply_interleaved_rotary, rotary_rotations
+from .building_blocks import rotary_rotations, rotate_pairs_complex
 from .cache_ran import RANCache, RANCacheLayer
 from .cell_scan import cell_step
 from .fused_scan import window_maxima
@@ -60,12 +59,13 @@ class StepPositions(NamedTuple):
     slot: torch.Tensor  # (B,) the new token's window slot: the length of the row's cached tail
     window: torch.Tensor  # (B,) the number of the token's window in its row
     visible: torch.Tensor  # (B, S) the slots the token reads: its tail and itself
-    query_rotations: torch.Tensor  # (B, 1, d / 2, 2) the new token's rotary embedding (slot s is position s + 1)
-    key_rotations: torch.Tensor  # (S, 1, d / 2, 2) every slot's
+    query_rotations: torch.Tensor  # (B, 1, d / 2) the new token's rotary embedding, complex (slot s: position s + 1)
+    key_rotations: torch.Tensor  # (S, 1, d / 2) every slot's
     ends_window: torch.Tensor  # (B,) the token is the last of its window: the cell scan takes a step
     scan_runs: bool  # whether any row ends a window (always, compiled: the step cannot ask)
     first_readable: torch.Tensor | None  # (B, 1) the first cached cell the token's memory review reads (None: 0)
     readable: torch.Tensor  # (B, 1) the cells it reads end before this one (0: it reads none)
+    review_mask: tuple | None = None  # memory review's (B, 1, C) hidden cells and (B, 1, 1) readable, for all layers
 
 
 def step_positions(config: StepSettings, cache: RANCache, device: torch.device) -> StepPositions:
@@ -112,12 +112,14 @@ _ROTATIONS: dict = {}
 
 
 def step_rotations(config: StepSettings, num_slots: int, device: torch.device) -> torch.Tensor:
-    """(1 + S, d / 2, 2) the rotary embedding of the cell (position 0) and of every slot, made once per device."""
+    """(1 + S, d / 2) the rotary embedding of the cell (position 0) and of every slot as complex numbers, made once
+    per device."""
     if torch.compiler.is_compiling():  # a constant of the graph
-        return rotary_rotations(num_slots + 1, config.head_dim, config.rope_theta, device)
+        return torch.view_as_complex(rotary_rotations(num_slots + 1, config.head_dim, config.rope_theta, device))
     key = (num_slots, config.head_dim, config.rope_theta, device)
     if key not in _ROTATIONS:
-        _ROTATIONS[key] = rotary_rotations(num_slots + 1, config.head_dim, config.rope_theta, device)
+        rotations = rotary_rotations(num_slots + 1, config.head_dim, config.rope_theta, device)
+        _ROTATIONS[key] = torch.view_as_complex(rotations)
     return _ROTATIONS[key]
 
 
@@ -141,18 +143,17 @@ def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPosi
     batch = torch.arange(rows, device=states.device)
     keys = F.pad(cache.tail_keys, (0, 0, 0, 0, 0, 1)).index_put((batch, at.slot), key)  # (B, S, H, d), un-rotated
     values = F.pad(cache.tail_values, (0, 0, 0, 0, 0, 1)).index_put((batch, at.slot), value)  # (B, S, H, d)
-    rotated_query = apply_interleaved_rotary(query, at.query_rotations)  # (B, H, d)
-    rotated_keys = apply_interleaved_rotary(keys, at.key_rotations).transpose(1, 2)  # (B, H, S, d)
+    rotated_query = rotate_pairs_complex(query, at.query_rotations)  # (B, H, d)
+    rotated_keys = rotate_pairs_complex(keys, at.key_rotations).transpose(1, 2)  # (B, H, S, d)
     window_values = values.transpose(1, 2)  # (B, H, S, d)
 
     # 2. Token attention over the read cell (position 0, not rotated) and the window's visible slots.
     cell_key, cell_value = read_cell(layer, cache)  # (B, H, d) each
     all_keys = torch.cat([cell_key[:, :, None], rotated_keys], dim=2)  # (B, H, 1 + S, d)
     all_values = torch.cat([cell_value[:, :, None], window_values], dim=2)
-    scores = (rotated_query[:, :, None] @ all_keys.transpose(-1, -2))[:, :, 0] / math.sqrt(layer.head_dim)
-    hidden = ~F.pad(at.visible, (1, 0), value=True)[:, None]  # (B, 1, 1 + S)
-    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32)
-    attended = (weights.to(all_values.dtype)[:, :, None] @ all_values)[:, :, 0].flatten(-2)  # (B, H * d)
+    visible = F.pad(at.visible, (1, 0), value=True)[:, None, None]  # (B, 1, 1, 1 + S)
+    attended = F.scaled_dot_product_attention(rotated_query[:, :, None], all_keys, all_values, visible)  # (B, H, 1, d)
+    attended = attended.flatten(1)  # (B, H * d)
     if layer.residual_stream:
         token = states + layer.attention_output(attended, normed)
     else:
@@ -164,7 +165,7 @@ def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPosi
         cells = cache.cell_states
         if config.review_initial_cell:
             cells = torch.cat([reviewed_initial_cell(layer, cache, rows).to(cells.dtype), cells], dim=1)
-        token = layer.memory_review.review_chunk(token[:, None], cells, at.readable, at.first_readable, None, None)[0][:, 0]
+        token = layer.memory_review.read_cells(token[:, None], cells, *at.review_mask)[0][:, 0]
 
     # 4. Where a row's token ends its window, the cell scan's step for that window.
     cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states

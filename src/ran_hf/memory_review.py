@@ -166,21 +166,36 @@ class RANMemoryReview(nn.Module):
         return torch.cat(reviewed, dim=1) if recompute else reviewed, weights
 
     def review_chunk(self, token_states, cell_states, *readable) -> torch.Tensor:
-        if self.residual_stream:
-            review, probs = self.review(self.norm(token_states), cell_states, *readable)
-            return token_states + review, probs
-        return self.review(token_states, cell_states, *readable, norm=self.norm)
+        """The review of a chunk of tokens and its weights, each token reading the cells `readable` gives it
+        (`hidden_cells`' arguments)."""
+        return self.read_cells(token_states, cell_states, *self.hidden_cells(cell_states.shape[1], *readable))
 
-    def review(
-        self,
-        token_states,
-        cell_states,
-        readable_cells,
-        first_readable=None,
-        salient_table=None,
-        salient_rows=None,
-        norm=None,
-    ):
+    def read_cells(self, token_states, cell_states, hidden, readable):
+        """`review_chunk` with the cells each token may not read given: (B, l, C) `hidden` and (B, l, 1) `readable`
+        (a decoding step makes them once for all its layers)."""
+        if self.residual_stream:
+            review, probs = self.review(self.norm(token_states), cell_states, hidden, readable)
+            return token_states + review, probs
+        return self.review(token_states, cell_states, hidden, readable, norm=self.norm)
+
+    def hidden_cells(self, num_cells, readable_cells, first_readable=None, salient_table=None, salient_rows=None):
+        """Which of `num_cells` cells each token may not read, (B, l, C), and whether it reads any, (B, l, 1): cells
+        [0, readable_cells) of its row, from `first_readable` on with a bounded memory (the starting cell stays in
+        reach), and with `salient_table` (B, R, C) the salient ones of its row `salient_rows` too."""
+        # A token that may read no cell (a causal first window, an all-padding row) gets no review; its row is
+        # unmasked only to keep the softmax finite, then zeroed.
+        readable = readable_cells[..., None] > 0  # (B, l, 1)
+        limit = torch.where(readable, readable_cells[..., None], num_cells)  # (B, l, 1)
+        cell_index = torch.arange(num_cells, device=readable_cells.device)
+        hidden = cell_index >= limit  # (B, l, C): cells the token may not read
+        if first_readable is not None:  # a bounded memory: older cells are out of reach
+            hidden = hidden | ((cell_index < first_readable[..., None]) & (cell_index >= int(self.reads_initial_cell)))
+        if salient_table is not None:  # ... but the salient ones among them are kept
+            index = salient_rows[..., None].expand(-1, -1, salient_table.shape[-1])
+            hidden = hidden & ~salient_table.gather(1, index)
+        return hidden & readable, readable  # a token that reads nothing: nothing hidden, its softmax stays finite
+
+    def review(self, token_states, cell_states, hidden, readable, norm=None):
         """The review of a chunk of tokens and its weights; `norm` (the official layer's) applied to it."""
         projected = self.q_proj(token_states)  # (B, l, D)
         query = self.act(projected)
@@ -191,18 +206,6 @@ class RANMemoryReview(nn.Module):
         scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
         if hasattr(self, "salience"):
             scores = scores + self.cell_salience(cell_states)[:, None, :]  # float32 from here on
-        # A token that may read no cell (a causal first window, an all-padding row) gets no review; its row is
-        # unmasked only to keep the softmax finite, then zeroed.
-        readable = readable_cells[..., None] > 0  # (B, l, 1)
-        limit = torch.where(readable, readable_cells[..., None], key.shape[1])  # (B, l, 1)
-        cell_index = torch.arange(key.shape[1], device=key.device)
-        hidden = cell_index >= limit  # (B, l, C): cells the token may not read
-        if first_readable is not None:  # a bounded memory: older cells are out of reach
-            hidden = hidden | ((cell_index < first_readable[..., None]) & (cell_index >= int(self.reads_initial_cell)))
-        if salient_table is not None:  # ... but the salient ones among them are kept
-            index = salient_rows[..., None].expand(-1, -1, salient_table.shape[-1])
-            hidden = hidden & ~salient_table.gather(1, index)
-        hidden = hidden & readable  # a token that reads nothing: nothing hidden, so that its softmax stays finite
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
         review = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype) @ value  # (B, l, D)
         # dropout(value_act(o_proj(review))) + GLU(query), then the norm: on CUDA all inside the GLU's kernel

@@ -310,6 +310,10 @@ class RANModel(RANPreTrainedModel):
             cache.reserve(max(cache.known_lengths()) + 1)  # room for a cell each row may write
         settings = self.step_settings
         at = step_positions(settings, cache, embeddings.device)
+        if self.layers[0].reviews_memory:  # which cells the tokens review, the same in every layer
+            num_cells = cache.layers[0].cell_states.shape[1] + settings.review_initial_cell
+            at = at._replace(review_mask=self.layers[0].memory_review.hidden_cells(num_cells, at.readable,
+                                                                                   at.first_readable))
         states = embeddings
         if self.embeddings_shift_tokens:
             states = embeddings + self.embeddings.token_shift(cache.layers[0].last_token)
