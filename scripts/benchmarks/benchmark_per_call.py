@@ -7,7 +7,7 @@
 Per model: Python calls (`sys.setprofile`) of one decoding step inside greedy `generate()` (the difference between
 `--steps` + 2 and 2 new tokens, per step), and of one sequence-classifier forward at `--classifier_length` tokens
 (RAN and Llama); then milliseconds per new token after prompts of `--contexts` tokens: every model reads the prompt
-for real (RAN and Mamba-2 in chunks of `--prefill_chunk` through their caches, Llama in one pass up to
+for real (RAN in chunks of `--prefill_chunk` through its cache, Mamba-2 in one pass, Llama in one pass up to
 `--llama_max_context`, beyond which it is left out), then `generate()` adds `--steps` tokens greedily, timed from the
 first step's logits to the last's by a logits processor (so the prompt's pass is not counted). One thread by default.
 Writes a table to stdout and one JSON in the benchmarks' result format.
@@ -125,8 +125,6 @@ def ms_per_token(name: str, model, context: int, args) -> float | None:
         for start in range(0, context - 1, args.prefill_chunk):
             model(ids[:, start : min(start + args.prefill_chunk, context - 1)], past_key_values=cache, use_cache=True)
         kwargs["past_key_values"] = cache
-    elif name == "mamba2" and context > args.prefill_chunk:
-        kwargs["prefill_chunk_size"] = args.prefill_chunk
     times = generate(model, ids, args.steps + 1, **kwargs)
     return 1000 * statistics.median(later - earlier for earlier, later in zip(times, times[1:]))
 

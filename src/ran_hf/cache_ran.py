@@ -83,8 +83,8 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         last_token (B, D): first layer only, with `config.token_shift`: the embedding of the last token read, which
             the next one reads as its predecessor;
         tail_keys, tail_values (B, P, H, d): un-rotated keys and values of the tokens a later window still reads:
-            the current window's tokens and, before them, the enrichment tokens of `window_overlap`
-            (P <= window_size - 1 + window_overlap, whatever the context length);
+            the current window's tokens and, before them, the enrichment tokens of `window_overlap`, zeros after a
+            row's last (P = window_size + window_overlap, one more than the longest tail: a decoding step's token);
         binding_state (B, H, d, d), tail_betas (B, P, H): with `config.associative_memory`, the memory's state after
             the last finished window, and the write strengths of the tail's tokens (written when their window ends).
     """
@@ -238,7 +238,8 @@ class RANCache(Cache):
         self.model_shape = cache_shape(config)  # what a model continuing this cache must have (`check_cache`)
         self.window_size = config.window_size
         self.window_overlap = config.window_overlap
-        self.tail_slots = config.window_size - 1 + config.window_overlap  # the longest tail a row can have
+        # The longest tail a row can have, plus the slot a decoding step writes its token into.
+        self.tail_slots = config.window_size + config.window_overlap
         self.memory_review_cells = config.memory_review_cells
         # Room for the cells of this many tokens from the start (`reserve`): a compiled step then never needs more.
         self.reserved_tokens = max_cache_len or 0

@@ -170,7 +170,7 @@ def update_cache(config: RANConfig, salience: Salience | None, cache: RANCacheLa
         cell_states, first_cell, pool = memory
         remember(config, salience, cache, layout, cell_states, first_cell, pool)
     tail = layout.sources(new_kv, cache.tail)[layout.next_tail]  # (B, P', 2, H, d)
-    # Kept `window_size - 1 + window_overlap` slots wide, zeros after a row's last: the most any row can need, so
-    # that a decoding step writes its token into place and keeps the cache's shapes.
-    tail_slots = config.window_size - 1 + config.window_overlap
+    # Kept `window_size + window_overlap` slots wide, zeros after a row's last: the most any row can need and the
+    # slot a decoding step writes its token into, so that it keeps the cache's shapes.
+    tail_slots = config.window_size + config.window_overlap
     cache.update_tail(*F.pad(tail, (0, 0, 0, 0, 0, 0, 0, tail_slots - tail.shape[1])).unbind(2))

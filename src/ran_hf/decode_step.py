@@ -57,8 +57,10 @@ class StepPositions(NamedTuple):
     """Where every row's new token sits, shared by all layers of a step."""
 
     slot: torch.Tensor  # (B,) the new token's window slot: the length of the row's cached tail
+    rows: torch.Tensor  # (B,) 0, 1, ...
     window: torch.Tensor  # (B,) the number of the token's window in its row
     visible: torch.Tensor  # (B, S) the slots the token reads: its tail and itself
+    attention_mask: torch.Tensor  # (B, 1, 1, 1 + S) the keys the token reads: its read cell, then `visible`
     query_rotations: torch.Tensor  # (B, 1, d / 2) the new token's rotary embedding, complex (slot s: position s + 1)
     key_rotations: torch.Tensor  # (S, 1, d / 2) every slot's
     ends_window: torch.Tensor  # (B,) the token is the last of its window: the cell scan takes a step
@@ -75,7 +77,7 @@ def step_positions(config: StepSettings, cache: RANCache, device: torch.device) 
     past = cache.lengths  # (B,)
     window = past // window_size
     slot = torch.minimum(past, past % window_size + overlap)
-    num_slots = cache.tail_slots + 1
+    num_slots = cache.tail_slots
     visible = torch.arange(num_slots, device=device) <= slot[:, None]
     rotations = step_rotations(config, num_slots, device)
     ends_window = (past + 1) % window_size == 0
@@ -97,6 +99,8 @@ def step_positions(config: StepSettings, cache: RANCache, device: torch.device) 
         readable = torch.where(reads_cells, bound + initial, initial)[:, None]
     return StepPositions(
         slot=slot,
+        rows=torch.arange(past.shape[0], device=device),
+        attention_mask=F.pad(visible, (1, 0), value=True)[:, None, None],
         window=window,
         visible=visible,
         query_rotations=rotations[slot + 1][:, None],
@@ -136,13 +140,11 @@ class LayerStep(NamedTuple):
 def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPositions, config: StepSettings):
     """One layer's decoding step: states (B, D) of the new tokens -> their states after the layer (B, D), and the
     layer's cache state after the step (`LayerStep`)."""
-    rows = states.shape[0]
     # 1. The new token's query, key and value, and its window: the cached tail with the token in its slot.
     normed = layer.normalize_input(states)  # (B, D)
     query, key, value = layer.project(normed).unbind(-3)  # (B, H, d) each
-    batch = torch.arange(rows, device=states.device)
-    keys = F.pad(cache.tail_keys, (0, 0, 0, 0, 0, 1)).index_put((batch, at.slot), key)  # (B, S, H, d), un-rotated
-    values = F.pad(cache.tail_values, (0, 0, 0, 0, 0, 1)).index_put((batch, at.slot), value)  # (B, S, H, d)
+    keys = cache.tail_keys.index_put((at.rows, at.slot), key)  # (B, S, H, d), un-rotated
+    values = cache.tail_values.index_put((at.rows, at.slot), value)  # (B, S, H, d)
     rotated_query = rotate_pairs_complex(query, at.query_rotations)  # (B, H, d)
     rotated_keys = rotate_pairs_complex(keys, at.key_rotations).transpose(1, 2)  # (B, H, S, d)
     window_values = values.transpose(1, 2)  # (B, H, S, d)
@@ -151,8 +153,7 @@ def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPosi
     cell_key, cell_value = read_cell(layer, cache)  # (B, H, d) each
     all_keys = torch.cat([cell_key[:, :, None], rotated_keys], dim=2)  # (B, H, 1 + S, d)
     all_values = torch.cat([cell_value[:, :, None], window_values], dim=2)
-    visible = F.pad(at.visible, (1, 0), value=True)[:, None, None]  # (B, 1, 1, 1 + S)
-    attended = F.scaled_dot_product_attention(rotated_query[:, :, None], all_keys, all_values, visible)  # (B, H, 1, d)
+    attended = F.scaled_dot_product_attention(rotated_query[:, :, None], all_keys, all_values, at.attention_mask)
     attended = attended.flatten(1)  # (B, H * d)
     if layer.residual_stream:
         token = states + layer.attention_output(attended, normed)
@@ -164,12 +165,12 @@ def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPosi
     if layer.reviews_memory:
         cells = cache.cell_states
         if config.review_initial_cell:
-            cells = torch.cat([reviewed_initial_cell(layer, cache, rows).to(cells.dtype), cells], dim=1)
-        token = layer.memory_review.read_cells(token[:, None], cells, *at.review_mask)[0][:, 0]
+            cells = torch.cat([reviewed_initial_cell(layer, cache, states.shape[0]).to(cells.dtype), cells], dim=1)
+        token = layer.memory_review.read_cells(token, cells, *at.review_mask)[0]
 
     # 4. Where a row's token ends its window, the cell scan's step for that window.
     cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states
-    tail_keys, tail_values = keys[:, :-1], values[:, :-1]
+    tail_keys, tail_values = keys, values
     if at.scan_runs:
         raw, new_cell = scan_step(layer, cell, previous_raw, rotated_keys, window_values, at)
         ends = at.ends_window[:, None]
@@ -239,17 +240,16 @@ def remember_cell(projected, cell_states: torch.Tensor, at: StepPositions, confi
 
 
 def next_tail(slots: torch.Tensor, at: StepPositions, overlap: int) -> torch.Tensor:
-    """(B, S, H, d) the window's slots with the new token -> the tail the next step reads (B, S - 1, H, d): the same,
-    or for a row whose window ended, the last `overlap` tokens of it (the next window's enrichment), zeros after."""
-    kept = slots[:, :-1]
+    """(B, S, H, d) the window's slots with the new token -> the tail the next step reads: the same, or for a row
+    whose window ended, the last `overlap` tokens of it (the next window's enrichment), zeros after."""
     ends = at.ends_window[:, None, None, None]
     if overlap == 0:
-        return kept.masked_fill(ends, 0)
-    offsets = torch.arange(kept.shape[1], device=slots.device)
-    index = (at.slot[:, None] + 1 - overlap + offsets).clamp(max=kept.shape[1])  # (B, S - 1)
+        return slots.masked_fill(ends, 0)
+    offsets = torch.arange(slots.shape[1], device=slots.device)
+    index = (at.slot[:, None] + 1 - overlap + offsets).clamp(max=slots.shape[1] - 1)  # (B, S)
     moved = slots.gather(1, index[..., None, None].expand(-1, -1, *slots.shape[2:]))
     moved = moved.masked_fill((offsets >= overlap)[None, :, None, None], 0)
-    return torch.where(ends, moved, kept)
+    return torch.where(ends, moved, slots)
 
 
 def write_step(layer_cache: RANCacheLayer, step: LayerStep, scan_ran: bool) -> None:

@@ -172,7 +172,8 @@ class RANMemoryReview(nn.Module):
 
     def read_cells(self, token_states, cell_states, hidden, readable):
         """`review_chunk` with the cells each token may not read given: (B, l, C) `hidden` and (B, l, 1) `readable`
-        (a decoding step makes them once for all its layers)."""
+        (a decoding step makes them once for all its layers, and gives its tokens as (B, D), the masks as (B, C) and
+        (B, 1))."""
         if self.residual_stream:
             review, probs = self.review(self.norm(token_states), cell_states, hidden, readable)
             return token_states + review, probs
@@ -203,10 +204,19 @@ class RANMemoryReview(nn.Module):
         # Few keys (one per window) and many queries: plain matmuls beat fused attention kernels here, whose
         # CPU backward is tuned for long key sequences.
         scoring_query = unit_vectors(projected) if self.qk_norm else query
-        scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
+        one_token = token_states.dim() == 2  # (B, D): a decoding step's, one token per row, masks (B, C) and (B, 1)
+        if one_token:
+            scores = torch.bmm(key, scoring_query[:, :, None])[..., 0] * self.scale  # (B, C)
+        else:
+            scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
         if hasattr(self, "salience"):
-            scores = scores + self.cell_salience(cell_states)[:, None, :]  # float32 from here on
+            salience = self.cell_salience(cell_states)  # (B, C)
+            scores = scores + (salience if one_token else salience[:, None, :])  # float32 from here on
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
-        review = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype) @ value  # (B, l, D)
+        probs_read = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype)
+        if one_token:
+            review = torch.bmm(probs_read[:, None], value)[:, 0]  # (B, D)
+        else:
+            review = probs_read @ value  # (B, l, D)
         # dropout(value_act(o_proj(review))) + GLU(query), then the norm: on CUDA all inside the GLU's kernel
         return self.glu(query, self.o_proj(review), self.value_act, self.dropout, norm=norm), probs

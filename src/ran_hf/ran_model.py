@@ -312,8 +312,8 @@ class RANModel(RANPreTrainedModel):
         at = step_positions(settings, cache, embeddings.device)
         if self.layers[0].reviews_memory:  # which cells the tokens review, the same in every layer
             num_cells = cache.layers[0].cell_states.shape[1] + settings.review_initial_cell
-            at = at._replace(review_mask=self.layers[0].memory_review.hidden_cells(num_cells, at.readable,
-                                                                                   at.first_readable))
+            hidden, readable = self.layers[0].memory_review.hidden_cells(num_cells, at.readable, at.first_readable)
+            at = at._replace(review_mask=(hidden[:, 0], readable[:, 0]))  # (B, C), (B, 1): one token per row
         states = embeddings
         if self.embeddings_shift_tokens:
             states = embeddings + self.embeddings.token_shift(cache.layers[0].last_token)
