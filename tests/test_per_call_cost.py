@@ -78,3 +78,25 @@ def test_a_compiled_decoding_step_runs_64_steps_in_one_graph(fields):
     assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
     assert not counts["graph_break"], dict(counts["graph_break"])
     assert compiled_cache.get_seq_length() == 70 and compiled_cache.known_lengths() == [70, 70]
+
+
+@pytest.mark.slow
+def test_generate_compiles_the_decoding_step_through_transformers_compile_path():
+    """Given a `RANCache` and a `CompileConfig`, `generate()` runs its decoding steps compiled (on a CPU too, where it
+    compiles only when asked): one graph for all of them, and the tokens of eager decoding."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True, window_size=4, min_window_size=2)))
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    compile_config._compile_all_devices = True
+    with torch.no_grad():
+        eager = model.generate(ids, max_new_tokens=20, do_sample=False)
+        torch._dynamo.utils.counters.clear()
+        compiled = model.generate(
+            ids, max_new_tokens=20, do_sample=False, past_key_values=RANCache(model.config), compile_config=compile_config
+        )
+    assert torch.equal(compiled, eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

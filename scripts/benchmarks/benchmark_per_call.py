@@ -6,7 +6,9 @@
 
 Per model: Python calls (`sys.setprofile`) of one decoding step inside greedy `generate()` (the difference between
 `--steps` + 2 and 2 new tokens, per step), and of one sequence-classifier forward at `--classifier_length` tokens
-(RAN and Llama); then milliseconds per new token after prompts of `--contexts` tokens: every model reads the prompt
+(RAN and Llama); then milliseconds per new token after prompts of `--contexts` tokens, RAN also with its decoding
+steps compiled by `generate()` ("ran-compiled": Transformers' compile path, inductor, asked for on a CPU with
+`CompileConfig._compile_all_devices`; the others eager): every model reads the prompt
 for real (RAN in chunks of `--prefill_chunk` through its cache, Mamba-2 in one pass, Llama in one pass up to
 `--llama_max_context`, beyond which it is left out), then `generate()` adds `--steps` tokens greedily, timed from the
 first step's logits to the last's by a logits processor (so the prompt's pass is not counted). One thread by default.
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import (
+    CompileConfig,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
@@ -65,7 +68,7 @@ def python_calls(function) -> int:
 
 def build(name: str, args, classifier: bool = False):
     width, layers, heads, vocab = args.hidden_size, args.num_layers, args.num_heads, args.vocab_size
-    if name == "ran":
+    if name.startswith("ran"):
         config = RANConfig(
             vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
             head_dim=width // heads, window_size=args.window_size, min_window_size=min(16, args.window_size // 4),
@@ -120,11 +123,14 @@ def ms_per_token(name: str, model, context: int, args) -> float | None:
         return None
     ids = torch.randint(1, args.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
     kwargs = {}
-    if name == "ran":  # the prompt read through the cache in chunks, as a long text is; `generate` adds the last token
+    if name.startswith("ran"):  # the prompt read through the cache in chunks, as a long text is; `generate` adds the last
         cache = RANCache(model.config)
         for start in range(0, context - 1, args.prefill_chunk):
             model(ids[:, start : min(start + args.prefill_chunk, context - 1)], past_key_values=cache, use_cache=True)
         kwargs["past_key_values"] = cache
+    if name == "ran-compiled":  # Transformers' compile path, asked for on a CPU
+        kwargs["compile_config"] = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+        kwargs["compile_config"]._compile_all_devices = True
     times = generate(model, ids, args.steps + 1, **kwargs)
     return 1000 * statistics.median(later - earlier for earlier, later in zip(times, times[1:]))
 
@@ -152,10 +158,13 @@ def main(argv=None):
     info = machine_info("cpu")
     print(machine_line(info))
     results = []
-    for name in tqdm(("ran", "llama", "mamba2"), desc="models"):
+    for name in tqdm(("ran", "ran-compiled", "llama", "mamba2"), desc="models"):
         model = build(name, args)
-        row = {"model": name, "python_calls_per_decoding_step": calls_per_step(model, args)}
-        row["python_calls_classifier_forward"] = classifier_calls(name, args) if name != "mamba2" else None
+        compiled = name == "ran-compiled"
+        row = {"model": name, "python_calls_per_decoding_step": None if compiled else calls_per_step(model, args)}
+        row["python_calls_classifier_forward"] = classifier_calls(name, args) if name in ("ran", "llama") else None
+        if compiled:  # compiled once, before the timed contexts
+            ms_per_token(name, model, 512, args)
         for context in tqdm(args.contexts, desc=name, leave=False):
             row[f"ms_per_token_at_{context}"] = ms_per_token(name, model, context, args)
         results.append(row)

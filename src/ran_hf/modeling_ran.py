@@ -288,6 +288,15 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         # RAN keeps a recurrent state, not per-token keys and values: forward() creates its own `RANCache`.
         return False
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):  # fmt: skip
+        super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+        cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, RANCache):  # room for every cell this call can write: its compiled steps keep one graph
+            cache.reserve(max_cache_length)
+
     # What `generate` hands a step that a decoding step leaves out: the mask (see below), and what the prompt's pass
     # read once (`initial_cell`) or a causal RAN does not take.
     _NOT_STEP_INPUTS = ("attention_mask", "initial_cell", "labels", "position_ids", "token_type_ids")
