@@ -95,8 +95,37 @@ def test_generate_compiles_the_decoding_step_through_transformers_compile_path()
     with torch.no_grad():
         eager = model.generate(ids, max_new_tokens=20, do_sample=False)
         torch._dynamo.utils.counters.clear()
+        cache = RANCache(model.config)
         compiled = model.generate(
-            ids, max_new_tokens=20, do_sample=False, past_key_values=RANCache(model.config), compile_config=compile_config
+            ids, max_new_tokens=20, do_sample=False, past_key_values=cache, compile_config=compile_config
         )
     assert torch.equal(compiled, eager)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_is_causal_set_by_transformers_on_every_call_costs_no_config_work(monkeypatch):
+    """Transformers' defaults merger sets `config.is_causal` (to the value it holds) around every forward: that is no
+    edit, so the config is not checked again nor its layer design resolved; a caller's `is_causal=False` on a causal
+    model is still refused, naming the field, and the model runs on after it."""
+    from ran_hf import RANConfig
+
+    model = RANForCausalLM(tiny_config(is_causal=True)).eval()
+    ids = torch.randint(1, 61, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(ids)
+        edits, config_work = model.config.edits, []
+        for method in ("check_built", "_resolve_design"):
+            original = getattr(RANConfig, method)
+
+            def counted(*args, _original=original, _name=method):
+                config_work.append(_name)
+                return _original(*args)
+
+            monkeypatch.setattr(RANConfig, method, counted)
+        cache = model(ids, use_cache=True).past_key_values
+        for _ in range(3):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+        assert config_work == [] and model.config.edits == edits
+        with pytest.raises(ValueError, match="`is_causal` was changed from True to False"):
+            model(ids, is_causal=False)
+        assert model.config.is_causal and model(ids).logits.shape == (1, 9, 61)

@@ -2,7 +2,8 @@
 """What a call costs besides the arithmetic: the causal RAN beside Llama and Mamba-2 of the same width, in one run.
 
     python scripts/benchmarks/benchmark_per_call.py                                  # width 128, 2 layers
-    python scripts/benchmarks/benchmark_per_call.py --hidden_size 512 --num_layers 4 --output benchmarks/per_call/per_call_512.json
+    python scripts/benchmarks/benchmark_per_call.py --hidden_size 512 --num_layers 4 --num_heads 8 \
+        --output benchmarks/per_call/per_call_512.json
 
 Per model: Python calls (`sys.setprofile`) of one decoding step inside greedy `generate()` (the difference between
 `--steps` + 2 and 2 new tokens, per step), and of one sequence-classifier forward at `--classifier_length` tokens
@@ -92,8 +93,8 @@ def build(name: str, args, classifier: bool = False):
 def generate(model, ids, steps, **kwargs):
     clock = StepClock()
     model.generate(
-        ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, logits_processor=LogitsProcessorList([clock]),
-        **kwargs,
+        ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+        logits_processor=LogitsProcessorList([clock]), **kwargs,
     )  # fmt: skip
     return clock.times
 
@@ -123,7 +124,7 @@ def ms_per_token(name: str, model, context: int, args) -> float | None:
         return None
     ids = torch.randint(1, args.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
     kwargs = {}
-    if name.startswith("ran"):  # the prompt read through the cache in chunks, as a long text is; `generate` adds the last
+    if name.startswith("ran"):  # the prompt read through the cache in chunks, as a long text is; `generate` the last
         cache = RANCache(model.config)
         for start in range(0, context - 1, args.prefill_chunk):
             model(ids[:, start : min(start + args.prefill_chunk, context - 1)], past_key_values=cache, use_cache=True)

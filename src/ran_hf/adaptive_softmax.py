@@ -54,6 +54,11 @@ class RANAdaptiveEmbedding(nn.Module):
         return embedded
 
 
+class RANClusterBiases(nn.ParameterList):
+    """The adaptive softmax's output bias of each cluster (official `bias-i`): a module of their own, so that
+    `_init_weights` reaches them (Transformers skips a module without parameters of its own, as their owner is)."""
+
+
 class RANAdaptiveSoftmax(nn.Module):
     """Log-probabilities over the vocabulary from hidden states, with the adaptive embedding's clusters as output
     embeddings and projections. Its own parameters: each cluster's output bias and the head's tail-cluster logits
@@ -62,7 +67,7 @@ class RANAdaptiveSoftmax(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, cutoffs: list[int], div_val: int):
         super().__init__()
         self.bounds = cluster_bounds(vocab_size, cutoffs, div_val)
-        self.biases = nn.ParameterList(
+        self.biases = RANClusterBiases(
             nn.Parameter(torch.zeros(high - low)) for low, high in zip(self.bounds[:-1], self.bounds[1:])
         )
         num_tails = len(self.bounds) - 2

@@ -22,7 +22,8 @@ from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .adaptive_softmax import RANAdaptiveEmbedding
+from .adaptive_softmax import RANAdaptiveEmbedding, RANClusterBiases
+from .associative_memory import RANAssociativeMemory
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit
 from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache
 from .configuration_ran import RANConfig
@@ -211,6 +212,11 @@ class RANPreTrainedModel(PreTrainedModel):
         elif isinstance(module, RANTokenShift):
             init.zeros_(module.weight)
             init.zeros_(module.bias)
+        elif isinstance(module, RANAssociativeMemory):
+            init.ones_(module.read_scale)  # a read that is there to be learned from (associative_memory.py)
+        elif isinstance(module, RANClusterBiases):
+            for bias in module:
+                init.zeros_(bias)
 
 
 def damaged_weights_error(files: list[str], error: Exception) -> OSError:
@@ -385,7 +391,10 @@ class RANModel(RANPreTrainedModel):
         if not torch.compiler.is_compiling():
             self.check_config()  # a field the model was built from, changed since, is named
         if past_key_values is not None and attention_mask is None and token_type_ids is None and initial_cell is None:
-            if self.decodes_in_steps(input_ids, inputs_embeds, past_key_values, output_attentions, output_hidden_states):
+            step = self.decodes_in_steps(
+                input_ids, inputs_embeds, past_key_values, output_attentions, output_hidden_states
+            )
+            if step:
                 return self.decode_step(input_ids, inputs_embeds, past_key_values)
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
