@@ -12,7 +12,7 @@ from torch import nn
 
 from benchmark_kernels import FusedOpsAsOnGPU, KernelCounter, footprint, layouts_built_with_values
 
-from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification, kernels
+from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification, kernel_choice
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_testing import tiny_config
 
@@ -63,8 +63,8 @@ def test_the_triton_token_wise_kernels_replace_their_pytorch_ops(monkeypatch):
     rotary embedding) of a step is one kernel forward and one backward (counted on meta, which stands in for CUDA);
     switched off, the PyTorch ops run instead."""
     fused = count_training_step(RANForMaskedLM, 61, scan_implementation="triton")
-    for op in kernels.TRITON_TOKEN_OPS:
-        monkeypatch.setitem(kernels.TRITON, op, False)
+    for op in kernel_choice.TRITON_TOKEN_OPS:
+        monkeypatch.setitem(kernel_choice.TRITON, op, False)
     plain = count_training_step(RANForMaskedLM, 61, scan_implementation="triton")
     fused_counts, plain_counts = fused.counts, plain.counts
     projections = ("ran_hf::window_projection", "ran_hf::window_projection_backward")

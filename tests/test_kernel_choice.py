@@ -1,4 +1,4 @@
-"""Which implementation each op ran, as `kernels.choose` recorded it (kernels.py): on a CPU the PyTorch ops and the
+"""Which implementation each op ran, as `kernel_choice.choose` recorded it (kernel_choice.py): on a CPU the PyTorch ops and the
 reference scan; on the meta device, which stands in for CUDA (tests/test_kernel_budget.py counts its launches), the
 Triton kernels; compiled or exported, the forms that trace; and where a switch or a module rules a kernel out, the
 fallback. Where an op runs "pytorch", what runs is its `*_reference` function, which asks nothing of `choose`."""
@@ -8,7 +8,7 @@ import torch
 
 from benchmark_kernels import layouts_built_with_values
 
-from ran_hf import RANForMaskedLM, kernels
+from ran_hf import RANForMaskedLM, kernel_choice
 from ran_hf.building_blocks import (
     RANCenteredRMSNorm,
     RANGatedLinearUnit,
@@ -20,7 +20,7 @@ from ran_hf.building_blocks import (
     standard_normalize,
     standard_normalize_reference,
 )
-from ran_hf.kernels import choose
+from ran_hf.kernel_choice import choose
 from ran_hf.ran_layer import RANLayer
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_hf.window_layout import RANWindowLayout
@@ -34,10 +34,10 @@ def paths_of_a_training_step(device: str, **config_fields) -> dict:
     with torch.device(device):
         model = RANForMaskedLM(tiny_config(**config_fields)).train()
         ids = torch.randint(1, 61, (2, 37))
-    kernels.CHOSEN.clear()
+    kernel_choice.CHOSEN.clear()
     with layouts_built_with_values():
         model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
-    return dict(kernels.CHOSEN)
+    return dict(kernel_choice.CHOSEN)
 
 
 @pytest.mark.parametrize("scan,runs", [("auto", "reference"), ("reference", "reference"), ("fused", "fused")])
@@ -62,8 +62,8 @@ def test_on_meta_every_op_runs_its_triton_kernel():
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 def test_on_meta_the_default_scan_is_the_reference_and_switches_turn_kernels_off(monkeypatch):
     """"auto" takes the Triton scan on CUDA devices only; each token-wise kernel has its switch."""
-    for op in kernels.TRITON_TOKEN_OPS:
-        monkeypatch.setitem(kernels.TRITON, op, False)
+    for op in kernel_choice.TRITON_TOKEN_OPS:
+        monkeypatch.setitem(kernel_choice.TRITON, op, False)
     chosen = paths_of_a_training_step("meta")
     assert chosen == {
         "norm": "pytorch",
@@ -94,7 +94,7 @@ def test_on_a_cpu_each_op_runs_its_reference_function():
         torch.manual_seed(0)
         return torch.equal(public(), expected)
 
-    kernels.CHOSEN.clear()
+    kernel_choice.CHOSEN.clear()
     assert same(
         lambda: standard_normalize(states, 1e-6, dropout), lambda: standard_normalize_reference(states, 1e-6, dropout)
     )
@@ -119,21 +119,21 @@ def test_on_a_cpu_each_op_runs_its_reference_function():
     public = layer.project_windows(normed, layout, None)
     reference = layer.project_windows_reference(normed, layout, None, table)
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(public, reference, strict=True))
-    assert kernels.CHOSEN == dict.fromkeys(kernels.TRITON_TOKEN_OPS, "pytorch")
+    assert kernel_choice.CHOSEN == dict.fromkeys(kernel_choice.TRITON_TOKEN_OPS, "pytorch")
 
 
 def test_the_reference_functions_ask_nothing_of_choose(monkeypatch):
     """Forced to Triton, the public ops would run their kernels; the reference functions still run PyTorch's ops
     and record no choice."""
     states, residual, norm, glu, rotations = token_op_inputs()
-    for op in kernels.TRITON_TOKEN_OPS:
-        monkeypatch.setitem(kernels.FORCED, op, "triton")
-    kernels.CHOSEN.clear()
+    for op in kernel_choice.TRITON_TOKEN_OPS:
+        monkeypatch.setitem(kernel_choice.FORCED, op, "triton")
+    kernel_choice.CHOSEN.clear()
     standard_normalize_reference(states, 1e-6)
     centered_rms_norm_reference(states, norm.weight, norm.bias, 1e-6, then_standardize=True)
     gated_linear_unit_reference(glu.proj(states), residual, torch.nn.SiLU())
     rotate_pairs_reference(states, rotations)
-    assert kernels.CHOSEN == {}
+    assert kernel_choice.CHOSEN == {}
 
 
 def scan_choice(requested: str, **config_fields) -> str:
@@ -161,6 +161,6 @@ def test_compiled_the_token_ops_run_pytorch_and_the_reference_scan_its_single_op
 
 
 def test_forced_wins_over_the_rule(monkeypatch):
-    monkeypatch.setitem(kernels.FORCED, "norm", "triton")
+    monkeypatch.setitem(kernel_choice.FORCED, "norm", "triton")
     assert choose("norm", torch.empty(3, 8)) == "triton"
-    assert set(kernels.RULES) == OPS
+    assert set(kernel_choice.RULES) == OPS

@@ -6,14 +6,14 @@ fill a program's block, float32 and float16. On a CPU the kernels run in Triton'
 import pytest
 import torch
 
-from ran_hf import kernels, triton_glu
+from ran_hf import kernel_choice, triton_glu
 from ran_hf.building_blocks import (
     RANCenteredRMSNorm,
     RANGatedLinearUnit,
     centered_rms_norm_reference,
     gated_linear_unit_reference,
 )
-from ran_hf.kernels import choose
+from ran_hf.kernel_choice import choose
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
@@ -21,8 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def force(monkeypatch, op: str, use_triton: bool) -> None:
-    """Make `kernels.choose(op, ...)` give the Triton kernel (in Triton's interpreter on a CPU) or PyTorch's ops."""
-    monkeypatch.setitem(kernels.FORCED, op, "triton" if use_triton else "pytorch")
+    """Make `kernel_choice.choose(op, ...)` give the Triton kernel (in Triton's interpreter on a CPU) or PyTorch's ops."""
+    monkeypatch.setitem(kernel_choice.FORCED, op, "triton" if use_triton else "pytorch")
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_the_triton_glu_runs_on_cuda_unless_switched_off(monkeypatch):
     assert out.shape == (2, 3, 8) and x.grad.shape == residual.grad.shape == x.shape
     assert seen.count("ran_hf::glu_forward") == seen.count("ran_hf::glu_backward") == 1
     assert not {"aten::sigmoid", "aten::sigmoid_backward", "aten::mul", "aten::add"} & set(seen)
-    monkeypatch.setitem(kernels.TRITON, "glu", False)
+    monkeypatch.setitem(kernel_choice.TRITON, "glu", False)
     assert choose("glu", meta) == "pytorch"
 
 

@@ -6,7 +6,7 @@ CUDA compiled, and `RANCenteredRMSNorm` then uses them."""
 import pytest
 import torch
 
-from ran_hf import kernels
+from ran_hf import kernel_choice
 from ran_hf.building_blocks import (
     RANCenteredRMSNorm,
     centered_rms_norm_reference,
@@ -21,8 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def force(monkeypatch, op: str, use_triton: bool) -> None:
-    """Make `kernels.choose(op, ...)` give the Triton kernel (in Triton's interpreter on a CPU) or PyTorch's ops."""
-    monkeypatch.setitem(kernels.FORCED, op, "triton" if use_triton else "pytorch")
+    """Make `kernel_choice.choose(op, ...)` give the Triton kernel (in Triton's interpreter on a CPU) or PyTorch's ops."""
+    monkeypatch.setitem(kernel_choice.FORCED, op, "triton" if use_triton else "pytorch")
 
 
 @pytest.mark.parametrize("affine", [True, False], ids=["layer-norm", "standardise"])

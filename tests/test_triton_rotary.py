@@ -5,9 +5,9 @@ powers of two, float32 and float16. On a CPU the kernel runs in Triton's interpr
 import pytest
 import torch
 
-from ran_hf import kernels
+from ran_hf import kernel_choice
 from ran_hf.building_blocks import rotary_rotations, rotate_pairs_reference
-from ran_hf.kernels import choose
+from ran_hf.kernel_choice import choose
 from ran_hf.triton_rotary import triton_rotate_pairs
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
@@ -84,5 +84,5 @@ def test_the_triton_rotary_runs_on_cuda_unless_switched_off(monkeypatch):
     meta_states = torch.empty(2, 3, 5, 8, device="meta")
     assert choose("rotary", meta_states) == "triton"
     assert choose("rotary", torch.empty(2, 3, 5, 8)) == "pytorch"
-    monkeypatch.setitem(kernels.TRITON, "rotary", False)
+    monkeypatch.setitem(kernel_choice.TRITON, "rotary", False)
     assert choose("rotary", meta_states) == "pytorch"

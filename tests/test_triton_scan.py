@@ -88,7 +88,7 @@ def test_a_kernel_that_cannot_be_built_sends_the_scan_to_the_fused_one(monkeypat
     def out_of_resources(*args, **kwargs):
         raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
 
-    def as_the_layer_runs_it(cell_scan, weights, *inputs):  # the implementation `kernels.choose` picks
+    def as_the_layer_runs_it(cell_scan, weights, *inputs):  # the implementation `kernel_choice.choose` picks
         return cell_scan(weights, *inputs)
 
     monkeypatch.setattr(triton_scan, "BUILD_FAILURES", [])

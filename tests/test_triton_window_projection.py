@@ -9,8 +9,8 @@ interpreter; on CUDA compiled."""
 import pytest
 import torch
 
-from ran_hf import RANForCausalLM, RANModel, kernels, triton_window_projection
-from ran_hf.kernels import choose
+from ran_hf import RANForCausalLM, RANModel, kernel_choice, triton_window_projection
+from ran_hf.kernel_choice import choose
 from ran_hf.ran_layer import RANLayer
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_hf.window_layout import RANWindowLayout
@@ -32,7 +32,7 @@ CASES = {
 
 
 def use_kernel(monkeypatch, on: bool):
-    monkeypatch.setitem(kernels.FORCED, "window_projection", "triton" if on else "pytorch")
+    monkeypatch.setitem(kernel_choice.FORCED, "window_projection", "triton" if on else "pytorch")
 
 
 @pytest.mark.parametrize("overrides, lengths", CASES.values(), ids=CASES.keys())
@@ -124,5 +124,5 @@ def test_the_triton_window_projection_runs_on_cuda_unless_switched_off(monkeypat
     assert not applies(cpu, "silu", False)
     assert not applies(meta, "gelu", False)
     assert not applies(meta, "silu", True)
-    monkeypatch.setitem(kernels.TRITON, "window_projection", False)
+    monkeypatch.setitem(kernel_choice.TRITON, "window_projection", False)
     assert not applies(meta, "silu", False)

@@ -59,7 +59,7 @@ from benchmark_utils import (
     sized_ran_config,
 )
 
-from ran_hf import RANConfig, RANForMaskedLM, kernels
+from ran_hf import RANConfig, RANForMaskedLM, kernel_choice
 from ran_hf.input_checks import InputChecks
 from ran_hf.memory_review import RANMemoryReview
 from ran_hf.window_layout import RANWindowLayout
@@ -399,8 +399,8 @@ def main():
 
     if args.breakdown < 0 or args.breakdown > TOP:
         parser.error(f"--breakdown takes 0 to {TOP} (the operators and parts kept per result), got {args.breakdown}")
-    for op in kernels.TRITON_TOKEN_OPS:
-        kernels.TRITON[op] = not args.pytorch_token_ops
+    for op in kernel_choice.TRITON_TOKEN_OPS:
+        kernel_choice.TRITON[op] = not args.pytorch_token_ops
     info = machine_info("meta")
     print(machine_line(info))
     results = []

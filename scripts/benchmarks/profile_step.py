@@ -41,7 +41,7 @@ from benchmark_utils import (
 )
 
 from benchmark_kernels import BlockAttentionMLM
-from ran_hf import RANForMaskedLM, kernels
+from ran_hf import RANForMaskedLM, kernel_choice
 
 BASELINES = ("modernbert", "longformer")  # Transformers' classes, built from config as benchmark_speed.py does
 
@@ -112,8 +112,8 @@ def main():
     results = []
     for name in args.models:
         scan, _, options = name.removeprefix("ran-").partition("+")
-        for op in kernels.TRITON_TOKEN_OPS:
-            kernels.TRITON[op] = options != "pytorch-token-ops"
+        for op in kernel_choice.TRITON_TOKEN_OPS:
+            kernel_choice.TRITON[op] = options != "pytorch-token-ops"
         if on_cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

@@ -3,7 +3,7 @@
 embedding and the row gather every layout uses.
 
 On CUDA the normalisations, the gated linear unit and the rotary embedding run as one Triton kernel each way
-(`triton_norm.py`, `triton_glu.py`, `triton_rotary.py`), where `kernels.choose` says so (kernels.py). Each op's
+(`triton_norm.py`, `triton_glu.py`, `triton_rotary.py`), where `kernel_choice.choose` says so (kernel_choice.py). Each op's
 public form only dispatches: its PyTorch form is a function of its own (`standard_normalize_reference`,
 `centered_rms_norm_reference`, `gated_linear_unit_reference`, `rotate_pairs_reference`), which asks nothing of
 `choose`, so that it stays the reference the kernels are tested against.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import PLAIN_WEIGHT_MODULES, choose
+from .kernel_choice import PLAIN_WEIGHT_MODULES, choose
 from .triton_glu import NO_ACTIVATION, branch_activation, triton_glu
 from .triton_norm import TritonNorm
 from .triton_rotary import triton_rotate_pairs

@@ -15,7 +15,7 @@ returns `CellScanOutputs`; `ALL_SCAN_FUNCTIONS` holds them by name:
 - "triton": that node with each window's steps in Triton kernels, two launches per window forward and two
   backward (triton_scan.py);
 - "export": the reference as one `scan` operator over the steps, for `torch.export` and ONNX.
-Which one runs is chosen in one place, `kernels.choose("scan", ...)` (kernels.py), from `config.scan_implementation`
+Which one runs is chosen in one place, `kernel_choice.choose("scan", ...)` (kernel_choice.py), from `config.scan_implementation`
 ("auto" by default), the device, Triton, the activation and whether the layer's modules are plain. Other
 implementations (a benchmark's variant of the design) join with `RANScanInterface.register`, as attention functions
 join Transformers' `AttentionInterface`, and run where the config names them.
@@ -33,7 +33,7 @@ from transformers.utils.generic import GeneralInterface
 
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, gather_rows, project_heads, standard_normalize
 from .fused_scan import FusedCellScan, ScanPlan, window_maxima
-from .kernels import choose
+from .kernel_choice import choose
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 from .scan_op import cell_scan_op
 from .triton_scan import TRITON_KERNELS, kernel_build_errors, record_build_failure
@@ -184,7 +184,7 @@ def exportable_cell_scan(scan, weights, cell, previous_raw, keys, values, layout
 
 def fused_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
     """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py), for a
-    SiLU layer whose modules are plain (`kernels.fused_scan_unsupported`). It computes in float32 whatever the
+    SiLU layer whose modules are plain (`kernel_choice.fused_scan_unsupported`). It computes in float32 whatever the
     inputs' dtype and autocast; under `torch.compile` as one custom op (scan_op.py)."""
     return fused_scan(scan, weights, cell, previous_raw, *step_major(keys, values, layout), layout)
 
@@ -266,7 +266,7 @@ def fused_scan(scan, weights, cell, previous_raw, step_keys, step_values, step_m
 
 
 class RANScanInterface(GeneralInterface):
-    """The cell scans a RAN layer can run, by name (`config.scan_implementation`; "auto" is `kernels.choose`'s)."""
+    """The cell scans a RAN layer can run, by name (`config.scan_implementation`; "auto" is `kernel_choice.choose`'s)."""
 
     _global_mapping = {
         "reference": reference_cell_scan,
@@ -328,7 +328,7 @@ class RANCellScan(nn.Module):
         return drop(standard_normalize(written, self.eps), written_mask)
 
     def forward(self, weights: CellScanWeights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
-        """Run the implementation `kernels.choose` picks; see `reference_cell_scan` for the arguments."""
+        """Run the implementation `kernel_choice.choose` picks; see `reference_cell_scan` for the arguments."""
         requested = self.config.scan_implementation
         if requested != "auto" and requested not in ALL_SCAN_FUNCTIONS:
             raise ValueError(

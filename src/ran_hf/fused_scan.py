@@ -10,7 +10,7 @@ products over all steps once the loop is done.
 
 It computes what `reference_cell_scan` computes for a layer whose activation is SiLU, dropout included: both read
 the same masks, drawn before the scan (scan_dropout.py). It takes tensors and plain weights; `cell_scan.fused_scan`
-reads them from the layer's `CellScanWeights` and the scan's own modules, and `kernels.choose` runs the reference
+reads them from the layer's `CellScanWeights` and the scan's own modules, and `kernel_choice.choose` runs the reference
 instead where the activation is not SiLU or a module is wrapped (warning once). It computes in float32 (float64 for a
 float64 cell) whatever the inputs' dtype, autocast included. Double backward is not supported. Under `torch.compile`
 the same maths run as one custom op (scan_op.py).

@@ -25,7 +25,7 @@ from .cache_ran import RANCacheLayer
 from .causal_memory import update_cache
 from .cell_scan import CellScanWeights, RANCellScan
 from .configuration_ran import RANConfig
-from .kernels import choose
+from .kernel_choice import choose
 from .memory_review import RANMemoryReview
 from .triton_window_projection import JoinReadCells, triton_window_projection
 from .window_layout import RANWindowLayout

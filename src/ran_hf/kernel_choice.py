@@ -28,7 +28,7 @@ Every fallback says why, once. A name registered with `RANScanInterface.register
 
 The modeling code asks `choose(op, ...)` at its one call site per op and runs what it is told. `CHOSEN` keeps the
 last choice per op (outside compiled code), so a test can list the path every op took. `TRITON` switches a Triton
-token-wise kernel off (`ran_hf.kernels.TRITON["glu"] = False`); `FORCED` makes `choose` return a given
+token-wise kernel off (`ran_hf.kernel_choice.TRITON["glu"] = False`); `FORCED` makes `choose` return a given
 implementation whatever the rule says (tests run the Triton kernels on CPU in Triton's interpreter that way).
 """
 
