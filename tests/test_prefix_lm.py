@@ -210,11 +210,12 @@ def test_token_type_ids_on_a_causal_model_are_refused():
 def test_generate_continues_the_source_as_the_full_forward_predicts():
     model = prefix_model(6, window_size=4, min_window_size=2)
     source = torch.randint(2, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(6))
-    generated = model.generate(source, max_new_tokens=7, do_sample=False, pad_token_id=0)
-    types = torch.cat([torch.zeros_like(source), torch.ones_like(generated[:, 6:])], dim=1)
+    target = model.generate(source, max_new_tokens=7, min_new_tokens=7, do_sample=False, pad_token_id=0)
+    assert target.shape == (2, 7)  # the target alone, as every model behind AutoModelForSeq2SeqLM returns it
+    types = torch.cat([torch.zeros_like(source), torch.ones_like(target)], dim=1)
     with torch.no_grad():
-        logits = model(generated, token_type_ids=types).logits
-    assert torch.equal(logits[:, 5:-1].argmax(-1), generated[:, 6:])
+        logits = model(torch.cat([source, target], dim=1), token_type_ids=types).logits
+    assert torch.equal(logits[:, 5:-1].argmax(-1), target)
 
 
 @pytest.mark.needs_data("wikitext-2", "conll2003")  # the WordPiece tokenizer's corpus

@@ -173,8 +173,7 @@ def generate_targets(model, tokenizer, sources: list[str], data_args, batch_size
             eos_token_id=tokenizer.sep_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        new_tokens = output[:, batch["input_ids"].shape[1] :]
-        predictions += [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+        predictions += [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
     return predictions
 
 

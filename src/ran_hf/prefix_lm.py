@@ -209,11 +209,19 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
         """[`GenerationMixin.generate`] from a source: `input_ids` (or `inputs`) are the source unless
-        `token_type_ids` say otherwise (a target already begun); the tokens generated are target."""
+        `token_type_ids` say otherwise (a target already begun); the tokens generated are target.
+
+        Returns the generated tokens only, as every model behind `AutoModelForSeq2SeqLM` does (an encoder-decoder's
+        output holds no source). With `return_dict_in_generate=True`, `sequences` holds them."""
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if kwargs.get("token_type_ids") is None and torch.is_tensor(input_ids):
             kwargs["token_type_ids"] = torch.full_like(input_ids, SOURCE)
-        return super().generate(inputs, generation_config, **kwargs)
+        output = super().generate(inputs, generation_config, **kwargs)
+        given = input_ids.shape[1]  # the source, and a target already begun
+        if torch.is_tensor(output):
+            return output[:, given:]
+        output.sequences = output.sequences[:, given:]
+        return output
 
     def prepare_inputs_for_generation(
         self, input_ids, attention_mask=None, token_type_ids=None, inputs_embeds=None, **kwargs
