@@ -19,6 +19,7 @@ import sys
 
 from transformers import HfArgumentParser
 
+
 # A bound's metadata key: how it reads in an error, and the test a value must pass.
 BOUNDS = {
     "at_least": ("at least", operator.ge),

@@ -20,6 +20,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ran_hf.files.folders import MODEL_FILES, check_not_inputs, contents, lock_folder, recover_interrupted, set_aside
 
+
 logger = logging.getLogger(__name__)
 
 WEIGHTS_NAMES = (

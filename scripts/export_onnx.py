@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from argument_checks import in_range
 
 import ran_hf
-from argument_checks import in_range
 from ran_hf.files.folders import check_not_inputs
 
 

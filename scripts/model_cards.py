@@ -17,6 +17,7 @@ from transformers.utils import logging
 
 import ran_hf
 
+
 logger = logging.get_logger(__name__)
 
 MODEL_CARD_TEMPLATE = resources.files("ran_hf").joinpath("model_cards").joinpath("TEMPLATE.md")

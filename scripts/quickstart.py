@@ -29,6 +29,7 @@ from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline, set_seed
 from ran_hf import RANConfig, RANForMaskedLM
 from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 
+
 MIN_WINDOW_SIZE = 8
 # Characters read for each token kept: more than any token holds, so that the text read gives `--max_tokens` tokens.
 CHARACTERS_PER_TOKEN = 64

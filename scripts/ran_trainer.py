@@ -24,6 +24,7 @@ from ran_hf import RANConfig
 from ran_hf.files.folders import discard_set_aside, retire_set_aside, write_folder
 from ran_hf.sentence_embeddings import write_sentence_transformers_config
 
+
 logger = logging.getLogger(__name__)
 
 

@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from datasets import get_dataset_split_names, load_dataset
-
 import train_tokenizer
 from argument_checks import check_ranges, parse_arguments
+from datasets import get_dataset_split_names, load_dataset
+
 from ran_hf import RANConfig
+
 
 # The example scripts it runs, each in its task folder (in the style of Transformers' examples/pytorch/<task>/).
 HERE = Path(__file__).resolve().parent
@@ -45,6 +46,7 @@ sys.path[:0] = [str(HERE / "language-modeling"), str(HERE / "text-classification
 
 import run_classification  # noqa: E402
 import run_mlm  # noqa: E402
+
 
 logger = logging.getLogger(__name__)
 

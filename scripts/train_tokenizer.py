@@ -15,11 +15,11 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from argument_checks import parse_arguments
 from datasets import Dataset, concatenate_datasets
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from argument_checks import parse_arguments
 from ran_hf.files.data import (
     check_columns,
     check_texts,
@@ -29,6 +29,7 @@ from ran_hf.files.data import (
     split_before_whitespace,
 )
 from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
+
 
 logger = logging.getLogger(__name__)
 

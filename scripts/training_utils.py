@@ -25,6 +25,7 @@ import ran_hf  # noqa: F401 (registers RAN with the Auto classes and marks it fo
 from ran_hf import RAN_LORA_TARGET_MODULES, RANConfig, frozen_new_weights, ran_lora_config
 from ran_hf.sentence_embeddings import SENTENCE_POOLINGS
 
+
 logger = logging.getLogger(__name__)
 
 

@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
+
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (set before any kernel is defined).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import PreTrainedTokenizerFast
 
 from ran_hf import RANConfig, triton_scan_kernels
+
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # The interpreter runs a kernel's programs one after another: splitting a head's attention over programs by rows
@@ -81,6 +83,7 @@ def pytest_collection_modifyitems(config, items):
             names = ", ".join(data.args) or "all of them"
             reason = f"needs the shared benchmark sets ({names}), not found in {DATA_DIR}; set RAN_HF_DATA_DIR"
             item.add_marker(pytest.mark.skip(reason=reason))
+
 
 # Small enough to run in milliseconds, large enough that a 13-token input spans several windows (with a merged tail).
 TINY_CONFIG = {

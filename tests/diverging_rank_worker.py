@@ -11,11 +11,13 @@ from pathlib import Path
 
 import torch
 
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path[:0] = [str(SCRIPTS), str(SCRIPTS / "text-classification")]
 
 import run_classification  # noqa: E402
 from ran_trainer import RANTrainer  # noqa: E402
+
 
 compute_loss = RANTrainer.compute_loss
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from ran_hf import RANConfig, RANForCausalLM, RANForMaskedLM, RANForSequenceClassification
 from ran_hf.ran_layer import RANLayer
 
+
 HEADS = {
     "masked-lm": RANForMaskedLM,
     "causal-lm": RANForCausalLM,

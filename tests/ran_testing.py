@@ -7,17 +7,17 @@ from ran_hf import RANConfig
 
 def tiny_config(**overrides) -> RANConfig:
     """A small RAN with several windows in short sequences and no dropout, so outputs are deterministic."""
-    values = dict(
-        vocab_size=61,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        head_dim=8,
-        window_size=5,
-        min_window_size=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    values = {
+        "vocab_size": 61,
+        "hidden_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "head_dim": 8,
+        "window_size": 5,
+        "min_window_size": 2,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
     values.update(overrides)
     return RANConfig(**values)
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+
 # Runs before the test's script: blocks `ran_hf` and starts the report.
 BLOCK_RAN_HF = r"""
 import importlib.abc

@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
+from remote_code import run_without_ran_hf
+from tf_checkpoint_writer import write_checkpoint
 from transformers import AutoModelForCausalLM
 
 from ran_hf import RANConfig, RANForCausalLM, convert_rannet_checkpoint
 from ran_hf.adaptive_softmax import RANAdaptiveSoftmax
 from ran_hf.files.tf_checkpoint import TFCheckpointReader
-from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
-from remote_code import run_without_ran_hf
-from tf_checkpoint_writer import write_checkpoint
+
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rannet"
 ADAPTIVE = ["adaptive_l2_d16_w6_div2", "adaptive_l1_d16_w4_div1"]
@@ -62,7 +63,7 @@ def test_converted_adaptive_parts_match_rannet(name, converted):
 
 
 def adaptive_model(**overrides):
-    values = dict(is_causal=True, vocab_size=61, cutoffs=[10, 30], div_val=2)
+    values = {"is_causal": True, "vocab_size": 61, "cutoffs": [10, 30], "div_val": 2}
     values.update(overrides)
     return randomize_(RANForCausalLM(tiny_config(**values)))
 
@@ -176,7 +177,10 @@ BAD_CONFIGS = [
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS)
 def test_bad_adaptive_configs_are_named(overrides, message):
-    values = {**dict(vocab_size=61, hidden_size=16, num_attention_heads=2, head_dim=8, is_causal=True), **overrides}
+    values = {
+        **{"vocab_size": 61, "hidden_size": 16, "num_attention_heads": 2, "head_dim": 8, "is_causal": True},
+        **overrides,
+    }
     with pytest.raises(ValueError, match=message):
         RANConfig(**values)
 

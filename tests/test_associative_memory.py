@@ -5,10 +5,10 @@ encoder refuses it."""
 import pytest
 import torch
 import torch.nn.functional as F
+from ran_testing import randomize_, tiny_config
 
 from ran_hf import RANCache, RANConfig, RANForCausalLM
 from ran_hf.associative_memory import delta_write
-from ran_testing import randomize_, tiny_config
 
 
 def token_by_token(state, keys, values, betas):

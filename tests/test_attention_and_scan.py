@@ -16,6 +16,7 @@ from ran_hf import (
 )
 from ran_hf.cell_scan import ALL_SCAN_FUNCTIONS, RANScanInterface, reference_cell_scan
 
+
 LENGTHS = (13, 6)  # three windows (the last a merged tail) and two windows, right-padded
 
 

@@ -19,6 +19,7 @@ from ran_hf import (
     ran_model,
 )
 
+
 HEADS = [
     pytest.param(RANModel, id="model"),
     pytest.param(RANForMaskedLM, id="masked-lm"),

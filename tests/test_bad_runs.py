@@ -32,6 +32,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from ran_hf import RANConfig, RANForSequenceClassification, RANForTokenClassification
 from ran_hf.files.data import read_conll, read_records
 
+
 # Windows of 16 tokens, so that every test document spans several; no dropout, so that runs are reproducible.
 TINY_OVERRIDES = (
     "hidden_size=16,num_attention_heads=2,head_dim=8,window_size=16,min_window_size=4,"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmarks"))  # also done by conftest.py
 from baseline_models import (
     BiLSTMForSequenceClassification,
@@ -16,6 +17,7 @@ from baseline_models import (
     count_parameters,
     slice_documents,
 )
+
 
 TOLERANCE = 1e-5
 SIZES = {"vocab_size": 20, "embedding_size": 8, "hidden_size": 6, "num_labels": 3}

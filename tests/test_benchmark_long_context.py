@@ -4,15 +4,14 @@ and one tiny run of every model writes its table and plot."""
 import json
 from pathlib import Path
 
+import benchmark_long_context as bench
 import pytest
 import torch
-from transformers import AutoConfig
-
-import benchmark_long_context as bench
 from benchmark_long_context import KEY, QUESTION, Vocabulary, answer_logits, mqar_batch, passkey_batch
 from benchmark_utils import check_result
-
 from conftest import DATA_DIR as DATA
+from transformers import AutoConfig
+
 
 needs_data = pytest.mark.needs_data("wikitext-2")  # the benchmark's filler text
 
@@ -97,7 +96,7 @@ def test_learning_rate_warms_up_holds_then_decays_to_zero():
     factors = [bench.learning_rate_factor(done, 100, args) for done in range(100)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0] and set(factors[4:90]) == {1.0}
     assert factors[90:] == pytest.approx([k / 10 for k in range(10, 0, -1)])  # the last step's is 0.1, not 0
-    assert set(bench.learning_rate_factor(d, 100, bench.parse_args([])) for d in range(100, 200)) == {1.0}  # no decay
+    assert {bench.learning_rate_factor(d, 100, bench.parse_args([])) for d in range(100, 200)} == {1.0}  # no decay
     with pytest.raises(SystemExit):
         bench.parse_args(["--decay_steps", "200", "--passkey_steps", "300", "--mqar_steps", "100"])
 

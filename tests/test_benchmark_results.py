@@ -44,7 +44,7 @@ def test_benchmark_commands_times_a_command_against_a_baseline_and_records_where
     python = sys.executable
     result = benchmark_commands.main(
         ["--output", str(output), "--repeats", "2", "--warmup", "0", "--env", "RAN_HF_PROBE=1"]
-        + ["--command", f"{python} -c 'import os; assert os.environ[\"RAN_HF_PROBE\"] == \"1\"'"]
+        + ["--command", f'{python} -c \'import os; assert os.environ["RAN_HF_PROBE"] == "1"\'']
         + ["--baseline", f"{python} -c pass"]
     )
     saved = json.loads((tmp_path / "commands" / "pair.json").read_text())

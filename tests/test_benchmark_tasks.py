@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))  # also done by conftest.py
 
@@ -14,6 +15,7 @@ import benchmark_tasks  # noqa: E402
 from baseline_models import count_parameters  # noqa: E402
 from benchmark_tasks import BenchmarkArguments, build_model, make_probe  # noqa: E402
 from benchmark_utils import check_result  # noqa: E402
+
 
 needs_data = pytest.mark.needs_data("wikitext-2", "conll2003")  # the tokenizer's corpus
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 from transformers.utils import logging as transformers_logging
 
 from ran_hf import RANForCausalLM, RANModel
 from ran_hf.building_blocks import RANCenteredRMSNorm
-from ran_testing import pad_batch, random_ids, randomize_, tiny_config
+
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmarks"))
 import benchmark_bf16_gradients as bench  # noqa: E402

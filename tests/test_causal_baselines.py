@@ -3,7 +3,6 @@ attention's chunked form is its recurrence, every model is causal, and the three
 
 import pytest
 import torch
-
 from causal_baselines import GatedLinearAttention, causal_baseline
 
 

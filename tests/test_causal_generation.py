@@ -11,11 +11,11 @@ import json
 import random
 
 import pytest
+import run_clm
 import torch
+import train_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-import run_clm
-import train_tokenizer
 
 DOCUMENTS = ["one two three four five", "red green blue", "north south east west", "spring summer autumn winter"]
 PROMPTS = {

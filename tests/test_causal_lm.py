@@ -4,10 +4,11 @@ import random
 
 import pytest
 import torch
+from ran_testing import randomize_, tiny_config
 from transformers import pipeline
 
 from ran_hf import RANCache, RANForCausalLM
-from ran_testing import randomize_, tiny_config
+
 
 TOLERANCE = 1e-5
 
@@ -19,15 +20,15 @@ def causal_model(seed=0, **overrides):
 def random_causal_case(seed):
     rng = random.Random(seed)
     window = rng.choice([3, 4, 5, 8])
-    overrides = dict(
-        num_hidden_layers=rng.choice([1, 2, 3]),
-        window_size=window,
-        min_window_size=rng.randint(1, window - 1),
-        window_overlap=rng.choice([0, rng.randint(1, window - 1)]),
-        memory_review=rng.random() < 0.8,
-        review_initial_cell=rng.random() < 0.3,
-        review_qk_norm=rng.random() < 0.7,
-    )
+    overrides = {
+        "num_hidden_layers": rng.choice([1, 2, 3]),
+        "window_size": window,
+        "min_window_size": rng.randint(1, window - 1),
+        "window_overlap": rng.choice([0, rng.randint(1, window - 1)]),
+        "memory_review": rng.random() < 0.8,
+        "review_initial_cell": rng.random() < 0.3,
+        "review_qk_norm": rng.random() < 0.7,
+    }
     return overrides, rng.randint(window + 1, 4 * window + 3)
 
 

@@ -5,7 +5,6 @@ in training each chunk is recomputed in the backward pass. Forcing a chunk of a 
 boundary (inside windows, across windows, across padding) on sequences the tiny configs cut into many windows.
 """
 
-import gc
 import weakref
 
 import pytest
@@ -14,6 +13,7 @@ from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_
 
 from ran_hf import RANForCausalLM, RANModel, memory_review
 from ran_hf.memory_review import RANMemoryReview
+
 
 TOLERANCE = 1e-5
 WHOLE = 10**9  # a chunk longer than any test sequence: the unchunked review

@@ -9,10 +9,11 @@ scripts/benchmarks/benchmark_compile.py, and run here once, for generation."""
 import pytest
 import torch
 import torch._dynamo
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 from torch._dynamo.testing import CompileCounter
 
 from ran_hf import RANForCausalLM, RANModel
-from ran_testing import pad_batch, random_ids, randomize_, tiny_config
+
 
 pytestmark = pytest.mark.slow  # inductor compiles each graph for seconds to minutes
 

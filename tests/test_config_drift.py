@@ -16,6 +16,7 @@ import torch
 from ran_hf import RANConfig, RANForCausalLM, RANForMaskedLM, RANForPrefixLM, RANForSequenceClassification, RANModel
 from ran_hf.configuration_ran import LAYER_DESIGN_FIELDS
 
+
 TINY = {"vocab_size": 50, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 8}
 TINY |= {"window_size": 4, "min_window_size": 2}
 FIX = r"Build a new model from the config, or load the trained one with `from_pretrained\(\.\.\., {field}="

@@ -13,8 +13,10 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import slow_tests_run
 from transformers.models.auto import modeling_auto
 from transformers.testing_utils import torch_device
+from transformers_sdist import SdistUnavailable, load_common_tests
 
 from ran_hf import (
     RANConfig,
@@ -24,8 +26,7 @@ from ran_hf import (
     RANForTokenClassification,
     RANModel,
 )
-from conftest import slow_tests_run
-from transformers_sdist import SdistUnavailable, load_common_tests
+
 
 pytestmark = pytest.mark.slow  # Transformers' whole common test suite
 

@@ -21,7 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ran_testing import pad_batch
+from remote_code import run_without_ran_hf
 from safetensors.torch import load_file
+from tf_checkpoint_writer import write_checkpoint
 from transformers import (
     AutoConfig,
     AutoModelForMaskedLM,
@@ -33,9 +36,7 @@ from transformers import (
 from ran_hf import RANForMaskedLM, convert_rannet_checkpoint
 from ran_hf.convert_rannet import build_rannet_tokenizer, rannet_config_to_ran_config
 from ran_hf.files.tf_checkpoint import TFCheckpointReader
-from ran_testing import pad_batch
-from remote_code import run_without_ran_hf
-from tf_checkpoint_writer import write_checkpoint
+
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rannet"
 SCRIPT = Path(__file__).parents[1] / "scripts" / "convert_rannet_checkpoint.py"
@@ -388,6 +389,7 @@ def flip_tensor_byte(folder, name):
     """One flipped byte inside a tensor's data: finite, plausible weights unless the checksum is verified."""
     entry = TFCheckpointReader(folder / "model.ckpt").entries[name]
     flip_byte(folder / "model.ckpt.data-00000-of-00001", entry.offset + 2)
+
 
 BAD_INPUTS = [
     pytest.param(lambda f: shutil.rmtree(f), FileNotFoundError, r"folder not found: .*rannet", id="missing-folder"),

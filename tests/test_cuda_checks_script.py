@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from benchmark_utils import check_result
 
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "benchmarks" / "run_cuda_checks.sh"
 PARTS = ["tests_scan", "tests_tokens", "step_8k", "bf16", "step_32k", "decode", "decode_review", "bf16_check",

@@ -10,6 +10,7 @@ import pytest
 
 from ran_hf.files.data import check_columns, check_texts, load_records, read_records
 
+
 LONG_FIELD = "word " * 40_000  # 200 KB: longer than the csv module's default field limit
 
 

@@ -12,20 +12,20 @@ import math
 import time
 from pathlib import Path
 
+import evaluate_perplexity
+import export_onnx
 import pytest
+import run_classification
+import run_clm
+import run_mlm
 import torch
+from train_tokenizer import TokenizerArguments, build_tokenizer
 from transformers import pipeline
 
 from ran_hf import RANConfig
 from ran_hf.files.data import ClassificationLabels, load_records, read_records
 from ran_hf.modeling_ran import RANForQuestionAnswering
 
-import evaluate_perplexity
-import export_onnx
-import run_classification
-import run_clm
-import run_mlm
-from train_tokenizer import TokenizerArguments, build_tokenizer
 
 WORDS = "the quick brown fox jumps over the lazy dog while a report on the planet was written by the old mayor"
 TEXTS = [" ".join(WORDS.split()[i:] + WORDS.split()[:i]) for i in range(len(WORDS.split()))] * 3

@@ -27,6 +27,7 @@ from ran_hf import (
 from ran_hf.input_checks import InputChecks
 from ran_hf.modeling_ran import head_outputs
 
+
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -123,7 +124,9 @@ def test_ignored_answers_leave_the_others_loss_as_it_was(qa_model):
     "starts, ends, message",
     [
         pytest.param(
-            [5, 2], [3, 4], r"example 0 starts after it ends: `start_positions` \(5\) after `end_positions` \(3\)",
+            [5, 2],
+            [3, 4],
+            r"example 0 starts after it ends: `start_positions` \(5\) after `end_positions` \(3\)",
             id="reversed",
         ),
         pytest.param([-1, 2], [3, 4], r"`start_positions` holds -1 \(example 0\).*negative", id="negative start"),
@@ -161,29 +164,52 @@ TYPES = torch.tensor([[0] * 5 + [1] * 4] * 2)  # a prefix LM's source, then its 
 # head, config fields, good labels, bad labels, the bad one's error
 LABELLED_HEADS = [
     pytest.param(
-        RANForMaskedLM, {}, token_labels(60), token_labels(61), r"`labels` holds a token id outside \[0, 60\]",
+        RANForMaskedLM,
+        {},
+        token_labels(60),
+        token_labels(61),
+        r"`labels` holds a token id outside \[0, 60\]",
         id="masked-lm",
     ),
     pytest.param(
-        RANForCausalLM, {}, token_labels(0), token_labels(-3), r"`labels` holds a token id outside \[0, 60\]",
+        RANForCausalLM,
+        {},
+        token_labels(0),
+        token_labels(-3),
+        r"`labels` holds a token id outside \[0, 60\]",
         id="causal-lm",
     ),
     pytest.param(
-        RANForPrefixLM, {}, token_labels(60, token_type_ids=TYPES), token_labels(70, token_type_ids=TYPES),
-        r"`labels` holds a token id outside \[0, 60\]", id="prefix-lm",
+        RANForPrefixLM,
+        {},
+        token_labels(60, token_type_ids=TYPES),
+        token_labels(70, token_type_ids=TYPES),
+        r"`labels` holds a token id outside \[0, 60\]",
+        id="prefix-lm",
     ),
     pytest.param(
-        RANForTokenClassification, {"num_labels": 2}, token_labels(1), token_labels(2),
-        r"`labels` holds a class id outside \[0, 1\]", id="token-classification",
+        RANForTokenClassification,
+        {"num_labels": 2},
+        token_labels(1),
+        token_labels(2),
+        r"`labels` holds a class id outside \[0, 1\]",
+        id="token-classification",
     ),
     pytest.param(
-        RANForSequenceClassification, {"num_labels": 3}, {"labels": torch.tensor([0, 2])},
-        {"labels": torch.tensor([0, 3])}, r"`labels` holds a class outside \[0, 2\]", id="sequence-classification",
+        RANForSequenceClassification,
+        {"num_labels": 3},
+        {"labels": torch.tensor([0, 2])},
+        {"labels": torch.tensor([0, 3])},
+        r"`labels` holds a class outside \[0, 2\]",
+        id="sequence-classification",
     ),
     pytest.param(
-        RANForQuestionAnswering, {}, {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([2, 3])},
+        RANForQuestionAnswering,
+        {},
+        {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([2, 3])},
         {"start_positions": torch.tensor([1, -1]), "end_positions": torch.tensor([2, 3])},
-        r"`start_positions` holds -1 \(example 1\)", id="question-answering",
+        r"`start_positions` holds -1 \(example 1\)",
+        id="question-answering",
     ),
 ]
 
@@ -303,9 +329,10 @@ def causal_model(**overrides):
 
 
 def layer_state(cache: RANCache) -> list:
-    return [
-        {name: tensor.clone() for name, tensor in layer.tensors().items()} for layer in cache.layers
-    ] + [cache.lengths.clone(), cache.seen_positions]
+    return [{name: tensor.clone() for name, tensor in layer.tensors().items()} for layer in cache.layers] + [
+        cache.lengths.clone(),
+        cache.seen_positions,
+    ]
 
 
 def assert_same_state(state, cache):
@@ -516,8 +543,13 @@ def test_the_size_bound_can_be_raised(monkeypatch):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"is_causal": True}, {"associative_memory": True, "is_causal": True}, {"cutoffs": [20, 40], "div_val": 2,
-     "is_causal": True}, {"num_hidden_layers": 3, "head_dim": 4, "num_attention_heads": 5}],  # fmt: skip
+    [
+        {},
+        {"is_causal": True},
+        {"associative_memory": True, "is_causal": True},
+        {"cutoffs": [20, 40], "div_val": 2, "is_causal": True},
+        {"num_hidden_layers": 3, "head_dim": 4, "num_attention_heads": 5},
+    ],  # fmt: skip
     ids=str,
 )
 def test_the_parameter_estimate_is_close(overrides):

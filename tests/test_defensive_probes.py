@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from test_nothing_lost import RANNET_FIXTURE, files_of
 from transformers import BertTokenizerFast, pipeline
 
 from ran_hf import (
@@ -24,9 +25,15 @@ from ran_hf.files.data import ClassificationLabels, load_records, read_records
 from ran_hf.files.folders import write_folder
 from ran_hf.prefix_lm import truncated_ids
 
-from test_nothing_lost import RANNET_FIXTURE, files_of
 
-TINY = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, head_dim=8, window_size=4)
+TINY = {
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "head_dim": 8,
+    "window_size": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +100,10 @@ def test_scores_are_still_the_products_of_probabilities(answer_finder):
     start_probs = start.masked_fill(~in_context, -torch.inf).softmax(-1)
     end_probs = end.masked_fill(~in_context, -torch.inf).softmax(-1)
     expected = sorted(
-        (start_probs[s] * end_probs[e]).item() for s in range(len(start)) for e in range(s, len(end)) if in_context[s]
-        and in_context[e]
+        (start_probs[s] * end_probs[e]).item()
+        for s in range(len(start))
+        for e in range(s, len(end))
+        if in_context[s] and in_context[e]
     )[::-1]
     assert [answer["score"] for answer in answers] == pytest.approx(expected, rel=1e-5)
 
@@ -288,7 +297,7 @@ def test_the_export_script_refuses_what_cannot_be_exported_without_a_traceback(t
     with pytest.raises(SystemExit) as exit_info:
         export_script.main(["--model_dir", str(tmp_path / "model"), "--output", str(tmp_path / "model.onnx")])
     assert exit_info.value.code == 1
-    assert re.search(r"^error: .*model: RANFor\w+ .*cannot be exported to ONNX", capsys.readouterr().err, re.M)
+    assert re.search(r"^error: .*model: RANFor\w+ .*cannot be exported to ONNX", capsys.readouterr().err, re.MULTILINE)
     assert not (tmp_path / "model.onnx").exists()
 
 

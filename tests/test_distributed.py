@@ -9,17 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification
-
-from ran_hf import RANConfig, RANForSequenceClassification
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"  # conftest.py puts its folders on sys.path
-
 import run_pipeline
 import train_tokenizer
 from checkpoints import missing_from_checkpoint
 from ran_trainer import parameter_checksum
+from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+from ran_hf import RANConfig, RANForSequenceClassification
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"  # conftest.py puts its folders on sys.path
+
 
 pytestmark = pytest.mark.slow  # training scripts in several processes
 

@@ -47,6 +47,7 @@ from pathlib import Path
 import pytest
 from conftest import DATA_DIR, data_available
 
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+
 pytestmark = pytest.mark.slow  # training in several processes
 
 ROOT = Path(__file__).resolve().parents[1]

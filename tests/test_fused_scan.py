@@ -7,15 +7,15 @@ import logging
 
 import pytest
 import torch
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 from transformers.utils import logging as transformers_logging
 
-from ran_hf import RANCache, RANForCausalLM, RANModel
-from ran_hf import building_blocks
+from ran_hf import RANCache, RANForCausalLM, RANModel, building_blocks
 from ran_hf.cell_scan import fused_cell_scan, reference_cell_scan
 from ran_hf.kernel_choice import fused_scan_unsupported
 from ran_hf.ran_layer import RANLayer
 from ran_hf.window_layout import RANWindowLayout
-from ran_testing import pad_batch, random_ids, randomize_, tiny_config
+
 
 TOLERANCE = 1e-5
 

@@ -15,6 +15,7 @@ import pytest
 
 import ran_hf
 
+
 # Modules that `import ran_hf` must leave unimported. `transformers.modeling_utils` (which the models import) costs
 # about as much as Transformers itself, and imports Triton and `torch.onnx` where they are installed.
 HEAVY_MODULES = (

@@ -6,6 +6,7 @@ so no modeling module imports the subpackage: only the converter and the ONNX ex
 import ast
 from pathlib import Path
 
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "ran_hf"
 SUBPACKAGES = ("files",)
 # Each module by its name under `ran_hf` ("configuration_ran", "files.folders", "files" for its __init__), with its
@@ -74,9 +75,7 @@ def test_the_package_imports_have_no_cycle():
 
 def test_no_modeling_module_imports_the_files_subpackage():
     flat = [module for module in MODULES if "." not in module]
-    importers = {
-        module for module in flat if any(imported.split(".")[0] in SUBPACKAGES for imported in GRAPH[module])
-    }
+    importers = {module for module in flat if any(imported.split(".")[0] in SUBPACKAGES for imported in GRAPH[module])}
     assert importers <= IMPORT_FILES, f"modeling modules importing {SUBPACKAGES}: {sorted(importers - IMPORT_FILES)}"
 
 

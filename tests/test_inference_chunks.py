@@ -15,6 +15,7 @@ from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 from ran_hf import RANConfig, RANForCausalLM, RANModel
 from ran_hf.ran_layer import RANLayer
 
+
 WHOLE = 10**12  # more features than any test input: every chunk is all rows
 CONFIGS = [
     pytest.param({}, id="encoder"),

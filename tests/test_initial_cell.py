@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
+from remote_code import run_without_ran_hf
 from transformers import AutoModelForMaskedLM
 
 from ran_hf import (
@@ -22,8 +24,7 @@ from ran_hf import (
     RANModel,
     convert_rannet_checkpoint,
 )
-from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
-from remote_code import run_without_ran_hf
+
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rannet"
 TOLERANCE = 1e-4

@@ -8,13 +8,12 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from benchmark_kernels import FusedOpsAsOnGPU, KernelCounter, footprint, layouts_built_with_values
+from ran_testing import tiny_config
+from torch import nn
 
 from ran_hf import RANForCausalLM, RANForMaskedLM, RANForTokenClassification, kernel_choice
 from ran_hf.triton_scan import TRITON_AVAILABLE
-from ran_testing import tiny_config
 
 
 def count_training_step(model_class, labels_max, **config_fields):

@@ -5,8 +5,8 @@ fallback. Where an op runs "pytorch", what runs is its `*_reference` function, w
 
 import pytest
 import torch
-
 from benchmark_kernels import layouts_built_with_values
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
 from ran_hf import RANForMaskedLM, kernel_choice
 from ran_hf.building_blocks import (
@@ -24,7 +24,7 @@ from ran_hf.kernel_choice import choose
 from ran_hf.ran_layer import RANLayer
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_hf.window_layout import RANWindowLayout
-from ran_testing import pad_batch, randomize_, random_ids, tiny_config
+
 
 OPS = {"norm", "glu", "rotary", "window_projection", "scan"}
 
@@ -61,7 +61,7 @@ def test_on_meta_every_op_runs_its_triton_kernel():
 
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 def test_on_meta_the_default_scan_is_the_reference_and_switches_turn_kernels_off(monkeypatch):
-    """"auto" takes the Triton scan on CUDA devices only; each token-wise kernel has its switch."""
+    """ "auto" takes the Triton scan on CUDA devices only; each token-wise kernel has its switch."""
     for op in kernel_choice.TRITON_TOKEN_OPS:
         monkeypatch.setitem(kernel_choice.TRITON, op, False)
     chosen = paths_of_a_training_step("meta")

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from conftest import DATA_DIR
 
+
 # Fixtures that read ../shared/data (directly or through a tokenizer trained on it).
 DATA_FIXTURES = {"data_dir", "wordpiece_tokenizer", "wordpiece_tokenizer_dir"}
 # Module-level names that tests use for the data folder.
@@ -15,13 +16,13 @@ def reads_shared_data(item) -> str | None:
     """Why `item` reads the shared data, or None."""
     fixtures = DATA_FIXTURES.intersection(getattr(item, "fixturenames", ()))
     if fixtures:
-        return f"uses the fixture {sorted(fixtures)[0]}"
+        return f"uses the fixture {min(fixtures)}"
     function = getattr(item, "function", None)
     code = getattr(function, "__code__", None)
     if code is not None:
         names = DATA_NAMES.intersection(code.co_names)
-        if names and getattr(function, "__globals__", {}).get(sorted(names)[0]) == DATA_DIR:
-            return f"reads {sorted(names)[0]}"
+        if names and getattr(function, "__globals__", {}).get(min(names)) == DATA_DIR:
+            return f"reads {min(names)}"
     return None
 
 

@@ -7,12 +7,13 @@ chance (benchmarks/memory_diagnosis/memory_diagnosis.md), which is what made thi
 
 import argparse
 
+import diagnose_memory
 import pytest
 import torch
-
-import diagnose_memory
 from diagnose_memory import MODELS, TASKS, build_model, make_batch, probe_memory, train_once
+
 from ran_hf import cell_scan
+
 
 pytestmark = pytest.mark.slow  # training runs of hundreds of steps
 

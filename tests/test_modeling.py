@@ -1,12 +1,12 @@
 """Behaviour every RAN head owes the Transformers API: outputs, losses, training, checkpointing and tied weights."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 from ran_hf import RANForCausalLM, RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
+
 
 BATCH_SIZE, LENGTH = 3, 13
 

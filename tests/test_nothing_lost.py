@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from ran_hf import RANConfig, RANForSequenceClassification, convert_rannet_checkpoint
 from ran_hf.files.folders import FolderInUseError, lock_folder, recover_interrupted, write_folder
 
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ROOT / "src" / "ran_hf" / "files" / "folders.py"
 # Takes the lock on argv[2] and holds it; loads folders.py alone (the ran_hf package would import torch: seconds).

@@ -1,13 +1,14 @@
 """ONNX export (`ran_hf.export_onnx`, ONNX's dynamo exporter): one graph takes any batch size and length, padding on
 either side, and ONNX Runtime gives PyTorch's outputs; the exports that cannot be right are refused with the fix."""
 
+import export_onnx as export_script  # scripts/export_onnx.py
 import numpy as np
 import pytest
 import torch
-
-import export_onnx as export_script  # scripts/export_onnx.py
-from ran_hf import RANForCausalLM, RANForSequenceClassification, RANModel, export_onnx
 from ran_testing import randomize_, tiny_config
+
+from ran_hf import RANForCausalLM, RANForSequenceClassification, RANModel, export_onnx
+
 
 pytestmark = pytest.mark.slow  # each export traces and converts a model for tens of seconds
 

@@ -4,9 +4,10 @@ import random
 
 import pytest
 import torch
+from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
 
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
-from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
+
 
 TOLERANCE = 1e-5
 
@@ -16,18 +17,18 @@ def random_case(seed):
     lengths."""
     rng = random.Random(seed)
     window = rng.choice([3, 4, 5, 7, 8])
-    overrides = dict(
-        num_hidden_layers=rng.choice([1, 2, 3]),
-        window_size=window,
-        min_window_size=rng.randint(1, window - 1),
-        window_overlap=rng.choice([0, 0, rng.randint(1, window - 1)]),
-        cell_pooling=rng.choice(["last", "mean", "max"]),
-        memory_review=rng.random() < 0.8,
-        is_causal=rng.random() < 0.25,
-        token_pooling=rng.choice(["max", "mean"]),
-        use_cell_residual=rng.random() < 0.8,
-        use_rotary=rng.random() < 0.8,
-    )
+    overrides = {
+        "num_hidden_layers": rng.choice([1, 2, 3]),
+        "window_size": window,
+        "min_window_size": rng.randint(1, window - 1),
+        "window_overlap": rng.choice([0, 0, rng.randint(1, window - 1)]),
+        "cell_pooling": rng.choice(["last", "mean", "max"]),
+        "memory_review": rng.random() < 0.8,
+        "is_causal": rng.random() < 0.25,
+        "token_pooling": rng.choice(["max", "mean"]),
+        "use_cell_residual": rng.random() < 0.8,
+        "use_rotary": rng.random() < 0.8,
+    }
     lengths = [rng.randint(1, 4 * window + 2) for _ in range(rng.randint(1, 4))]
     return overrides, lengths
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from huggingface_hub import ModelCard
 import torch
+from huggingface_hub import ModelCard
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
 from transformers.utils import logging as transformers_logging
 
@@ -22,11 +22,12 @@ from ran_hf import (
     ran_lora_config,
 )
 
+
 peft = pytest.importorskip("peft")
+from conftest import TINY_CONFIG  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import AutoModelForTokenClassification, AutoTokenizer  # noqa: E402
 
-from conftest import TINY_CONFIG  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "text-classification"))  # conftest puts the script folders on sys.path
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "text-classification"))  # conftest pu
 import run_classification  # noqa: E402
 import run_pipeline  # noqa: E402
 import train_tokenizer  # noqa: E402
+
 
 # A classifier from an encoder checkpoint (new pooler and classifier), the token classifier (new classifier), and
 # the two language models from checkpoints of their own kind (nothing new).

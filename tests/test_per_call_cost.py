@@ -6,9 +6,9 @@ import pytest
 import torch
 from benchmark_kernels import KernelCounter
 from benchmark_per_call import build, calls_per_step
+from ran_testing import randomize_, tiny_config
 
 from ran_hf import RANCache, RANForCausalLM
-from ran_testing import randomize_, tiny_config
 
 
 def width_128(name: str):

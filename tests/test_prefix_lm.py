@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ran_testing import pad_batch, randomize_, tiny_config
 from transformers import AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
 from ran_hf import RANForMaskedLM, RANForPrefixLM, RANModel, convert_rannet_checkpoint, prefix_lm_features
-from ran_testing import pad_batch, randomize_, tiny_config
+
 
 FIXTURE = Path(__file__).parent / "fixtures" / "rannet" / "seq2seq_l2_d24_w6"
 TOLERANCE = 1e-4  # against rannet (float32 TensorFlow)
@@ -89,14 +90,14 @@ def test_the_converted_masked_lm_with_token_type_ids_is_the_same_network(convert
 def random_case(seed):
     rng = random.Random(seed)
     window = rng.choice([3, 4, 5])
-    overrides = dict(
-        num_hidden_layers=rng.choice([1, 2, 3]),
-        window_size=window,
-        min_window_size=rng.randint(1, window - 1),
-        window_overlap=rng.choice([0, rng.randint(1, window - 1)]),
-        memory_review=rng.random() < 0.8,
-        cell_pooling=rng.choice(["last", "mean"]),
-    )
+    overrides = {
+        "num_hidden_layers": rng.choice([1, 2, 3]),
+        "window_size": window,
+        "min_window_size": rng.randint(1, window - 1),
+        "window_overlap": rng.choice([0, rng.randint(1, window - 1)]),
+        "memory_review": rng.random() < 0.8,
+        "cell_pooling": rng.choice(["last", "mean"]),
+    }
     return overrides, rng.randint(1, 3 * window), rng.randint(2, 3 * window)
 
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForQuestionAnswering, pipeline
 
 from ran_hf import RANForQuestionAnswering
 
+
 MARKER_QUESTION = "where is the marker ?"
 
 

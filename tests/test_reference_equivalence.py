@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-
-from ran_hf import RANModel
 from ran_reference import reference_forward
 from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
+
+from ran_hf import RANModel
+
 
 TOLERANCE = 1e-5
 

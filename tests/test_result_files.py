@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from benchmark_utils import check_result, command_line, result_record
 
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULT_FILES = sorted(BENCHMARKS.rglob("*.json"))
 

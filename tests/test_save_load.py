@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from ran_testing import randomize_, tiny_config
+from remote_code import run_without_ran_hf
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
@@ -18,8 +20,7 @@ from transformers import (
 
 import ran_hf
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
-from ran_testing import randomize_, tiny_config
-from remote_code import run_without_ran_hf
+
 
 HEADS = [
     pytest.param(RANModel, AutoModel, id="model"),

@@ -15,6 +15,7 @@ import torch
 from ran_hf import RANConfig, RANForCausalLM, RANForMaskedLM
 from ran_hf.configuration_ran import LAYER_DESIGNS
 
+
 FIXTURES = Path(__file__).parent / "fixtures" / "saved_configs"
 CASES = {
     "encoder_official": (RANForMaskedLM, "official"),

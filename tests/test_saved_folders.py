@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from ran_testing import tiny_config
+from remote_code import run_without_ran_hf
+from test_save_load import OLD_CELL_WEIGHT, TODAYS_CELL_WEIGHT, saved_weight_names, with_old_weight_names
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, pipeline
 
 import ran_hf
-from ran_testing import tiny_config
-from remote_code import run_without_ran_hf
-from test_save_load import OLD_CELL_WEIGHT, TODAYS_CELL_WEIGHT, saved_weight_names, with_old_weight_names
+
 
 PACKAGE = Path(ran_hf.__file__).parent
 # Flat modules that are no model's code (checkpoint conversion, export, PEFT and sentence-transformers glue): no
@@ -129,7 +130,13 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
     )
-    special = dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    special = {
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "mask_token": "[MASK]",
+    }
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
 
 

@@ -18,31 +18,32 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-from huggingface_hub import ModelCard
-import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-from ran_hf import RANConfig, RANForSequenceClassification
-from ran_hf.files.data import ClassificationLabels, TagLabels, read_conll, read_records
-from ran_hf.files.folders import releases_folder_locks
-from remote_code import run_without_ran_hf
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"  # conftest.py puts its folders on sys.path
-
 import evaluate_perplexity
+import pytest
 import run_classification
 import run_clm
 import run_mlm
 import run_ner
 import run_pipeline
+import torch
 import train_tokenizer
+import transformers
 from checkpoints import missing_from_checkpoint, prepare_output_dir
 from data_loading import cut_for_tokenizer
+from huggingface_hub import ModelCard
 from ran_trainer import parameter_checksum
+from remote_code import run_without_ran_hf
 from training_utils import RANTrainingArguments
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from ran_hf import RANConfig, RANForSequenceClassification
+from ran_hf.files.data import ClassificationLabels, TagLabels, read_conll, read_records
+from ran_hf.files.folders import releases_folder_locks
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"  # conftest.py puts its folders on sys.path
+
 
 # Windows of 16 tokens, so that every test document spans several; no dropout, so that runs are reproducible.
 TINY_OVERRIDES = (
@@ -438,7 +439,7 @@ def test_run_ner_on_conll_files(tmp_path):
     assert {"eval_f1", "eval_precision", "eval_recall", "eval_accuracy", "eval_PER_f1"} <= results["eval"].keys()
     assert "test_f1" in results["test"]
     predicted = [line.split() for line in (output_dir / "predictions.txt").read_text().splitlines() if line]
-    gold = [sentence for sentence in read_conll(conll)]
+    gold = list(read_conll(conll))
     assert [word for word, _ in predicted] == [word for sentence in gold for word in sentence["tokens"]]
     assert json.loads((output_dir / "config.json").read_text())["id2label"]["4"] == "B-PER"
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from remote_code import run_without_ran_hf
 from transformers import AutoModel, AutoModelForSequenceClassification, pipeline
 
 from ran_hf import RANForMaskedLM, RANForSequenceClassification
@@ -17,7 +18,7 @@ from ran_hf.sentence_embeddings import (
     sentence_pooling,
     write_sentence_transformers_config,
 )
-from remote_code import run_without_ran_hf
+
 
 sentence_transformers = pytest.importorskip("sentence_transformers")
 SentenceTransformer = sentence_transformers.SentenceTransformer
@@ -26,6 +27,7 @@ import run_classification  # noqa: E402
 import run_mlm  # noqa: E402
 import run_pipeline  # noqa: E402
 import train_tokenizer  # noqa: E402
+
 
 POOLINGS = [pytest.param(pooling, id=pooling) for pooling in SENTENCE_POOLINGS]
 TOLERANCE = 1e-5

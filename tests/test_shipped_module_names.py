@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from ran_testing import tiny_config
+from remote_code import BLOCK_RAN_HF, PRINT_REPORT
 
 from ran_hf import (
     RANForCausalLM,
@@ -16,8 +18,7 @@ from ran_hf import (
     RANForTokenClassification,
     RANModel,
 )
-from ran_testing import tiny_config
-from remote_code import BLOCK_RAN_HF, PRINT_REPORT
+
 
 HEADS = {
     "AutoModel": (RANModel, {}),

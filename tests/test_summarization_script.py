@@ -12,10 +12,12 @@ from transformers import AutoTokenizer, GPT2LMHeadModel
 from ran_hf import RANForCausalLM, RANForPrefixLM
 from ran_hf.convert_rannet import build_rannet_tokenizer
 
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS / "summarization"))
 
 import run_summarization  # noqa: E402
+
 
 pytestmark = pytest.mark.slow  # the training script end to end, three models
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tf_checkpoint_writer import write_checkpoint
 
 from ran_hf.files.tf_checkpoint import (
     CheckpointFormatError,
@@ -14,7 +15,7 @@ from ran_hf.files.tf_checkpoint import (
     _parse_entry,
     _slice_key,
 )
-from tf_checkpoint_writer import write_checkpoint
+
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rannet"
 

@@ -12,6 +12,7 @@ from transformers import pipeline
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification
 from ran_hf.files.data import read_conll
 
+
 # Every test reads real sentences or uses the tokenizer trained on them.
 pytestmark = pytest.mark.needs_data("conll2003", "ag_news", "wikitext-2")
 

@@ -16,6 +16,7 @@ from ran_hf.building_blocks import (
 from ran_hf.kernel_choice import choose
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
+
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -11,6 +11,7 @@ from ran_hf.kernel_choice import choose
 from ran_hf.triton_rotary import triton_rotate_pairs
 from ran_hf.triton_scan import TRITON_AVAILABLE
 
+
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -5,12 +5,13 @@ as the reference for a seed), and inside whole models. On a CPU the kernels run 
 
 import pytest
 import torch
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
+from test_fused_scan import BATCHES, DROPOUT, MODES, assert_scans_agree, layer_and_inputs
 
 from ran_hf import RANForCausalLM, RANModel, triton_scan_kernels
 from ran_hf.cell_scan import triton_cell_scan
 from ran_hf.triton_scan import TRITON_AVAILABLE, triton_scan_unsupported
-from ran_testing import pad_batch, random_ids, randomize_, tiny_config
-from test_fused_scan import BATCHES, DROPOUT, MODES, assert_scans_agree, layer_and_inputs
+
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,24 +8,25 @@ interpreter; on CUDA compiled."""
 
 import pytest
 import torch
+from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
 from ran_hf import RANForCausalLM, RANModel, kernel_choice, triton_window_projection
 from ran_hf.kernel_choice import choose
 from ran_hf.ran_layer import RANLayer
 from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_hf.window_layout import RANWindowLayout
-from ran_testing import pad_batch, randomize_, random_ids, tiny_config
+
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 CASES = {
-    "encoder-padding-merged-tail": (dict(), [13, 6, 2]),
-    "enrichment-overlap": (dict(window_overlap=3), [14, 9]),
-    "causal-learnable-memory": (dict(is_causal=True, window_overlap=2), [12, 7]),
-    "no-rotary": (dict(use_rotary=False, window_overlap=1), [11, 4]),
+    "encoder-padding-merged-tail": ({}, [13, 6, 2]),
+    "enrichment-overlap": ({"window_overlap": 3}, [14, 9]),
+    "causal-learnable-memory": ({"is_causal": True, "window_overlap": 2}, [12, 7]),
+    "no-rotary": ({"use_rotary": False, "window_overlap": 1}, [11, 4]),
     "wide-heads-past-one-block": (
-        dict(hidden_size=24, num_attention_heads=3, head_dim=2 * triton_window_projection.BLOCK_PAIRS // 3 + 2),
+        {"hidden_size": 24, "num_attention_heads": 3, "head_dim": 2 * triton_window_projection.BLOCK_PAIRS // 3 + 2},
         [9, 5],
     ),
 }
@@ -88,7 +89,7 @@ def test_token_slots_invert_the_window_slots():
 
 @pytest.mark.parametrize(
     "model_class, overrides",
-    [(RANModel, dict(window_overlap=2)), (RANForCausalLM, dict(is_causal=True))],
+    [(RANModel, {"window_overlap": 2}), (RANForCausalLM, {"is_causal": True})],
     ids=["encoder", "causal"],
 )
 def test_models_with_the_triton_window_projection_equal_the_pytorch_ones(model_class, overrides, monkeypatch):
@@ -116,6 +117,7 @@ def test_models_with_the_triton_window_projection_equal_the_pytorch_ones(model_c
 def test_the_triton_window_projection_runs_on_cuda_unless_switched_off(monkeypatch):
     """On CUDA (and meta, which stands in for it) for SiLU and a pass without a cache; not on the CPU, not for
     another activation, not when continuing cached tokens, not when switched off."""
+
     def applies(*args):
         return choose("window_projection", *args) == "triton"
 

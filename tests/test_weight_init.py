@@ -4,6 +4,7 @@ weights loads them initialised, not as whatever memory held."""
 
 import pytest
 import torch
+from ran_testing import tiny_config
 from safetensors.torch import load_file, save_file
 
 from ran_hf import (
@@ -14,7 +15,7 @@ from ran_hf import (
     RANForTokenClassification,
     RANModel,
 )
-from ran_testing import tiny_config
+
 
 CAUSAL = {"is_causal": True}
 CASES = [
@@ -55,7 +56,9 @@ def test_init_weights_sets_every_tensor(model_class, fields):
 @pytest.mark.parametrize(
     "fields,missing,expected",
     [
-        pytest.param({"associative_memory": True}, "model.layers.0.associative_memory.read_scale", 1.0, id="read-scale"),
+        pytest.param(
+            {"associative_memory": True}, "model.layers.0.associative_memory.read_scale", 1.0, id="read-scale"
+        ),
         pytest.param({"cutoffs": [20, 40], "div_val": 2}, "decoder.biases.1", 0.0, id="cluster-bias"),
     ],
 )

@@ -19,7 +19,10 @@ def test_docstring_example():
     assert layout.window_sequence.tolist() == [0, 1, 1, 1]
     assert layout.window_number.tolist() == [0, 0, 1, 2]
     assert layout.window_slots.tolist() == [
-        [0, 1, 2, 3, 4], [5, 6, 7, 8, 16], [9, 10, 11, 12, 16], [13, 14, 15, 16, 16]
+        [0, 1, 2, 3, 4],
+        [5, 6, 7, 8, 16],
+        [9, 10, 11, 12, 16],
+        [13, 14, 15, 16, 16],
     ]
     assert layout.slot_mask.int().tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]
     assert layout.query_index.tolist() == layout.window_slots.tolist()

@@ -10,6 +10,7 @@ import numpy as np
 
 from ran_hf.files.tf_checkpoint import _crc32c
 
+
 _DTYPE_CODES = {"float32": 1, "float64": 2, "int32": 3, "int64": 9, "float16": 19}
 _TABLE_MAGIC = 0xDB4775248B80FB57
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import transformers
 
+
 PACKAGE = "transformers_sdist_tests"
 REQUIRED_FILES = ("__init__.py", "test_modeling_common.py", "test_configuration_common.py")
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from transformers.modeling_outputs import SequenceClassifierOutput, TokenClassifierOutput
 
+
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
 POOLINGS = ("max", "mean", "last")
 

@@ -21,9 +21,9 @@ import statistics
 from pathlib import Path
 
 import torch
+from benchmark_utils import NON_NEGATIVE, POSITIVE, command_line, machine_info, machine_line, result_record
 from torch import nn
 
-from benchmark_utils import NON_NEGATIVE, POSITIVE, command_line, machine_info, machine_line, result_record
 
 HEADS = ["masked-lm", "sequence-classification", "token-classification", "causal-lm"]
 NUM_LABELS = 5
@@ -79,8 +79,13 @@ class EncoderBaseline(nn.Module):
 
 
 def ran_model(args, head: str):
-    from ran_hf import RANConfig, RANForCausalLM, RANForMaskedLM, RANForSequenceClassification
-    from ran_hf import RANForTokenClassification
+    from ran_hf import (
+        RANConfig,
+        RANForCausalLM,
+        RANForMaskedLM,
+        RANForSequenceClassification,
+        RANForTokenClassification,
+    )
 
     config = RANConfig(
         vocab_size=args.vocab_size,

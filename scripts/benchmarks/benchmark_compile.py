@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
-from torch._dynamo.utils import counters
-
 from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record, sized_ran_config
+from torch._dynamo.utils import counters
 
 
 def build_model(args, device):

@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 SCRIPTS = Path(__file__).resolve().parents[1]
 DEFAULT_FILE = SCRIPTS.parents[1] / "shared" / "data" / "eurlex57k" / "train.jsonl.gz"
 METHODS = ("records", "load_dataset", "load_splits", "load_splits_cut", "stream_first", "read_first")

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record, write_result
 from tqdm.auto import tqdm
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record, write_result
 from ran_hf import RANConfig, RANForCausalLM
 
 
@@ -203,6 +203,7 @@ def main():
         print(f"GPT-2 latency {last['context']} / {first['context']}: {gpt2_ratio:.2f}")
     plot(results, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.json and .png")
+
 
 if __name__ == "__main__":
     main()

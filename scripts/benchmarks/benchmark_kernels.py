@@ -41,12 +41,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from tqdm.auto import tqdm
-
 from benchmark_utils import (
     NON_NEGATIVE,
     NON_NEGATIVE_FLOAT,
@@ -58,11 +52,17 @@ from benchmark_utils import (
     result_record,
     sized_ran_config,
 )
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm.auto import tqdm
 
 from ran_hf import RANConfig, RANForMaskedLM, kernel_choice
 from ran_hf.input_checks import InputChecks
 from ran_hf.memory_review import RANMemoryReview
 from ran_hf.window_layout import RANWindowLayout
+
 
 # Allocations and aliases (`_unsafe_view` is a view that the schema does not mark as one) launch nothing.
 NOT_LAUNCHED = {

@@ -48,14 +48,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from benchmark_tasks import OFFICIAL_CAUSAL_SCAN  # importing it registers the official causal scan
+from benchmark_utils import command_line, machine_info, machine_line, result_path, result_record, write_result
+from causal_baselines import causal_baseline
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from causal_baselines import causal_baseline
-
-from benchmark_utils import command_line, machine_info, machine_line, result_path, result_record, write_result
 from ran_hf import RANConfig, RANForCausalLM
-from benchmark_tasks import OFFICIAL_CAUSAL_SCAN  # importing it registers the official causal scan
+
 
 PAD, KEY, QUESTION, FIRST_DIGIT = 0, 1, 2, 3  # digits are 3..12
 NUM_WORDS = 2000  # the most frequent words of the training text; the rest becomes <unk>, numbers become <num>

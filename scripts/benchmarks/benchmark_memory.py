@@ -23,11 +23,9 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
-
 from benchmark_utils import (
-    LiveTensorPeak,
     POSITIVE,
+    LiveTensorPeak,
     PeakMemory,
     command_line,
     machine_info,
@@ -35,6 +33,7 @@ from benchmark_utils import (
     result_record,
     run_in_subprocess,
 )
+from tqdm.auto import tqdm
 
 
 def ran_config(args, **fields):

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record, write_result
+from causal_baselines import llama_inner_size
 from tqdm.auto import tqdm
 from transformers import (
     CompileConfig,
@@ -38,9 +40,10 @@ from transformers import (
     Mamba2ForCausalLM,
 )
 
-from benchmark_utils import POSITIVE, command_line, machine_info, machine_line, result_record, write_result
-from causal_baselines import llama_inner_size
 from ran_hf import RANCache, RANConfig, RANForCausalLM, RANForSequenceClassification
+
+
+MODELS = ("ran", "ran-compiled", "llama", "mamba2")
 
 
 class StepClock(LogitsProcessor):
@@ -156,6 +159,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill_chunk", type=POSITIVE, default=4096)
     parser.add_argument("--llama_max_context", type=POSITIVE, default=32768)
     parser.add_argument("--classifier_length", type=POSITIVE, default=512)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--threads", type=POSITIVE, default=1)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/per_call/per_call_128.json"))
     return parser.parse_args(argv)
@@ -167,7 +171,7 @@ def main(argv=None):
     info = machine_info("cpu")
     print(machine_line(info))
     results = []
-    for name in tqdm(("ran", "ran-compiled", "llama", "mamba2"), desc="models"):
+    for name in tqdm(args.models, desc="models"):
         model = build(name, args)
         compiled = name == "ran-compiled"
         row = {"model": name, "python_calls_per_decoding_step": None if compiled else calls_per_step(model, args)}

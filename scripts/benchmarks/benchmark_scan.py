@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from benchmark_utils import FRACTION, NON_NEGATIVE, POSITIVE, command_line, machine_info, machine_line, result_record
+from torch.profiler import ProfilerActivity, profile
 
 from ran_hf import RANConfig
 from ran_hf.cell_scan import ALL_SCAN_FUNCTIONS
 from ran_hf.ran_layer import RANLayer
 from ran_hf.window_layout import RANWindowLayout
+
 
 # (name, hidden size, heads, window, lengths of the sequences in the batch)
 CASES = [

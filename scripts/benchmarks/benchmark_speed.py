@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from benchmark_utils import (
     POSITIVE,
     POSITIVE_FLOAT,
@@ -49,6 +48,7 @@ from benchmark_utils import (
 )
 
 from ran_hf.cell_scan import RANScanInterface
+
 
 MODELS = ["ran", "ran-small", "ceiling", "longformer", "bigbird", "modernbert", "bert", "rannet"]
 OPTIONAL_MODELS = ["ran-fused", "ran-triton", "ran-compiled"]
@@ -90,15 +90,15 @@ def build_model(name: str, args, max_length: int) -> torch.nn.Module:
     import transformers
 
     width, layers, heads = args.hidden_size, args.num_layers, args.num_heads
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * width,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    common = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": width,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "intermediate_size": 4 * width,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
     if name in ("ran", "ran-fused", "ran-triton", "ran-small", "ceiling", "ran-compiled"):
         from ran_hf import RANModel
 

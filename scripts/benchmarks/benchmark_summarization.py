@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from benchmark_utils import (
     NON_NEGATIVE,
     POSITIVE,
@@ -29,6 +28,7 @@ from benchmark_utils import (
     machine_line,
     result_record,
 )
+
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "summarization" / "run_summarization.py"

@@ -47,6 +47,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
+
 ROOT = Path(__file__).resolve().parents[2]
 # This folder (the baselines, the report), and the example scripts whose tokenizer, label alignment and metrics the
 # benchmark reuses: train_tokenizer.py in scripts/, run_classification.py and run_ner.py in their task folders.
@@ -62,6 +63,7 @@ from benchmark_tasks_report import write_report  # noqa: E402
 from benchmark_utils import command_line, machine_info  # noqa: E402
 
 from ran_hf.cell_scan import RANScanInterface, reference_cell_scan  # noqa: E402
+
 
 logger = logging.getLogger("benchmark_tasks")
 
@@ -503,12 +505,12 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
 
     # Recurrent baselines: width searched so that their parameters match RAN's (embeddings excluded).
     target = count_parameters(build_model("ran", task_name, task, args))
-    common = dict(
-        vocab_size=task["vocab_size"],
-        embedding_size=args.hidden_size,
-        num_labels=task["num_labels"],
-        dropout=args.dropout,
-    )
+    common = {
+        "vocab_size": task["vocab_size"],
+        "embedding_size": args.hidden_size,
+        "num_labels": task["num_labels"],
+        "dropout": args.dropout,
+    }
     if tagging:
         build = lambda width: BiLSTMForTokenClassification(**common, hidden_size=width)  # noqa: E731
     else:

@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 from benchmark_utils import machine_line, result_path, result_record, write_result
+
 
 # The metric each task is ranked by, and whether lower is better.
 MAIN_METRIC = {

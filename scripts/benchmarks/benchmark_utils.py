@@ -1,8 +1,8 @@
 """What the benchmark scripts share: the machine line, the one result format, peak-memory readings, one measurement
 per process."""
 
-import json
 import datetime
+import json
 import os
 import platform
 import re
@@ -17,8 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the flags' ranges
 from argument_checks import in_range  # noqa: E402
+
 
 # argparse `type=`s of the benchmarks' numeric flags, so that a zero size, count or repeat is refused naming the flag
 # instead of dividing by zero or measuring nothing.

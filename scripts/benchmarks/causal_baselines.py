@@ -17,6 +17,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutput
 
+
 GATE_RANK = 16  # the gate's low-rank projection, as in the paper
 GATE_TEMPERATURE = 16.0  # log-decay divided by this: decays start close to 1, so memory lasts at initialisation
 MIN_LOG_DECAY = -2.0  # per token: a chunk's decays then stay within float32 (e^(16 x 2)) in the chunked form

@@ -30,9 +30,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
-from transformers import GPT2Config, GPT2LMHeadModel
-
 from benchmark_utils import (
     NON_NEGATIVE,
     POSITIVE,
@@ -44,8 +41,12 @@ from benchmark_utils import (
     result_record,
     write_result,
 )
+from tqdm.auto import tqdm
+from transformers import GPT2Config, GPT2LMHeadModel
+
 from ran_hf import RANConfig, RANForCausalLM
 from ran_hf.building_blocks import apply_interleaved_rotary, rotary_rotations
+
 
 VOCAB_SIZE = 64
 KEY, QUESTION, FIRST_DIGIT, FIRST_FILLER = 1, 2, 3, 13  # 0 is padding; digits are 3..12; filler 13..63

@@ -56,6 +56,7 @@ from causal_baselines import causal_baseline
 from ran_hf import RANConfig, RANForCausalLM
 from ran_hf.building_blocks import unit_vectors
 
+
 NUM_SYMBOLS = 64  # filler tokens, keys and values: 64 each
 FIRST_FILLER, FIRST_KEY, FIRST_VALUE = 1, 1 + NUM_SYMBOLS, 1 + 2 * NUM_SYMBOLS  # 0 is padding
 VOCAB_SIZE = 1 + 3 * NUM_SYMBOLS

@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
+from benchmark_kernels import BlockAttentionMLM
 from benchmark_utils import (
     POSITIVE,
     TRAINING_DROPOUT,
@@ -39,9 +38,10 @@ from benchmark_utils import (
     sized_ran_config,
     write_result,
 )
+from torch.profiler import ProfilerActivity, profile
 
-from benchmark_kernels import BlockAttentionMLM
 from ran_hf import RANForMaskedLM, kernel_choice
+
 
 BASELINES = ("modernbert", "longformer")  # Transformers' classes, built from config as benchmark_speed.py does
 
@@ -50,7 +50,6 @@ def transformers_mlm(name: str, args, length: int) -> torch.nn.Module:
     """ModernBERT or Longformer with a masked-LM head, random weights: benchmark_speed.build_model's configuration
     (on the meta device, for its config only) with this run's vocabulary and the model's own attention window."""
     import transformers
-
     from benchmark_speed import build_model
 
     window = args.modernbert_window if name == "modernbert" else args.longformer_window

@@ -13,11 +13,12 @@ import json
 from pathlib import Path
 
 import torch
+from benchmark_scan import measure
+from benchmark_utils import FRACTION, POSITIVE, command_line, machine_info, machine_line, result_record
 
 import ran_hf.triton_scan as triton_scan
 import ran_hf.triton_scan_kernels as triton_kernels
-from benchmark_scan import measure
-from benchmark_utils import FRACTION, POSITIVE, command_line, machine_info, machine_line, result_record
+
 
 OPS = ["scan_project", "scan_output", "scan_write", "scan_write_grad", "scan_attention_grad", "scan_input_grad"]
 CASES = [

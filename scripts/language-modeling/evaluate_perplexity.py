@@ -41,12 +41,14 @@ import ran_hf  # noqa: F401  (registers RAN with the Auto classes)
 from ran_hf.files.data import read_lines
 from ran_hf.files.folders import check_not_inputs
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
 from argument_checks import parse_arguments  # noqa: E402
 from checkpoints import is_run_file  # noqa: E402
 from lm_data import end_of_text_id, token_ids  # noqa: E402
 from training_utils import check_model_type, check_tokenizer_matches_config  # noqa: E402
+
 
 logger = logging.getLogger(__name__)
 

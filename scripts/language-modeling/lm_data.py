@@ -10,14 +10,14 @@ import logging
 import math
 
 import numpy as np
+from data_loading import check_split_texts, load_splits
 from datasets import Dataset, DatasetDict
 from tokenizers import processors
+from training_utils import ModelArguments
 from transformers import PreTrainedTokenizerBase
 
-from data_loading import check_split_texts, load_splits
-from training_utils import ModelArguments
-
 from ran_hf.files.data import split_before_whitespace
+
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, set_seed
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
 from checkpoints import prepare_output_dir  # noqa: E402
@@ -58,6 +59,7 @@ from training_utils import (  # noqa: E402
 )
 
 from ran_hf.files.folders import releases_folder_locks  # noqa: E402
+
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ Prints one JSON line with the same fields as the PyTorch measurements.
 
 import os
 
+
 # rannet needs the Keras 2 API bundled with TensorFlow; set before importing it.
 os.environ.setdefault("TF_KERAS", "1")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")

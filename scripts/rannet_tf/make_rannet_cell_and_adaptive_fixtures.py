@@ -26,6 +26,7 @@ on ``outputs[1]``); the cell output is not used here.
 
 import os
 
+
 os.environ.setdefault("TF_KERAS", "1")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -35,11 +36,11 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
-from typing import Dict, List  # noqa: E402
 
 import numpy as np  # noqa: E402
 from langml import keras  # noqa: E402
 from rannet import RanNet, RanNetForAdaptiveLM, RanNetParams  # noqa: E402
+
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_rannet_fixtures import (  # noqa: E402
@@ -51,47 +52,48 @@ from make_rannet_fixtures import (  # noqa: E402
     save_npz,
 )
 
+
 warnings.filterwarnings("ignore", message=".*is unseeded.*")
 
 # Adaptive LMs: two clusters with shrinking embeddings (div_val 2), and div_val 1 (one tied full softmax, cutoffs
 # without effect in rannet's AdaptiveSoftmax).
-ADAPTIVE: List[Dict] = [
-    dict(
-        name="adaptive_l2_d16_w6_div2",
-        seed=1201,
-        cutoffs=[12, 30],
-        div_val=2,
-        config=dict(
-            vocab_size=48,
-            embedding_size=16,
-            ran_layers=2,
-            head_num=2,
-            head_size=8,
-            window_size=6,
-            min_window_size=3,
-            cell_pooling="last",
-        ),
-    ),
-    dict(
-        name="adaptive_l1_d16_w4_div1",
-        seed=1202,
-        cutoffs=[20],
-        div_val=1,
-        config=dict(
-            vocab_size=40,
-            embedding_size=16,
-            ran_layers=1,
-            head_num=2,
-            head_size=8,
-            window_size=4,
-            min_window_size=2,
-            cell_pooling="last",
-        ),
-    ),
+ADAPTIVE: list[dict] = [
+    {
+        "name": "adaptive_l2_d16_w6_div2",
+        "seed": 1201,
+        "cutoffs": [12, 30],
+        "div_val": 2,
+        "config": {
+            "vocab_size": 48,
+            "embedding_size": 16,
+            "ran_layers": 2,
+            "head_num": 2,
+            "head_size": 8,
+            "window_size": 6,
+            "min_window_size": 3,
+            "cell_pooling": "last",
+        },
+    },
+    {
+        "name": "adaptive_l1_d16_w4_div1",
+        "seed": 1202,
+        "cutoffs": [20],
+        "div_val": 1,
+        "config": {
+            "vocab_size": 40,
+            "embedding_size": 16,
+            "ran_layers": 1,
+            "head_num": 2,
+            "head_size": 8,
+            "window_size": 4,
+            "min_window_size": 2,
+            "cell_pooling": "last",
+        },
+    },
 ]
 
 
-def case_lengths(config: Dict) -> List[int]:
+def case_lengths(config: dict) -> list[int]:
     return probe_lengths(config["window_size"], config["min_window_size"])
 
 
@@ -104,7 +106,7 @@ def random_ids(rng, length: int, vocab_size: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def with_cell_probe(folder: str, config: Dict, with_cell: bool) -> keras.Model:
+def with_cell_probe(folder: str, config: dict, with_cell: bool) -> keras.Model:
     """The encoder fixture's checkpoint loaded by rannet's own loader, exposing every layer's outputs and the MLM
     logits (as `make_rannet_fixtures.probe_model`)."""
     keras.backend.clear_session()
@@ -125,7 +127,7 @@ def with_cell_probe(folder: str, config: Dict, with_cell: bool) -> keras.Model:
     return keras.Model(model.inputs, outputs)
 
 
-def make_with_cell_fixture(spec: Dict, output_dir: str, seed: int) -> str:
+def make_with_cell_fixture(spec: dict, output_dir: str, seed: int) -> str:
     config = spec["config"]
     folder = os.path.join(output_dir, spec["name"])
     layers, size = config["ran_layers"], config["embedding_size"]
@@ -166,7 +168,7 @@ def make_with_cell_fixture(spec: Dict, output_dir: str, seed: int) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def random_like(weights, seed: int) -> List[np.ndarray]:
+def random_like(weights, seed: int) -> list[np.ndarray]:
     """Random values for every weight (biases and norms away from 0/1), drawn in the model's weight order."""
     rng = np.random.default_rng(seed)
     values = []
@@ -184,7 +186,7 @@ def random_like(weights, seed: int) -> List[np.ndarray]:
     return values
 
 
-def build_adaptive(spec: Dict) -> keras.Model:
+def build_adaptive(spec: dict) -> keras.Model:
     keras.backend.clear_session()
     params = RanNetParams(dict(spec["config"], **COMMON_CONFIG))
     rannet = RanNetForAdaptiveLM(params, cutoffs=list(spec["cutoffs"]), div_val=spec["div_val"], return_cell=True)
@@ -203,7 +205,7 @@ def adaptive_probe(model: keras.Model, ran_layers: int) -> keras.Model:
     )
 
 
-def make_adaptive_fixture(spec: Dict, output_dir: str) -> str:
+def make_adaptive_fixture(spec: dict, output_dir: str) -> str:
     config = dict(spec["config"], **COMMON_CONFIG)
     folder = os.path.join(output_dir, spec["name"])
     if os.path.isdir(folder):

@@ -80,6 +80,7 @@ Besides these folders the script writes three more:
 
 import os
 
+
 # rannet needs the Keras 2 API bundled with TensorFlow; set before importing TF.
 os.environ.setdefault("TF_KERAS", "1")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -95,8 +96,8 @@ import tempfile  # noqa: E402
 import warnings  # noqa: E402
 import zipfile  # noqa: E402
 from collections import Counter  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
 from itertools import islice  # noqa: E402
-from typing import Dict, Iterator, List, Sequence, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -105,6 +106,7 @@ from rannet import RanNet, RanNetForMLMPretrain, RanNetParams, RanNetWordPieceTo
 from rannet.tokenizer import SpecialTokens  # noqa: E402
 from tokenizers.normalizers import BertNormalizer  # noqa: E402
 from tokenizers.pre_tokenizers import BertPreTokenizer  # noqa: E402
+
 
 # rannet's default initializers warn about being unseeded; every weight is
 # overwritten below, so the warning is noise.
@@ -115,16 +117,50 @@ CHECKPOINT_PREFIX = "model.ckpt"
 # Small configs covering 1-3 layers, every cell_pooling and several
 # window / min-window combinations. Memory review is always on: the official
 # variable mapping (and so every loadable checkpoint) assumes it.
-FIXTURES: List[Dict] = [
-    dict(name="l1_d32_w4_last", seed=1101,
-         config=dict(vocab_size=60, embedding_size=32, ran_layers=1, head_num=2, head_size=8,
-                     window_size=4, min_window_size=2, cell_pooling="last")),
-    dict(name="l2_d24_w6_mean", seed=1102,
-         config=dict(vocab_size=80, embedding_size=24, ran_layers=2, head_num=2, head_size=8,
-                     window_size=6, min_window_size=3, cell_pooling="mean")),
-    dict(name="l3_d16_w8_max", seed=1103, training_checkpoint=True,
-         config=dict(vocab_size=64, embedding_size=16, ran_layers=3, head_num=2, head_size=8,
-                     window_size=8, min_window_size=3, cell_pooling="max")),
+FIXTURES: list[dict] = [
+    {
+        "name": "l1_d32_w4_last",
+        "seed": 1101,
+        "config": {
+            "vocab_size": 60,
+            "embedding_size": 32,
+            "ran_layers": 1,
+            "head_num": 2,
+            "head_size": 8,
+            "window_size": 4,
+            "min_window_size": 2,
+            "cell_pooling": "last",
+        },
+    },
+    {
+        "name": "l2_d24_w6_mean",
+        "seed": 1102,
+        "config": {
+            "vocab_size": 80,
+            "embedding_size": 24,
+            "ran_layers": 2,
+            "head_num": 2,
+            "head_size": 8,
+            "window_size": 6,
+            "min_window_size": 3,
+            "cell_pooling": "mean",
+        },
+    },
+    {
+        "name": "l3_d16_w8_max",
+        "seed": 1103,
+        "training_checkpoint": True,
+        "config": {
+            "vocab_size": 64,
+            "embedding_size": 16,
+            "ran_layers": 3,
+            "head_num": 2,
+            "head_size": 8,
+            "window_size": 8,
+            "min_window_size": 3,
+            "cell_pooling": "max",
+        },
+    },
 ]
 
 # Default location of the benchmark data (../shared/data next to the project).
@@ -132,12 +168,12 @@ DEFAULT_DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # Keys of the config.json written next to each checkpoint that are the same
 # for every fixture (rannet's RanNetParams reads all of them).
-COMMON_CONFIG = dict(
-    dropout_rate=0.1,
-    embedding_initializer="truncated_normal",
-    kernel_initializer="truncated_normal",
-    kernel_initializer_range=0.02,
-)
+COMMON_CONFIG = {
+    "dropout_rate": 0.1,
+    "embedding_initializer": "truncated_normal",
+    "kernel_initializer": "truncated_normal",
+    "kernel_initializer_range": 0.02,
+}
 
 # Vocabulary shared by all fixtures, truncated to each vocab_size. Special
 # tokens come first ([PAD] must be id 0: rannet's mask is ``ids > 0``), then
@@ -157,7 +193,7 @@ VOCAB = SPECIAL_TOKENS + WORD_PIECES + WORDS
 SAMPLE_TEXT = "They walked in the Rain, and she talked about it. Zebras!"
 
 
-def rannet_windows(length: int, window_size: int, min_window_size: int) -> List[Tuple[int, int]]:
+def rannet_windows(length: int, window_size: int, min_window_size: int) -> list[tuple[int, int]]:
     """Return the [start, end) windows rannet cuts a sequence of ``length`` into.
 
     Mirrors ``rannet.ran.ran``: windows of ``window_size`` from position 0;
@@ -174,7 +210,7 @@ def rannet_windows(length: int, window_size: int, min_window_size: int) -> List[
     return windows + [(windows[-1][1], length)]
 
 
-def probe_lengths(window_size: int, min_window_size: int) -> List[int]:
+def probe_lengths(window_size: int, min_window_size: int) -> list[int]:
     """Sequence lengths that hit every window case for the given window sizes.
 
     A single token; shorter than, equal to and just over one window; the
@@ -206,7 +242,7 @@ def checkpoint_name(layer_name: str, weight_name: str) -> str:
     return f"rannet/{name}"
 
 
-def model_checkpoint_names(model: keras.Model, ran_layers: int) -> Dict[str, tf.Variable]:
+def model_checkpoint_names(model: keras.Model, ran_layers: int) -> dict[str, tf.Variable]:
     """Return {checkpoint name: Keras variable} for every mapped layer of ``model``.
 
     Fails if the names differ from ``RanNet.variable_mapping`` in any way, so a
@@ -221,11 +257,12 @@ def model_checkpoint_names(model: keras.Model, ran_layers: int) -> Dict[str, tf.
     if set(variables) != expected:
         raise RuntimeError(
             f"checkpoint names differ from RanNet.variable_mapping: "
-            f"missing {sorted(expected - set(variables))}, extra {sorted(set(variables) - expected)}")
+            f"missing {sorted(expected - set(variables))}, extra {sorted(set(variables) - expected)}"
+        )
     return variables
 
 
-def random_weights(shapes: Dict[str, Sequence[int]], seed: int) -> Dict[str, np.ndarray]:
+def random_weights(shapes: dict[str, Sequence[int]], seed: int) -> dict[str, np.ndarray]:
     """Draw a random float32 value for every checkpoint variable.
 
     Scales keep activations O(1) so that attention is neither uniform nor
@@ -253,7 +290,7 @@ def random_weights(shapes: Dict[str, Sequence[int]], seed: int) -> Dict[str, np.
     return values
 
 
-def write_checkpoint(values: Dict[str, np.ndarray], prefix: str) -> None:
+def write_checkpoint(values: dict[str, np.ndarray], prefix: str) -> None:
     """Save ``values`` as a TF1-style checkpoint (as ``RanNet.export_checkpoint`` does).
 
     ``save_relative_paths`` keeps the ``checkpoint`` state file free of
@@ -269,8 +306,9 @@ def write_checkpoint(values: Dict[str, np.ndarray], prefix: str) -> None:
 
 def build_model(params: RanNetParams, cell_pooling: str) -> keras.Model:
     """Build an MLM model (logits, no softmax) with rannet's default initializers."""
-    rannet = RanNet(params, return_history=True, apply_cell_transform=False,
-                    mlm_softmax=False, cell_pooling=cell_pooling)
+    rannet = RanNet(
+        params, return_history=True, apply_cell_transform=False, mlm_softmax=False, cell_pooling=cell_pooling
+    )
     return rannet(with_mlm=True)
 
 
@@ -283,8 +321,12 @@ def load_model(folder: str, cell_pooling: str) -> keras.Model:
     _, model = RanNet.load_rannet(
         config_path=os.path.join(folder, "config.json"),
         checkpoint_path=os.path.join(folder, CHECKPOINT_PREFIX),
-        with_mlm=True, return_history=True, apply_cell_transform=False,
-        mlm_softmax=False, cell_pooling=cell_pooling)
+        with_mlm=True,
+        return_history=True,
+        apply_cell_transform=False,
+        mlm_softmax=False,
+        cell_pooling=cell_pooling,
+    )
     return model
 
 
@@ -297,7 +339,7 @@ def probe_model(model: keras.Model, ran_layers: int) -> keras.Model:
     return keras.Model(model.inputs, outputs)
 
 
-def run_case(probe: keras.Model, ids: np.ndarray, ran_layers: int) -> Dict[str, np.ndarray]:
+def run_case(probe: keras.Model, ids: np.ndarray, ran_layers: int) -> dict[str, np.ndarray]:
     """Run one unpadded sequence (batch of 1) and collect the reference outputs."""
     # rannet's Input-Token is float32; ids are small integers, so exact.
     batch = ids[None, :].astype(np.float32)
@@ -306,9 +348,9 @@ def run_case(probe: keras.Model, ids: np.ndarray, ran_layers: int) -> Dict[str, 
     # a real dropout rate, as the released config does).
     for first, second in zip(raw, probe(batch, training=False)):
         np.testing.assert_array_equal(first, second.numpy()[0])
-    last_cells = np.stack(raw[0:3 * ran_layers:3])
-    token_states = np.stack(raw[1:3 * ran_layers:3])
-    pooled_cells = np.stack(raw[2:3 * ran_layers:3])
+    last_cells = np.stack(raw[0 : 3 * ran_layers : 3])
+    token_states = np.stack(raw[1 : 3 * ran_layers : 3])
+    pooled_cells = np.stack(raw[2 : 3 * ran_layers : 3])
     return {
         "token_states": token_states[-1],
         "mlm_logits": raw[-1],
@@ -324,17 +366,16 @@ def run_case(probe: keras.Model, ids: np.ndarray, ran_layers: int) -> Dict[str, 
 TOKEN_KEYS = ("token_states", "mlm_logits")
 
 
-def run_cases(probe: keras.Model, inputs: List[np.ndarray], ran_layers: int) -> Dict[str, np.ndarray]:
+def run_cases(probe: keras.Model, inputs: list[np.ndarray], ran_layers: int) -> dict[str, np.ndarray]:
     """Run every case and lay the outputs out as documented at the top of this file."""
     per_case = [run_case(probe, ids, ran_layers) for ids in inputs]
     return {
-        key: (np.concatenate if key in TOKEN_KEYS else np.stack)(
-            [out[key] for out in per_case]).astype(np.float32)
+        key: (np.concatenate if key in TOKEN_KEYS else np.stack)([out[key] for out in per_case]).astype(np.float32)
         for key in per_case[0]
     }
 
 
-def save_npz(path: str, arrays: Dict[str, np.ndarray]) -> None:
+def save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     """Write an uncompressed .npz with fixed zip timestamps.
 
     ``np.savez`` stamps each member with the current time, so regenerating
@@ -349,7 +390,7 @@ def save_npz(path: str, arrays: Dict[str, np.ndarray]) -> None:
                 np.lib.format.write_array(member, np.asarray(value), allow_pickle=False)
 
 
-def make_fixture(spec: Dict, output_dir: str) -> str:
+def make_fixture(spec: dict, output_dir: str) -> str:
     """Write one fixture folder and return its path."""
     config = dict(spec["config"], **COMMON_CONFIG)
     params = RanNetParams(config)
@@ -362,7 +403,7 @@ def make_fixture(spec: Dict, output_dir: str) -> str:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
-    vocab = VOCAB[:config["vocab_size"]]
+    vocab = VOCAB[: config["vocab_size"]]
     assert len(vocab) == config["vocab_size"], "extend VOCAB for this vocab_size"
     with open(os.path.join(folder, "vocab.txt"), "w") as f:
         f.write("\n".join(vocab) + "\n")
@@ -387,13 +428,15 @@ def make_fixture(spec: Dict, output_dir: str) -> str:
 
     rng = np.random.default_rng(spec["seed"] + 1)
     window, min_window = config["window_size"], config["min_window_size"]
-    inputs = [rng.integers(1, config["vocab_size"], size=n).astype(np.int32)
-              for n in probe_lengths(window, min_window)]
+    inputs = [
+        rng.integers(1, config["vocab_size"], size=n).astype(np.int32) for n in probe_lengths(window, min_window)
+    ]
     inputs.append(text_ids)
 
     lengths = np.asarray([len(ids) for ids in inputs], dtype=np.int32)
-    windows = [(k, start, end) for k, n in enumerate(lengths)
-               for start, end in rannet_windows(int(n), window, min_window)]
+    windows = [
+        (k, start, end) for k, n in enumerate(lengths) for start, end in rannet_windows(int(n), window, min_window)
+    ]
     arrays = {
         "lengths": lengths,
         "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
@@ -413,8 +456,9 @@ def make_fixture(spec: Dict, output_dir: str) -> str:
 TRAINING_CHECKPOINT_PREFIX = "01.weights"
 
 
-def make_training_checkpoint(params: RanNetParams, values: Dict[str, np.ndarray],
-                             source_folder: str, folder: str) -> None:
+def make_training_checkpoint(
+    params: RanNetParams, values: dict[str, np.ndarray], source_folder: str, folder: str
+) -> None:
     """Save ``values`` as rannet's pretraining does, in ``folder``.
 
     ``rannet pretrain`` builds ``RanNetForMLMPretrain`` and saves it with a
@@ -471,8 +515,8 @@ def make_bundle_fixture(output_dir: str) -> str:
         "bfloat16_matrix": tf.constant(rng.normal(size=(4, 6)), tf.bfloat16),
         "int8_vector": tf.constant(rng.integers(-128, 128, size=9), tf.int8),
         "uint8_vector": tf.constant(rng.integers(0, 256, size=9), tf.uint8),
-        "int32_tensor": tf.constant(rng.integers(-2**31, 2**31, size=(2, 3, 4)), tf.int32),
-        "int64_vector": tf.constant(rng.integers(-2**62, 2**62, size=5), tf.int64),
+        "int32_tensor": tf.constant(rng.integers(-(2**31), 2**31, size=(2, 3, 4)), tf.int32),
+        "int64_vector": tf.constant(rng.integers(-(2**62), 2**62, size=5), tf.int64),
         "bool_vector": tf.constant(rng.integers(0, 2, size=11).astype(bool)),
         "float32_scalar": tf.constant(-2.5, tf.float32),
         "float32_empty": tf.zeros((0, 3), tf.float32),
@@ -494,8 +538,9 @@ def make_bundle_fixture(output_dir: str) -> str:
     shards = [f for f in os.listdir(folder) if f.startswith("sharded.data-")]
     if len(shards) < 2:
         raise RuntimeError(f"{folder}: expected several shards, got {shards}")
-    save_npz(os.path.join(folder, "expected.npz"),
-             {"names": np.asarray(names), "dtypes": np.asarray(dtypes), **arrays})
+    save_npz(
+        os.path.join(folder, "expected.npz"), {"names": np.asarray(names), "dtypes": np.asarray(dtypes), **arrays}
+    )
     return folder
 
 
@@ -514,7 +559,7 @@ TOKENIZER_TEXTS = [
     "state-of-the-art e-mail foo_bar C++ C# .NET x86-64 U.S.A. Ph.D. i.e. e.g.",
     "Don't stop -- it's ``quoted'' and \u201ccurly\u201d \u2018single\u2019\u2026 \u2014 dash.",
     "tab\there\nnew line\r\nand\u200bzero\u00a0width\u2028separator\x00null\x07bell",
-    "I love it \U0001F600\U0001F44D\U0001F3FD!!! \u2764\ufe0f",
+    "I love it \U0001f600\U0001f44d\U0001f3fd!!! \u2764\ufe0f",
     "pneumonoultramicroscopicsilicovolcanoconiosis antidisestablishmentarianism",
     "a" * 99 + " " + "b" * 100 + " " + "c" * 101,
     "The [MASK] sat on the [MASK].",
@@ -560,7 +605,7 @@ def source_texts(data_dir: str, source: str) -> Iterator[str]:
 SENTENCE = re.compile(r"\S[^\n]*?(?:[.!?](?=\s)|(?=\n)|$)")
 
 
-def sentence_spans(text: str, min_chars: int = 20, max_chars: int = 400) -> List[Tuple[int, int]]:
+def sentence_spans(text: str, min_chars: int = 20, max_chars: int = 400) -> list[tuple[int, int]]:
     """(start, end) of the sentences and lines of ``text`` that are ``min_chars`` to ``max_chars`` long."""
     return [m.span() for m in SENTENCE.finditer(text) if min_chars <= len(m.group()) <= max_chars]
 
@@ -569,25 +614,36 @@ def short_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def sample_sentences(data_dir: str, source: str, count: int, seed: int) -> List[Dict]:
+def sample_sentences(data_dir: str, source: str, count: int, seed: int) -> list[dict]:
     """``count`` sentence references drawn at random from ``source``, in file order."""
     rng = np.random.default_rng(seed)
     texts = list(source_texts(data_dir, source))
     if source.endswith(".jsonl.gz"):
-        candidates = [(k, span) for k in sorted(rng.choice(len(texts), size=4 * count, replace=False))
-                      for span in sentence_spans(texts[k])[:50]]
+        candidates = [
+            (k, span)
+            for k in sorted(rng.choice(len(texts), size=4 * count, replace=False))
+            for span in sentence_spans(texts[k])[:50]
+        ]
     else:
         candidates = [(k, (0, len(text))) for k, text in enumerate(texts) if len(text.split()) >= 3]
     picks = sorted(rng.choice(len(candidates), size=count, replace=False))
     refs = []
     for k, (start, end) in (candidates[i] for i in picks):
-        refs.append({"source": source, "index": int(k), "start": int(start), "end": int(end),
-                     "sha256": short_sha256(texts[k][start:end])})
+        refs.append(
+            {
+                "source": source,
+                "index": int(k),
+                "start": int(start),
+                "end": int(end),
+                "sha256": short_sha256(texts[k][start:end]),
+            }
+        )
     return refs
 
 
-def build_vocab(data_dir: str, num_words: int = 2200, num_prefixes: int = 300, num_suffixes: int = 500,
-                min_char_count: int = 5) -> List[str]:
+def build_vocab(
+    data_dir: str, num_words: int = 2200, num_prefixes: int = 300, num_suffixes: int = 500, min_char_count: int = 5
+) -> list[str]:
     """A WordPiece vocabulary built by counting (the tokenizers trainer is not deterministic).
 
     rannet's default special tokens first (as its own trainer puts them), then
@@ -598,13 +654,16 @@ def build_vocab(data_dir: str, num_words: int = 2200, num_prefixes: int = 300, n
     normalizer, pre_tokenizer = BertNormalizer(lowercase=True), BertPreTokenizer()
     newsgroups = jsonl_texts(os.path.join(data_dir, "20newsgroups", "train.jsonl.gz"))
     eurlex = jsonl_texts(os.path.join(data_dir, "eurlex57k", "dev.jsonl.gz"))
-    corpus = [*conll_sentences(os.path.join(data_dir, "conll2003", "train.txt")),
-              *islice(newsgroups, 3000), *islice(eurlex, 1000)]
+    corpus = [
+        *conll_sentences(os.path.join(data_dir, "conll2003", "train.txt")),
+        *islice(newsgroups, 3000),
+        *islice(eurlex, 1000),
+    ]
     words = Counter()
     for text in corpus:
         words.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
 
-    def most_common(counter: Counter, n: int) -> List[str]:
+    def most_common(counter: Counter, n: int) -> list[str]:
         return [item for item, _ in sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
 
     chars, prefixes, suffixes = Counter(), Counter(), Counter()
@@ -617,9 +676,14 @@ def build_vocab(data_dir: str, num_words: int = 2200, num_prefixes: int = 300, n
             suffixes.update({"##" + word[-k:]: n for k in (2, 3, 4)})
     alphabet = sorted(c for c, n in chars.items() if n >= min_char_count)
     multi_char_words = Counter({w: n for w, n in words.items() if len(w) > 1})
-    vocab = (SpecialTokens().tokens + alphabet + ["##" + c for c in alphabet]
-             + most_common(multi_char_words, num_words) + most_common(prefixes, num_prefixes)
-             + most_common(suffixes, num_suffixes))
+    vocab = (
+        SpecialTokens().tokens
+        + alphabet
+        + ["##" + c for c in alphabet]
+        + most_common(multi_char_words, num_words)
+        + most_common(prefixes, num_prefixes)
+        + most_common(suffixes, num_suffixes)
+    )
     return list(dict.fromkeys(vocab))  # drop repeats, keep the first position
 
 
@@ -639,7 +703,7 @@ def make_tokenizer_fixture(output_dir: str, data_dir: str) -> str:
     for seed, source in enumerate(TOKENIZER_SOURCES, start=1300):
         refs = sample_sentences(data_dir, source, SENTENCES_PER_SOURCE, seed)
         texts = list(source_texts(data_dir, source))
-        cases += [dict(ref, text=texts[ref["index"]][ref["start"]:ref["end"]]) for ref in refs]
+        cases += [dict(ref, text=texts[ref["index"]][ref["start"] : ref["end"]]) for ref in refs]
     with open(os.path.join(folder, "cases.jsonl"), "w", encoding="utf-8") as f:
         for case in cases:
             pair = case.get("pair")
@@ -651,34 +715,39 @@ def make_tokenizer_fixture(output_dir: str, data_dir: str) -> str:
     return folder
 
 
-def check_fixture(spec: Dict, folder: str) -> float:
+def check_fixture(spec: dict, folder: str) -> float:
     """Reload a written folder from scratch and return the largest output deviation."""
     config = spec["config"]
     keras.backend.clear_session()
     model = load_model(folder, config["cell_pooling"])
     with np.load(os.path.join(folder, "expected.npz")) as expected:
         offsets = expected["offsets"]
-        inputs = [expected["input_ids"][offsets[k]:offsets[k + 1]] for k in range(len(offsets) - 1)]
+        inputs = [expected["input_ids"][offsets[k] : offsets[k + 1]] for k in range(len(offsets) - 1)]
         got = run_cases(probe_model(model, config["ran_layers"]), inputs, config["ran_layers"])
         return max(float(np.max(np.abs(value - expected[key]))) for key, value in got.items())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output_dir", default="tests/fixtures/rannet",
-                        help="folder that receives one sub-folder per fixture")
-    parser.add_argument("--only", nargs="*", default=None,
-                        help="names of the fixtures to (re)generate; default: all")
-    parser.add_argument("--data_dir", default=DEFAULT_DATA_DIR,
-                        help="benchmark data (CoNLL-2003, 20 Newsgroups, EURLEX-57K) for the tokenizer cases")
+    parser.add_argument(
+        "--output_dir", default="tests/fixtures/rannet", help="folder that receives one sub-folder per fixture"
+    )
+    parser.add_argument("--only", nargs="*", default=None, help="names of the fixtures to (re)generate; default: all")
+    parser.add_argument(
+        "--data_dir",
+        default=DEFAULT_DATA_DIR,
+        help="benchmark data (CoNLL-2003, 20 Newsgroups, EURLEX-57K) for the tokenizer cases",
+    )
     args = parser.parse_args()
 
     specs = [s for s in FIXTURES if args.only is None or s["name"] in args.only]
     os.makedirs(args.output_dir, exist_ok=True)
     # The layout description travels with the fixtures.
     with open(os.path.join(args.output_dir, "README.md"), "w") as f:
-        f.write("# rannet reference fixtures\n\n"
-                "Written by `scripts/rannet_tf/make_rannet_fixtures.py`; what follows is its docstring.\n\n")
+        f.write(
+            "# rannet reference fixtures\n\n"
+            "Written by `scripts/rannet_tf/make_rannet_fixtures.py`; what follows is its docstring.\n\n"
+        )
         f.write(__doc__.replace("::\n", ":\n"))
     for spec in specs:
         folder = make_fixture(spec, args.output_dir)

@@ -28,8 +28,15 @@ it reads more).
 import os
 import sys
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+import numpy as np  # noqa: E402
+from langml import keras  # noqa: E402
 from make_rannet_fixtures import (  # noqa: E402  (sets the Keras environment before TensorFlow loads)
     CHECKPOINT_PREFIX,
     COMMON_CONFIG,
@@ -40,21 +47,23 @@ from make_rannet_fixtures import (  # noqa: E402  (sets the Keras environment be
     save_npz,
     write_checkpoint,
 )
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-
-import numpy as np  # noqa: E402
-from langml import keras  # noqa: E402
 from rannet import RanNet, RanNetForSeq2Seq, RanNetParams  # noqa: E402
 
-SPEC = dict(
-    name="seq2seq_l2_d24_w6",
-    seed=3501,
-    config=dict(vocab_size=60, embedding_size=24, ran_layers=2, head_num=2, head_size=8,
-                window_size=6, min_window_size=2, cell_pooling="last"),
-)
+
+SPEC = {
+    "name": "seq2seq_l2_d24_w6",
+    "seed": 3501,
+    "config": {
+        "vocab_size": 60,
+        "embedding_size": 24,
+        "ran_layers": 2,
+        "head_num": 2,
+        "head_size": 8,
+        "window_size": 6,
+        "min_window_size": 2,
+        "cell_pooling": "last",
+    },
+}
 # (source length, target length): one window; a boundary window as the last; an exact multiple of the window;
 # a one-token source; a one-token target; three windows.
 CASES = [(3, 2), (8, 3), (7, 1), (1, 4), (5, 1), (13, 5), (14, 3)]
@@ -72,8 +81,15 @@ def official_windows_hold_source(source: int, target: int, window: int, min_wind
 
 def logits_network(params: RanNetParams) -> RanNet:
     """The seq2seq network with the MLM head's logits (``RanNetForSeq2Seq`` ends in a softmax)."""
-    return RanNet(params, return_sequences=True, return_cell=False, mlm_softmax=False,
-                  apply_cell_transform=False, apply_lm_mask=False, apply_seq2seq_mask=True)
+    return RanNet(
+        params,
+        return_sequences=True,
+        return_cell=False,
+        mlm_softmax=False,
+        apply_cell_transform=False,
+        apply_lm_mask=False,
+        apply_seq2seq_mask=True,
+    )
 
 
 def with_token_states(model: keras.Model, ran_layers: int) -> keras.Model:
@@ -99,7 +115,7 @@ def main() -> None:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
     with open(os.path.join(folder, "vocab.txt"), "w") as f:
-        f.write("\n".join(VOCAB[:config["vocab_size"]]) + "\n")
+        f.write("\n".join(VOCAB[: config["vocab_size"]]) + "\n")
 
     keras.backend.clear_session()
     logits = logits_network(params)(with_mlm=True, seq2seq=True)
@@ -114,8 +130,7 @@ def main() -> None:
     official = RanNetForSeq2Seq(params)
     official_model = official.restore_weights_from_checkpoint(official(), checkpoint, ran_layers=layers)
     rannet = logits_network(params)
-    logits = rannet.restore_weights_from_checkpoint(rannet(with_mlm=True, seq2seq=True), checkpoint,
-                                                    ran_layers=layers)
+    logits = rannet.restore_weights_from_checkpoint(rannet(with_mlm=True, seq2seq=True), checkpoint, ran_layers=layers)
     for name, var in model_checkpoint_names(logits, layers).items():
         np.testing.assert_array_equal(var.numpy(), values[name], err_msg=name)
     probe = with_token_states(logits, layers)
@@ -138,16 +153,19 @@ def main() -> None:
         probabilities.append(case_probabilities)
 
     lengths = np.asarray([s + t for s, t in CASES], dtype=np.int32)
-    save_npz(os.path.join(folder, "expected.npz"), {
-        "lengths": lengths,
-        "source_lengths": np.asarray([s for s, _ in CASES], dtype=np.int32),
-        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
-        "input_ids": np.concatenate(ids),
-        "token_type_ids": np.concatenate(segments),
-        "token_states": np.concatenate(states).astype(np.float32),
-        "mlm_logits": np.concatenate(mlm_logits).astype(np.float32),
-        "probabilities": np.concatenate(probabilities).astype(np.float32),
-    })
+    save_npz(
+        os.path.join(folder, "expected.npz"),
+        {
+            "lengths": lengths,
+            "source_lengths": np.asarray([s for s, _ in CASES], dtype=np.int32),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+            "input_ids": np.concatenate(ids),
+            "token_type_ids": np.concatenate(segments),
+            "token_states": np.concatenate(states).astype(np.float32),
+            "mlm_logits": np.concatenate(mlm_logits).astype(np.float32),
+            "probabilities": np.concatenate(probabilities).astype(np.float32),
+        },
+    )
     report(folder)
 
 

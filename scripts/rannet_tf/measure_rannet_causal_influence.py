@@ -18,46 +18,46 @@ TensorFlow environment described in ``make_rannet_fixtures.py``::
 
 import os
 
+
 os.environ.setdefault("TF_KERAS", "1")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse  # noqa: E402
 import tempfile  # noqa: E402
-from typing import Dict  # noqa: E402
 
 import numpy as np  # noqa: E402
 from langml import keras  # noqa: E402
-from rannet import RanNet, RanNetForLM, RanNetParams  # noqa: E402
 
 # Shared with the fixture generator (same folder, so importable when run as a script).
-from make_rannet_fixtures import (  # noqa: E402
-    COMMON_CONFIG, model_checkpoint_names, random_weights, write_checkpoint)
+from make_rannet_fixtures import COMMON_CONFIG, model_checkpoint_names, random_weights, write_checkpoint  # noqa: E402
+from rannet import RanNet, RanNetForLM, RanNetParams  # noqa: E402
 
 
-def build_models(config: Dict, checkpoint: str) -> Dict[str, keras.Model]:
+def build_models(config: dict, checkpoint: str) -> dict[str, keras.Model]:
     """Build the causal and bidirectional models and load the same weights into each."""
     params = RanNetParams(config)
     builders = {
         # Exactly what rannet ships for language modelling (softmax output).
         "causal_probs": lambda: RanNetForLM(params),
         # RanNetForLM without the final softmax, to read logits.
-        "causal_logits": lambda: RanNet(params, return_cell=False, apply_cell_transform=False,
-                                        mlm_softmax=False, apply_lm_mask=True),
+        "causal_logits": lambda: RanNet(
+            params, return_cell=False, apply_cell_transform=False, mlm_softmax=False, apply_lm_mask=True
+        ),
         # The bidirectional encoder with the MLM head, as a contrast.
-        "bidirectional_logits": lambda: RanNet(params, return_cell=False, apply_cell_transform=False,
-                                               mlm_softmax=False),
+        "bidirectional_logits": lambda: RanNet(
+            params, return_cell=False, apply_cell_transform=False, mlm_softmax=False
+        ),
     }
     models = {}
     for name, build in builders.items():
         rannet = build()
         model = rannet() if isinstance(rannet, RanNetForLM) else rannet(with_mlm=True)
-        models[name] = rannet.restore_weights_from_checkpoint(
-            model, checkpoint, ran_layers=config["ran_layers"])
+        models[name] = rannet.restore_weights_from_checkpoint(model, checkpoint, ran_layers=config["ran_layers"])
     return models
 
 
-def measure(config: Dict, seed: int, num_windows: int, trials: int) -> Dict[str, float]:
+def measure(config: dict, seed: int, num_windows: int, trials: int) -> dict[str, float]:
     """Return the largest output changes over ``trials`` random inputs."""
     keras.backend.clear_session()
     probe = RanNet(RanNetParams(config), apply_cell_transform=False, mlm_softmax=False)(with_mlm=True)
@@ -76,7 +76,7 @@ def measure(config: Dict, seed: int, num_windows: int, trials: int) -> Dict[str,
     window = config["window_size"]
     length = num_windows * window  # whole windows, so no merge is involved
     rng = np.random.default_rng(seed + 1)
-    results: Dict[str, float] = {}
+    results: dict[str, float] = {}
 
     def record(key: str, value: float) -> None:
         results[key] = max(results.get(key, 0.0), value)
@@ -88,8 +88,9 @@ def measure(config: Dict, seed: int, num_windows: int, trials: int) -> Dict[str,
         base = rng.integers(1, config["vocab_size"], size=length)
         first_changed = base.copy()
         # Shift every first-window token to another non-pad id.
-        first_changed[:window] = (base[:window] + rng.integers(1, config["vocab_size"] - 1, size=window) - 1) \
-            % (config["vocab_size"] - 1) + 1
+        first_changed[:window] = (base[:window] + rng.integers(1, config["vocab_size"] - 1, size=window) - 1) % (
+            config["vocab_size"] - 1
+        ) + 1
         assert np.all(first_changed[:window] != base[:window])
         last_changed = base.copy()
         last_changed[-1] = base[-1] % (config["vocab_size"] - 1) + 1
@@ -117,9 +118,17 @@ def main() -> None:
     args = parser.parse_args()
 
     for layers in args.layers:
-        config = dict(COMMON_CONFIG, vocab_size=64, embedding_size=16, ran_layers=layers, head_num=2,
-                      head_size=8, window_size=args.window_size, min_window_size=args.min_window_size,
-                      cell_pooling="last")
+        config = dict(
+            COMMON_CONFIG,
+            vocab_size=64,
+            embedding_size=16,
+            ran_layers=layers,
+            head_num=2,
+            head_size=8,
+            window_size=args.window_size,
+            min_window_size=args.min_window_size,
+            cell_pooling="last",
+        )
         results = measure(config, args.seed + layers, args.num_windows, args.trials)
         print(f"ran_layers={layers} window_size={args.window_size} length={args.num_windows * args.window_size}")
         for key, value in results.items():

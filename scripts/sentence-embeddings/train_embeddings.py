@@ -49,6 +49,7 @@ from ran_hf.files.data import load_records
 from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 from ran_hf.sentence_embeddings import SENTENCE_POOLINGS, ran_sentence_transformer
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the machine line of the benchmarks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the flags' ranges
 
@@ -63,6 +64,7 @@ from benchmark_utils import (  # noqa: E402
 )
 from data_loading import cut_for_tokenizer  # noqa: E402
 from ran_trainer import StopsDivergedRuns, first_nonfinite_weight  # noqa: E402
+
 
 logger = logging.getLogger(__name__)
 
@@ -469,6 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_result(json_path, text)
         write_result(table_path, table)
     return record
+
 
 if __name__ == "__main__":
     main()

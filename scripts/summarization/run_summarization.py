@@ -40,6 +40,7 @@ from transformers import (
     set_seed,
 )
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
 from checkpoints import prepare_output_dir  # noqa: E402
@@ -59,6 +60,7 @@ from training_utils import (  # noqa: E402
 from ran_hf import prefix_lm_features  # noqa: E402
 from ran_hf.files.data import iter_records  # noqa: E402
 from ran_hf.files.folders import releases_folder_locks  # noqa: E402
+
 
 logger = logging.getLogger(__name__)
 
@@ -284,8 +286,10 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
         with open(Path(training_args.output_dir) / "generations.jsonl", "w", encoding="utf-8") as out:
-            for prediction, reference in zip(predictions, references):
-                out.write(json.dumps({"prediction": prediction, "reference": reference}) + "\n")
+            out.writelines(
+                json.dumps({"prediction": prediction, "reference": reference}) + "\n"
+                for prediction, reference in zip(predictions, references)
+            )
         results["eval"] = metrics
     if training_args.push_to_hub:
         trainer.push_to_hub(finetuned_from=model_args.model_name_or_path)

@@ -41,6 +41,7 @@ from ran_hf.files.data import (
     read_conll,
 )
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
 
 from checkpoints import prepare_output_dir  # noqa: E402
@@ -60,6 +61,7 @@ from training_utils import (  # noqa: E402
 )
 
 from ran_hf.files.folders import releases_folder_locks  # noqa: E402
+
 
 logger = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from transformers import (
 from .configuration_ran import RANConfig
 from .saved_code import QUESTION_ANSWERING_TASK
 
+
 __version__ = "0.1.0"
 
 # The model each Auto class loads for a RAN config, and the module that defines it.

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
+
 # The config fields that decide what a cache holds and how a forward reads it: a cache made by a model that differs
 # in any of them is another model's state (cells of another width, another number of layers, windows cut elsewhere).
 CACHE_SHAPE_FIELDS = (
@@ -448,8 +449,8 @@ class RANCache(Cache):
         if any(tensor.requires_grad for layer in self.layers for tensor in layer.tensors().values()):
             raise RuntimeError(
                 "`past_key_values` carries the autograd graph of an earlier forward, through which a backward has "
-                "already run and freed it: a backward through this forward would fail (\"Trying to backward through "
-                "the graph a second time\"). Training on chunks of a stream, call `cache.detach()` after each "
+                'already run and freed it: a backward through this forward would fail ("Trying to backward through '
+                'the graph a second time"). Training on chunks of a stream, call `cache.detach()` after each '
                 "backward (truncated backpropagation through time, docs/training.md); or call `backward()` once, on "
                 "the sum of the chunks' losses (or with `retain_graph=True`)."
             )

@@ -36,7 +36,8 @@ from .fused_scan import FusedCellScan, ScanPlan, window_maxima
 from .kernel_choice import choose
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 from .scan_op import cell_scan_op
-from .triton_scan import TRITON_KERNELS, kernel_build_errors, record_build_failure
+from .triton_scan import TRITON_KERNELS, record_build_failure
+from .triton_scan_kernels import kernel_build_errors
 from .window_layout import RANWindowLayout
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 from huggingface_hub.dataclasses import as_validated_field
 from huggingface_hub.errors import StrictDataclassError, StrictDataclassFieldValidationError
 
+
 # The size check (`estimated_parameters`): a larger model is refused unless this variable raises the bound.
 MAX_PARAMETERS_VARIABLE = "RAN_HF_MAX_PARAMETERS"
 DEFAULT_MAX_PARAMETERS = 10**11

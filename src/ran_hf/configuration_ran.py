@@ -7,9 +7,20 @@ from typing import Literal
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .config_checks import SIZE_FIELDS, activation_name, apply_overrides, check_architecture, check_built
-from .config_checks import check_label_fields, check_new_name, check_review_bounds, check_token_ids
-from .config_checks import estimated_parameters, interval, value_errors
+from .config_checks import (
+    SIZE_FIELDS,
+    activation_name,
+    apply_overrides,
+    check_architecture,
+    check_built,
+    check_label_fields,
+    check_new_name,
+    check_review_bounds,
+    check_token_ids,
+    estimated_parameters,
+    interval,
+    value_errors,
+)
 from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
 
 

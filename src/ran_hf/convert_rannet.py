@@ -57,8 +57,9 @@ from .files.folders import (
     releases_folder_locks,
     write_folder,
 )
-from .modeling_ran import RANForCausalLM, RANForMaskedLM
 from .files.tf_checkpoint import TFCheckpointReader
+from .modeling_ran import RANForCausalLM, RANForMaskedLM
+
 
 logger = logging.get_logger(__name__)
 
@@ -546,7 +547,9 @@ def find_checkpoint_prefix(folder: Path) -> str:
     """The checkpoint prefix in `folder`: the one its `checkpoint` state file names, else its only `*.index`."""
     state_file = folder / "checkpoint"
     if state_file.is_file():
-        match = re.search(r'^model_checkpoint_path:\s*"(.*)"\s*$', state_file.read_text(encoding="utf-8"), re.M)
+        match = re.search(
+            r'^model_checkpoint_path:\s*"(.*)"\s*$', state_file.read_text(encoding="utf-8"), re.MULTILINE
+        )
         if match is None:
             raise ValueError(f"{state_file}: no model_checkpoint_path line")
         prefix = Path(match.group(1))

@@ -18,6 +18,7 @@ import torch
 from .files.folders import check_file_output, write_file
 from .modeling_ran import RANPreTrainedModel
 
+
 INPUT_NAMES = ("input_ids", "attention_mask")
 # The first bytes of an ONNX `ModelProto`: field 1 (`ir_version`, a small varint), then the tag of one of the fields
 # that follow it (producer name and version, domain, model version, doc string, graph, opset, metadata, ...).

@@ -27,7 +27,7 @@ def input_batch_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tenso
         if value is not None and not torch.is_tensor(value):
             raise ValueError(
                 f"`{name}` must be a tensor, got {type(value).__name__}: pass `torch.tensor(...)`, or call the "
-                "tokenizer with `return_tensors=\"pt\"`."
+                'tokenizer with `return_tensors="pt"`.'
             )
     if input_ids is not None:
         if input_ids.dim() != 2:
@@ -163,7 +163,12 @@ def assert_on_device(config: RANConfig, input_ids, attention_mask, inputs_embeds
 
 
 def validate_ran_inputs(
-    config: RANConfig, input_ids, attention_mask, inputs_embeds, past_positions: int = 0, shape: tuple | None = None,
+    config: RANConfig,
+    input_ids,
+    attention_mask,
+    inputs_embeds,
+    past_positions: int = 0,
+    shape: tuple | None = None,
 ) -> tuple[tuple[int, int], InputChecks | None]:
     """Fail fast, naming the problem, on inputs that would otherwise crash deep inside or silently turn into NaN.
 
@@ -180,7 +185,7 @@ def validate_ran_inputs(
         raise ValueError(
             f"`attention_mask` must be a tensor (1 for real tokens, 0 for padding), got "
             f"{type(attention_mask).__name__}: pass `torch.tensor(...)`, or call the tokenizer with "
-            "`return_tensors=\"pt\"`."
+            '`return_tensors="pt"`.'
         )
     if attention_mask is not None and tuple(attention_mask.shape) not in (
         shape,

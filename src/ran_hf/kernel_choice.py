@@ -43,6 +43,7 @@ from .triton_scan import triton_scan_unsupported
 from .triton_scan_kernels import SILU_ACTIVATIONS, TRITON_AVAILABLE
 from .triton_window_projection import kernels_ready as window_projection_kernels_ready
 
+
 logger = logging.get_logger(__name__)
 
 TRITON_TOKEN_OPS = ("norm", "glu", "rotary", "window_projection")

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+
 RAN_LORA_TARGET_MODULES = ("qkv_proj", "o_proj", "q_proj", "kv_proj")
 """Names of the `nn.Linear` modules a RAN LoRA adapts: window attention (`qkv_proj`, `o_proj`) and memory review
 (`q_proj`, `kv_proj`, `o_proj`) in every layer. Matched by name suffix, as PEFT's `target_modules` are."""

@@ -37,6 +37,7 @@ from .outputs_ran import (
 )
 from .ran_model import RANModel, RANPreTrainedModel
 
+
 logger = logging.get_logger(__name__)
 
 # The arguments every head takes besides Transformers' own (`auto_docstring` documents those).

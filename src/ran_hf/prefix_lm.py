@@ -21,6 +21,7 @@ from .input_checks import input_batch_shape, scored_token_loss
 from .modeling_ran import HEAD_ARGS, RANLanguageModelBase, check_language_model_labels, head_output, head_outputs
 from .outputs_ran import RANCausalLMOutputWithPast
 
+
 logger = logging.get_logger(__name__)
 
 SOURCE, TARGET = 0, 1

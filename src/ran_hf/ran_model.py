@@ -41,6 +41,7 @@ from .outputs_ran import RANModelOutput
 from .ran_layer import RANLayer, RANWindowAttention
 from .window_layout import RANWindowLayout
 
+
 logger = logging.get_logger(__name__)
 
 
@@ -434,7 +435,10 @@ class RANModel(RANPreTrainedModel):
         past_lengths = None if past_key_values is None else past_key_values.past_lengths(batch_size, device)
         # The layout's sizes and the inputs' checks in one host synchronisation, before any token is embedded.
         layout = RANWindowLayout.from_attention_mask(
-            attention_mask, self.config, past_lengths, None if input_checks is None else input_checks.values,
+            attention_mask,
+            self.config,
+            past_lengths,
+            None if input_checks is None else input_checks.values,
             token_type_ids=token_type_ids,
         )
         if input_checks is not None:

@@ -17,6 +17,7 @@ from torch import Tensor
 from .fused_scan import ScanPlan, scan_backward, scan_forward
 from .scan_dropout import ScanDropout
 
+
 # first_step_mode: how the first step joins the previous raw cell (`ScanPlan.first_step_residual`)
 NO_ROW, EVERY_ROW, SOME_ROWS = 0, 1, 2
 

@@ -34,6 +34,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+
 __all__ = [
     "SENTENCE_POOLINGS",
     "ran_sentence_transformer",

@@ -27,6 +27,7 @@ from torch import nn
 
 from .triton_scan_kernels import check_kernels
 
+
 ROWS_PER_PROGRAM = 16
 BLOCK_COLUMNS = 256  # of the D output columns per program: elementwise, so any width tiles into these
 NORM_ROWS_PER_PROGRAM = 4  # with a norm after it, a program holds whole rows

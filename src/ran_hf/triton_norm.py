@@ -20,6 +20,7 @@ import torch
 
 from .triton_scan_kernels import check_kernels, register_meta_no_ops
 
+
 ROWS_PER_PROGRAM = 16
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .triton_scan_kernels import check_kernels
 
+
 ROWS_PER_PROGRAM = 16
 
 

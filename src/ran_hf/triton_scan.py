@@ -36,7 +36,8 @@ import os
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels, kernel_build_errors, kernels_ready
+from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels, kernels_ready
+
 
 BUILD_FAILURES: list = []  # a kernel that could not be built here: the Triton scan is not tried again
 

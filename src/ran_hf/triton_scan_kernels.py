@@ -12,6 +12,7 @@ import importlib.util
 
 import torch
 
+
 # Whether Triton is installed (optional: the reference and fused scans need none), asked without importing it.
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 KERNEL_BUILD_ERRORS: tuple = ()  # see `kernel_build_errors`
@@ -548,7 +549,6 @@ def kernels_ready() -> bool:
             acc = _rows_times(grad_gate_pre, 2 * D, cg_w, D, 1, rows, row_ok, cols, col_ok, 2 * D, BLOCK_B, BLOCK_K,
                               BLOCK_N)  # fmt: skip
             tl.store(grad_prev_raw + where, acc, mask=ok)
-
 
     # Each launch is one op: `torch.compile`, export and a dispatch counter see it as such. The outputs are
     # preallocated step slices of the scan's buffers, so the ops mutate them and return nothing; on the meta device

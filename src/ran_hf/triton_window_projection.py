@@ -23,6 +23,7 @@ import torch
 
 from .triton_scan_kernels import check_kernels
 
+
 ROWS_PER_PROGRAM = 8
 BLOCK_PAIRS = 256  # (head, pair) columns of a row per program: elementwise, so any width tiles into these
 

@@ -191,7 +191,7 @@ class RANWindowLayout:
         # 2. Pack the windows of all sequences step-major: every sequence's first window, then every second one, ...
         # (in batch order within a step). When all sequences have the same number of windows, the scan's
         # step-major view of the windows is then the packed tensor itself: no copy either way.
-        packed = torch.arange(num_packed, device=device)
+        torch.arange(num_packed, device=device)
         if bounded:  # room for `num_steps` windows per sequence; the ones it does not have stay empty
             grid = torch.zeros(batch_size, num_steps, dtype=torch.long, device=device)
             window_sequence = (grid + torch.arange(batch_size, device=device)[:, None]).flatten()  # (K,)

@@ -41,6 +41,7 @@ from datasets import Dataset, Features, LargeList, List, Value, load_dataset
 from datasets.exceptions import DatasetGenerationError
 from pyarrow import ArrowException
 
+
 logger = logging.getLogger(__name__)
 
 DOCSTART = "-DOCSTART-"

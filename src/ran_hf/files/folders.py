@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+
 try:
     import fcntl
 except ImportError:  # Windows: no advisory locks; runs are not guarded against each other there

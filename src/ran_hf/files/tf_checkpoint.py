@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+
 __all__ = ["CheckpointFormatError", "TFCheckpointEntry", "TFCheckpointReader"]
 
 
