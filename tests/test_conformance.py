@@ -206,8 +206,6 @@ NOT_APPLICABLE = {
     "test_can_load_from_already_mapped_keys": "RAN checkpoints need no key conversion mapping",
     "test_tp_plan_matches_params": "RAN defines no tensor-parallel plan",
     "test_tied_head_has_a_tp_plan_entry": "RAN defines no tensor-parallel plan",
-    "test_capture_outputs_decorator": "RAN collects hidden states itself, from its flat token layout",
-    "test_can_capture_specific_layers_hidden_states": "RAN collects hidden states itself, from its flat token layout",
 }
 
 
