@@ -202,8 +202,10 @@ NOT_APPLICABLE = {
     # Loading and output machinery RAN does not use.
     "test_keep_in_fp32_modules": "RAN keeps no module in float32 (its normalisation upcasts internally)",
     "test_keep_in_fp32_modules_exist": "RAN keeps no module in float32 (its normalisation upcasts internally)",
-    "test_reverse_loading_mapping": "RAN checkpoints need no key conversion mapping",
-    "test_can_load_from_already_mapped_keys": "RAN checkpoints need no key conversion mapping",
+    # RAN registers a renaming that reads folders of an older layout, but saves today's names (its
+    # `save_original_format` defaults to False), so a save never writes the names these tests expect to map back.
+    "test_reverse_loading_mapping": "RAN saves today's weight names; its renaming only reads older folders",
+    "test_can_load_from_already_mapped_keys": "RAN saves today's weight names; its renaming only reads older folders",
     "test_tp_plan_matches_params": "RAN defines no tensor-parallel plan",
     "test_tied_head_has_a_tp_plan_entry": "RAN defines no tensor-parallel plan",
 }
