@@ -383,3 +383,23 @@ def test_assisted_generation_is_refused_before_it_starts():
     ids = torch.randint(1, 61, (1, 6), generator=torch.Generator().manual_seed(5))
     with pytest.raises(ValueError, match="stateful"):
         model.generate(ids, assistant_model=causal_model(seed=1).eval(), max_new_tokens=3, do_sample=False)
+
+
+def test_generate_refuses_a_cache_that_has_read_more_than_the_text_given():
+    """A cache continues the text it read: `generate()` given it with the whole text so far reads what follows, and
+    given a text no longer than what the cache read (a shorter prompt, or the same prompt a second time) refuses,
+    naming the cache's length, where it used to read the prompt's tokens again after the cache's."""
+    model = causal_model(9)
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        longer = model(ids, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="already read 30 positions, but `generate\\(\\)` was given 20"):
+            model.generate(ids[:, :20], past_key_values=longer, max_new_tokens=3)
+        cache = RANCache(model.config)
+        first = model.generate(ids[:, :20], past_key_values=cache, max_new_tokens=3, do_sample=False)
+        with pytest.raises(ValueError, match="already read 22 positions"):
+            model.generate(ids[:, :20], past_key_values=cache, max_new_tokens=3, do_sample=False)
+        continued = model.generate(first, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        whole = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False)
+    assert torch.equal(continued, whole)

@@ -74,6 +74,19 @@ def check_language_model_labels(
     check_head_token_labels(head, labels, input_ids, inputs_embeds, head.config.vocab_size, "token id")
 
 
+def check_prompt_after_cache(cache: RANCache, prompt_length: int) -> None:
+    """`generate()` given a cache and the whole text so far (its mask as long as its ids) reads only the positions
+    after those the cache has read: refuse a text no longer than the cache, whose tokens it would read again."""
+    read = cache.get_seq_length()
+    if read >= prompt_length:
+        raise ValueError(
+            f"`past_key_values` has already read {read} positions, but `generate()` was given {prompt_length}: a "
+            "cache continues the text it read, so the ids given with it must be that text and what follows it. Pass "
+            "a fresh cache (or None), continue a copy made before its first use (`copy.deepcopy(cache)`), or pass "
+            "only the new tokens with the attention mask of the whole text."
+        )
+
+
 def head_output(output_class, outputs, **fields):
     """A head's `output_class` from its own `fields` and the base model's recorded outputs."""
     return output_class(
@@ -305,7 +318,10 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
     def prepare_inputs_for_generation(
         self, input_ids, past_key_values=None, inputs_embeds=None, next_sequence_length=None, **kwargs
     ):
-        if next_sequence_length == 1 and isinstance(past_key_values, RANCache) and past_key_values.is_initialized:
+        continues = isinstance(past_key_values, RANCache) and past_key_values.is_initialized
+        if continues and kwargs.get("is_first_iteration") and next_sequence_length is not None:
+            check_prompt_after_cache(past_key_values, input_ids.shape[1])
+        if next_sequence_length == 1 and continues and not kwargs.get("is_first_iteration"):
             # A decoding step, as Mamba's: the last token and the cache. `generate` extends the attention mask with
             # ones, so the new tokens are all real, and the cache knows where each row stands; without the mask the
             # step reads nothing to the host.
