@@ -452,3 +452,16 @@ def test_quickstart_reads_only_the_start_of_a_long_text(tmp_path):
     assert more and len(line) <= 10_000 and path.read_text().startswith(line)
     (line,), more = quickstart.read_text(path, characters=2_000_000)
     assert not more and line == path.read_text().strip()
+
+
+@pytest.mark.parametrize("name,field", [("is_casual", "is_causal"), ("hidden_szie", "hidden_size")])
+def test_a_field_with_two_neighbouring_letters_swapped_is_named(name, field):
+    """`RANConfig(is_casual=True)` made an encoder without a word: difflib scores a swap of two letters below the
+    cutoff that catches other misspellings. Refused when the config is made and when it is set."""
+    from ran_hf import RANConfig
+
+    with pytest.raises(ValueError, match=rf"`{name}` is not a field of RANConfig \(did you mean '{field}'\?\)"):
+        RANConfig(**{name: True})
+    config = RANConfig()
+    with pytest.raises(ValueError, match=rf"did you mean '{field}'"):
+        setattr(config, name, True)

@@ -94,8 +94,21 @@ def close_field(name: str, names) -> str | None:
         shorter, longer = sorted((plain, other), key=len)
         if plain == other or (len(shorter) > 4 and len(longer) - len(shorter) <= 3 and longer.startswith(shorter)):
             return field
+        if len(plain) > 4 and swapped_neighbours(plain, other):  # `is_casual`: difflib scores it below its cutoff
+            return field
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.9)
     return close[0] if close else None
+
+
+def swapped_neighbours(word: str, other: str) -> bool:
+    """Whether `word` is `other` with two neighbouring letters swapped."""
+    if len(word) != len(other):
+        return False
+    differ = [i for i, (a, b) in enumerate(zip(word, other)) if a != b]
+    if len(differ) != 2 or differ[1] != differ[0] + 1:
+        return False
+    first, second = differ
+    return word[first] == other[second] and word[second] == other[first]
 
 
 def check_new_name(config, name: str) -> None:
