@@ -465,3 +465,27 @@ def test_a_field_with_two_neighbouring_letters_swapped_is_named(name, field):
     config = RANConfig()
     with pytest.raises(ValueError, match=rf"did you mean '{field}'"):
         setattr(config, name, True)
+
+
+def test_save_pretrained_to_a_file_path_is_refused_and_the_file_kept(tmp_path):
+    """Transformers logs a line, saves nothing and returns normally: the caller believes the model saved."""
+    from ran_testing import tiny_config
+
+    from ran_hf import RANModel
+
+    target = tmp_path / "notes.txt"
+    target.write_text("kept")
+    with pytest.raises(NotADirectoryError, match="notes.txt is a file: `save_pretrained` writes a folder"):
+        RANModel(tiny_config()).save_pretrained(target)
+    assert target.read_text() == "kept"
+
+
+@pytest.mark.parametrize("num_labels", [-2, 0])
+def test_a_bad_num_labels_is_named_as_given(num_labels):
+    """`num_labels=-2` was reported as "got 0": Transformers keeps the count as `id2label`, of length 0."""
+    from ran_hf import RANConfig
+
+    with pytest.raises(ValueError, match=rf"`num_labels` must be >= 1, got {num_labels}:"):
+        RANConfig(num_labels=num_labels)
+    with pytest.raises(ValueError, match=rf"got {num_labels}:"):
+        RANConfig().num_labels = num_labels

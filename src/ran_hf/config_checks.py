@@ -319,8 +319,12 @@ def check_label_fields(config) -> None:
             f"`problem_type` must be one of {', '.join(map(repr, problem_types))} or None (inferred from the "
             f"labels), got {config.problem_type!r}."
         )
-    if isinstance(config.num_labels, bool) or not isinstance(config.num_labels, int) or config.num_labels < 1:
+    check_num_labels(config.num_labels)
+
+
+def check_num_labels(num_labels) -> None:
+    """`num_labels` as given: Transformers keeps it as `id2label`, whose length a negative count would make 0."""
+    if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
         raise ValueError(
-            f"`num_labels` must be >= 1, got {config.num_labels!r}: a classification head needs a class (1 for "
-            "regression)."
+            f"`num_labels` must be >= 1, got {num_labels!r}: a classification head needs a class (1 for regression)."
         )

@@ -15,6 +15,7 @@ from .config_checks import (
     check_built,
     check_label_fields,
     check_new_name,
+    check_num_labels,
     check_review_bounds,
     check_token_ids,
     estimated_parameters,
@@ -190,6 +191,8 @@ class RANConfig(PreTrainedConfig):
             # Set to what it holds: nothing changes. Transformers' defaults merger sets `is_causal` on every call.
             return
         check_new_name(self, name)  # a misspelt field (`config.windowsize = 3`) is refused, as `@strict` does
+        if name == "num_labels" and value is not None:
+            check_num_labels(value)  # named as given, before Transformers turns it into `id2label`
         super().__setattr__(name, value)
         state["_edits"] = state.get("_edits", 0) + 1
         if self.__dict__.get("_post_init_done") and name in ("is_causal", "layer_design", *LAYER_DESIGN_FIELDS):

@@ -6,6 +6,7 @@ inputs' value checks (input_checks.py), and runs the layers (ran_layer.py) over 
 """
 
 import functools
+import os
 from contextlib import contextmanager
 
 import torch
@@ -175,12 +176,18 @@ class RANPreTrainedModel(PreTrainedModel):
             self._checked_key, self.step_settings = checked, step_settings(config)
             self.checked_config = object()  # what a cache this model checks is marked with (`RANCache.checked_by`)
 
-    def save_pretrained(self, *args, save_original_format: bool = False, **kwargs):
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
         """Transformers' `save_pretrained`, writing today's weight names. `save_original_format=True` (Transformers'
         own default) reverts `CHECKPOINT_RENAMINGS`: the names of the checkpoint the model was loaded from, and for a
-        model built from a config the names an older version of this code reads."""
+        model built from a config the names an older version of this code reads. A path that is a file is refused
+        (Transformers logs a line and saves nothing)."""
+        if os.path.isfile(save_directory):
+            raise NotADirectoryError(
+                f"{save_directory} is a file: `save_pretrained` writes a folder (config, weights, code). Give the path "
+                "of a folder, new or existing."
+            )
         self.check_config()
-        return super().save_pretrained(*args, save_original_format=save_original_format, **kwargs)
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def resize_token_embeddings(self, *args, **kwargs):
         embeddings = super().resize_token_embeddings(*args, **kwargs)
