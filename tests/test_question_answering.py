@@ -212,3 +212,20 @@ def test_the_pipeline_refuses_bad_calls(make_config, wordpiece_tokenizer):
     with pytest.raises(ValueError, match="`top_k` must be at least 1"):
         answer_finder(question="a question", context="some text", top_k=0)
     assert len(answer_finder(question=["a", "b"], context=["some text", "more text"])) == 2
+
+
+@pytest.mark.needs_data("wikitext-2", "conll2003")  # the WordPiece tokenizer's corpus
+def test_the_pipeline_takes_transformers_input_forms(make_config, wordpiece_tokenizer):
+    """`{"question": ..., "context": ...}`, a list of such dicts and two strings by position, as Transformers' own
+    question-answering pipeline took them (a dict raised a TypeError), give the keyword form's answers; anything
+    else is named."""
+    model = RANForQuestionAnswering(make_config(vocab_size=len(wordpiece_tokenizer))).eval()
+    answer_finder = pipeline("extractive-question-answering", model=model, tokenizer=wordpiece_tokenizer)
+    question, context = "who wrote it?", "the report was written by the clerk of the court"
+    expected = answer_finder(question=question, context=context)
+    assert answer_finder({"question": question, "context": context}) == expected
+    assert answer_finder(question, context) == expected
+    both = answer_finder([{"question": question, "context": context}] * 2)
+    assert both == [expected, expected]
+    with pytest.raises(ValueError, match='as \\{"question": ..., "context": ...\\}'):
+        answer_finder({"question": question})

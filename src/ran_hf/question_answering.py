@@ -22,6 +22,28 @@ import torch.nn.functional as F
 from transformers import Pipeline
 
 
+def question_and_context(pairs: tuple, question, context) -> tuple:
+    """The question(s) and context(s) of positional inputs: `(question, context)` strings, one dict with both keys,
+    or a list of such dicts."""
+    if question is not None or context is not None:
+        raise ValueError("Give the question and context by keyword or by position, not both.")
+    if len(pairs) == 2 and all(isinstance(text, str) for text in pairs):
+        return pairs
+    if len(pairs) == 1:
+        given = pairs[0]
+        dicts = [given] if isinstance(given, dict) else given if isinstance(given, list | tuple) else None
+        if dicts is not None and all(
+            isinstance(pair, dict) and {"question", "context"} <= pair.keys() for pair in dicts
+        ):
+            if isinstance(given, dict):
+                return given["question"], given["context"]
+            return [pair["question"] for pair in dicts], [pair["context"] for pair in dicts]
+    raise ValueError(
+        f"Give a question and its context as `question=...` and `context=...`, as two strings, as "
+        f'{{"question": ..., "context": ...}} or as a list of such dicts; got {pairs!r:.120}.'
+    )
+
+
 class ExtractiveQuestionAnsweringPipeline(Pipeline):
     """Answer spans from a span head (`start_logits`, `end_logits`) over the whole (question, context) pair."""
 
@@ -30,8 +52,13 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
     _load_image_processor = False
     _load_feature_extractor = False
 
-    def __call__(self, question: str | list[str], context: str | list[str], **kwargs):
-        """One answer (or `top_k`) for a question and its context; lists of questions and contexts, pairwise."""
+    def __call__(self, *pairs, question: str | list[str] | None = None, context: str | list[str] | None = None,
+                 **kwargs):  # fmt: skip
+        """One answer (or `top_k`) for a question and its context; lists of questions and contexts, pairwise. As
+        Transformers' question-answering pipeline took them, also `{"question": ..., "context": ...}` or a list of
+        such dicts, or the two strings by position."""
+        if pairs:
+            question, context = question_and_context(pairs, question, context)
         for name, texts in (("question", question), ("context", context)):
             if not isinstance(texts, str) and not (
                 isinstance(texts, list | tuple) and all(isinstance(text, str) for text in texts)
