@@ -116,3 +116,17 @@ def test_the_triton_kernels_are_defined_as_module_globals():
     for name in ("triton_glu", "triton_norm", "triton_rotary", "triton_window_projection", "triton_scan_kernels"):
         code = importlib.import_module(f"ran_hf.{name}").kernels_ready.__wrapped__.__code__
         assert code.co_varnames == () and code.co_cellvars == (), name
+
+
+def test_a_stand_in_pickles_as_its_model_class_before_first_use():
+    """Pickling what an Auto class holds for RAN before the models were imported (a DataLoader worker, a process
+    pool) failed: pickle found the real class under the stand-in's name ("not the same object")."""
+    script = (
+        "import pickle, sys, ran_hf\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "stand_in = AutoModelForCausalLM._model_mapping[ran_hf.RANConfig]\n"
+        "assert 'ran_hf.modeling_ran' not in sys.modules\n"
+        "print(pickle.loads(pickle.dumps(stand_in)) is ran_hf.RANForCausalLM)\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == "True"

@@ -10,6 +10,7 @@ glue and the checkpoint converter are imported when first used; every public nam
 (`ran_hf.RANForMaskedLM`, `ran_hf.export_onnx`, ...). tests/test_import_cost.py checks which modules it imports.
 """
 
+import copyreg
 import importlib
 import importlib.abc
 import sys
@@ -138,6 +139,16 @@ class _LazyModelClass(type):
 
     def __repr__(cls):
         return f"<stand-in for class '{cls.__module__}.{cls.__name__}'>"
+
+
+def _model_class(module: str, name: str) -> type:
+    """The model class a stand-in stands for: what unpickling a pickled stand-in gives."""
+    return getattr(importlib.import_module(module), name)
+
+
+# Pickled (by a DataLoader's workers, a multiprocessing pool, `copy`), a stand-in is the model class it stands for:
+# pickle would otherwise find the real class under the stand-in's name and refuse ("not the same object").
+copyreg.pickle(_LazyModelClass, lambda stand_in: (_model_class, (stand_in.__module__, stand_in.__name__)))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
