@@ -24,6 +24,9 @@ from ran_hf.files.folders import check_not_inputs
 
 def load_model(model_dir: str) -> ran_hf.RANPreTrainedModel:
     """The class the folder was saved from (`architectures` in its config.json), in float32 for the comparison."""
+    if not Path(model_dir).is_dir():  # else Transformers reads the path as a Hub repo id, and says so
+        what = "is a file, not a folder" if Path(model_dir).exists() else "does not exist"
+        raise OSError(f"--model_dir {model_dir} {what}: give the folder `save_pretrained` wrote.")
     model_type = ran_hf.RANConfig.get_config_dict(model_dir)[0].get("model_type")
     if model_type != ran_hf.RANConfig.model_type:  # RANConfig would read another model's config with a warning
         raise ValueError(

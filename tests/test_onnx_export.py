@@ -130,3 +130,15 @@ def test_export_script_exports_a_saved_folder_and_checks_it(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # not a saved model: a clear error, nothing written
         export_script.main(["--model_dir", str(tmp_path / "empty"), "--output", str(tmp_path / "e.onnx")])
     assert exit_info.value.code == 1 and not (tmp_path / "e.onnx").exists()
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_export_script_names_a_model_dir_that_is_no_folder(tmp_path, capsys, kind):
+    """A --model_dir that does not exist was answered with the Hub's repo-id error."""
+    model_dir = tmp_path / "model"
+    if kind == "file":
+        model_dir.write_text("not a model")
+    with pytest.raises(SystemExit) as exit_info:
+        export_script.main(["--model_dir", str(model_dir), "--output", str(tmp_path / "m.onnx")])
+    what = "does not exist" if kind == "missing" else "is a file, not a folder"
+    assert exit_info.value.code == 1 and f"--model_dir {model_dir} {what}" in capsys.readouterr().err
