@@ -68,3 +68,13 @@ def test_the_smoke_run_runs_every_part_on_the_cpu(tmp_path):
     # Files of the run's names new or rewritten under benchmarks/ (other work may write there meanwhile).
     written = {path for path, mtime in benchmark_files().items() if before.get(path) != mtime}
     assert not {path for path in written if (out / path.name).exists()}, "the smoke run wrote under benchmarks/"
+
+
+def test_a_run_whose_parts_fail_exits_nonzero_naming_them(tmp_path):
+    """Every part failing (here: an interpreter that cannot run them) exited 0, as if the run had measured."""
+    out = tmp_path / "out"
+    environment = {**os.environ, "PYTHON": "false"}
+    completed = subprocess.run(["bash", str(SCRIPT), "--smoke", str(out)], cwd=tmp_path, env=environment,
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert completed.returncode == 1
+    assert "parts that failed" in completed.stderr and "tests_scan" in completed.stderr

@@ -5,7 +5,8 @@
 # top 15 kernels, and the causal RAN's per-token decoding latency and cache bytes at 512 and 64K tokens of context.
 #   bash scripts/benchmarks/run_cuda_checks.sh OUT_DIR            # on the GPU machine: under 8 minutes
 #   bash scripts/benchmarks/run_cuda_checks.sh --smoke OUT_DIR    # every part on the CPU at tiny sizes (~3 minutes)
-# PYTHON names the interpreter (default: python). Every file goes under OUT_DIR: each part's log (headed by the
+# PYTHON names the interpreter (default: the clone's .venv/bin/python where scripts/setup.sh made one, else python).
+# The run exits 1 when any part failed. Every file goes under OUT_DIR: each part's log (headed by the
 # device, commit, command and dtype), the result JSONs in the one result format (benchmark_utils.result_record), and
 # status.txt, one line per part: its exit code (124: stopped by its time limit), seconds taken and limit.
 # The smoke run's figures are CPU figures of tiny models: they check that the run works, and measure nothing.
@@ -34,7 +35,11 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
-python=${PYTHON:-python}
+python=${PYTHON:-}
+if [[ -z $python ]]; then  # the clone's own environment, as scripts/setup.sh makes it, before whatever is on PATH
+    python=python
+    [[ -x .venv/bin/python ]] && python=$root/.venv/bin/python
+fi
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 : > "$out/status.txt"
 : > "$out/commands.txt"
@@ -206,3 +211,9 @@ PYTHON
 shown="$python -c <the report in run_cuda_checks.sh> $out $device" run_part report 10 none \
     "$python" -c "$report" "$out" "$device" "$this_run"
 cat "$out/status.txt"
+# A part that failed fails the run: a run whose parts all failed exited 0 before, as if it had measured.
+failed=$(awk '$2 == "exit" && $3 != 0 {print $1}' "$out/status.txt" | tr '\n' ' ')
+if [[ -n $failed ]]; then
+    echo "parts that failed (see their logs in $out): $failed" >&2
+    exit 1
+fi
