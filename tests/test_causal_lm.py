@@ -403,3 +403,16 @@ def test_generate_refuses_a_cache_that_has_read_more_than_the_text_given():
         continued = model.generate(first, past_key_values=cache, max_new_tokens=3, do_sample=False)
         whole = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False)
     assert torch.equal(continued, whole)
+
+
+def test_a_cache_written_in_another_dtype_is_refused_naming_both():
+    """A bfloat16 model's cache continued by the model cast to float32 failed inside `index_put` with a raw dtype
+    error; the cast model checks the caches it is handed again, a decoding step's included."""
+    model = causal_model(3).to(torch.bfloat16)
+    ids = torch.randint(1, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        model.float()
+        for new in (ids[:, :1], ids[:, :3]):  # a decoding step, and a chunk
+            with pytest.raises(ValueError, match="written by a model in torch.bfloat16, and this one computes in "):
+                model(new, past_key_values=cache, use_cache=True)

@@ -34,9 +34,10 @@ def cache_shape(config) -> dict:
     }
 
 
-def check_cache(past_key_values, config) -> None:
+def check_cache(past_key_values, config, dtype: torch.dtype | None = None) -> None:
     """Refuse, naming the mismatch, a `past_key_values` this model cannot continue: a cache of another kind (a
-    transformer's `DynamicCache`, legacy tuples), or a `RANCache` made by a model of another shape."""
+    transformer's `DynamicCache`, legacy tuples), a `RANCache` made by a model of another shape, or one whose cells a
+    model of another `dtype` (its weights') wrote."""
     if past_key_values is None:
         return
     if not isinstance(past_key_values, RANCache):
@@ -54,6 +55,13 @@ def check_cache(past_key_values, config) -> None:
         raise ValueError(
             f"`past_key_values` was made by another model ({'; '.join(differing)}): its state cannot be continued "
             "by this one. Pass the cache this model returned, or None to start a new text."
+        )
+    written = next((layer.cell.dtype for layer in past_key_values.layers if layer.cell is not None), None)
+    if dtype is not None and written is not None and written != dtype:
+        raise ValueError(
+            f"`past_key_values` was written by a model in {written}, and this one computes in {dtype}: its state "
+            f"cannot be continued in another dtype. Continue it with the model that wrote it (or one cast to "
+            f"{written}), or pass None to start a new text."
         )
     past_key_values.check_graph()
 

@@ -189,6 +189,11 @@ class RANPreTrainedModel(PreTrainedModel):
         self.check_config()
         return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
+    def _apply(self, fn, *args, **kwargs):
+        # Cast or moved (`.to`, `.half()`), the model checks the caches it is handed again (`check_cache`).
+        self._checked_key = None
+        return super()._apply(fn, *args, **kwargs)
+
     def resize_token_embeddings(self, *args, **kwargs):
         embeddings = super().resize_token_embeddings(*args, **kwargs)
         for module in self.modules():  # `vocab_size` now matches the resized embedding
@@ -297,8 +302,7 @@ class RANModel(RANPreTrainedModel):
 
     def decodes_in_steps(self, input_ids, inputs_embeds, cache, output_attentions, output_hidden_states) -> bool:
         """Whether this call is a decoding step (`decode_step`): one new real token per row (no attention mask: all
-        are real) continuing an initialised `RANCache` this model has checked, in inference, with nothing recorded
-        on the way. Everything else, and the options a step does not compute (the associative memory, salient
+        are real) continuing an initialised `RANCache`, in inference, with nothing recorded on the way. Everything else, and the options a step does not compute (the associative memory, salient
         cells), takes the general forward pass."""
         if (
             type(cache) is not RANCache
@@ -309,10 +313,7 @@ class RANModel(RANPreTrainedModel):
         ):
             return False
         return (
-            self.step_settings is not None
-            and cache.checked_by is self.checked_config
-            and not (output_attentions or output_hidden_states)
-            and self.pooler is None
+            self.step_settings is not None and not (output_attentions or output_hidden_states) and self.pooler is None
         )
 
     def decode_step(self, input_ids, inputs_embeds, cache: RANCache) -> RANModelOutput:
@@ -403,12 +404,15 @@ class RANModel(RANPreTrainedModel):
                 input_ids, inputs_embeds, past_key_values, output_attentions, output_hidden_states
             )
             if step:
+                if past_key_values.checked_by is not self.checked_config:  # handed over: checked once
+                    check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
+                    past_key_values.checked_by = self.checked_config
                 return self.decode_step(input_ids, inputs_embeds, past_key_values)
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
         if past_key_values is not None and getattr(past_key_values, "checked_by", None) is not self.checked_config:
-            check_cache(past_key_values, self.config)
+            check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
             past_key_values.checked_by = self.checked_config  # a decoding step trusts it while the config stays
         if past_key_values is not None:
             past_key_values.check_graph()  # per pass: a backward may have freed the graph it carries since
