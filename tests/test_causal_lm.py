@@ -306,10 +306,21 @@ def test_text_generation_pipeline(wordpiece_tokenizer):
     config = tiny_config(is_causal=True, vocab_size=len(wordpiece_tokenizer), pad_token_id=0)
     model = RANForCausalLM(config).eval()
     generator = pipeline("text-generation", model=model, tokenizer=wordpiece_tokenizer)
-    results = generator(["the company said on monday", "it was"], max_new_tokens=6, do_sample=False)
-    assert len(results) == 2
-    for prompt, result in zip(["the company said on monday", "it was"], results):
-        assert result[0]["generated_text"].startswith(prompt)
+    prompts = ["the company said on monday", "it was"]
+    # Batched, the shorter prompt is left-padded: the pipeline must still continue each as the model alone does.
+    texts = generator(prompts, max_new_tokens=6, do_sample=False, batch_size=2)
+    tokens = generator(prompts, max_new_tokens=6, do_sample=False, batch_size=2, return_tensors=True)
+    assert len(texts) == len(tokens) == 2
+    for prompt, text, token in zip(prompts, texts, tokens):
+        ids = wordpiece_tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            greedy = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0]
+        generated = token[0]["generated_token_ids"]
+        padding = len(generated) - len(greedy)  # the batch's left padding ([PAD] = 0)
+        assert generated[:padding] == [0] * padding and generated[padding:] == greedy.tolist()
+        continuation = wordpiece_tokenizer.decode(greedy[ids.shape[1] :], skip_special_tokens=True)
+        assert continuation  # the model's own tokens, not the prompt, are what is compared
+        assert text[0]["generated_text"].removeprefix(prompt).strip() == continuation.strip()
 
 
 # Runs where `ran_hf` cannot be imported: the saved causal model generates through its own remote code.

@@ -113,14 +113,28 @@ def test_fields_meant_for_a_trained_model_stay_editable(field, value, tmp_path):
 
 
 def test_salient_cells_and_labels_stay_editable(tmp_path):
+    """Set on a trained model, salient cells change what its last window reads (11 tokens in windows of 4: with one
+    recent cell, the first window's comes back only as a salient one) and both edits survive a save."""
     model = causal_lm(memory_review_cells=1)
-    model.config.memory_salient_cells = 1
-    model(tokens())
+    with torch.no_grad():
+        bounded = model(tokens()).logits
+        model.config.memory_salient_cells = 1
+        salient = model(tokens()).logits
+    assert not torch.allclose(salient[:, 8:], bounded[:, 8:])  # the edit is applied, not ignored
+    torch.testing.assert_close(salient[:, :8], bounded[:, :8])  # the first two windows have nothing older to add
+    model.save_pretrained(tmp_path / "causal")
+    reloaded = RANForCausalLM.from_pretrained(tmp_path / "causal").eval()
+    assert reloaded.config.memory_salient_cells == 1
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens()).logits, salient)
+
     classifier = RANForSequenceClassification(RANConfig(**TINY, num_labels=2)).eval()
     classifier.config.id2label = {0: "no", 1: "yes"}
     classifier.config.label2id = {"no": 0, "yes": 1}
     classifier(tokens())
-    classifier.save_pretrained(tmp_path)
+    classifier.save_pretrained(tmp_path / "classifier")
+    labelled = RANForSequenceClassification.from_pretrained(tmp_path / "classifier").config
+    assert labelled.id2label == {0: "no", 1: "yes"} and labelled.label2id == {"no": 0, "yes": 1}
 
 
 def test_resizing_the_embeddings_is_no_drift():
