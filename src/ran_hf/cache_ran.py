@@ -115,10 +115,15 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         self.binding_state = None
         self.tail_betas = None
         self.cell_room = 0  # how many cells `cell_states` holds without a bound (`RANCache.cell_room`)
-        # What decoding steps compute from the cell and the starting cell, kept until the cell changes: the key and
-        # value window attention reads of the cell (B, H, d) each, and memory review's of the starting cell.
-        self.read_cell_states = None
-        self.initial_cell_states = None
+        self.forget_step_memos()
+
+    def forget_step_memos(self) -> None:
+        """Drop what eager decoding steps keep between steps (decode_step.py), derived from this state: the current
+        window as window attention reads it (`step_window`: rotated keys and values (B, H, 1 + S, d), the read cell's
+        in slot 0), and the cells memory review reads with their score bias (`step_review`). Every update of the
+        state drops them; a step rebuilds what it needs."""
+        self.step_window = None
+        self.step_review = None
 
     @property
     def cell(self) -> torch.Tensor | None:
@@ -150,7 +155,7 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         """Set the cell the next window reads, (B, D)."""
         self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
         self.cell = recurrent_states
-        self.read_cell_states = None
+        self.forget_step_memos()
         return recurrent_states
 
     def update_cell(self, cells, raw_cells, finished_here: torch.Tensor, start: tuple) -> None:
@@ -167,6 +172,7 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
 
     def update_cell_states(self, cell_states: torch.Tensor) -> None:
         self.cell_states = cell_states
+        self.forget_step_memos()
 
     def update_salient(self, cell_states: torch.Tensor, windows: torch.Tensor) -> None:
         self.salient_cell_states, self.salient_windows = cell_states, windows
@@ -174,6 +180,7 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
     def update_tail(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         # Contiguous, whoever wrote it: a compiled step's graph is specialised on the strides it reads.
         self.tail_keys, self.tail_values = keys.contiguous(), values.contiguous()
+        self.forget_step_memos()
 
     def update_last_token(self, last_token: torch.Tensor) -> None:
         self.last_token = last_token
@@ -191,7 +198,7 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _map(self, function) -> None:
-        self.read_cell_states = self.initial_cell_states = None  # recomputed by the next step, for the rows it has
+        self.forget_step_memos()  # rebuilt by the next step, for the rows it has
         for name, tensor in self.tensors().items():
             setattr(self, name, function(tensor))
 
@@ -303,7 +310,7 @@ class RANCache(Cache):
             layer.cell_room = max(layer.cell_room, room)
             cells = layer.cell_states
             if cells is not None and cells.shape[1] < layer.cell_room:
-                layer.cell_states = F.pad(cells, (0, 0, 0, layer.cell_room - cells.shape[1]))
+                layer.update_cell_states(F.pad(cells, (0, 0, 0, layer.cell_room - cells.shape[1])))
 
     def make_room(self, finished_windows: int) -> None:
         """Before a forward pass after which rows have finished at most `finished_windows` windows: the room every

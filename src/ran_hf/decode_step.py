@@ -57,17 +57,18 @@ class StepPositions(NamedTuple):
     """Where every row's new token sits, shared by all layers of a step."""
 
     slot: torch.Tensor  # (B,) the new token's window slot: the length of the row's cached tail
+    key_slot: torch.Tensor  # (B,) its place among the keys window attention reads: after the read cell's
     rows: torch.Tensor  # (B,) 0, 1, ...
     window: torch.Tensor  # (B,) the number of the token's window in its row
     visible: torch.Tensor  # (B, S) the slots the token reads: its tail and itself
-    attention_mask: torch.Tensor  # (B, 1, 1, 1 + S) the keys the token reads: its read cell, then `visible`
-    query_rotations: torch.Tensor  # (B, 1, d / 2) the new token's rotary embedding, complex (slot s: position s + 1)
+    attention_bias: torch.Tensor  # (B, 1, 1, 1 + S) 0 for the keys the token reads (its read cell, `visible`), -inf
+    token_rotations: torch.Tensor  # (B, 1, 1, d / 2) the token's rotary embedding, complex (slot s: position s + 1)
     key_rotations: torch.Tensor  # (S, 1, d / 2) every slot's
     ends_window: torch.Tensor  # (B,) the token is the last of its window: the cell scan takes a step
     scan_runs: bool  # whether any row ends a window (always, compiled: the step cannot ask)
     first_readable: torch.Tensor | None  # (B, 1) the first cached cell the token's memory review reads (None: 0)
     readable: torch.Tensor  # (B, 1) the cells it reads end before this one (0: it reads none)
-    review_mask: tuple | None = None  # memory review's (B, 1, C) hidden cells and (B, 1, 1) readable, for all layers
+    review_mask: tuple | None = None  # memory review's (B, C) hidden cells and (B, 1) readable, for all layers
 
 
 def step_positions(config: StepSettings, cache: RANCache, device: torch.device) -> StepPositions:
@@ -97,13 +98,16 @@ def step_positions(config: StepSettings, cache: RANCache, device: torch.device) 
         reads_cells = window > 0
         first_readable = torch.where(reads_cells, (bound - window).clamp(min=0) + initial, 0)[:, None]
         readable = torch.where(reads_cells, bound + initial, initial)[:, None]
+    key_slot = slot + 1  # the rotary position of slot s is s + 1 too
     return StepPositions(
         slot=slot,
         rows=torch.arange(past.shape[0], device=device),
-        attention_mask=F.pad(visible, (1, 0), value=True)[:, None, None],
+        # (an additive mask: SDPA turns a boolean one into this in every layer)
+        attention_bias=F.pad(torch.where(visible, 0.0, float("-inf")), (1, 0))[:, None, None],
         window=window,
         visible=visible,
-        query_rotations=rotations[slot + 1][:, None],
+        key_slot=key_slot,
+        token_rotations=rotations[key_slot][:, None, None],
         key_rotations=rotations[1:][:, None],
         ends_window=ends_window,
         scan_runs=scan_runs,
@@ -135,26 +139,25 @@ class LayerStep(NamedTuple):
     cell_states: torch.Tensor | None
     tail_keys: torch.Tensor
     tail_values: torch.Tensor
+    window: tuple | None  # the window as attention read it, where it stays the cache's (`current_window`)
 
 
 def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPositions, config: StepSettings):
     """One layer's decoding step: states (B, D) of the new tokens -> their states after the layer (B, D), and the
     layer's cache state after the step (`LayerStep`)."""
-    # 1. The new token's query, key and value, and its window: the cached tail with the token in its slot.
+    # 1. The new token's query, key and value, rotated together (they share a position), and its window.
     normed = layer.normalize_input(states)  # (B, D)
-    query, key, value = layer.project(normed).unbind(-3)  # (B, H, d) each
-    keys = cache.tail_keys.index_put((at.rows, at.slot), key)  # (B, S, H, d), un-rotated
+    qkv = layer.project(normed)  # (B, 3, H, d)
+    rotated_query, rotated_key = rotate_pairs_complex(qkv[:, :2], at.token_rotations).unbind(1)  # (B, H, d) each
+    _, key, value = qkv.unbind(1)
+    keys = cache.tail_keys.index_put((at.rows, at.slot), key)  # (B, S, H, d), un-rotated: what the cache keeps
     values = cache.tail_values.index_put((at.rows, at.slot), value)  # (B, S, H, d)
-    rotated_query = rotate_pairs_complex(query, at.query_rotations)  # (B, H, d)
-    rotated_keys = rotate_pairs_complex(keys, at.key_rotations).transpose(1, 2)  # (B, H, S, d)
-    window_values = values.transpose(1, 2)  # (B, H, S, d)
+    window_keys, window_values = current_window(layer, cache, keys, values, rotated_key, value, at)
 
     # 2. Token attention over the read cell (position 0, not rotated) and the window's visible slots.
-    cell_key, cell_value = read_cell(layer, cache)  # (B, H, d) each
-    all_keys = torch.cat([cell_key[:, :, None], rotated_keys], dim=2)  # (B, H, 1 + S, d)
-    all_values = torch.cat([cell_value[:, :, None], window_values], dim=2)
-    attended = F.scaled_dot_product_attention(rotated_query[:, :, None], all_keys, all_values, at.attention_mask)
-    attended = attended.flatten(1)  # (B, H * d)
+    attended = F.scaled_dot_product_attention(
+        rotated_query[:, :, None], window_keys, window_values, at.attention_bias
+    ).flatten(1)  # (B, H * d)
     if layer.residual_stream:
         token = states + layer.attention_output(attended, normed)
     else:
@@ -163,45 +166,60 @@ def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPosi
 
     # 3. Memory review of the cached cells (the layer's starting cell first, where it reads it).
     if layer.reviews_memory:
-        cells = cache.cell_states
-        if config.review_initial_cell:
-            cells = torch.cat([reviewed_initial_cell(layer, cache, states.shape[0]).to(cells.dtype), cells], dim=1)
-        token = layer.memory_review.read_cells(token, cells, *at.review_mask)[0]
+        cells, score_bias = reviewed_cells(layer, cache, at, config)
+        token = layer.memory_review.read_cells(token, cells, score_bias, at.review_mask[1])[0]
 
     # 4. Where a row's token ends its window, the cell scan's step for that window.
     cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states
     tail_keys, tail_values = keys, values
     if at.scan_runs:
-        raw, new_cell = scan_step(layer, cell, previous_raw, rotated_keys, window_values, at)
+        rotated_keys, slot_values = window_keys[:, :, 1:], window_values[:, :, 1:]  # (B, H, S, d)
+        raw, new_cell = scan_step(layer, cell, previous_raw, rotated_keys, slot_values, at)
         ends = at.ends_window[:, None]
         cell, previous_raw = torch.where(ends, new_cell, cell), torch.where(ends, raw, previous_raw)
         if layer.reviews_memory:
             cell_states = remember_cell(layer.memory_review.project_cells(raw), cell_states, at, config)
         tail_keys, tail_values = (next_tail(slots, at, config.window_overlap) for slots in (keys, values))
-    return token, LayerStep(cell, previous_raw, cell_states, tail_keys, tail_values)
+        window_keys = window_values = None  # the window and the cell change: the next step rebuilds them
+    window = None if torch.compiler.is_compiling() or window_keys is None else (window_keys, window_values)
+    return token, LayerStep(cell, previous_raw, cell_states, tail_keys, tail_values, window)
 
 
-def read_cell(layer, cache: RANCacheLayer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key and value (B, H, d) of the cell the current window reads. Kept in the cache until the cell changes
-    (a cache holds what the weights that wrote it computed, as its tail's keys do); computed every step when
-    compiled, where the step cannot ask whether it is there."""
-    if torch.compiler.is_compiling() or cache.read_cell_states is None:
-        _, key, value = layer.project(layer.normalize_input(cache.cell)).unbind(-3)
-        if torch.compiler.is_compiling():
-            return key, value
-        cache.read_cell_states = key, value
-    return cache.read_cell_states
+def current_window(layer, cache: RANCacheLayer, keys, values, rotated_key, value, at: StepPositions):
+    """The keys and values (B, H, 1 + S, d) window attention reads: the read cell's (slot 0, not rotated), then the
+    window's slots, rotated, the new token's written in. Kept in the cache between eager steps (`step_window`), where
+    a step writes only its token's; built from the cached tail and cell where the cache has none (after a window
+    ended, or any other update of the state) and in every compiled step, which cannot ask."""
+    if cache.step_window is not None and not torch.compiler.is_compiling():
+        window_keys, window_values = cache.step_window
+        # In place, into the slot after each row's tail: no step reads it before the one that writes it, so a step
+        # that fails and is run again leaves nothing behind.
+        window_keys[at.rows, :, at.key_slot] = rotated_key
+        window_values[at.rows, :, at.key_slot] = value
+        return window_keys, window_values
+    _, cell_key, cell_value = layer.project(layer.normalize_input(cache.cell)).unbind(1)  # (B, H, d) each
+    rotated_keys = rotate_pairs_complex(keys, at.key_rotations)  # (B, S, H, d)
+    window_keys = torch.cat([cell_key[:, None], rotated_keys], dim=1).transpose(1, 2)  # (B, H, 1 + S, d)
+    window_values = torch.cat([cell_value[:, None], values], dim=1).transpose(1, 2)
+    return window_keys.contiguous(), window_values.contiguous()
 
 
-def reviewed_initial_cell(layer, cache: RANCacheLayer, rows: int) -> torch.Tensor:
-    """(B, 1, 2 D) memory review's key and value of the layer's starting cell, kept in the cache as `read_cell`."""
-    if torch.compiler.is_compiling() or cache.initial_cell_states is None:
+def reviewed_cells(layer, cache: RANCacheLayer, at: StepPositions, config: StepSettings):
+    """The cells memory review reads, (B, C, 2 D) (the layer's starting cell first, where it reads it), and every
+    one's score bias (B, C) (`RANMemoryReview.score_bias`). Both stay the same until a window ends: kept in the cache
+    between eager steps (`step_review`), rebuilt in every compiled one."""
+    if cache.step_review is not None and not torch.compiler.is_compiling():
+        return cache.step_review
+    cells = cache.cell_states
+    if config.review_initial_cell:
         review = layer.memory_review
-        projected = review.project_cells(layer.initial_cell[None].expand(rows, -1))[:, None]
-        if torch.compiler.is_compiling():
-            return projected
-        cache.initial_cell_states = projected
-    return cache.initial_cell_states
+        initial = review.project_cells(layer.initial_cell[None].expand(cells.shape[0], -1))[:, None]
+        cells = torch.cat([initial.to(cells.dtype), cells], dim=1)
+    hidden = at.review_mask[0]
+    reviewed = cells, layer.memory_review.score_bias(cells, hidden)
+    if not torch.compiler.is_compiling():
+        cache.step_review = reviewed
+    return reviewed
 
 
 def scan_step(layer, cell, previous_raw, rotated_keys, window_values, at: StepPositions):
@@ -253,9 +271,11 @@ def next_tail(slots: torch.Tensor, at: StepPositions, overlap: int) -> torch.Ten
 
 
 def write_step(layer_cache: RANCacheLayer, step: LayerStep, scan_ran: bool) -> None:
+    review = None if scan_ran else layer_cache.step_review  # the reviewed cells stay until a window ends
     if scan_ran:  # the cell may have changed
         layer_cache.update_recurrent_state(step.cell)
     layer_cache.previous_raw_cell = step.previous_raw_cell
     if step.cell_states is not None:
         layer_cache.update_cell_states(step.cell_states)
-    layer_cache.update_tail(step.tail_keys, step.tail_values)
+    layer_cache.update_tail(step.tail_keys, step.tail_values)  # (each update drops the step memos ...)
+    layer_cache.step_window, layer_cache.step_review = step.window, review  # (... which still hold)

@@ -16,7 +16,9 @@ kernel, and counts the launches a GPU would make (scripts/benchmarks/benchmark_k
 the token-wise ops run their PyTorch form, which the compiler fuses itself.
 
 The cell scan (`config.scan_implementation`):
-- "auto" (the default): "triton" on a CUDA device where it can run, else "reference".
+- "auto" (the default): "triton" on a CUDA device where it can run; elsewhere "fused" in float32 inference (no
+  gradient recorded, not compiled), where it can run: the same loop in fewer, larger ops and a third of the Python
+  calls (8K tokens on a CPU: 529 ms instead of 717); else "reference".
 - "triton": the fused scan's autograd node with its steps in Triton kernels; "fused" where those cannot run (no
   Triton, not CUDA, float64, kernels that could not be built for this GPU) or under `torch.compile`.
 - "fused": one autograd node with a hand-written backward; "reference" where it cannot run (an activation other
@@ -107,11 +109,21 @@ def fused_scan_unsupported(hidden_act: str, modules_read: dict) -> str | None:
     return None
 
 
+def inference_in_float32(cell: torch.Tensor) -> bool:
+    """No gradient recorded, not compiled, and a float32 cell: where "auto" runs the fused scan off CUDA. (It computes
+    in float32 whatever the dtype; the reference, in the cell's, would differ from it in bfloat16.)"""
+    return not torch.is_grad_enabled() and cell.dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
 def _scan(requested: str, hidden_act: str, modules_read: dict, cell: torch.Tensor) -> str:
     """The cell scan that runs for `config.scan_implementation == requested` (see the module's docstring)."""
     if requested == "auto":
-        runs_triton = cell.device.type == "cuda" and triton_scan_unsupported(cell) is None
-        requested = "triton" if runs_triton else "reference"
+        if cell.device.type == "cuda" and triton_scan_unsupported(cell) is None:
+            requested = "triton"
+        elif inference_in_float32(cell) and fused_scan_unsupported(hidden_act, modules_read) is None:
+            return "fused"  # the same loop in fewer, larger ops and Python calls, where its backward is not needed
+        else:
+            requested = "reference"
     if requested == "triton":
         reason = triton_scan_unsupported(cell)
         if reason is None and not torch.compiler.is_compiling():

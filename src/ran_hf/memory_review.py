@@ -168,16 +168,26 @@ class RANMemoryReview(nn.Module):
     def review_chunk(self, token_states, cell_states, *readable) -> torch.Tensor:
         """The review of a chunk of tokens and its weights, each token reading the cells `readable` gives it
         (`hidden_cells`' arguments)."""
-        return self.read_cells(token_states, cell_states, *self.hidden_cells(cell_states.shape[1], *readable))
+        hidden, reads_any = self.hidden_cells(cell_states.shape[1], *readable)
+        return self.read_cells(token_states, cell_states, self.score_bias(cell_states, hidden), reads_any)
 
-    def read_cells(self, token_states, cell_states, hidden, readable):
-        """`review_chunk` with the cells each token may not read given: (B, l, C) `hidden` and (B, l, 1) `readable`
-        (a decoding step makes them once for all its layers, and gives its tokens as (B, D), the masks as (B, C) and
-        (B, 1))."""
+    def read_cells(self, token_states, cell_states, score_bias, reads_any):
+        """`review_chunk` with what every score of a cell gets added given (`score_bias` (B, l, C)) and whether each
+        token reads any cell ((B, l, 1) `reads_any`). A decoding step keeps the bias of its window's cells, and
+        gives its tokens as (B, D), the bias as (B, C) and `reads_any` as (B, 1)."""
         if self.residual_stream:
-            review, probs = self.review(self.norm(token_states), cell_states, hidden, readable)
+            review, probs = self.review(self.norm(token_states), cell_states, score_bias, reads_any)
             return token_states + review, probs
-        return self.review(token_states, cell_states, hidden, readable, norm=self.norm)
+        return self.review(token_states, cell_states, score_bias, reads_any, norm=self.norm)
+
+    def score_bias(self, cell_states, hidden) -> torch.Tensor:
+        """What each token's score of each cell gets added: -inf for the cells it may not read (`hidden` (B, l, C) or
+        a decoding step's (B, C)), else the cell's learned salience (`config.review_salience`) or 0. In float32
+        where there is a salience."""
+        if not hasattr(self, "salience"):
+            return torch.where(hidden, float("-inf"), 0.0)  # in the scores' dtype when added (`review`)
+        salience = self.cell_salience(cell_states)  # (B, C)
+        return torch.where(hidden, float("-inf"), salience if hidden.dim() == 2 else salience[:, None, :])
 
     def hidden_cells(self, num_cells, readable_cells, first_readable=None, salient_table=None, salient_rows=None):
         """Which of `num_cells` cells each token may not read, (B, l, C), and whether it reads any, (B, l, 1): cells
@@ -196,7 +206,7 @@ class RANMemoryReview(nn.Module):
             hidden = hidden & ~salient_table.gather(1, index)
         return hidden & readable, readable  # a token that reads nothing: nothing hidden, its softmax stays finite
 
-    def review(self, token_states, cell_states, hidden, readable, norm=None):
+    def review(self, token_states, cell_states, score_bias, reads_any, norm=None):
         """The review of a chunk of tokens and its weights; `norm` (the official layer's) applied to it."""
         projected = self.q_proj(token_states)  # (B, l, D)
         query = self.act(projected)
@@ -204,15 +214,14 @@ class RANMemoryReview(nn.Module):
         # Few keys (one per window) and many queries: plain matmuls beat fused attention kernels here, whose
         # CPU backward is tuned for long key sequences.
         scoring_query = unit_vectors(projected) if self.qk_norm else query
-        one_token = token_states.dim() == 2  # (B, D): a decoding step's, one token per row, masks (B, C) and (B, 1)
+        one_token = token_states.dim() == 2  # (B, D): a decoding step's, one token per row, bias (B, C)
         if one_token:
             scores = torch.bmm(key, scoring_query[:, :, None])[..., 0] * self.scale  # (B, C)
         else:
             scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
-        if hasattr(self, "salience"):
-            salience = self.cell_salience(cell_states)  # (B, C)
-            scores = scores + (salience if one_token else salience[:, None, :])  # float32 from here on
-        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) * readable
+        # With a salience, float32 from here on; without, in the scores' dtype (autocast's, where it is on).
+        scores = scores + (score_bias if hasattr(self, "salience") else score_bias.to(scores.dtype))
+        probs = torch.softmax(scores, dim=-1) * reads_any
         probs_read = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype)
         if one_token:
             review = torch.bmm(probs_read[:, None], value)[:, 0]  # (B, D)

@@ -326,9 +326,12 @@ class RANModel(RANPreTrainedModel):
         settings = self.step_settings
         at = step_positions(settings, cache, embeddings.device)
         if self.layers[0].reviews_memory:  # which cells the tokens review, the same in every layer
-            num_cells = cache.layers[0].cell_states.shape[1] + settings.review_initial_cell
-            hidden, readable = self.layers[0].memory_review.hidden_cells(num_cells, at.readable, at.first_readable)
-            at = at._replace(review_mask=(hidden[:, 0], readable[:, 0]))  # (B, C), (B, 1): one token per row
+            hidden = None  # needed only where a layer's reviewed cells are rebuilt (`decode_step.reviewed_cells`)
+            if torch.compiler.is_compiling() or any(layer.step_review is None for layer in cache.layers):
+                num_cells = cache.layers[0].cell_states.shape[1] + settings.review_initial_cell
+                review = self.layers[0].memory_review
+                hidden = review.hidden_cells(num_cells, at.readable, at.first_readable)[0][:, 0]  # (B, C)
+            at = at._replace(review_mask=(hidden, at.readable > 0))  # and whether each token reads any, (B, 1)
         states = embeddings
         if self.embeddings_shift_tokens:
             states = embeddings + self.embeddings.token_shift(cache.layers[0].last_token)
