@@ -20,6 +20,8 @@ from transformers import (
 
 import ran_hf
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
+from ran_hf.rename_cell_weights import main as rename_cell_weights_cli
+from ran_hf.rename_cell_weights import rename_cell_weights
 
 
 HEADS = [
@@ -67,7 +69,8 @@ def without_path(config_dict):
     return {key: value for key, value in config_dict.items() if key != "_name_or_path"}
 
 
-# The weight names of checkpoints saved while the cell's own GLU and norm were the layer's, not its scan's.
+# The weight names of checkpoints saved while the cell's own GLU and norm were the layer's, not its scan's: refused
+# on loading, with the conversion to run (`ran_hf.rename_cell_weights`).
 TODAYS_CELL_WEIGHT = re.compile(r"(layers\.\d+)\.cell_scan\.(cell_glu|cell_norm)\.")
 OLD_CELL_WEIGHT = re.compile(r"layers\.\d+\.(cell_glu|cell_norm)\.")
 
@@ -184,14 +187,9 @@ report["masked_lm_decoder_tied"] = masked_lm.decoder.weight is masked_lm.model.e
 """
 
 
-@pytest.mark.parametrize("old_names", [False, True], ids=["todays-names", "old-cell-weight-names"])
-def test_auto_classes_load_the_folder_as_remote_code_without_ran_hf(saved_classifier, old_names, tmp_path):
-    """With `ran_hf` unimportable, `trust_remote_code=True` loads the saved code and reproduces the saved outputs;
-    also from weights under the names of a checkpoint saved while the cell's GLU and norm were the layer's (the
-    shipped code registers their renaming)."""
+def test_auto_classes_load_the_folder_as_remote_code_without_ran_hf(saved_classifier, tmp_path):
+    """With `ran_hf` unimportable, `trust_remote_code=True` loads the saved code and reproduces the saved outputs."""
     model, folder = saved_classifier
-    if old_names:
-        with_old_weight_names(folder)
     input_ids, attention_mask = batch()
     with torch.no_grad():
         encoded = model.model(input_ids=input_ids, attention_mask=attention_mask)
@@ -280,22 +278,54 @@ EVERY_HEAD = {
 }
 
 
+CONVERSION = "python -m ran_hf.rename_cell_weights"
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
 @pytest.mark.parametrize("name", EVERY_HEAD)
-def test_a_checkpoint_with_the_layers_old_cell_weight_names_loads_exactly(name, make_config, tmp_path):
-    """Checkpoints saved while the cell's GLU and norm were the layer's (`layers.N.cell_glu.*`, `layers.N.cell_norm.*`)
-    load into the scan's modules through the renaming registered with Transformers (`CHECKPOINT_RENAMINGS`), by the
-    head's class and by its Auto class; saved again, they carry today's names."""
+def test_a_checkpoint_with_the_old_cell_weight_names_is_refused_and_converts_to_load_exactly(
+    name, make_config, tmp_path, capsys
+):
+    """No renaming is registered (no public checkpoint has the old names, `layers.N.cell_glu.*` and
+    `layers.N.cell_norm.*`): by the head's class, its Auto class, a state dict or `load_state_dict`, loading them is
+    refused before any weight is read, naming an old weight and the conversion. Converted, the folder loads exactly,
+    its other files untouched."""
     model = getattr(ran_hf, name)(make_config(is_causal=name == "RANForCausalLM", window_overlap=1))
     model = randomize_(model, seed=3).eval()  # no weight left at a value its initialisation would give anyway
     old = tmp_path / "old"
     model.save_pretrained(old)
     todays_names = saved_weight_names(old)
-    assert any(TODAYS_CELL_WEIGHT.search(weight) for weight in todays_names)
-    assert not any(OLD_CELL_WEIGHT.search(weight) for weight in todays_names)
     with_old_weight_names(old)
+    old_state = load_file(old / "model.safetensors")
+    first_old = min(weight for weight in old_state if OLD_CELL_WEIGHT.search(weight))
+
+    loaders = [getattr(ran_hf, name).from_pretrained, getattr(transformers, EVERY_HEAD[name]).from_pretrained]
+    loaders.append(
+        lambda folder: getattr(ran_hf, name).from_pretrained(None, config=model.config, state_dict=old_state)
+    )
+    loaders.append(lambda folder: model.load_state_dict(old_state, strict=False))  # would drop them silently
+    if name == "RANModel":  # a bare model's names under a head's prefix
+        loaders.append(AutoModelForSequenceClassification.from_pretrained)
+    for load in loaders:
+        with pytest.raises(ValueError, match=re.escape(first_old)) as refused:
+            load(old)
+        assert CONVERSION in str(refused.value) and "cell_scan.cell_norm" in str(refused.value)
+
+    before = folder_bytes(old)
+    rename_cell_weights_cli([str(old)])
+    assert capsys.readouterr().out == f"Renamed {4 * model.config.num_hidden_layers} cell weights in {old}.\n"
+    after = folder_bytes(old)
+    assert after.keys() == before.keys()
+    assert {file: data for file, data in after.items() if file != "model.safetensors"} == {
+        file: data for file, data in before.items() if file != "model.safetensors"
+    }
+    assert saved_weight_names(old) == todays_names
+
     input_ids, attention_mask = batch()
     expected = outputs(model, input_ids, attention_mask)
-
     for loader in (getattr(ran_hf, name), getattr(transformers, EVERY_HEAD[name])):
         loaded, info = loader.from_pretrained(old, output_loading_info=True)
         assert type(loaded) is type(model)
@@ -308,32 +338,56 @@ def test_a_checkpoint_with_the_layers_old_cell_weight_names_loads_exactly(name, 
         for output, tensor in expected.items():
             torch.testing.assert_close(actual[output], tensor, rtol=0, atol=1e-6, msg=output)
 
-    # Saved again, the model writes today's names (Transformers would revert the renaming it loaded through).
-    resaved = tmp_path / "resaved"
-    loaded.save_pretrained(resaved)
-    assert saved_weight_names(resaved) == todays_names
-    reloaded = getattr(ran_hf, name).from_pretrained(resaved)
+    assert rename_cell_weights(old) == 0  # nothing left to rename: nothing rewritten
+    assert folder_bytes(old) == after
+
+
+def test_a_file_with_a_weight_under_its_old_and_new_name_loads_neither(make_config, tmp_path):
+    """Which of the two is meant cannot be told: loading and the conversion refuse it, naming both, and the folder
+    stays as it was."""
+    model = RANForMaskedLM(make_config())
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.0.cell_norm.weight"] = torch.zeros_like(weights["model.layers.0.cell_scan.cell_norm.weight"])
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    before = folder_bytes(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.cell_norm\.weight.*model\.layers\.0\.cell_scan\.cell_norm"
+    ):
+        RANForMaskedLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.cell_norm\.weight and model\.layers\.0\.cell_scan\."):
+        rename_cell_weights(tmp_path)
+    assert folder_bytes(tmp_path) == before
+
+
+def test_a_sharded_checkpoint_with_the_old_names_converts_every_shard_and_its_index(make_config, tmp_path):
+    model = randomize_(RANForMaskedLM(make_config()), seed=5).eval()
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    with_old_names = 0
+    for shard in shards:  # old names in the shards and in the index
+        renamed = {TODAYS_CELL_WEIGHT.sub(r"\1.\2.", weight): t for weight, t in load_file(shard).items()}
+        save_file(renamed, shard, metadata={"format": "pt"})
+        with_old_names += any(map(OLD_CELL_WEIGHT.search, renamed))
+    assert with_old_names >= 2  # more than one shard to rewrite
+    index["weight_map"] = {TODAYS_CELL_WEIGHT.sub(r"\1.\2.", weight): s for weight, s in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=CONVERSION):
+        RANForMaskedLM.from_pretrained(tmp_path)
+
+    assert rename_cell_weights(tmp_path) == 4 * model.config.num_hidden_layers
+    assert not any(OLD_CELL_WEIGHT.search(weight) for weight in json.loads(index_file.read_text())["weight_map"])
+    loaded, info = RANForMaskedLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
     for weight, tensor in model.state_dict().items():
-        assert torch.equal(reloaded.state_dict()[weight], tensor), weight
+        assert torch.equal(loaded.state_dict()[weight], tensor), weight
 
 
-def test_an_encoder_with_the_old_names_loads_into_a_head_and_saves_them_only_when_asked(make_config, tmp_path):
-    """The renaming also finds the names of a bare model's checkpoint under a head's prefix. Asked for Transformers'
-    original format (`save_original_format=True`), saving writes the old names, which load back."""
-    encoder = randomize_(RANModel(make_config()), seed=4).eval()
-    encoder.save_pretrained(tmp_path / "encoder")
-    with_old_weight_names(tmp_path / "encoder")
-    classifier, info = RANForSequenceClassification.from_pretrained(tmp_path / "encoder", output_loading_info=True)
-    assert not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert all(weight.startswith(("model.pooler.", "classifier.")) for weight in info["missing_keys"]), info
-    classifier_state = classifier.state_dict()
-    for weight, tensor in encoder.state_dict().items():
-        assert torch.equal(classifier_state[f"model.{weight}"], tensor), weight
-
-    encoder.save_pretrained(tmp_path / "original-format", save_original_format=True)
-    saved = saved_weight_names(tmp_path / "original-format")
-    assert sum(bool(OLD_CELL_WEIGHT.search(weight)) for weight in saved) == 4 * encoder.config.num_hidden_layers
-    assert not any(TODAYS_CELL_WEIGHT.search(weight) for weight in saved)
-    reloaded = RANModel.from_pretrained(tmp_path / "original-format")
-    for weight, tensor in encoder.state_dict().items():
-        assert torch.equal(reloaded.state_dict()[weight], tensor), weight
+def test_the_conversion_names_a_folder_it_cannot_convert(tmp_path):
+    with pytest.raises(NotADirectoryError, match=re.escape(f"{tmp_path / 'missing'} is not a folder")):
+        rename_cell_weights(tmp_path / "missing")
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"holds only pytorch_model\.bin.*renamed_cell_weights"):
+        rename_cell_weights(tmp_path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from ran_testing import tiny_config
 from remote_code import run_without_ran_hf
-from test_save_load import OLD_CELL_WEIGHT, TODAYS_CELL_WEIGHT, saved_weight_names, with_old_weight_names
+from test_save_load import CONVERSION, OLD_CELL_WEIGHT, TODAYS_CELL_WEIGHT, saved_weight_names, with_old_weight_names
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, pipeline
 
@@ -26,6 +26,7 @@ NOT_MODEL_CODE = {
     "convert_rannet",
     "export",
     "lora",
+    "rename_cell_weights",
     "sentence_embeddings",
 }
 FILES_CODE = {path.stem for path in (PACKAGE / "files").glob("*.py")}
@@ -65,27 +66,30 @@ def test_a_saved_folder_carries_the_modeling_code_only(name, tmp_path):
     assert ("custom_pipelines" in config) == (name == "RANForQuestionAnswering")
 
 
-# Runs where `ran_hf` cannot be imported: loads each folder with its Auto class (and the encoder's with a head's),
-# also from a copy under the weight names of a checkpoint saved while the cell's GLU and norm were the layer's, and
-# reports the largest difference from the outputs the parent saved. Saves each model loaded from old names again.
+# Runs where `ran_hf` cannot be imported: loads each folder with its Auto class (and the encoder's with a head's), and
+# reports the largest difference from the outputs the parent saved; saves each model again. A copy under the weight
+# names of a checkpoint saved while the cell's GLU and norm were the layer's is refused by the shipped code: the error.
 LOAD_EACH_HEAD = r"""
 import torch
 import transformers
 
 root = sys.argv[1]
 expected = torch.load(f"{root}/expected.pt")
-report["differences"], report["modules"], report["loading_info"] = {}, {}, {}
+report["differences"], report["modules"], report["loading_info"], report["refused"] = {}, {}, {}, {}
 for name, (auto_class, output) in json.loads(sys.argv[2]).items():
-    for folder in (name, f"{name}-old-names"):
-        model, info = getattr(transformers, auto_class).from_pretrained(
-            f"{root}/{folder}", trust_remote_code=True, output_loading_info=True
-        )
-        with torch.no_grad():
-            actual = getattr(model.eval()(input_ids=expected["input_ids"]), output)
-        report["differences"][folder] = (actual - expected[name]).abs().max().item()
-        report["modules"][folder] = type(model).__module__ + "." + type(model).__name__
-        report["loading_info"][folder] = {key: sorted(map(str, value)) for key, value in info.items()}
+    model, info = getattr(transformers, auto_class).from_pretrained(
+        f"{root}/{name}", trust_remote_code=True, output_loading_info=True
+    )
+    with torch.no_grad():
+        actual = getattr(model.eval()(input_ids=expected["input_ids"]), output)
+    report["differences"][name] = (actual - expected[name]).abs().max().item()
+    report["modules"][name] = type(model).__module__ + "." + type(model).__name__
+    report["loading_info"][name] = {key: sorted(map(str, value)) for key, value in info.items()}
     model.save_pretrained(f"{root}/{name}-resaved")
+    try:
+        getattr(transformers, auto_class).from_pretrained(f"{root}/{name}-old-names", trust_remote_code=True)
+    except ValueError as error:
+        report["refused"][name] = str(error)
 # A folder saved from the encoder loads with any head's Auto class (its config names them all).
 classifier = transformers.AutoModelForSequenceClassification.from_pretrained(
     f"{root}/RANModel", trust_remote_code=True
@@ -107,13 +111,15 @@ def test_every_saved_head_loads_and_runs_without_ran_hf(tmp_path):
     torch.save(expected, tmp_path / "expected.pt")
 
     report = run_without_ran_hf(LOAD_EACH_HEAD, [tmp_path, json.dumps(HEADS)], tmp_path)
-    assert len(report["modules"]) == 2 * len(HEADS)
-    for folder, module in report["modules"].items():
-        name = folder.removesuffix("-old-names")
+    assert len(report["modules"]) == len(HEADS)
+    for name, module in report["modules"].items():
         assert module.startswith("transformers_modules.") and module.endswith(f".{name}"), module
-    for folder, difference in report["differences"].items():
-        assert difference <= 1e-6, f"{folder} differs by {difference}"
-        assert not any(report["loading_info"][folder].values()), (folder, report["loading_info"][folder])
+    for name, difference in report["differences"].items():
+        assert difference <= 1e-6, f"{name} differs by {difference}"
+        assert not any(report["loading_info"][name].values()), (name, report["loading_info"][name])
+    assert report["refused"].keys() == HEADS.keys()  # old names: refused, naming one and the conversion
+    for name, error in report["refused"].items():
+        assert "layers.0.cell_glu.proj.bias" in error and CONVERSION in error, error
     for name in HEADS:  # saved again by the remote code, under today's names
         resaved = saved_weight_names(tmp_path / f"{name}-resaved")
         assert resaved == saved_weight_names(tmp_path / name), name

@@ -7,6 +7,8 @@ inputs' value checks (input_checks.py), and runs the layers (ran_layer.py) over 
 
 import functools
 import os
+import pickle
+import re
 from contextlib import contextmanager
 
 import torch
@@ -16,8 +18,6 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import WeightRenaming
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import merge_with_config_defaults
@@ -125,13 +125,60 @@ def masked_mean(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return total / mask.sum(1, keepdim=True).clamp(min=1)
 
 
-# Checkpoints saved while the cell's own GLU and norm were the layer's name them `layers.N.cell_glu.*` and
-# `layers.N.cell_norm.*`; `from_pretrained` renames them to the scan's (`layers.N.cell_scan.cell_glu.*`). Registered
-# on import, so that remote code (a saved folder ships this module) loads such checkpoints too.
-CHECKPOINT_RENAMINGS = [
-    WeightRenaming(rf"(layers\.\d+)\.{name}\.", rf"\1.cell_scan.{name}.") for name in ("cell_glu", "cell_norm")
-]
-register_checkpoint_conversion_mapping(RANConfig.model_type, CHECKPOINT_RENAMINGS, overwrite=True)
+# Weights saved while the cell's own GLU and norm were the layer's, `layers.N.cell_glu.*` and `layers.N.cell_norm.*`
+# (today `layers.N.cell_scan.cell_glu.*`): no public checkpoint has them, so they are not renamed on loading, which
+# would also make Transformers write them back on saving. Loading them is refused with the conversion to run.
+OLD_CELL_WEIGHT = re.compile(r"(^|\.)(layers\.\d+)\.(cell_glu|cell_norm)\.")
+CELL_WEIGHTS_CONVERSION = "python -m ran_hf.rename_cell_weights FOLDER"
+
+
+def todays_cell_weight_name(name: str) -> str:
+    """`name` with an old cell weight's name (`OLD_CELL_WEIGHT`) replaced by today's; any other name as it is."""
+    return OLD_CELL_WEIGHT.sub(r"\1\2.cell_scan.\3.", name, count=1)
+
+
+def check_no_old_cell_weights(names, source: str) -> None:
+    """Refuse weights `names` (read from `source`) that include old cell weight names, before any tensor is read:
+    without a renaming they would be dropped as unexpected and the cell's weights left at their initialisation."""
+    names = set(names)
+    old = sorted(name for name in names if OLD_CELL_WEIGHT.search(name))
+    if not old:
+        return
+    both = [name for name in old if todays_cell_weight_name(name) in names]
+    shown = ", ".join(old[:4]) + (f" and {len(old) - 4} more" if len(old) > 4 else "")
+    message = (
+        f"{source} holds the cell's weights under the names of an older RAN layout ({shown}); today's model names "
+        "them `layers.N.cell_scan.cell_glu.*` and `layers.N.cell_scan.cell_norm.*`, and does not rename on loading. "
+    )
+    if both:
+        message += (
+            f"It also holds today's name for {len(both)} of them (e.g. {todays_cell_weight_name(both[0])}), so which "
+            "weight is meant is unclear: remove one of each pair, then load."
+        )
+    else:
+        message += (
+            f"Convert the folder once with `{CELL_WEIGHTS_CONVERSION}` (a state dict with "
+            "`ran_hf.rename_cell_weights.renamed_cell_weights(state_dict)`), then load it."
+        )
+    raise ValueError(message)
+
+
+def checkpoint_weight_names(state_dict, checkpoint_files) -> list[str]:
+    """The weight names `from_pretrained` is about to load: a state dict's keys, or the headers of the weights files
+    (no tensor read). A file that does not open gives none here: loading names it (`damaged_weights_error`)."""
+    if state_dict is not None:
+        return list(state_dict)
+    names = []
+    for file in checkpoint_files or ():
+        try:
+            if str(file).endswith(".safetensors"):
+                with safe_open(file, framework="pt") as weights:
+                    names += weights.keys()
+            else:  # a pickled checkpoint: its storage mapped, not read (`meta`)
+                names += torch.load(file, map_location="meta", mmap=True, weights_only=True)
+        except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError):
+            continue
+    return names
 
 
 @auto_docstring
@@ -176,18 +223,16 @@ class RANPreTrainedModel(PreTrainedModel):
             self._checked_key, self.step_settings = checked, step_settings(config)
             self.checked_config = object()  # what a cache this model checks is marked with (`RANCache.checked_by`)
 
-    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
-        """Transformers' `save_pretrained`, writing today's weight names. `save_original_format=True` (Transformers'
-        own default) reverts `CHECKPOINT_RENAMINGS`: the names of the checkpoint the model was loaded from, and for a
-        model built from a config the names an older version of this code reads. A path that is a file is refused
-        (Transformers logs a line and saves nothing)."""
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Transformers' `save_pretrained`. A path that is a file is refused (Transformers logs a line and saves
+        nothing)."""
         if os.path.isfile(save_directory):
             raise NotADirectoryError(
                 f"{save_directory} is a file: `save_pretrained` writes a folder (config, weights, code). Give the path "
                 "of a folder, new or existing."
             )
         self.check_config()
-        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
         # Cast or moved (`.to`, `.half()`), the model checks the caches it is handed again (`check_cache`).
@@ -205,11 +250,19 @@ class RANPreTrainedModel(PreTrainedModel):
     def _load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs):
         """Transformers' loading (`from_pretrained`, the Auto classes), with a damaged weights file named:
         safetensors' own error ("incomplete metadata, file not fully covered" for a file that a full disk or an
-        interrupted copy cut short) does not say which file it read."""
+        interrupted copy cut short) does not say which file it read. Weights under old cell names are refused before
+        any is read (`check_no_old_cell_weights`)."""
+        source = "The state dict" if state_dict is not None else ", ".join(map(str, checkpoint_files or ())) or "It"
+        check_no_old_cell_weights(checkpoint_weight_names(state_dict, checkpoint_files), source)
         try:
             return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs)
         except SafetensorError as error:
             raise damaged_weights_error(checkpoint_files or [], error) from error
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        # Old cell weight names would be "unexpected" to torch, and silently dropped with `strict=False`.
+        check_no_old_cell_weights(state_dict, "The state dict")
+        return super().load_state_dict(state_dict, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module):
