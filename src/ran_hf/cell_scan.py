@@ -32,7 +32,7 @@ from transformers.activations import ACT2FN
 from transformers.utils.generic import GeneralInterface
 
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, gather_rows, project_heads, standard_normalize
-from .fused_scan import FusedCellScan, ScanPlan, window_maxima
+from .fused_scan import FusedCellScan, ScanPlan, scan_forward, window_maxima
 from .kernel_choice import choose
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
 from .scan_op import cell_scan_op
@@ -244,14 +244,16 @@ def fused_scan(scan, weights, cell, previous_raw, step_keys, step_values, step_m
     cell_glu, cell_norm = (scan.cell_glu.proj, scan.cell_norm) if scan.use_cell_residual else (None, None)
     modules = (weights.input_norm, weights.qkv_proj, weights.o_proj, attention_glu, weights.attention_norm, cell_glu,
                cell_norm)  # fmt: skip
-    plain = tuple(tensor for module in modules for tensor in weight_and_bias(module))  # the 14 weights
-    plain = tuple(None if weight is None else weight.to(compute_dtype) for weight in plain)
+    # The 14 weights. (Lists, not generators, on this per-call path: a generator is re-entered for every item.)
+    plain = tuple(
+        [None if tensor is None else tensor.to(compute_dtype) for m in modules for tensor in weight_and_bias(m)]
+    )
     dropout = draw_scan_dropout(scan, num_steps, batch_size, step_keys.shape[-2], compute_dtype, cell.device)
     output_shift = None
     if scan.cell_max_pool:  # the reference adds the maxima before `o_proj`: the same, by linearity
         maxima = window_maxima(step_values, step_mask).flatten(-2).to(compute_dtype)  # (N, B, H d)
         output_shift = torch.mm(maxima.flatten(0, 1), plain[4].t()).view(num_steps, batch_size, -1)
-    inputs = tuple(tensor.to(compute_dtype) for tensor in (cell, previous_raw, step_keys, step_values))
+    inputs = tuple([tensor.to(compute_dtype) for tensor in (cell, previous_raw, step_keys, step_values)])
     # (the meta device, which checks shapes and counts kernels, has no autocast to switch off)
     device = cell.device.type
     with torch.autocast(device, enabled=False) if device != "meta" else nullcontext():
@@ -259,11 +261,14 @@ def fused_scan(scan, weights, cell, previous_raw, step_keys, step_values, step_m
             # One opaque op for dynamo: the steps are not unrolled into the graph, whose shapes then follow the
             # number of windows instead of being rebuilt for each one.
             outputs = cell_scan_op(plan, *inputs, output_shift, score_bias, dropout, plain)
+        elif not plan.keep_for_backward:  # no graph to record: the steps without the autograd node around them
+            forward_steps = scan_forward if kernels is None else kernels[0]
+            outputs = forward_steps(plan, *inputs, output_shift, score_bias, dropout, plain)[0]
         else:
             outputs = FusedCellScan.apply(plan, *inputs, output_shift, score_bias, dropout, *plain)
     # The cells keep the dtype of the cell read (float32 under autocast); the keys and values that of the tokens'.
     dtypes = (step_keys.dtype, step_values.dtype, cell.dtype, cell.dtype)
-    return CellScanOutputs(*(output.to(dtype) for output, dtype in zip(outputs, dtypes)))
+    return CellScanOutputs(*[output.to(dtype) for output, dtype in zip(outputs, dtypes)])
 
 
 class RANScanInterface(GeneralInterface):

@@ -23,6 +23,8 @@ class ScanDropout(NamedTuple):
 
     def step(self, index: int) -> "ScanDropout":
         """The masks of one step: (B, ...) each."""
+        if self is NO_DROPOUT:  # (inference: every step of every scan asks)
+            return self
         return ScanDropout(*(None if mask is None else mask[index] for mask in self))
 
 
