@@ -224,25 +224,79 @@ def apply_overrides(config, update_str: str) -> None:
         raise
 
 
-def check_built(config, snapshot: tuple, names: tuple) -> tuple:
-    """`RANConfig.check_built`: `snapshot` holds the values of the fields `names` when the model was built."""
+# The fix a refused edit names, by its rule (`configuration_ran.EDIT_RULES`): what works for that kind of field.
+REFUSED_FIXES = {
+    "build anew": (
+        "every weight's shape follows it, so no trained weight fits `{name}={value!r}`. Build a new model from the "
+        "config and train it (`{model}(config)`)."
+    ),
+    "keep matching weights": (
+        "the shapes of some weights follow it. Set `{name}` back to {built!r}, save the model, and load it with "
+        "`{model}.from_pretrained(folder, {name}={value!r}, ignore_mismatched_sizes=True)`: the weights whose shape "
+        "changed start new (train them), the others are kept. Or build a new model from the config and train it "
+        "(`{model}(config)`)."
+    ),
+    "resize": (
+        "the token embedding and the output layer hold one row per id. Call `model.resize_token_embeddings({value!r})` "
+        "instead: it keeps the trained rows, adds new ones and sets `{name}`."
+    ),
+    "load with it": (
+        "its modules were made for `{name}={built!r}`, and would run or save half-changed. Set `{name}` back to "
+        "{built!r}, save the model, and load it with `{model}.from_pretrained(folder, {name}={value!r})`: the trained "
+        "weights in modules built with it (weights it adds start new). Or build a new model from the config "
+        "(`{model}(config)`)."
+    ),
+}
+# Heads that run in one mode whatever `is_causal` says (they run on a copy of the config set so).
+ONE_MODE_HEADS = {"RANForCausalLM": True, "RANForPrefixLM": False}
+
+
+def check_built(config, snapshot: tuple, names: tuple, rules: dict, model_name: str, num_labels: int | None) -> tuple:
+    """`RANConfig.check_built`: `snapshot` holds the values of the fields `names` when the model was built, `rules`
+    what an edit of each may do (`EDIT_RULES`), `num_labels` the scores of the model's classifier (None: none)."""
+    if num_labels is not None and config.num_labels != num_labels:
+        raise ValueError(labels_changed(config, model_name, num_labels))
     values = config.snapshot()
-    if values == snapshot:
-        return snapshot
     for name, built, value in zip(names, snapshot, values):
-        if built != value and name in config.architecture_fields():
-            raise ValueError(
-                f"`{name}` was changed from {built!r} to {value!r} after the model was built: its weights and "
-                f"modules were made for `{name}={built!r}`, and would run or save half-changed. Build a new model "
-                f"from the config, or load the trained one with `from_pretrained(..., {name}={value!r})`; to keep "
-                f"this model, set `{name}` back to {built!r}."
-            )
+        if built != value and rules[name].startswith("refused: "):
+            built, value = (list(item) if isinstance(item, tuple) else item for item in (built, value))  # `cutoffs`
+            raise ValueError(refused_edit(rules[name].removeprefix("refused: "), name, built, value, model_name))
     try:
         config.validate()
     except ValueError as error:
         message = f"The model's config was changed after the model was built and is not valid: {error}"
         raise ValueError(message) from error
     return values
+
+
+def refused_edit(kind: str, name: str, built, value, model_name: str) -> str:
+    """The error for `name` set from `built` to `value` on a built `model_name`: the fix `REFUSED_FIXES[kind]`."""
+    if name == "is_causal" and model_name in ONE_MODE_HEADS:
+        runs = "always runs causal" if ONE_MODE_HEADS[model_name] else "never runs causal"
+        other = "an encoder's head" if ONE_MODE_HEADS[model_name] else "`RANForCausalLM`"
+        fix = (
+            f"{model_name} {runs}. To read its trained weights in the other mode, save the model and load it with "
+            f"`RANModel.from_pretrained(folder, is_causal={value!r})` or {other}."
+        )
+    else:
+        fix = REFUSED_FIXES[kind].format(name=name, built=built, value=value, model=model_name)
+    return (
+        f"`{name}` was changed from {built!r} to {value!r} after the model was built: {fix} To keep this model as it "
+        f"is, set `{name}` back to {built!r}."
+    )
+
+
+def labels_changed(config, model_name: str, built: int) -> str:
+    """The error for a classifier of `built` scores whose config now names `config.num_labels` labels."""
+    count = config.num_labels
+    return (
+        f"`num_labels` was changed from {built} to {count} (`id2label` names {count}) after the model was built: "
+        f"its classifier gives {built} scores, and a folder saved so would not load. For a classifier of {count} "
+        f"labels that keeps this model's other weights, set `num_labels` back to {built}, save the model, and load it "
+        f"with `{model_name}.from_pretrained(folder, num_labels={count}, ignore_mismatched_sizes=True)` (and the "
+        f"`id2label` naming them): the classifier starts new, to be trained. Renaming the {built} labels needs an "
+        f"`id2label` of {built} names only."
+    )
 
 
 def check_architecture(config) -> None:
@@ -261,6 +315,8 @@ def check_architecture(config) -> None:
         "bidirectional encoder reviews every cell of its text. Set `is_causal=True` or leave it None.": (
             config.memory_review_cells is not None and not config.is_causal
         ),
+        "`is_encoder_decoder=True` describes a decoder reading a separate encoder's output; a RAN is one stack "
+        "(`RANForPrefixLM` reads source and target as one text). Leave it False.": config.is_encoder_decoder,
         "`associative_memory` binds what earlier windows held for later tokens of a causal model; the "
         "bidirectional encoder reads every window already. It belongs to the causal LM (`RANForCausalLM`, "
         "`run_clm.py`, `is_causal=True`): leave it False for this model.": (
@@ -318,6 +374,11 @@ def check_label_fields(config) -> None:
         raise ValueError(
             f"`problem_type` must be one of {', '.join(map(repr, problem_types))} or None (inferred from the "
             f"labels), got {config.problem_type!r}."
+        )
+    if config.id2label is not None and not config.id2label:
+        raise ValueError(
+            "`id2label` names no label: a classification head needs a class (1 for regression). Give its labels, "
+            "e.g. `id2label={0: 'negative', 1: 'positive'}`, or `num_labels`."
         )
     check_num_labels(config.num_labels)
 

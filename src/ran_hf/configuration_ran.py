@@ -8,7 +8,6 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 from .config_checks import (
-    SIZE_FIELDS,
     activation_name,
     apply_overrides,
     check_architecture,
@@ -40,6 +39,29 @@ LAYER_DESIGNS["learnable_memory"]["review_initial_cell"] = True
 LAYER_DESIGN_FIELDS = tuple(LAYER_DESIGNS["official"])
 # Design fields added after the others: a saved config naming the others but not one of these was trained without it.
 _LATER_MEMORY_FIELDS = ("cell_max_pool", "review_salience", "token_shift")
+
+# What a field set on a built model does: one rule per field, which `check_built` applies and docs/architecture.md
+# lists. "read": read from the config on every call. "taken up": modules hold a copy of it (dropout rates, the
+# embedding's padding index), which the model renews when it next runs or saves (`RANPreTrainedModel.check_config`).
+# "refused: ...": the weights or modules were made from it, so the next forward or save raises, naming the fix that
+# fits (`config_checks.REFUSED_FIXES`). "labels": a classifier's number of scores, refused where it changes, else
+# only names. "metadata": nothing a built model computes reads it (generation reads `model.generation_config`).
+_BUILT_FIELDS = ("num_hidden_layers", "hidden_act", "is_causal", "memory_review", "associative_memory")
+_BUILT_FIELDS += ("use_cell_residual", "token_pooling", "layer_norm_eps", "tie_word_embeddings", "layer_design")
+EDIT_RULES = {
+    **dict.fromkeys(("window_size", "min_window_size", "window_overlap", "cell_pooling", "use_rotary"), "read"),
+    **dict.fromkeys(("rope_theta", "memory_review_cells", "memory_salient_cells", "scan_implementation"), "read"),
+    **dict.fromkeys(("problem_type", "output_attentions", "output_hidden_states", "return_dict"), "read"),
+    **dict.fromkeys(("hidden_dropout_prob", "attention_probs_dropout_prob", "pad_token_id"), "taken up"),
+    "hidden_size": "refused: build anew",
+    **dict.fromkeys(("num_attention_heads", "head_dim", "cutoffs", "div_val"), "refused: keep matching weights"),
+    "vocab_size": "refused: resize",
+    **dict.fromkeys((*_BUILT_FIELDS, *LAYER_DESIGN_FIELDS), "refused: load with it"),
+    **dict.fromkeys(("num_labels", "id2label", "label2id"), "labels"),
+    **dict.fromkeys(("initializer_range", "bos_token_id", "eos_token_id", "dtype", "is_encoder_decoder"), "metadata"),
+    **dict.fromkeys(("chunk_size_feed_forward", "architectures", "auto_map", "custom_pipelines"), "metadata"),
+    **dict.fromkeys(("model_type", "transformers_version", "_name_or_path"), "metadata"),
+}
 
 
 @value_errors
@@ -100,7 +122,8 @@ class RANConfig(PreTrainedConfig):
         div_val (`int`, defaults to 1): With `cutoffs`, cluster i embeds its ids in `hidden_size // div_val**i` dims.
 
     A config of more than 10^11 parameters (`estimated_parameters()`) is refused unless `RAN_HF_MAX_PARAMETERS` raises
-    the bound. A built model refuses to run or save after one of its `architecture_fields()` changed.
+    the bound. A field set on a built model takes effect at once or is refused, naming the fix, when the model next
+    runs or saves (`EDIT_RULES`, listed in docs/architecture.md); dropout rates take effect at once.
 
     Example:
 
@@ -225,21 +248,20 @@ class RANConfig(PreTrainedConfig):
 
     @classmethod
     def architecture_fields(cls) -> tuple[str, ...]:
-        """The fields a built model's weights or modules depend on: changing one on a built model is refused when it
-        runs or saves. The others (`memory_review_cells`, windows, dropout, the scan, output flags) can be changed."""
-        built = ("hidden_act", "is_causal", "memory_review", "associative_memory", "use_cell_residual")
-        built += ("token_pooling", "layer_norm_eps", "tie_word_embeddings", "cutoffs", "div_val", "layer_design")
-        return (*SIZE_FIELDS, *built, *LAYER_DESIGN_FIELDS)
+        """The fields a built model's weights or modules depend on (`EDIT_RULES`: "refused: ..."): changing one on a
+        built model is refused when it runs or saves, naming the fix. The others take effect at once or are metadata."""
+        return tuple(name for name, rule in EDIT_RULES.items() if rule.startswith("refused"))
 
     def snapshot(self) -> tuple:
         """The RAN fields' values (lists as tuples), as a model built from this config records them."""
         values = map(self.__dict__.get, RAN_FIELDS)
         return tuple(tuple(value) if isinstance(value, list) else value for value in values)
 
-    def check_built(self, snapshot: tuple) -> tuple:
-        """Compare the fields with a model's `snapshot`: a changed `architecture_fields()` field raises, naming it and
-        the fix; other changes are validated. Returns the snapshot the model keeps (cheap when nothing changed)."""
-        return check_built(self, snapshot, RAN_FIELDS)
+    def check_built(self, snapshot: tuple, model_name: str = "RANModel", num_labels: int | None = None) -> tuple:
+        """Compare the fields with the `snapshot` of a model (of class `model_name`, with a classifier of `num_labels`
+        scores where it has one): a changed `architecture_fields()` field, or another number of labels, raises naming
+        it and the fix (`EDIT_RULES`); then the config is validated. Returns the snapshot the model keeps."""
+        return check_built(self, snapshot, RAN_FIELDS, EDIT_RULES, model_name, num_labels)
 
     def with_causal(self, is_causal: bool) -> "RANConfig":
         """A copy with `is_causal` set (for a head that needs it); fields left to the design follow, as if made so."""

@@ -48,15 +48,26 @@ HEAD_ARGS = r"""
 """
 
 
+def check_head_config(head: RANPreTrainedModel) -> None:
+    """A head's config edits, refused with the fix or taken up (`RANPreTrainedModel.check_config`), before its labels
+    are read or its base model runs: the head's own modules (its classifier's size, its dropout) included. Nothing to
+    do when the config was not edited; compiled code skips it."""
+    if not torch.compiler.is_compiling():
+        head.check_config()
+
+
 def head_outputs(head: RANPreTrainedModel, **inputs):
     """The prelude every head shares: its base model's outputs as a `RANModelOutput` (the head reads fields by name,
-    whatever `return_dict` the caller or the config asks for). A head checks its labels before it calls this."""
+    whatever `return_dict` the caller or the config asks for). A head checks its labels before it calls this; its
+    config is checked first (`check_head_config`)."""
+    check_head_config(head)
     return head.model(**inputs, return_dict=True)
 
 
 def check_head_token_labels(head: RANPreTrainedModel, labels, input_ids, inputs_embeds, num_classes: int, name: str):
     """A token head's labels (one `name` of `num_classes` per token, -100 ignored): their shape and dtype, then their
     range in one host read, before the head runs its base model. Nothing to check without labels."""
+    check_head_config(head)  # an edited label count or vocabulary is named before the labels are read against it
     if labels is not None:
         batch_shape = input_batch_shape(input_ids, inputs_embeds, head.config.hidden_size)
         check_token_labels(labels, batch_shape, num_classes, name).read_and_judge()
@@ -217,6 +228,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
             multi-label classification, or float targets for regression (`num_labels == 1`); the problem type follows
             `config.problem_type` and is inferred as in Transformers when unset.
         """
+        check_head_config(self)  # an edited label count is named before the labels are read against it
         problem_type = None
         if labels is not None:
             batch_size = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)[0]

@@ -213,13 +213,28 @@ class RANPreTrainedModel(PreTrainedModel):
         self.step_settings = None  # what a decoding step reads of the config, as last checked (decode_step.py)
 
     def check_config(self):
-        """Refuse to run or save after a field the model was built from changed (`RANConfig.check_built`, naming the
-        field and the fix); validate other changes. Only when the config was edited since the last check (its edit
-        count, `RANConfig.edits`): a forward pass does no config work otherwise. Host-only: compiled code skips it."""
+        """Apply the rule of every field edited since the model was built (`configuration_ran.EDIT_RULES`): refuse to
+        run or save after a field its weights or modules were made from changed, or its classifier's number of
+        labels (`RANConfig.check_built`, naming the field and the fix); validate the config; and renew what modules
+        hold a copy of (dropout rates, the embedding's padding index), so that such an edit takes effect at once.
+        Only when the config was edited since the last check (its edit count, `RANConfig.edits`): a forward pass does
+        no config work otherwise. Host-only: compiled code skips it."""
         config = self.config
         checked = (id(config), config.edits)
         if checked != self._checked_key:
-            self._built_config = config.check_built(self._built_config)
+            labels = getattr(self, "num_labels", None)  # a classifier's number of scores, fixed when built
+            self._built_config = config.check_built(self._built_config, type(self).__name__, labels)
+            package = __name__.rpartition(".")[0]
+            for module in self.modules():
+                if type(module).__module__.rpartition(".")[0] != package:
+                    continue  # another library's modules keep their own rates (LoRA's dropout)
+                if isinstance(getattr(module, "dropout", None), nn.Dropout):
+                    module.dropout.p = config.hidden_dropout_prob
+                if isinstance(getattr(module, "attention_dropout", None), (int, float)):
+                    module.attention_dropout = config.attention_probs_dropout_prob
+            embeddings = self.get_input_embeddings()
+            if type(embeddings) is nn.Embedding:  # only the gradient of the padding row reads it
+                embeddings.padding_idx = config.pad_token_id
             self._checked_key, self.step_settings = checked, step_settings(config)
             self.checked_config = object()  # what a cache this model checks is marked with (`RANCache.checked_by`)
 
