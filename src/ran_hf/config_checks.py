@@ -289,10 +289,11 @@ def refused_edit(kind: str, name: str, built, value, model_name: str) -> str:
 def labels_changed(config, model_name: str, built: int) -> str:
     """The error for a classifier of `built` scores whose config now names `config.num_labels` labels."""
     count = config.num_labels
+    labels = f"{count} label{'s' if count != 1 else ''}"
     return (
         f"`num_labels` was changed from {built} to {count} (`id2label` names {count}) after the model was built: "
-        f"its classifier gives {built} scores, and a folder saved so would not load. For a classifier of {count} "
-        f"labels that keeps this model's other weights, set `num_labels` back to {built}, save the model, and load it "
+        f"its classifier gives {built} scores, and a folder saved so would not load. For a classifier of {labels} "
+        f"that keeps this model's other weights, set `num_labels` back to {built}, save the model, and load it "
         f"with `{model_name}.from_pretrained(folder, num_labels={count}, ignore_mismatched_sizes=True)` (and the "
         f"`id2label` naming them): the classifier starts new, to be trained. Renaming the {built} labels needs an "
         f"`id2label` of {built} names only."
