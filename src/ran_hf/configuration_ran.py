@@ -22,6 +22,7 @@ from .config_checks import (
     value_errors,
 )
 from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
+from .safe_writes import hub_repo, write_into
 
 
 _UNSET = object()
@@ -289,8 +290,10 @@ class RANConfig(PreTrainedConfig):
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs):
         """With a model (`architectures` set), first writes the code the folder loads without `ran_hf` (saved_code.py),
         then the config: a model's `save_pretrained(push_to_hub=True)` uploads the files written after it started."""
-        save_code(self, save_directory)
-        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        with write_into(save_directory) as staging:  # safe_writes.py: no link in the folder is written through
+            save_code(self, staging)
+            kwargs = hub_repo(save_directory, push_to_hub, kwargs)
+            super().save_pretrained(staging, push_to_hub=push_to_hub, **kwargs)
 
 
 # The fields RANConfig declares besides those of every Transformers config: what a built model records.

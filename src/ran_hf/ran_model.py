@@ -40,6 +40,7 @@ from .input_checks import (
 from .memory_review import RANMemoryReview
 from .outputs_ran import RANModelOutput
 from .ran_layer import RANLayer, RANWindowAttention
+from .safe_writes import hub_repo, write_into
 from .window_layout import RANWindowLayout
 
 
@@ -247,7 +248,9 @@ class RANPreTrainedModel(PreTrainedModel):
                 "of a folder, new or existing."
             )
         self.check_config()
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        with write_into(save_directory) as staging:  # safe_writes.py: no link in the folder is written through
+            kwargs = hub_repo(save_directory, kwargs.get("push_to_hub", False), kwargs)
+            return super().save_pretrained(staging, *args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
         # Cast or moved (`.to`, `.half()`), the model checks the caches it is handed again (`check_cache`).

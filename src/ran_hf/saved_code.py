@@ -4,10 +4,11 @@ of the modules. Saved folders ship this module too (the config imports it), so i
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 from transformers.dynamic_module_utils import get_relative_import_files
+
+from .safe_writes import write_into
 
 
 _HEADS = ("CausalLM", "MaskedLM", "QuestionAnswering", "SequenceClassification", "TokenClassification")
@@ -49,21 +50,9 @@ def save_code(config, save_directory: str | os.PathLike) -> None:
         return
     named = [reference for reference in config.auto_map.values() if isinstance(reference, str)]
     named += [info["impl"] for info in served_pipelines(config).values()]
-    os.makedirs(save_directory, exist_ok=True)
-    for module in sorted({reference.split("--")[-1].split(".")[0] for reference in named}):
-        if _code_here(module):  # a copy of this code loaded from a folder has only the modules it ran
-            source = Path(__file__).with_name(f"{module}.py")
-            for file in (source, *map(Path, get_relative_import_files(source))):
-                target = Path(save_directory) / file.name
-                if not target.exists() or not target.samefile(file):
-                    _copy_into_place(file, target)
-
-
-def _copy_into_place(source: Path, target: Path) -> None:
-    """Copy under a temporary name beside `target`, then rename: an interrupted save leaves no half-written module."""
-    temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        shutil.copyfile(source, temporary)
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with write_into(save_directory) as staging:  # safe_writes.py: a module's name linked elsewhere is not followed
+        for module in sorted({reference.split("--")[-1].split(".")[0] for reference in named}):
+            if _code_here(module):  # a copy of this code loaded from a folder has only the modules it ran
+                source = Path(__file__).with_name(f"{module}.py")
+                for file in (source, *map(Path, get_relative_import_files(source))):
+                    shutil.copyfile(file, staging / file.name)

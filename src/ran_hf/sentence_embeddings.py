@@ -24,15 +24,15 @@ encoded in, nor on padding, for any choice.
     model = SentenceTransformer("outputs/ran-classifier", trust_remote_code=True)
 
 sentence-transformers is optional (`pip install ran-hf[embeddings]`): only `ran_sentence_transformer` and
-`sentence_pooling` import it. Writing the files needs nothing beyond the standard library.
+`sentence_pooling` import it. Writing the files needs nothing beyond `ran_hf`'s own dependencies.
 """
 
 import json
 import os
-import shutil
-import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from .safe_writes import write_into
 
 
 __all__ = [
@@ -114,8 +114,9 @@ def write_sentence_transformers_config(
 
     Writes `modules.json`, `sentence_bert_config.json`, `config_sentence_transformers.json` and, for `"mean"` and
     `"max"`, `1_Pooling/config.json`; a `1_Pooling/` left by an earlier token choice is removed. The weights, config
-    and tokenizer are not touched, so the folder loads with `AutoModel*` and pipelines as before. Each file is
-    written beside its final name and renamed into place. `max_seq_length` truncates inputs (default: the
+    and tokenizer are not touched, so the folder loads with `AutoModel*` and pipelines as before. The files are
+    written apart and renamed into place (`ran_hf.safe_writes.write_into`): a name in the folder that links elsewhere
+    is replaced, never written through. `max_seq_length` truncates inputs (default: the
     tokenizer's `model_max_length`; RAN itself has no limit).
     """
     folder = Path(folder)
@@ -136,17 +137,12 @@ def write_sentence_transformers_config(
             "`max`, or fine-tune it as an embedding model first (scripts/sentence-embeddings/train_embeddings.py)."
         )
     files = sentence_transformers_files(pooling, config["hidden_size"], max_seq_length)
-    if pooling in CELL_OUTPUTS and (folder / POOLING_FOLDER).is_dir():
-        shutil.rmtree(folder / POOLING_FOLDER)
-    for relative_path, content in files.items():
-        path = folder / relative_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(handle, "w", encoding="utf-8") as writer:
-            json.dump(content, writer, indent=2)
-            writer.write("\n")
-        os.chmod(temporary, 0o666 & ~current_umask())
-        os.replace(temporary, path)
+    # safe_writes.py: written apart, then moved in (no link followed); a cell choice drops a token choice's pooling
+    with write_into(folder, superseded=lambda written: {POOLING_FOLDER} - written) as staging:
+        for relative_path, content in files.items():
+            path = staging / relative_path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
 
 
 def has_trained_pooler(folder: Path) -> bool:
@@ -168,12 +164,6 @@ def has_trained_pooler(folder: Path) -> bool:
     else:
         raise FileNotFoundError(f"{folder} has no model.safetensors(.index.json): save the RAN model there first.")
     return any(name.startswith(("pooler.", "model.pooler.")) for name in names)
-
-
-def current_umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def ran_sentence_transformer(
