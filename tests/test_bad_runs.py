@@ -296,13 +296,24 @@ def test_evaluating_on_data_without_some_of_the_classes(tokenizer_dir, topic_fil
     """Evaluating a six-class model on documents of two classes crashed (two classes inferred from the data, a head
     of six); now the data's labels are mapped onto the model's six."""
     model_dir = save_classifier(tokenizer_dir, tmp_path / "model", id2label=dict(enumerate(TOPICS)))
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    with torch.no_grad():  # a model that answers "sailing" (id 5) for every document
+        model.classifier.weight.zero_()
+        model.classifier.bias.copy_(torch.arange(6.0) == TOPICS.index("sailing"))
+    model.save_pretrained(model_dir)
     records = [json.loads(line) for line in topic_files["validation"].read_text().splitlines()]
     two_topics = write_jsonl(tmp_path / "two.jsonl", [r for r in records if r["label"] in ("cooking", "sailing")])
     results = run_classification.main(
         ["--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out"), "--max_seq_length", "64"]
         + ["--validation_file", str(two_topics), "--do_eval", *QUIET]
     )
-    assert results["labels"] == list(TOPICS) and 0.0 <= results["eval"]["eval_accuracy"] <= 1.0
+    assert results["labels"] == list(TOPICS)
+    # Scored under the model's ids, "sailing" is right for the sailing documents; under the data's own two ids
+    # (cooking 0, sailing 1) the model's 5 would match none.
+    truth = [json.loads(line)["label"] for line in two_topics.read_text().splitlines()]
+    assert set(predictions_of(model_dir, two_topics, max_length=64)) == {"sailing"}
+    assert 0 < truth.count("sailing") < len(truth)
+    assert results["eval"]["eval_accuracy"] == pytest.approx(truth.count("sailing") / len(truth))
 
 
 def test_labels_a_trained_classifier_lacks_are_named(tokenizer_dir, topic_files, tmp_path):

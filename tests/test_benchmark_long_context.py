@@ -10,6 +10,7 @@ import torch
 from benchmark_long_context import KEY, QUESTION, Vocabulary, answer_logits, mqar_batch, passkey_batch
 from benchmark_utils import check_result
 from conftest import DATA_DIR as DATA
+from saved_plots import assert_png_of, record_saved_figures
 from transformers import AutoConfig
 
 
@@ -165,8 +166,39 @@ def test_answer_logits_predict_the_answer_tokens():
     assert answer_logits(Recorder(), ids, 2, 6)[0, :, 0].tolist() == [17, 18]  # a 6-token context sees the end
 
 
+def assert_plot_shows(saved_figure, output):
+    """The PNG written is the figure, and the figure draws the results saved beside it: per model, passkey exact
+    match (mean over depths) by length, for each way it was evaluated, and MQAR accuracy at the most pairs."""
+    path, figure, dpi = saved_figure
+    assert path == output.with_suffix(".png")
+    assert_png_of(path, figure, dpi)
+    saved = json.loads(output.with_suffix(".json").read_text())
+    expected = {"passkey": {}, "mqar": {}}
+    for result in saved["results"]:
+        for label, rows in bench.passkey_runs(result):
+            if rows:
+                lengths = sorted({row["length"] for row in rows})
+                by_length = [[row["accuracy"] for row in rows if row["length"] == n] for n in lengths]
+                expected["passkey"][label] = (lengths, [sum(a) / len(a) for a in by_length])
+        most = [row for row in result["mqar"] if row["pairs"] == max(saved["settings"]["mqar_pairs"])]
+        if most:
+            expected["mqar"][result["model"]] = ([row["length"] for row in most], [row["accuracy"] for row in most])
+    panels = {axis.get_title().split(",")[0].lower(): axis for axis in figure.axes}
+    assert panels.keys() == {task for task, lines in expected.items() if lines}
+    for task, axis in panels.items():
+        drawn = {
+            line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+            for line in axis.get_lines()
+            if line.get_label() != "training length"
+        }
+        assert drawn.keys() == expected[task].keys(), task
+        for label, (lengths, accuracy) in expected[task].items():
+            assert drawn[label][0] == lengths and drawn[label][1] == pytest.approx(accuracy), (task, label)
+
+
 @needs_data
-def test_tiny_run_writes_table_and_plot(tmp_path):
+def test_tiny_run_writes_table_and_plot(tmp_path, monkeypatch):
+    figures = record_saved_figures(monkeypatch)
     output = tmp_path / "long_context"
     arguments = [
         "--data_dir", str(DATA), "--jobs", "1", "--passkey_steps", "2", "--train_length", "128", "--eval_lengths",
@@ -210,7 +242,8 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
     assert "| ran |" in table and "| ran, last 4 cells |" in table and "| ran, last 4 + 2 salient cells |" in table
     assert "| ran, last 4 cells | 50% |" in table  # exact match per depth, beside the mean over depths
     assert "Accuracy of each digit" in table and "2 steps at 128 tokens, the first 1 at 64" in table
-    assert output.with_suffix(".png").stat().st_size > 0
+    assert len(figures) == 1
+    assert_plot_shows(figures[0], output)
 
     # Read back instead of trained, the saved models answer the same examples the same way.
     reread = bench.main(
@@ -229,7 +262,8 @@ def test_tiny_run_writes_table_and_plot(tmp_path):
 
 
 @needs_data
-def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(tmp_path, capsys):
+def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(tmp_path, capsys, monkeypatch):
+    figures = record_saved_figures(monkeypatch)
     output = tmp_path / "passkey_only"
 
     def run(models, passkey_steps="2"):
@@ -245,14 +279,17 @@ def test_mqar_steps_0_runs_the_passkey_only_and_later_runs_merge_or_say_why_not(
     results = run(["ran"])
     assert results[0]["mqar"] == [] and len(results[0]["passkey"]) == 1
     table = output.with_suffix(".md").read_text()
-    assert "MQAR: not run" in table and "| pairs |" not in table and output.with_suffix(".png").stat().st_size > 0
+    assert "MQAR: not run" in table and "| pairs |" not in table
+    assert_plot_shows(figures[-1], output)
     assert [r["model"] for r in run(["gpt2"])] == ["ran", "gpt2"]  # same arguments: merged
+    assert_plot_shows(figures[-1], output)  # both models drawn
     assert [r["model"] for r in run(["gpt2"], passkey_steps="3")] == ["gpt2"]  # other arguments: replaced...
     assert "run with other passkey_steps" in capsys.readouterr().out  # ... and the user is told
 
 
 @needs_data
-def test_passkey_steps_0_runs_mqar_only_with_pairs_one_per_window(tmp_path):
+def test_passkey_steps_0_runs_mqar_only_with_pairs_one_per_window(tmp_path, monkeypatch):
+    figures = record_saved_figures(monkeypatch)
     output = tmp_path / "mqar_only"
     results = bench.main(
         [
@@ -265,7 +302,8 @@ def test_passkey_steps_0_runs_mqar_only_with_pairs_one_per_window(tmp_path):
     assert [(r["passkey"], len(r["mqar"])) for r in results] == [([], 2), ([], 2)]
     table = output.with_suffix(".md").read_text()
     assert "Passkey: not run" in table and "opening every 16 tokens" in table and "| ran | 2 |" in table
-    assert output.with_suffix(".png").stat().st_size > 0
+    assert len(figures) == 1
+    assert_plot_shows(figures[0], output)
 
 
 @needs_data

@@ -15,6 +15,7 @@ import benchmark_tasks  # noqa: E402
 from baseline_models import count_parameters  # noqa: E402
 from benchmark_tasks import BenchmarkArguments, build_model, make_probe  # noqa: E402
 from benchmark_utils import check_result  # noqa: E402
+from saved_plots import assert_png_of, record_saved_figures  # noqa: E402
 
 
 needs_data = pytest.mark.needs_data("wikitext-2", "conll2003")  # the tokenizer's corpus
@@ -112,7 +113,8 @@ def test_bad_arguments_name_the_problem():
 
 @pytest.mark.slow
 @needs_data
-def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path, wordpiece_tokenizer_dir):
+def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path, wordpiece_tokenizer_dir, monkeypatch):
+    figures = record_saved_figures(monkeypatch)
     arguments = [
         "--tasks", "hyperpartisan", "lm",
         "--models", "ran", "bert-512", "ran-causal", "ran-causal-official",
@@ -140,14 +142,31 @@ def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path, wordpiece_token
         value = next(iter(run["metrics"].values()))
         assert value == value and value >= 0  # finite, not NaN
     check_result(payload)
-    assert 0.0 <= payload["results"]["summary"]["hyperpartisan"]["ran"]["mean"] <= 1.0
-    assert payload["results"]["summary"]["lm"]["ran-causal"]["mean"] > 1.0
+    summary = payload["results"]["summary"]
+    for run in (r for r in runs if r["task"] == "hyperpartisan"):  # a share of the 24 test documents
+        correct = run["metrics"]["accuracy"] * 24
+        assert correct == pytest.approx(round(correct), abs=1e-9), run["metrics"]
+    for task in ("hyperpartisan", "lm"):  # the summary is the runs' own figures
+        for model, entry in summary[task].items():
+            values = [r["metrics"][entry["metric"]] for r in runs if (r["task"], r["model"]) == (task, model)]
+            assert len(values) == 2 and entry["values"] == values
+            assert entry["mean"] == pytest.approx(sum(values) / 2)
+            assert (entry["min"], entry["max"]) == (min(values), max(values))
+    assert summary["lm"]["ran-causal"]["mean"] > 1.0
     for run in (r for r in runs if r["task"] == "lm"):  # the same tokens, with and without the carried cache
         assert run["metrics"]["stream_perplexity"] > 1.0
         assert run["metrics"]["stream_perplexity"] != run["metrics"]["perplexity"]
     table = (tmp_path / "out" / "tasks_cpu.md").read_text()
     assert "| ran |" in table and "ran-causal-official" in table and "token perplexity, stream" in table
-    assert (tmp_path / "out" / "tasks_cpu.png").stat().st_size > 0
+    # The plot: a panel per task, a bar per model at its mean over the seeds.
+    [(path, figure, dpi)] = figures
+    assert path == tmp_path / "out" / "tasks_cpu.png"
+    assert_png_of(path, figure, dpi)
+    panels = {axis.get_title().split(":")[0]: axis for axis in figure.axes if ":" in axis.get_title()}
+    assert panels.keys() == {"hyperpartisan", "lm"}  # (and the window study's, from the hyperpartisan runs)
+    for task, axis in panels.items():
+        drawn = {label.get_text(): bar.get_width() for label, bar in zip(axis.get_yticklabels(), axis.patches)}
+        assert drawn == pytest.approx({model: entry["mean"] for model, entry in summary[task].items()})
 
     # A second call finds every run recorded and trains nothing.
     benchmark_tasks.main(arguments)

@@ -1,4 +1,7 @@
-"""Behaviour every RAN head owes the Transformers API: outputs, losses, training, checkpointing and tied weights."""
+"""Behaviour every RAN head owes the Transformers API: outputs, losses, training, checkpointing and tied weights.
+
+What Transformers' `ModelTesterMixin` already checks for every head (test_conformance.py: output shapes, hidden
+states, tuple outputs, untied save and load) is not repeated here; these are the checks it lacks."""
 
 import pytest
 import torch
@@ -9,13 +12,6 @@ from ran_hf import RANForCausalLM, RANForMaskedLM, RANForSequenceClassification,
 
 
 BATCH_SIZE, LENGTH = 3, 13
-
-HEADS = [
-    pytest.param(RANModel, id="model"),
-    pytest.param(RANForMaskedLM, id="masked-lm"),
-    pytest.param(RANForSequenceClassification, id="sequence-classification"),
-    pytest.param(RANForTokenClassification, id="token-classification"),
-]
 
 # task -> (model class, config overrides)
 TASKS = {
@@ -84,23 +80,10 @@ def test_output_shapes_of_the_encoder(make_config):
     # 9 tokens: the 1-token tail joins the second window; 6 tokens: the 2-token tail is a window of its own.
     assert output.cells_mask.tolist() == [[True, True, True], [True, True, False], [True, True, False]]
     assert torch.all(output.last_hidden_state[attention_mask == 0] == 0)
-
-
-@pytest.mark.parametrize(
-    "task, shape",
-    [
-        pytest.param("masked-lm", (BATCH_SIZE, LENGTH, 64), id="masked-lm"),
-        pytest.param("single-label", (BATCH_SIZE, 3), id="sequence-classification"),
-        pytest.param("regression", (BATCH_SIZE, 1), id="regression"),
-        pytest.param("token-classification", (BATCH_SIZE, LENGTH, 5), id="token-classification"),
-    ],
-)
-def test_output_shapes_of_the_heads(make_config, task, shape):
-    """Each head returns logits of its documented shape and a scalar loss."""
-    model, inputs, labels = make_task(make_config, task)
-    output = model(**inputs, labels=labels)
-    assert output.logits.shape == shape
-    assert output.loss.shape == ()
+    # (The count and shapes of `hidden_states` are the mixin's `test_hidden_states_output`.)
+    assert output.hidden_states is None
+    states = RANModel(config).eval()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    assert torch.equal(states.hidden_states[-1], states.last_hidden_state)
 
 
 @pytest.mark.parametrize(
@@ -108,10 +91,10 @@ def test_output_shapes_of_the_heads(make_config, task, shape):
     [pytest.param("encoder", id="model")]
     + [pytest.param(task, id=task) for task in ("masked-lm", "single-label", "token-classification")],
 )
-@pytest.mark.parametrize("switch", [pytest.param("argument", id="argument"), pytest.param("config", id="config")])
-def test_return_dict_false_returns_tuples(make_config, task, switch):
-    """`return_dict=False` (as an argument or in the config) returns the output's fields as a plain tuple."""
-    overrides = {"return_dict": False} if switch == "config" else {}
+def test_return_dict_false_in_the_config_returns_tuples(make_config, task):
+    """`return_dict=False` in the config returns the output's fields as a plain tuple (the argument is the mixin's
+    `test_model_outputs_equivalence`)."""
+    overrides = {"return_dict": False}
     if task == "encoder":
         torch.manual_seed(0)
         model = RANModel(make_config(**overrides))
@@ -123,7 +106,7 @@ def test_return_dict_false_returns_tuples(make_config, task, switch):
     model.eval()
     kwargs["output_hidden_states"] = True
     with torch.no_grad():
-        as_tuple = model(**kwargs, return_dict=False) if switch == "argument" else model(**kwargs)
+        as_tuple = model(**kwargs)
         as_output = model(**kwargs, return_dict=True)
     assert isinstance(as_tuple, tuple)
     expected = as_output.to_tuple()
@@ -135,27 +118,11 @@ def test_return_dict_false_returns_tuples(make_config, task, switch):
             assert torch.equal(actual, wanted)
 
 
-@pytest.mark.parametrize("model_class", HEADS)
-def test_output_hidden_states(make_config, model_class):
-    """`output_hidden_states` returns the embeddings and every layer's token states, each (B, L, D)."""
+def test_inputs_embeds_match_input_ids(make_config):
+    """Feeding the token embeddings gives exactly what feeding the token ids gives: every output of the encoder, its
+    cells and their padding mask included (the mixin compares the first output only; the heads add nothing here)."""
     torch.manual_seed(0)
-    config = make_config(num_hidden_layers=3)
-    model = model_class(config).eval()
-    input_ids, attention_mask = batch()
-    output = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-    assert len(output.hidden_states) == config.num_hidden_layers + 1
-    for states in output.hidden_states:
-        assert states.shape == (BATCH_SIZE, LENGTH, config.hidden_size)
-    assert model(input_ids=input_ids).hidden_states is None
-    if model_class is RANModel:
-        assert torch.equal(output.hidden_states[-1], output.last_hidden_state)
-
-
-@pytest.mark.parametrize("model_class", HEADS)
-def test_inputs_embeds_match_input_ids(make_config, model_class):
-    """Feeding the token embeddings gives exactly what feeding the token ids gives."""
-    torch.manual_seed(0)
-    model = model_class(make_config()).eval()
+    model = RANModel(make_config()).eval()
     input_ids, attention_mask = batch()
     with torch.no_grad():
         from_ids = model(input_ids=input_ids, attention_mask=attention_mask)
@@ -192,10 +159,26 @@ def test_loss_and_gradients_are_finite(make_config, task, variant):
             assert torch.isfinite(parameter.grad).all(), f"{name} has a non-finite gradient"
 
 
+def constant_predictor_loss(task, labels):
+    """The least loss of a predictor that ignores the tokens: the entropy of the labels (per label column for
+    multi-label), or their variance for regression."""
+    if task == "regression":
+        return labels.var(unbiased=False).item()
+    if task == "multi-label":
+        share = labels.mean(0)
+        return F.binary_cross_entropy(share.expand_as(labels), labels).item()
+    counts = torch.bincount(labels[labels != -100]).float()
+    share = counts[counts > 0] / counts.sum()
+    return -(share * share.log()).sum().item()
+
+
 @pytest.mark.parametrize("task", TASK_PARAMS)
 def test_a_few_adam_steps_reduce_the_loss(make_config, task):
-    """The heads can fit a tiny fixed batch: 60 Adam steps at least halve the loss."""
+    """The heads fit a tiny fixed batch from its inputs: 60 Adam steps take the loss below half of what the best
+    predictor that ignores the inputs reaches (the labels' entropy or variance; initialised, a head scores about that
+    or more, near-uniform). A head that learnt the labels' frequencies only, or nothing, stays at or above it."""
     model, inputs, labels = make_task(make_config, task)
+    baseline = constant_predictor_loss(task, labels)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
@@ -205,7 +188,8 @@ def test_a_few_adam_steps_reduce_the_loss(make_config, task):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0], losses
+    assert losses[0] >= baseline - 1e-3, (losses[0], baseline)  # no head starts out knowing the batch
+    assert losses[-1] < 0.5 * baseline, (losses, baseline)
 
 
 def summed_loss(task, logits, labels, attention_mask):
@@ -308,20 +292,6 @@ def test_masked_lm_stays_tied_through_training(make_config):
     optimizer.step()
     assert_tied(model)
     assert not torch.equal(model.decoder.weight, before)
-
-
-def test_untied_masked_lm_keeps_its_own_decoder(make_config, tmp_path):
-    """With `tie_word_embeddings=False` the decoder is a separate weight, and stays so through save/load."""
-    torch.manual_seed(0)
-    model = RANForMaskedLM(make_config(tie_word_embeddings=False))
-    assert model.decoder.weight is not model.get_input_embeddings().weight
-    with torch.no_grad():
-        model.decoder.weight.add_(1.0)
-    model.save_pretrained(tmp_path)
-    reloaded = RANForMaskedLM.from_pretrained(tmp_path)
-    assert reloaded.decoder.weight is not reloaded.get_input_embeddings().weight
-    assert torch.equal(reloaded.decoder.weight, model.decoder.weight)
-    assert torch.equal(reloaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
 
 
 def test_causal_models_default_to_their_own_decoder(make_config, tmp_path):
