@@ -198,8 +198,9 @@ class RANConfig(PreTrainedConfig):
     @property
     def edits(self) -> int:
         """How many times a field was set since the config was made: a model checks its config again only after
-        this changed (`RANPreTrainedModel.check_config`)."""
-        return self.__dict__.get("_edits", 0)
+        this changed (`RANPreTrainedModel.check_config`). Read on every forward pass: past Transformers' attribute map
+        (`PreTrainedConfig.__getattribute__`), which costs microseconds an access."""
+        return object.__getattribute__(self, "__dict__").get("_edits", 0)
 
     def _resolve_design(self):
         """Give the fields left to the design (`_from_mode`) the values of `layer_design` (or of the mode's)."""

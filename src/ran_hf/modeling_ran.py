@@ -58,9 +58,8 @@ def check_head_config(head: RANPreTrainedModel) -> None:
 
 def head_outputs(head: RANPreTrainedModel, **inputs):
     """The prelude every head shares: its base model's outputs as a `RANModelOutput` (the head reads fields by name,
-    whatever `return_dict` the caller or the config asks for). A head checks its labels before it calls this; its
-    config is checked first (`check_head_config`)."""
-    check_head_config(head)
+    whatever `return_dict` the caller or the config asks for). A head checks its config (`check_head_config`), then
+    its labels, before it calls this."""
     return head.model(**inputs, return_dict=True)
 
 
@@ -452,6 +451,7 @@ class RANForQuestionAnswering(RANPreTrainedModel):
         end_positions (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Index of the answer's last token.
         """
+        check_head_config(self)
         if (start_positions is None) != (end_positions is None):
             raise ValueError("Give both `start_positions` and `end_positions` for a loss, or neither.")
         if start_positions is not None:
