@@ -11,7 +11,7 @@ Machinery shared by the example training scripts (`scripts/<task>/run_*.py`), wh
 `sys.path`.
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from datasets import DatasetDict, load_dataset
 from transformers import PreTrainedTokenizerBase
@@ -28,23 +28,31 @@ def load_splits(
     text_columns: tuple[str, ...] = (),
     cache_dir: str | None = None,
     token: str | None = None,
+    split_columns: Mapping[str, Sequence[str]] | None = None,
+    flags: Mapping[str, str] | None = None,
 ) -> DatasetDict:
     """Every split, whole, from the Hub (`dataset_name`) or from local files (`{"train": path, ...}`), each checked
-    to hold `columns`.
+    to hold `columns`, and those `split_columns` names for it (`{"train": ["label"]}`: the labels a run trains on).
 
-    Local files (jsonl / jsonl.gz / csv / tsv / text) are read by `ran_hf.files.data.load_records`, keeping `columns`
-    and those of `optional_columns` that their first record holds (a test file without labels, say): every record must
-    hold them, each column one kind of value. Texts are checked later, in the examples a script keeps
-    (`check_split_texts`); `text_columns` are checked here only in a file that Arrow cannot read.
+    Local files (jsonl / jsonl.gz / csv / tsv / text) are read by `ran_hf.files.data.load_records`, keeping those
+    columns and those of `optional_columns` that their first record holds (a test file without labels, say): every
+    record must hold them, each column one kind of value. A missing column is named with the file (or the Hub split),
+    the columns it has, and the flag that chose it (`flags`: column -> flag). Texts are checked later, in the examples
+    a script keeps (`check_split_texts`); `text_columns` are checked here only in a file that Arrow cannot read.
     """
+    split_columns = split_columns or {}
+
+    def needed(split: str) -> list[str]:
+        return list(dict.fromkeys([*columns, *split_columns.get(split, ())]))
+
     if dataset_name is not None:
         splits = load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir, token=token)
         for split, dataset in splits.items():
-            check_columns([dict.fromkeys(dataset.column_names)], columns, f"{dataset_name} ({split})")
+            check_columns([dict.fromkeys(dataset.column_names)], needed(split), f"{dataset_name} ({split})", flags)
         return splits
     return DatasetDict(
         {
-            split: load_records(path, columns, optional_columns, text_columns, cache_dir=cache_dir)
+            split: load_records(path, needed(split), optional_columns, text_columns, cache_dir=cache_dir, flags=flags)
             for split, path in files.items()
             if path is not None
         }

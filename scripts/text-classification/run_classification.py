@@ -204,10 +204,18 @@ def main(argv: list[str] | None = None) -> dict:
         data_args.dataset_config_name,
         files,
         data_args.text_columns,
-        optional_columns=(label_column,),
+        optional_columns=(label_column,),  # a test split without labels is only predicted
         text_columns=tuple(data_args.text_columns),
         cache_dir=model_args.cache_dir,
         token=model_args.token,
+        split_columns={
+            "train": [label_column] if training_args.do_train else [],
+            "validation": [label_column] if training_args.do_eval else [],
+        },
+        flags={
+            **dict.fromkeys(data_args.text_columns, "--text_column_name"),
+            label_column: "--label_column_name",
+        },
     )
     for split, needed in (
         ("train", training_args.do_train),
@@ -218,8 +226,6 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(
                 f"The {split} split is needed (--do_{'eval' if split == 'validation' else split}) but missing."
             )
-        if needed and split != "test" and label_column not in raw_datasets[split].column_names:
-            raise ValueError(f"The {split} split has no label column {label_column!r}.")
 
     label_values, class_names = {}, None
     for split, dataset in raw_datasets.items():

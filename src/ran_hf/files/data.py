@@ -23,12 +23,14 @@ reject missing, mixed or unseen labels, and class names that differ only in the 
 " 1"); given the files, they name a bad label's file and line.
 """
 
+import codecs
 import csv
 import gzip
 import io
 import itertools
 import json
 import logging
+import shlex
 import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -69,16 +71,76 @@ def read_lines(path: str | Path) -> Iterator[str]:
         raise FileNotFoundError(f"{path} does not exist or is not a file.")
     with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as handle:
         for line_number, raw in enumerate(gzip_lines(handle, path), start=1):
+            # UTF-16 or UTF-32 text: its byte-order mark is no UTF-8, and without one, ASCII text is (with zero bytes)
+            wide = wide_encoding(raw) if line_number == 1 else None
+            if wide is not None:
+                encoding, evidence = wide
+                raise ValueError(
+                    f"{path} is {encoding} text ({evidence}), not UTF-8. Convert it: {conversion(path, encoding)}."
+                )
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
                 raise ValueError(
                     f"{path}, line {line_number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at column "
-                    f"{error.start + 1}). Convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`."
+                    f"{error.start + 1}). Convert the file to UTF-8, e.g. {conversion(path, single_byte_guess(raw))} "
+                    f"if it is Western European text (a guess from its bytes; `file -i {shlex.quote(str(path))}` "
+                    "names most encodings)."
                 ) from None
             if line_number == 1 and line.startswith("\ufeff"):
                 line = line[1:]
             yield line
+
+
+# Byte-order marks of the encodings whose text a UTF-8 reader cannot read, UTF-32's first (UTF-32-LE's starts with
+# UTF-16-LE's).
+BYTE_ORDER_MARKS = (
+    (codecs.BOM_UTF32_LE, "UTF-32LE"),
+    (codecs.BOM_UTF32_BE, "UTF-32BE"),
+    (codecs.BOM_UTF16_LE, "UTF-16LE"),
+    (codecs.BOM_UTF16_BE, "UTF-16BE"),
+)
+
+
+def wide_encoding(start: bytes) -> tuple[str, str] | None:
+    """The UTF-16 or UTF-32 encoding that the first line of a file shows, and how: by its byte-order mark (named
+    without the byte order, which iconv then reads from the mark and drops) or, without one, by zero bytes beside each
+    character of ASCII text. None for text in a byte-wide encoding (UTF-8 among them)."""
+    for mark, name in BYTE_ORDER_MARKS:
+        if start.startswith(mark):
+            return name[:-2], f"its byte-order mark is {name}'s"
+    start = start[:4096]
+    if len(start) < 4 or start.count(0) < len(start) // 3:
+        return None
+    for width, order in ((4, "LE"), (4, "BE"), (2, "LE"), (2, "BE")):
+        # the bytes of each character but its lowest: zero for ASCII text
+        high = [
+            start[index : index + width][1:] if order == "LE" else start[index : index + width][:-1]
+            for index in range(0, len(start) - width + 1, width)
+        ]
+        if sum(not any(part) for part in high) >= 0.9 * len(high):
+            return f"UTF-{8 * width}{order}", "no byte-order mark, but zero bytes beside each ASCII character"
+    return None
+
+
+def single_byte_guess(raw: bytes) -> str:
+    """Windows' Western European encoding for bytes that are not UTF-8, unless they hold a byte it leaves undefined
+    (then ISO-8859-1, which defines every byte): the likeliest of the encodings a byte alone cannot tell apart."""
+    undefined = {0x81, 0x8D, 0x8F, 0x90, 0x9D}
+    return "ISO-8859-1" if undefined & set(raw) else "CP1252"
+
+
+def conversion(path: Path, encoding: str) -> str:
+    """The shell command that writes a UTF-8 copy of `path`, read as `encoding`, beside it."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        target = path.with_name(path.name[: -len(".gz")])
+        target = target.with_name(f"{target.stem}.utf8{target.suffix}.gz")
+        return (
+            f"`gunzip -c {shlex.quote(str(path))} | iconv -f {encoding} -t UTF-8 | gzip > {shlex.quote(str(target))}`"
+        )
+    target = path.with_name(f"{path.stem}.utf8{path.suffix}")
+    return f"`iconv -f {encoding} -t UTF-8 {shlex.quote(str(path))} > {shlex.quote(str(target))}`"
 
 
 # What reading a gzip file that is cut short (EOFError), not gzip, or damaged raises.
@@ -321,6 +383,7 @@ def load_records(
     optional_columns: Sequence[str] = (),
     text_columns: Iterable[str] = (),
     cache_dir: str | None = None,
+    flags: Mapping[str, str] | None = None,
 ) -> Dataset:
     """A jsonl / csv / tsv / text file as a `datasets.Dataset` with `columns` and those of `optional_columns` that its
     first record holds (a test file without labels, say), read by `datasets.load_dataset` ("json", "csv" or "text")
@@ -329,10 +392,10 @@ def load_records(
 
     The records hold what `read_records` would give: CSV fields stay strings ("NA" and "" included), plain text keeps
     its non-blank lines, stripped. Every record must hold every kept column, each column one kind of value
-    (`check_columns`). The `text_columns` are checked by `check_texts`, so that a script checks (and reads) only the
-    texts it uses; here, only where Arrow cannot read the file. A first record that is not a JSON object (a JSON array,
-    say), a missing column, mixed kinds, and what Arrow cannot read (bytes that are not UTF-8, a broken line) are
-    named by this module's reader, with the file and line. A file that reader takes but Arrow cannot (values of one
+    (`check_columns`, which names the flag of a missing column from `flags`). The `text_columns` are checked by
+    `check_texts`, so that a script checks (and reads) only the texts it uses; here, only where Arrow cannot read the
+    file. A first record that is not a JSON object (a JSON array, say), a missing column, mixed kinds, and what Arrow
+    cannot read (bytes that are not UTF-8, a broken line) are named by this module's reader, with the file and line. A file that reader takes but Arrow cannot (values of one
     column that Arrow cannot unify) is read record by record instead, with a warning.
     """
     path = Path(path)
@@ -340,7 +403,7 @@ def load_records(
     if first is None:
         raise ValueError(f"{path} holds no examples (the file is empty or blank).")
     kept = list(dict.fromkeys([*columns, *(column for column in optional_columns if column in first)]))
-    check_columns([first], kept, str(path))
+    check_columns([first], kept, str(path), flags)
     text_columns = list(text_columns)
     try:
         dataset = arrow_records(path, first, cache_dir).select_columns(kept)
@@ -350,7 +413,7 @@ def load_records(
             if column not in text_columns:
                 dataset.data.column(column).validate(full=True)
     except (DatasetGenerationError, ArrowException, ValueError, csv.Error, *GZIP_ERRORS) as error:
-        check_columns(iter_records(path, text_columns), kept, str(path))  # names the bad record, if there is one
+        check_columns(iter_records(path, text_columns), kept, str(path), flags)  # names the bad record, if any
         logger.warning(f"{path}: Arrow cannot read it ({type(error).__name__}); reading it record by record instead.")
         records = read_records(path)
         return Dataset.from_dict({column: [record[column] for record in records] for column in kept})
@@ -358,7 +421,7 @@ def load_records(
     # the reader names the record (a null that the file itself holds passes, for the label checks to name).
     nulls = any(dataset.data.column(column).null_count for column in kept)
     if nulls or not all(isinstance(dataset.features[column], Value | List | LargeList | dict) for column in kept):
-        check_columns(iter_records(path), kept, str(path))
+        check_columns(iter_records(path), kept, str(path), flags)
     return dataset
 
 
@@ -510,10 +573,13 @@ def value_kind(value) -> str | None:
     return "object" if isinstance(value, dict) else "string"
 
 
-def check_columns(records: Iterable[Mapping], columns: Iterable[str], source: str) -> None:
+def check_columns(
+    records: Iterable[Mapping], columns: Iterable[str], source: str, flags: Mapping[str, str] | None = None
+) -> None:
     """Every record must hold every one of `columns`, each column one kind of value (all strings, all lists, ...).
 
-    Names the first record that breaks the rule and what it holds, instead of the error a table library would give.
+    Names the first record that breaks the rule and what it holds, instead of the error a table library would give;
+    a missing column, with the flag that chose it (`flags`: column -> flag, such as `--label_column_name`).
     `records` may be an iterator (`iter_records`): they are read once, and none is kept.
     """
     columns = list(columns)
@@ -522,10 +588,11 @@ def check_columns(records: Iterable[Mapping], columns: Iterable[str], source: st
         missing = [column for column in columns if column not in record]
         if missing:
             where = "" if index == 0 else f" (record {index + 1})"
-            raise ValueError(
-                f"{source}{where} has no column {missing[0]!r}; its columns are {sorted(record)}. "
-                "Pick others with --text_column_name / --label_column_name."
+            flag = (flags or {}).get(missing[0])
+            fix = (
+                f"Name the column with {flag}" if flag else "Pick others with --text_column_name / --label_column_name"
             )
+            raise ValueError(f"{source}{where} has no column {missing[0]!r}; its columns are {sorted(record)}. {fix}.")
         for column in columns:
             kind = value_kind(record[column])
             if kind is None:
