@@ -543,7 +543,7 @@ def test_missing_text_column(tokenizer_dir, tmp_path, topic_files):
 
 def test_missing_label_column(tokenizer_dir, tmp_path, topic_files):
     argv = classification_argv(tokenizer_dir, tmp_path, topic_files["train"], None, "--label_column_name", "topic")
-    with pytest.raises(ValueError, match="The train split has no label column 'topic'"):
+    with pytest.raises(ValueError, match="has no column 'topic'; its columns are .* --label_column_name"):
         run_classification.main(argv)
 
 
@@ -1185,3 +1185,56 @@ def test_a_huge_single_line_document_is_tokenized_within_the_limit(tokenizer_dir
     monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", measured)
     run_classification.main(classification_argv(tokenizer_dir, tmp_path, train, None, "--max_seq_length", "256"))
     assert len(huge) > 20_000_000 and max(longest) < 20_000
+
+
+# ---- a missing column, a file that is not UTF-8: the error names the file, what it holds and the fix ----------------
+
+
+MISSING_COLUMNS = [
+    ("train", "--label_column_name", "topic"),
+    ("validation", "--label_column_name", "topic"),
+    ("train", "--text_column_name", "body"),
+    ("validation", "--text_column_name", "body"),
+]
+
+
+def missing_column_message(source: str, column: str, flag: str) -> str:
+    return rf"^{re.escape(source)} has no column '{column}'; its columns are \['label', 'text'\]\. .*{flag}\.$"
+
+
+@pytest.mark.parametrize("split, flag, column", MISSING_COLUMNS)
+def test_a_missing_column_names_the_file_its_columns_and_the_flag(tokenizer_dir, tmp_path, split, flag, column):
+    """The label column's error said only "The train split has no label column": it names what the text column's
+    does, by one check (the file, the columns it has, the flag to set), before any model is built."""
+    good = {"text": "a", column: "x"} if flag == "--label_column_name" else {column: "a", "label": "x"}
+    bad = {"text": "a", "label": "x"}
+    files = {
+        name: write_jsonl(tmp_path / f"{name}.jsonl", [bad if name == split else good] * 4)
+        for name in ("train", "validation")
+    }
+    argv = classification_argv(tokenizer_dir, tmp_path, files["train"], files["validation"], flag, column)
+    with pytest.raises(ValueError, match=missing_column_message(str(files[split]), column, flag)):
+        run_classification.main(argv)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("flag, column", [("--label_column_name", "topic"), ("--text_column_name", "body")])
+def test_a_missing_column_of_a_dataset_by_name_names_its_split_and_the_flag(tokenizer_dir, tmp_path, flag, column):
+    """The same check for --dataset_name (a local folder of split files stands in for the Hub)."""
+    dataset_dir = tmp_path / "dataset"
+    dataset_dir.mkdir()
+    for name in ("train", "validation"):
+        write_jsonl(dataset_dir / f"{name}.jsonl", [{"text": "a", "label": "x"}] * 4)
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--dataset_name", str(dataset_dir), "--do_train"]
+    argv += ["--do_eval", "--max_steps", "1", flag, column] + QUIET
+    with pytest.raises(ValueError, match=missing_column_message(f"{dataset_dir} (train)", column, flag)):
+        run_classification.main(argv)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_test_file_without_labels_is_still_only_predicted(tokenizer_dir, tmp_path, topic_files):
+    """The label column is required where a run trains or scores, not in a test file, which is only predicted."""
+    test = write_jsonl(tmp_path / "test.jsonl", [{"text": "the planet orbits"}, {"text": "the recipe simmers"}])
+    argv = classification_argv(tokenizer_dir, tmp_path, topic_files["train"], None, "--test_file", str(test))
+    run_classification.main(argv + ["--do_predict", "--max_seq_length", "32"])
+    assert len((tmp_path / "out" / "predict_results.txt").read_text().splitlines()) == 1 + 2  # a header, then each
