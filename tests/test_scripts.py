@@ -269,9 +269,18 @@ def test_train_tokenizer_reads_conll_words(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_mlm_from_scratch_then_continued(topic_files, tokenizer_dir, tmp_path):
+def test_run_mlm_from_scratch_then_continued(topic_files, tokenizer_dir, tmp_path, monkeypatch):
     """Pretraining writes a loadable model with its code, metrics as JSON and a filled model card; a second run
     continues from it with --model_name_or_path."""
+    collated = []  # every batch the script's collator masked, to score the evaluation's again
+
+    class RecordingCollator(run_mlm.DataCollatorForLanguageModeling):
+        def __call__(self, *args, **kwargs):
+            batch = super().__call__(*args, **kwargs)
+            collated.append({key: value.clone() for key, value in batch.items()})
+            return batch
+
+    monkeypatch.setattr(run_mlm, "DataCollatorForLanguageModeling", RecordingCollator)
     first = tmp_path / "mlm"
     run_mlm.main(
         from_scratch(tokenizer_dir, first)
@@ -293,7 +302,20 @@ def test_run_mlm_from_scratch_then_continued(topic_files, tokenizer_dir, tmp_pat
     }
     eval_results = json.loads((first / "eval_results.json").read_text())
     assert eval_results["perplexity"] == pytest.approx(torch.tensor(eval_results["eval_loss"]).exp().item(), rel=1e-5)
-    assert 0.0 <= eval_results["eval_accuracy"] <= 1.0
+    # The accuracy is the saved (final) model's on the masked tokens of the evaluation's batches, the last ones
+    # masked (eight rows each by default), and on no other token.
+    eval_batches = -(-eval_results["eval_samples"] // 8)  # rounded up
+    evaluated = collated[-eval_batches:]
+    assert sum(len(batch["input_ids"]) for batch in evaluated) == eval_results["eval_samples"]
+    model = transformers.AutoModelForMaskedLM.from_pretrained(first).eval()
+    right = scored = 0
+    with torch.no_grad():
+        for batch in evaluated:
+            masked = batch["labels"] != -100
+            predictions = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.argmax(-1)
+            right += int((predictions[masked] == batch["labels"][masked]).sum())
+            scored += int(masked.sum())
+    assert eval_results["eval_accuracy"] == pytest.approx(right / scored)
     config = json.loads((first / "config.json").read_text())
     assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(tokenizer_dir)) and config["pad_token_id"] == 0
     assert config["architectures"] == ["RANForMaskedLM"] and config["window_size"] == 16
