@@ -81,10 +81,13 @@ for name, (auto_class, output) in json.loads(sys.argv[2]).items():
         f"{root}/{name}", trust_remote_code=True, output_loading_info=True
     )
     with torch.no_grad():
-        actual = getattr(model.eval()(input_ids=expected["input_ids"]), output)
+        inputs = {"input_ids": expected["input_ids"], "attention_mask": expected["attention_mask"]}
+        actual = getattr(model.eval()(**inputs), output)
     report["differences"][name] = (actual - expected[name]).abs().max().item()
     report["modules"][name] = type(model).__module__ + "." + type(model).__name__
     report["loading_info"][name] = {key: sorted(map(str, value)) for key, value in info.items()}
+    if name == "RANForMaskedLM":
+        report["masked_lm_decoder_tied"] = model.decoder.weight is model.get_input_embeddings().weight
     model.save_pretrained(f"{root}/{name}-resaved")
     try:
         getattr(transformers, auto_class).from_pretrained(f"{root}/{name}-old-names", trust_remote_code=True)
@@ -101,11 +104,13 @@ report["encoder_as_classifier"] = type(classifier).__name__
 @pytest.mark.slow
 def test_every_saved_head_loads_and_runs_without_ran_hf(tmp_path):
     input_ids = torch.randint(1, 61, (2, 13), generator=torch.Generator().manual_seed(1))
-    expected = {"input_ids": input_ids}
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :4] = 0  # left padding
+    expected = {"input_ids": input_ids, "attention_mask": attention_mask}
     for name, (_, output) in HEADS.items():
         model = saved_head(name, tmp_path / name)
         with torch.no_grad():
-            expected[name] = getattr(model(input_ids=input_ids), output)
+            expected[name] = getattr(model(input_ids=input_ids, attention_mask=attention_mask), output)
         shutil.copytree(tmp_path / name, tmp_path / f"{name}-old-names")
         with_old_weight_names(tmp_path / f"{name}-old-names")
     torch.save(expected, tmp_path / "expected.pt")
@@ -117,6 +122,7 @@ def test_every_saved_head_loads_and_runs_without_ran_hf(tmp_path):
     for name, difference in report["differences"].items():
         assert difference <= 1e-6, f"{name} differs by {difference}"
         assert not any(report["loading_info"][name].values()), (name, report["loading_info"][name])
+    assert report["masked_lm_decoder_tied"]
     assert report["refused"].keys() == HEADS.keys()  # old names: refused, naming one and the conversion
     for name, error in report["refused"].items():
         assert "layers.0.cell_glu.proj.bias" in error and CONVERSION in error, error
