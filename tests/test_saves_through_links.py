@@ -370,3 +370,18 @@ def test_a_stopped_write_is_named_for_the_folder_given_not_the_temporary_one(tmp
     assert str(folder) in str(raised.value) and "free space" in str(raised.value)
     assert isinstance(raised.value, OSError) and raised.value.errno == errno.ENOSPC
     assert not folder.exists()
+
+
+def test_a_hard_link_keeps_its_other_name_and_a_replaced_file_its_permissions(tmp_path):
+    folder = tmp_path / "model"
+    build("base").save_pretrained(folder)
+    (folder / "config.json").chmod(0o600)
+    elsewhere = tmp_path / "shared_config.json"
+    os.link(folder / "config.json", elsewhere)
+    before = elsewhere.read_bytes()
+
+    RANModel(tiny_config(hidden_dropout_prob=0.25)).save_pretrained(folder)  # a config that differs
+
+    assert elsewhere.read_bytes() == before != (folder / "config.json").read_bytes()
+    assert (folder / "config.json").stat().st_ino != elsewhere.stat().st_ino
+    assert oct((folder / "config.json").stat().st_mode & 0o777) == oct(0o600)

@@ -18,13 +18,14 @@ Every script, the converter and the exporter write through this module:
   `keeps_user_files` keeps all but a saved model's files.
 * `write_file` does the same for a file (an ONNX graph and its external data): refused unless it is a file of its
   kind (its suffix, and what an existing file holds), written beside it and moved into place.
-* `write_into` (from `ran_hf.safe_writes`, a flat module because saved folders ship it) is the writer of the library's
+* `ran_hf.safe_writes.write_into` (a flat module, because saved folders ship it) is the writer of the library's
   own saves into a folder that keeps its other entries (`save_pretrained` of a model or config, the model's code,
   sentence-transformers' files): written into a temporary folder inside it, then each entry renamed into place, so a
   name that links elsewhere is replaced, never written through. In a folder the writers here are making (a
   `write_folder` staging) the same happens, so every file the package writes goes through one of them.
-* A write stopped by the file-size limit (`ulimit -f`), a full disk or a quota raises a `WriteStoppedError` naming
-  the output, the file and the cause (`stopped_write`), the output left as it was.
+* A write stopped by the file-size limit (`ulimit -f`), a full disk or a quota raises a
+  `ran_hf.safe_writes.WriteStoppedError` naming the output, the file and the cause, the output left as it was.
+  (`ran_hf.safe_writes` is imported where needed: this module loads alone, without torch or Transformers.)
 * `set_aside` moves entries out of a folder's way for a run that replaces them (the old run's checkpoints under
   `--overwrite_output_dir`); `retire_set_aside` marks the point from which they never come back (the new run writes
   its own), and `discard_set_aside` deletes them once the new run's output is complete.
@@ -51,8 +52,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..safe_writes import WriteStoppedError, move_entry, stopped_write, write_into
-
 
 try:
     import fcntl
@@ -65,7 +64,6 @@ __all__ = [
     "LEFTOVER_KINDS",
     "MODEL_FILES",
     "FolderInUseError",
-    "WriteStoppedError",
     "check_file_output",
     "check_not_inputs",
     "contents",
@@ -85,7 +83,6 @@ __all__ = [
     "staging_folder",
     "write_file",
     "write_folder",
-    "write_into",
 ]
 
 # `ready`: a new folder inside a mount point whose old entries have all been set aside (into `previous`).
@@ -438,6 +435,8 @@ def _replace_contents(staging: Path, target: Path, carry_over: Callable[[str], b
 
 def _move_entries(source: Path, destination: Path, replace: bool = True) -> None:
     """Move every entry of `source` into `destination`; with `replace=False`, not over an entry it already has."""
+    from ..safe_writes import move_entry  # here: loading this module alone stays cheap (and torch-free)
+
     for entry in sorted(os.listdir(source)):
         if replace or not os.path.lexists(destination / entry):
             move_entry(source / entry, destination / entry)
@@ -484,6 +483,8 @@ def write_folder(target: str | os.PathLike, kind: str, carry_over: Callable[[str
         try:
             yield staging
         except BaseException as error:
+            from ..safe_writes import stopped_write
+
             stopped = stopped_write(error, target, staging)
             shutil.rmtree(staging, ignore_errors=True)
             if stopped is not None:
@@ -576,6 +577,8 @@ def write_file(
             for file in written:
                 os.replace(file, path.parent / file.name)
         except BaseException as error:
+            from ..safe_writes import stopped_write
+
             stopped = stopped_write(error, path.parent, staging)
             if stopped is not None:
                 raise stopped from error
