@@ -1,13 +1,17 @@
 """Transformers' own conformance tests (`ModelTesterMixin`, `ConfigTester`) run against every RAN class.
 
 `RANModelTest` covers the bidirectional model and its masked-LM and classification heads, `RANCausalModelTest` the
-causal mode and the causal LM. The common test modules come from the sdist of the installed Transformers version
-(see `transformers_sdist.py`).
+causal mode and the causal LM. Subclasses run the whole mixin again with one option each: the adaptive softmax
+(`cutoffs`), the associative memory, `token_shift` on the encoder, an `initial_cell` input, and the prefix LM. The
+common test modules come from the sdist of the installed Transformers version (see `transformers_sdist.py`).
+
+Only the adaptive softmax skips two common tests here, for differences of its own. The tests of features RAN lacks
+(sliding windows, RoPE scaling, experts, a weight conversion mapping, a tensor-parallel plan, modules kept in float32)
+and those that need what a machine may lack (the `kernels` library, GPUs, DeepSpeed) skip themselves, saying so.
 """
 
 import copy
 import itertools
-import re
 import unittest
 from unittest import mock
 
@@ -22,6 +26,7 @@ from ran_hf import (
     RANConfig,
     RANForCausalLM,
     RANForMaskedLM,
+    RANForPrefixLM,
     RANForSequenceClassification,
     RANForTokenClassification,
     RANModel,
@@ -38,6 +43,7 @@ except SdistUnavailable as error:  # no registry here: nothing to run, which is 
     pytest.skip(f"Transformers' common tests are unavailable: {error}", allow_module_level=True)
 ModelTesterMixin = test_modeling_common.ModelTesterMixin
 ConfigTester = test_configuration_common.ConfigTester
+floats_tensor = test_modeling_common.floats_tensor
 ids_tensor = test_modeling_common.ids_tensor
 random_attention_mask = test_modeling_common.random_attention_mask
 
@@ -48,12 +54,15 @@ TASK_TABLES = (
     (modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, RANForMaskedLM),
     (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, RANForSequenceClassification),
     (modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, RANForTokenClassification),
+    (modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, RANForPrefixLM),  # AutoModelForSeq2SeqLM
 )
 
 
 class RANModelTester:
     """A tiny RAN (window 4, minimum window 2) and inputs of 13 tokens: three windows, the last one a merged tail
-    (4 + 4 + 5), and shorter sequences of one to three windows under the random attention masks."""
+    (4 + 4 + 5), and shorter sequences of one to three windows under the random attention masks. `config_options`
+    are further config fields; `with_initial_cell` adds an `initial_cell` to the inputs, and `source_length` the
+    `token_type_ids` of a prefix LM (that many source tokens, then the target)."""
 
     def __init__(
         self,
@@ -77,6 +86,9 @@ class RANModelTester:
         num_labels=3,
         pad_token_id=0,
         is_causal=False,
+        config_options=None,
+        with_initial_cell=False,
+        source_length=None,
     ):
         self.parent = parent
         self.batch_size = batch_size
@@ -98,8 +110,11 @@ class RANModelTester:
         self.num_labels = num_labels
         self.pad_token_id = pad_token_id
         self.is_causal = is_causal
+        self.config_options = config_options or {}
+        self.with_initial_cell = with_initial_cell
+        self.source_length = source_length
         # Window attention weights: every token over its window's read cell and slots (a merged tail included).
-        min_window = 1 if is_causal else min_window_size
+        min_window = 1 if is_causal or source_length is not None else min_window_size  # a prefix LM never merges
         self.key_length = 1 + window_size + min_window - 1
 
     def get_config(self) -> RANConfig:
@@ -118,6 +133,7 @@ class RANModelTester:
             num_labels=self.num_labels,
             pad_token_id=self.pad_token_id,
             is_causal=self.is_causal,
+            **self.config_options,
         )
 
     def prepare_config_and_inputs(self):
@@ -131,7 +147,14 @@ class RANModelTester:
 
     def prepare_config_and_inputs_for_common(self):
         config, input_ids, input_mask, _, _ = self.prepare_config_and_inputs()
-        return config, {"input_ids": input_ids, "attention_mask": input_mask}
+        inputs = {"input_ids": input_ids, "attention_mask": input_mask}
+        if self.with_initial_cell:  # e.g. the `last_cell` of the text before
+            inputs["initial_cell"] = floats_tensor([self.batch_size, self.hidden_size])
+        if self.source_length is not None:
+            inputs["token_type_ids"] = (
+                (torch.arange(self.seq_length) >= self.source_length).long().expand_as(input_ids)
+            )
+        return config, inputs
 
     def create_and_check_model(self, config, input_ids, input_mask, sequence_labels, token_labels):
         model = RANModel(config).to(torch_device).eval()
@@ -176,50 +199,11 @@ class RANModelTester:
     def create_and_check_for_causal_lm(self, config, input_ids, input_mask, sequence_labels, token_labels):
         model = RANForCausalLM(config).to(torch_device).eval()
         result = model(input_ids, attention_mask=input_mask, labels=input_ids)
-        self.parent.assertEqual(result.logits.shape, (self.batch_size, self.seq_length, self.vocab_size))
         self.parent.assertEqual(result.loss.shape, ())
-
-
-# Common tests of features that RAN does not have. A parameterized test is named by its family, e.g.
-# `test_eager_matches_sdpa_inference` covers `test_eager_matches_sdpa_inference_00_fp16_pad_left_sdpa_kernels`.
-# (Tests that need hardware or libraries absent here, such as CPU/disk offload, multi-device model parallelism, device
-# context managers, DeepSpeed and compiled training, apply to RAN and skip themselves when those are missing.)
-NOT_APPLICABLE = {
-    "test_sliding_window_mask": "RAN's windows are its layout, not a sliding-window attention setting",
-    "test_kernels_can_load_without_crashing": "RAN uses no Hub kernels",
-    # Positions: rotary embeddings restart in every window, with a fixed `rope_theta` and no `rope_parameters`.
-    "test_resize_position_vector_embeddings": "RAN has no position embeddings",
-    "test_model_rope_scaling_from_config": "RAN's per-window rotary embedding has no scaling",
-    "test_model_rope_scaling_frequencies": "RAN's per-window rotary embedding has no scaling",
-    "test_model_rope_with_partial_rotation": "RAN rotates the whole head",
-    "test_vision_axial_rope": "RAN is a text model",
-    # Heads and architecture.
-    "test_encoder_decoder_loss_no_double_shift": "RAN is not an encoder-decoder",
-    "test_internal_model_config_and_subconfig_are_same": "RAN's config has no sub-configs",
-    "test_moe_models_record_router_logits": "RAN has no mixture of experts",
-    "test_output_router_logits_from_config": "RAN has no mixture of experts",
-    "test_eager_matches_batched_and_grouped_inference": "RAN has no mixture of experts (grouped_mm)",
-    # Loading and output machinery RAN does not use.
-    "test_keep_in_fp32_modules": "RAN keeps no module in float32 (its normalisation upcasts internally)",
-    "test_keep_in_fp32_modules_exist": "RAN keeps no module in float32 (its normalisation upcasts internally)",
-    # RAN registers a renaming that reads folders of an older layout, but saves today's names (its
-    # `save_original_format` defaults to False), so a save never writes the names these tests expect to map back.
-    "test_reverse_loading_mapping": "RAN saves today's weight names; its renaming only reads older folders",
-    "test_can_load_from_already_mapped_keys": "RAN saves today's weight names; its renaming only reads older folders",
-    "test_tp_plan_matches_params": "RAN defines no tensor-parallel plan",
-    "test_tied_head_has_a_tp_plan_entry": "RAN defines no tensor-parallel plan",
-}
-
-
-def skip_not_applicable(test_class):
-    """Replace every test named in `NOT_APPLICABLE`, parameterized variants included, by a skip with its reason."""
-    for name in dir(test_class):
-        if not callable(getattr(test_class, name)):
-            continue  # `parameterized` leaves None under the name of the test it expands
-        family = name if name in NOT_APPLICABLE else re.sub(r"_\d+(_\w+)?$", "", name)  # parameterized: name_<i>_<id>
-        if family in NOT_APPLICABLE:
-            setattr(test_class, name, unittest.skip(reason=NOT_APPLICABLE[family])(lambda self: None))
-    return test_class
+        if config.cutoffs is not None:  # the adaptive softmax scores the labels without the whole distribution
+            self.parent.assertIsNone(result.logits)
+            result = model(input_ids, attention_mask=input_mask)
+        self.parent.assertEqual(result.logits.shape, (self.batch_size, self.seq_length, self.vocab_size))
 
 
 class RANTesterMixin(ModelTesterMixin):
@@ -267,13 +251,8 @@ class RANTesterMixin(ModelTesterMixin):
         self.model_tester.create_and_check_padding_is_zero(*self.model_tester.prepare_config_and_inputs())
 
 
-@skip_not_applicable
 class RANModelTest(RANTesterMixin, unittest.TestCase):
     all_model_classes = (RANModel, RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification)
-
-    @unittest.skip(reason="No causal language-modelling head among these classes (RANCausalModelTest has it)")
-    def test_causal_lm_loss_honors_shift_labels(self):
-        pass
 
     def test_for_masked_lm(self):
         self.model_tester.create_and_check_for_masked_lm(*self.model_tester.prepare_config_and_inputs())
@@ -285,7 +264,6 @@ class RANModelTest(RANTesterMixin, unittest.TestCase):
         self.model_tester.create_and_check_for_token_classification(*self.model_tester.prepare_config_and_inputs())
 
 
-@skip_not_applicable
 class RANCausalModelTest(RANTesterMixin, unittest.TestCase):
     """The causal mode (`is_causal=True`): the bare model and the causal language model."""
 
@@ -297,3 +275,55 @@ class RANCausalModelTest(RANTesterMixin, unittest.TestCase):
 
     def test_for_causal_lm(self):
         self.model_tester.create_and_check_for_causal_lm(*self.model_tester.prepare_config_and_inputs())
+
+
+# The mixin again, with one option each. The option classes test the heads the option reaches (every head wraps the
+# bare model, so one head covers it), which keeps each to a fraction of the default classes' time.
+
+
+class RANAdaptiveSoftmaxModelTest(RANCausalModelTest):
+    """Adaptive input embeddings and softmax (`cutoffs`, `div_val`): the causal LM only."""
+
+    all_model_classes = (RANForCausalLM,)
+    model_tester_kwargs = {"is_causal": True, "config_options": {"cutoffs": [20, 50], "div_val": 2}}
+
+    @unittest.skip(
+        reason="The adaptive input embedding is per-cluster embeddings and projections, not one nn.Embedding"
+    )
+    def test_model_get_set_embeddings(self):
+        pass
+
+    @unittest.skip(
+        reason="An adaptive vocabulary cannot be resized: its clusters are cut at fixed ids (refused, named)"
+    )
+    def test_resize_tokens_embeddings(self):
+        pass
+
+
+class RANAssociativeMemoryModelTest(RANCausalModelTest):
+    """The delta-rule associative memory of every layer (causal only)."""
+
+    all_model_classes = (RANForCausalLM,)
+    model_tester_kwargs = {"is_causal": True, "config_options": {"associative_memory": True}}
+
+
+class RANTokenShiftModelTest(RANModelTest):
+    """`token_shift` on the encoder (the causal classes have it by default: their layer design turns it on)."""
+
+    all_model_classes = (RANForMaskedLM,)
+    model_tester_kwargs = {"config_options": {"token_shift": True}}
+
+
+class RANInitialCellModelTest(RANModelTest):
+    """An `initial_cell` given with every input: the first layer's first window reads it."""
+
+    all_model_classes = (RANForSequenceClassification,)
+    model_tester_kwargs = {"with_initial_cell": True}
+
+
+class RANPrefixLMModelTest(RANModelTest):
+    """The prefix LM (`AutoModelForSeq2SeqLM`): five source tokens read both ways, then the target."""
+
+    all_model_classes = (RANForPrefixLM,)
+    model_tester_kwargs = {"source_length": 5}
+    all_generative_model_classes = ()  # as for the causal LM: its generation is tested in test_prefix_lm.py
