@@ -11,6 +11,7 @@ needed. See `ran_hf.convert_rannet` for what is written.
 import argparse
 
 from ran_hf import convert_rannet_checkpoint
+from ran_hf.convert_rannet import OutputFolderNotEmptyError
 
 
 def main(argv=None) -> None:
@@ -25,6 +26,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         output_dir = convert_rannet_checkpoint(args.rannet_dir, args.output_dir, overwrite=args.overwrite)
+    except OutputFolderNotEmptyError as error:  # its message names the Python argument, overwrite=True
+        parser.exit(1, f"error: {error.fix('add --overwrite')}\n")
     except (OSError, ValueError) as error:  # a missing, damaged or inconsistent input: the message says which
         parser.exit(1, f"error: {error}\n")
     print(f"Wrote {output_dir}")

@@ -30,8 +30,9 @@ NOT_MODEL_CODE = {
     "sentence_embeddings",
 }
 FILES_CODE = {path.stem for path in (PACKAGE / "files").glob("*.py")}
-# Code that only the folder of one head carries (its class, its pipeline); every folder carries the rest.
-HEAD_CODE = {"RANForPrefixLM": {"prefix_lm"}, "RANForQuestionAnswering": {"question_answering"}}
+# Code that only the folder of one head carries (its pipeline); every folder carries the rest (the prefix LM's too:
+# every folder loads with AutoModelForSeq2SeqLM).
+HEAD_CODE = {"RANForQuestionAnswering": {"question_answering"}}
 # Each head, the Auto class that loads it, and the output compared.
 HEADS = {
     "RANModel": ("AutoModel", "last_hidden_state"),

@@ -63,7 +63,13 @@ from .modeling_ran import RANForCausalLM, RANForMaskedLM
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["RANNET_CONFIG_KEYS", "build_rannet_tokenizer", "convert_rannet_checkpoint", "rannet_config_to_ran_config"]
+__all__ = [
+    "RANNET_CONFIG_KEYS",
+    "OutputFolderNotEmptyError",
+    "build_rannet_tokenizer",
+    "convert_rannet_checkpoint",
+    "rannet_config_to_ran_config",
+]
 
 # --------------------------------------------------------------------------------------------------------------------
 # config.json
@@ -608,6 +614,21 @@ def model_card(config: RANConfig, rannet_dir: Path, source_files: list[Path]) ->
     return card.rstrip("\n") + "\n" + "\n".join(lines)
 
 
+class OutputFolderNotEmptyError(FileExistsError):
+    """The output folder exists and is not empty, and replacing it was not asked for. The message names the Python
+    argument (`overwrite=True`); a command line that sets it another way says so with `fix("add --overwrite")`."""
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.output_dir = Path(output_dir)
+        super().__init__(self.fix("pass overwrite=True"))
+
+    def fix(self, how: str) -> str:
+        return (
+            f"{self.output_dir} exists and is not empty; {how} to replace the model there (files that are not a "
+            "saved model's stay), or choose another output folder."
+        )
+
+
 @releases_folder_locks
 def convert_rannet_checkpoint(
     rannet_dir: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False
@@ -632,7 +653,7 @@ def convert_rannet_checkpoint(
 
     Raises:
         FileNotFoundError: a folder or file is missing.
-        FileExistsError: `output_dir` exists, is not empty, and `overwrite` is False.
+        OutputFolderNotEmptyError: `output_dir` exists, is not empty, and `overwrite` is False (a `FileExistsError`).
         ValueError: `output_dir` is, contains or lies inside `rannet_dir`; or the config, vocabulary or checkpoint is
             not an official RAN checkpoint or disagrees with itself (the message names the file and the key or
             variable).
@@ -652,7 +673,7 @@ def convert_rannet_checkpoint(
     for note in recover_interrupted(output_dir):
         logger.warning(f"Before converting: {note}.")
     if output_dir.exists() and not (output_dir.is_dir() and not contents(output_dir)) and not overwrite:
-        raise FileExistsError(f"{output_dir} exists and is not empty; pass overwrite=True to replace it")
+        raise OutputFolderNotEmptyError(output_dir)
 
     # 1. Read and check everything.
     config = read_rannet_config(config_path)

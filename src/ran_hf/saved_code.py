@@ -14,6 +14,11 @@ from .safe_writes import write_into
 _HEADS = ("CausalLM", "MaskedLM", "QuestionAnswering", "SequenceClassification", "TokenClassification")
 REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_ran.RANConfig", "AutoModel": "modeling_ran.RANModel"}
 REMOTE_CODE_AUTO_MAP |= {f"AutoModelFor{head}": f"modeling_ran.RANFor{head}" for head in _HEADS}
+# The prefix LM is the model behind AutoModelForSeq2SeqLM, as `import ran_hf` registers it: a masked LM's folder, or a
+# converted checkpoint, loads as one (docs/seq2seq.md). A copy of this code loaded from a folder has prefix_lm.py only
+# if it ran it, and names only what it can ship.
+if Path(__file__).with_name("prefix_lm.py").is_file():
+    REMOTE_CODE_AUTO_MAP["AutoModelForSeq2SeqLM"] = "prefix_lm.RANForPrefixLM"
 # The pipeline a question-answering model's folder ships and names in `custom_pipelines`, so that
 # `pipeline(QUESTION_ANSWERING_TASK, model=folder, trust_remote_code=True)` runs without `ran_hf`.
 QUESTION_ANSWERING_TASK = "extractive-question-answering"
