@@ -198,10 +198,11 @@ def current_window(layer, cache: RANCacheLayer, keys, values, rotated_key, value
         window_values[at.rows, :, at.key_slot] = value
         return window_keys, window_values
     _, cell_key, cell_value = layer.project(layer.normalize_input(cache.cell)).unbind(1)  # (B, H, d) each
-    rotated_keys = rotate_pairs_complex(keys, at.key_rotations)  # (B, S, H, d)
-    window_keys = torch.cat([cell_key[:, None], rotated_keys], dim=1).transpose(1, 2)  # (B, H, 1 + S, d)
-    window_values = torch.cat([cell_value[:, None], values], dim=1).transpose(1, 2)
-    return window_keys.contiguous(), window_values.contiguous()
+    # (Joined heads-first: joined slot-first and then transposed, inductor wrote wrong values into the cached tail.)
+    rotated_keys = rotate_pairs_complex(keys, at.key_rotations).transpose(1, 2)  # (B, H, S, d)
+    window_keys = torch.cat([cell_key[:, :, None], rotated_keys], dim=2)  # (B, H, 1 + S, d)
+    window_values = torch.cat([cell_value[:, :, None], values.transpose(1, 2)], dim=2)
+    return window_keys, window_values
 
 
 def reviewed_cells(layer, cache: RANCacheLayer, at: StepPositions, config: StepSettings):
