@@ -17,8 +17,8 @@ SOURCES = {path.stem: path for path in PACKAGE.glob("*.py") if path.stem != "__i
     for path in (PACKAGE / subpackage).glob("*.py")
 }
 MODULES = sorted(SOURCES)
-# The flat modules that may import the subpackage: neither is modeling code, and no saved folder carries them.
-IMPORT_FILES = {"convert_rannet", "export"}
+# The flat modules that may import the subpackage: tools, not modeling code, which no saved folder carries.
+IMPORT_FILES = {"convert_rannet", "export", "rename_cell_weights"}
 
 
 def resolve(parts: list[str]) -> str | None:
