@@ -10,6 +10,12 @@ compiles into one graph that a GPU can replay.
 `decode_layer` computes one layer's step and returns the layer's new cache state without writing it; `RANModel`
 writes every layer's state once all layers have run, so that a step that fails leaves the cache as it was.
 
+Between eager steps the cache also keeps what stays the same until a window ends (`RANCacheLayer.step_window`,
+`step_review`): the window as attention reads it, rotated, with the read cell's key and value in slot 0, and the
+cells memory review reads with their score bias. A step then projects, rotates and writes only its own token; the
+step after a window ends rebuilds them, and a compiled step, which cannot ask whether they are there, builds them
+every time.
+
 Shapes: B batch, H heads, d head size, D hidden size, S window slots (the tail plus the new token), C cached cells.
 """
 
