@@ -424,7 +424,8 @@ class RANCache(Cache):
 
     def snapshot(self) -> tuple:
         """What a forward may change, by reference: every update replaces a tensor, none writes into one (the base
-        layer's per-state dicts are copied, their tensors are not)."""
+        layer's per-state dicts are copied, their tensors are not). The one exception, `step_window`, is written in
+        place only in the slot after each row's tail, which no step reads before writing it again."""
         layers = [(dict(vars(layer)), *map(dict, per_state(layer))) for layer in self.layers]
         return layers, dict(vars(self))
 
