@@ -8,7 +8,6 @@ import pytest
 import torch
 import transformers
 from ran_testing import randomize_, tiny_config
-from remote_code import run_without_ran_hf
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
@@ -149,75 +148,6 @@ def test_round_trip_gives_identical_outputs(make_config, tmp_path, model_class, 
 
 # Runs in a fresh interpreter where `ran_hf` cannot be imported (see `remote_code.py`): loads the saved folder through
 # the Auto classes as remote code, and compares with the outputs the parent process saved.
-REMOTE_CODE_SCRIPT = r"""
-import torch
-from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
-
-folder, expected_file = sys.argv[1], sys.argv[2]
-expected = torch.load(expected_file)
-inputs = dict(input_ids=expected["input_ids"], attention_mask=expected["attention_mask"])
-
-def max_difference(actual, name):
-    return (actual - expected[name]).abs().max().item()
-
-with torch.no_grad():
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    classifier, info = AutoModelForSequenceClassification.from_pretrained(
-        folder, trust_remote_code=True, output_loading_info=True
-    )
-    report["loading_info"] = {key: sorted(map(str, value)) for key, value in info.items()}
-    encoder = AutoModel.from_pretrained(folder, trust_remote_code=True)
-    masked_lm = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)
-    encoded = encoder(**inputs)
-    report["differences"] = {
-        "classifier logits": max_difference(classifier(**inputs).logits, "logits"),
-        "encoder last_hidden_state": max_difference(encoded.last_hidden_state, "last_hidden_state"),
-        "encoder pooler_output": max_difference(encoded.pooler_output, "pooler_output"),
-        "masked-lm last hidden state": max_difference(
-            masked_lm(**inputs, output_hidden_states=True).hidden_states[-1], "last_hidden_state"
-        ),
-    }
-report["classes"] = {
-    "config": type(config).__module__ + "." + type(config).__name__,
-    "classifier": type(classifier).__module__ + "." + type(classifier).__name__,
-    "encoder": type(encoder).__module__ + "." + type(encoder).__name__,
-    "masked_lm": type(masked_lm).__module__ + "." + type(masked_lm).__name__,
-}
-report["masked_lm_decoder_tied"] = masked_lm.decoder.weight is masked_lm.model.embeddings.word_embeddings.weight
-"""
-
-
-def test_auto_classes_load_the_folder_as_remote_code_without_ran_hf(saved_classifier, tmp_path):
-    """With `ran_hf` unimportable, `trust_remote_code=True` loads the saved code and reproduces the saved outputs."""
-    model, folder = saved_classifier
-    input_ids, attention_mask = batch()
-    with torch.no_grad():
-        encoded = model.model(input_ids=input_ids, attention_mask=attention_mask)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    expected_file = tmp_path / "expected.pt"
-    torch.save(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "logits": logits,
-            "last_hidden_state": encoded.last_hidden_state,
-            "pooler_output": encoded.pooler_output,
-        },
-        expected_file,
-    )
-    report = run_without_ran_hf(REMOTE_CODE_SCRIPT, [folder, expected_file], tmp_path)
-
-    for name, qualified_name in report["classes"].items():
-        assert qualified_name.startswith("transformers_modules."), (name, qualified_name)
-    assert report["classes"]["classifier"].endswith(".modeling_ran.RANForSequenceClassification")
-    assert report["classes"]["encoder"].endswith(".ran_model.RANModel")  # named in `auto_map` through modeling_ran
-    assert report["classes"]["masked_lm"].endswith(".modeling_ran.RANForMaskedLM")
-    assert report["masked_lm_decoder_tied"]
-    assert not any(report["loading_info"].values()), report["loading_info"]
-    for name, difference in report["differences"].items():
-        assert difference <= 1e-6, f"{name} differs by {difference}"
-
-
 @pytest.mark.parametrize("is_causal", [False, True], ids=["encoder", "causal"])
 def test_a_saved_config_names_the_memory_design_it_resolves_to(is_causal, tmp_path):
     """Fields left to their defaults are saved resolved: a checkpoint keeps its layer if the causal defaults change."""
