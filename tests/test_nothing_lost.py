@@ -686,3 +686,32 @@ def test_a_training_script_names_a_truncated_weights_file(tokenizer_dir, topic_f
     argv += ["--max_steps", "1", "--output_dir", str(tmp_path / "out"), *QUIET]
     with pytest.raises(OSError, match=rf"{model_dir / 'model.safetensors'} .*is damaged or cut short"):
         run_classification.main(argv)
+
+
+def test_an_out_of_vocabulary_id_is_answered_with_the_fix():
+    """An id past the vocabulary (a tokenizer that is not the model's, or tokens added without resizing) was named
+    with the vocabulary's range only; the error now says what to do."""
+    import torch
+
+    from ran_hf import RANModel
+
+    model = RANModel(RANConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, vocab_size=61))
+    with pytest.raises(ValueError, match=r"token id 70, outside the vocabulary \[0, 60\]: .*resize_token_embeddings"):
+        model(torch.tensor([[1, 70]]))
+
+
+def test_cropping_a_cache_says_how_to_go_back():
+    """`cache.crop(n)` was refused without a way back; the error now names keeping a `copy.deepcopy` or a fresh
+    cache."""
+    import torch
+
+    from ran_hf import RANForCausalLM
+
+    config = RANConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, vocab_size=61,
+                       window_size=4, min_window_size=2, is_causal=True)  # fmt: skip
+    model = RANForCausalLM(config).eval()
+    with torch.no_grad():
+        cache = model(torch.tensor([[1, 2, 3, 4, 5]]), use_cache=True).past_key_values
+    for target in (cache, cache.layers[0]):
+        with pytest.raises(ValueError, match=r"cannot be cropped.*copy\.deepcopy\(cache\).*fresh cache"):
+            target.crop(2)

@@ -26,6 +26,12 @@ CACHE_SHAPE_FIELDS = (
 )
 
 
+CROP_REFUSED = (
+    "A RAN cache cannot be cropped: its cells have already read the tokens to remove. Keep a copy made before them "
+    "(`copy.deepcopy(cache)`) and continue that, or read the text again into a fresh cache."
+)
+
+
 def cache_shape(config) -> dict:
     # A first layer with token shift caches the last token read.
     return {
@@ -215,7 +221,7 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         self.__init__()
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("A RAN cache cannot be cropped: its cells have already read the tokens to remove.")
+        raise ValueError(CROP_REFUSED)
 
     def activate_past_recording(self) -> None:
         raise ValueError("A RAN cache cannot record past states to roll back to: its cells read every token.")
@@ -390,7 +396,7 @@ class RANCache(Cache):
                 self.host_lengths = [length for length in self.host_lengths for _ in range(repeats)]
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("A RAN cache cannot be cropped: its cells have already read the tokens to remove.")
+        raise ValueError(CROP_REFUSED)
 
     def reset(self) -> None:
         super().reset()

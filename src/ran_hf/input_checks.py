@@ -221,7 +221,8 @@ def validate_ran_inputs(
             if low < 0 or high >= config.vocab_size:
                 raise ValueError(
                     f"`input_ids` holds token id {low if low < 0 else high}, outside the vocabulary "
-                    f"[0, {config.vocab_size - 1}]."
+                    f"[0, {config.vocab_size - 1}]: tokenize with the tokenizer saved with the model, or after adding "
+                    "tokens call `model.resize_token_embeddings(len(tokenizer))`."
                 )
         else:
             embeds_check.judge(found[:1])
