@@ -1,5 +1,6 @@
 """Causal RAN: strictly causal, really recurrent, and a recurrent cache whose decoding equals the full forward."""
 
+import copy
 import random
 
 import pytest
@@ -427,3 +428,23 @@ def test_a_cache_written_in_another_dtype_is_refused_naming_both():
         for new in (ids[:, :1], ids[:, :3]):  # a decoding step, and a chunk
             with pytest.raises(ValueError, match="written by a model in torch.bfloat16, and this one computes in "):
                 model(new, past_key_values=cache, use_cache=True)
+
+
+def test_a_cache_position_that_disagrees_with_the_cache_is_refused_and_an_agreeing_one_changes_nothing():
+    """`cache_position` given with a cache must say where the cache stands (it has read 8 positions: the next token
+    is at 8); one that agrees gives the logits of leaving it out, one that does not is refused before anything runs,
+    naming both and leaving the cache as it was."""
+    model = RANForCausalLM(tiny_config(is_causal=True, window_size=4, min_window_size=2)).eval()
+    ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    cache = RANCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        expected = model(ids[:, 8:], past_key_values=copy.deepcopy(cache), use_cache=True).logits
+        given = model(ids[:, 8:], past_key_values=copy.deepcopy(cache), cache_position=torch.tensor([8])).logits
+        assert torch.equal(given, expected)
+        for wrong in (torch.tensor([3]), torch.tensor([8, 9])):
+            with pytest.raises(ValueError, match=r"`cache_position` is \[.*has read 8 positions"):
+                model(ids[:, 8:], past_key_values=cache, use_cache=True, cache_position=wrong)
+        assert cache.get_seq_length() == 8
+        with pytest.raises(ValueError, match=r"has read 0 positions"):  # no cache: a text starts at 0
+            model(ids[:, :4], cache_position=torch.arange(2, 6))

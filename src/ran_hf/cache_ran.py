@@ -72,6 +72,23 @@ def check_cache(past_key_values, config, dtype: torch.dtype | None = None) -> No
     past_key_values.check_graph()
 
 
+def check_cache_position(cache_position, past_key_values, new_positions: int) -> None:
+    """Refuse a `cache_position` (Transformers' index of the new positions) that disagrees with what
+    `past_key_values` has read: a RAN cache knows where every row stands and needs none, so one given must say the
+    same (a host read, only where one is given)."""
+    read = 0 if past_key_values is None else past_key_values.get_seq_length()
+    expected = list(range(read, read + new_positions))
+    given = cache_position.tolist() if torch.is_tensor(cache_position) else cache_position
+    if given != expected:
+        shown = f"{given}" if not isinstance(given, list) or len(given) <= 6 else f"[{given[0]}, ..., {given[-1]}]"
+        raise ValueError(
+            f"`cache_position` is {shown}, but `past_key_values` has read {read} positions, so the {new_positions} new "
+            f"ones are {read}..{read + new_positions - 1}: the cache and the positions given with it disagree. A RAN "
+            "cache knows where each row stands: leave `cache_position` out, or pass the cache that read the text "
+            "before these tokens (a `copy.deepcopy` made then, or None for a new text)."
+        )
+
+
 def after_last_finished(steps: torch.Tensor, finished_here: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """(N, B, ...) per scan step -> (B, ...) each row's entry after its last window finished in this pass
     (`finished_here` (B,) windows), or `start` for a row that finished none."""

@@ -26,7 +26,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .adaptive_softmax import RANAdaptiveEmbedding, RANClusterBiases
 from .associative_memory import RANAssociativeMemory
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit
-from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache
+from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache, check_cache_position
 from .configuration_ran import RANConfig
 from .decode_step import decode_layer, step_positions, step_settings, write_step
 from .input_checks import (
@@ -473,6 +473,9 @@ class RANModel(RANPreTrainedModel):
         """
         if not torch.compiler.is_compiling():
             self.check_config()  # a field the model was built from, changed since, is named
+            if kwargs.get("cache_position") is not None:  # Transformers' own; RAN's cache needs none
+                new_positions = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+                check_cache_position(kwargs["cache_position"], past_key_values, new_positions)
         if past_key_values is not None and attention_mask is None and token_type_ids is None and initial_cell is None:
             step = self.decodes_in_steps(
                 input_ids, inputs_embeds, past_key_values, output_attentions, output_hidden_states
