@@ -1260,3 +1260,22 @@ def test_a_test_file_without_labels_is_still_only_predicted(tokenizer_dir, tmp_p
     argv = classification_argv(tokenizer_dir, tmp_path, topic_files["train"], None, "--test_file", str(test))
     run_classification.main(argv + ["--do_predict", "--max_seq_length", "32"])
     assert len((tmp_path / "out" / "predict_results.txt").read_text().splitlines()) == 1 + 2  # a header, then each
+
+
+@pytest.mark.parametrize("flag", ["--tokens_column_name", "--tags_column_name"])
+def test_run_ner_names_its_own_flag_for_a_missing_column(tokenizer_dir, tmp_path, flag):
+    """A jsonl file without the tokens or tags column is named with run_ner's flag for it (the error suggested
+    run_classification's --text_column_name / --label_column_name)."""
+    train = write_jsonl(tmp_path / "train.jsonl", [{"tokens": ["EU", "rejects"], "ner_tags": ["B-ORG", "O"]}] * 4)
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--train_file", str(train), "--do_train", flag, "words"]
+    with pytest.raises(ValueError, match=rf"train.jsonl has no column 'words'; .* Name the column with {flag}\.$"):
+        run_ner.main(argv + QUIET)
+
+
+def test_run_clm_names_its_flag_for_a_missing_text_column(tokenizer_dir, tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": "the planet orbits the sun"}] * 4)
+    argv = from_scratch(tokenizer_dir, tmp_path / "out") + ["--train_file", str(train), "--do_train"]
+    with pytest.raises(
+        ValueError, match=r"train.jsonl has no column 'body'; .* Name the column with --text_column_name"
+    ):
+        run_clm.main(argv + ["--text_column_name", "body"] + QUIET)

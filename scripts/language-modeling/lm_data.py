@@ -37,6 +37,7 @@ def load_text_datasets(model_args: ModelArguments, data_args) -> DatasetDict:
         text_columns=(column,),
         cache_dir=model_args.cache_dir,
         token=model_args.token,
+        flags={column: "--text_column_name"},
     )
     # Local files: a null or blank text is an error naming its line. Hub corpora (WikiText, say) hold empty rows
     # between paragraphs by design: those are dropped below, and counted.

@@ -181,6 +181,7 @@ def load_sentences(
     sentence is checked (`check_sentences`), not only those --max_*_samples keeps: the tags of whole splits make the
     tag set."""
     tokens_column, tags_column = data_args.tokens_column_name, data_args.tags_column_name
+    flags = {tokens_column: "--tokens_column_name", tags_column: "--tags_column_name"}  # named for a missing column
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
     sources = {}
     if data_args.dataset_name is not None:
@@ -191,6 +192,7 @@ def load_sentences(
             [tokens_column, tags_column],
             cache_dir=model_args.cache_dir,
             token=model_args.token,
+            flags=flags,
         )
     else:
         splits = DatasetDict()
@@ -198,7 +200,8 @@ def load_sentences(
             if path is None:
                 continue
             if file_format(path) == "jsonl":
-                splits[split] = load_records(path, [tokens_column, tags_column], cache_dir=model_args.cache_dir)
+                columns = [tokens_column, tags_column]
+                splits[split] = load_records(path, columns, cache_dir=model_args.cache_dir, flags=flags)
                 sources[split] = SentenceFile(str(path))
             else:
                 conll = read_conll(path, with_lines=True)
