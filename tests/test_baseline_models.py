@@ -1,6 +1,7 @@
 """The benchmark baselines (scripts/benchmarks/baseline_models.py): padding invariance, slicing and enrichment,
 losses, learning, argument checks and parameter counts, on tiny models."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -235,7 +236,9 @@ def test_learns_whether_a_token_appears(name):
         optimizer.step()
         losses.append(loss.item())
     start, end = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert end < 0.6 * start, f"loss {start:.3f} -> {end:.3f}"
+    # The labels are fair coins, so a predictor blind to the tokens scores log 2 = 0.69; on the last 80 (unseen) labels
+    # it can score at most 0.06 less (the labels' share three standard deviations off 1/2), so 0.1 below needs the tokens.
+    assert end < math.log(2) - 0.1, f"loss {start:.3f} -> {end:.3f}"
 
 
 @pytest.mark.parametrize(

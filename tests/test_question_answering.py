@@ -1,6 +1,7 @@
 """`RANForQuestionAnswering`: Transformers' span loss, padding invariance, saving and loading (as remote code too), and
 the `extractive-question-answering` pipeline over a document of several thousand tokens."""
 
+import math
 import random
 
 import pytest
@@ -36,9 +37,10 @@ def test_the_loss_goes_down_on_a_span_task():
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    # Chance is log(24) = 3.2 for each of start and end.
+    # The answer is uniform over positions 1..23, so an input-blind guess scores log(23) = 3.1 on start and end alike.
     assert sum(losses[:5]) / 5 > 2.5
-    assert sum(losses[-5:]) / 5 < 0.5
+    # Below log(2), the answer's geometric-mean probability exceeds 1/2: more than the 22 other positions together.
+    assert sum(losses[-5:]) / 5 < math.log(2)
 
 
 def test_logits_and_loss_do_not_depend_on_padding():
