@@ -27,6 +27,7 @@ from train_tokenizer import SPECIAL_TOKENS, TokenizerArguments, build_tokenizer
 from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline, set_seed
 
 from ran_hf import RANConfig, RANForMaskedLM
+from ran_hf.files.data import read_lines
 from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
 
 
@@ -44,6 +45,8 @@ def read_text(path: Path, characters: int) -> tuple[list[str], bool]:
         with path.open(encoding="utf-8") as handle:
             text = handle.read(characters + 1)
     except UnicodeDecodeError as error:
+        for _ in read_lines(path):  # names the encoding the file is in and the command that converts it
+            pass
         raise ValueError(f"--text_file {path} is not UTF-8 text ({error.reason}); convert it to UTF-8.") from None
     more = len(text) > characters
     if more:

@@ -454,6 +454,21 @@ def test_quickstart_reads_only_the_start_of_a_long_text(tmp_path):
     assert not more and line == path.read_text().strip()
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "cp1252"])
+def test_quickstart_names_the_encoding_of_a_text_that_is_not_utf8(tmp_path, encoding):
+    """quickstart.py said only "convert it to UTF-8"; it names what the data scripts name: the encoding (UTF-16 by its
+    byte-order mark, a byte-wide one as a guess) and the iconv command that converts the file."""
+    import quickstart
+
+    path = tmp_path / "notes.txt"
+    path.write_text("Café au lait, déjà vu.\nA second line.\n", encoding=encoding)
+    expected = (
+        "is UTF-16 text.*iconv -f UTF-16" if encoding == "utf-16" else "not valid UTF-8.*iconv -f CP1252.*a guess"
+    )
+    with pytest.raises(ValueError, match=rf"notes.txt.*{expected}"):
+        quickstart.read_text(path, characters=10_000)
+
+
 @pytest.mark.parametrize("name,field", [("is_casual", "is_causal"), ("hidden_szie", "hidden_size")])
 def test_a_field_with_two_neighbouring_letters_swapped_is_named(name, field):
     """`RANConfig(is_casual=True)` made an encoder without a word: difflib scores a swap of two letters below the
