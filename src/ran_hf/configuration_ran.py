@@ -21,8 +21,8 @@ from .config_checks import (
     interval,
     value_errors,
 )
-from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
 from .safe_writes import hub_repo, write_into
+from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
 
 
 _UNSET = object()
