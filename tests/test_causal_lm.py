@@ -448,3 +448,22 @@ def test_a_cache_position_that_disagrees_with_the_cache_is_refused_and_an_agreei
         assert cache.get_seq_length() == 8
         with pytest.raises(ValueError, match=r"has read 0 positions"):  # no cache: a text starts at 0
             model(ids[:, :4], cache_position=torch.arange(2, 6))
+
+
+def test_a_hook_on_the_base_model_sees_every_decoding_step_and_changes_nothing():
+    """A decoding step skips the base model's call (and its wrappers) only where no hook would see it: a hook on
+    `model.model` (an offloading hook of accelerate, say) is called at every step, with the same logits."""
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True, window_size=4, min_window_size=2))).eval()
+    ids = torch.randint(1, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    cache = RANCache(model.config)
+    seen = []
+    with torch.no_grad():
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+        hooked_cache = copy.deepcopy(cache)
+        plain = [model(ids[:, p : p + 1], past_key_values=cache).logits for p in range(6, 12)]
+        handle = model.model.register_forward_hook(lambda module, args, output: seen.append(output.past_key_values))
+        hooked = [model(ids[:, p : p + 1], past_key_values=hooked_cache).logits for p in range(6, 12)]
+        handle.remove()
+    assert len(seen) == 6 and all(cache is hooked_cache for cache in seen)
+    for expected, logits in zip(plain, hooked):
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)

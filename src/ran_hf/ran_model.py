@@ -371,21 +371,47 @@ class RANModel(RANPreTrainedModel):
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings
 
-    def decodes_in_steps(self, input_ids, inputs_embeds, cache, output_attentions, output_hidden_states) -> bool:
-        """Whether this call is a decoding step (`decode_step`): one new real token per row (no attention mask: all
-        are real) continuing an initialised `RANCache`, in inference, with nothing recorded on the way. Everything else, and the options a step does not compute (the associative memory, salient
-        cells), takes the general forward pass."""
+    def as_decoding_step(self, input_ids=None, attention_mask=None, inputs_embeds=None, past_key_values=None,
+                         output_attentions=None, output_hidden_states=None, initial_cell=None, token_type_ids=None,
+                         **kwargs) -> RANModelOutput | None:  # fmt: skip
+        """This call (`forward`'s arguments) as a decoding step (`decode_step`) where it is one, else None: one new
+        real token per row (no attention mask: all are real) continuing an initialised `RANCache`, in inference, with
+        nothing recorded on the way. Everything else, and the options a step does not compute (the associative memory,
+        salient cells), takes the general forward pass. The cache is checked once, when first handed over; the config
+        only after an edit; a `cache_position`, where one is given, against the cache."""
+        if not torch.compiler.is_compiling():
+            self.check_config()  # a field the model was built from, changed since, is named
+            if kwargs.get("cache_position") is not None:  # Transformers' own; RAN's cache needs none
+                new_positions = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+                check_cache_position(kwargs["cache_position"], past_key_values, new_positions)
         if (
-            type(cache) is not RANCache
-            or cache.lengths is None
+            type(past_key_values) is not RANCache
+            or past_key_values.lengths is None
+            or attention_mask is not None
+            or token_type_ids is not None
+            or initial_cell is not None
             or self.training
             or torch.is_grad_enabled()
             or (input_ids if input_ids is not None else inputs_embeds).shape[1] != 1
+            or self.step_settings is None
+            or output_attentions
+            or output_hidden_states
+            or self.pooler is not None
         ):
-            return False
-        return (
-            self.step_settings is not None and not (output_attentions or output_hidden_states) and self.pooler is None
-        )
+            return None
+        if past_key_values.checked_by is not self.checked_config:  # handed over: checked once
+            check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
+            past_key_values.checked_by = self.checked_config
+        return self.decode_step(input_ids, inputs_embeds, past_key_values)
+
+    @property
+    def steps_without_wrappers(self) -> bool:
+        """Whether a head may run a decoding step without calling this module (`as_decoding_step` instead of
+        `forward`): where no hook is registered on it, or on every module, that the call would run."""
+        return not (
+            self._forward_hooks or self._forward_pre_hooks or nn.modules.module._global_forward_hooks
+            or nn.modules.module._global_forward_pre_hooks
+        )  # fmt: skip
 
     def decode_step(self, input_ids, inputs_embeds, cache: RANCache) -> RANModelOutput:
         """One new token per row against `cache` (decode_step.py), in shapes that do not change from step to step and
@@ -471,20 +497,12 @@ class RANModel(RANPreTrainedModel):
             all-zero cells with its learned one, here pass None for that. Causal models: with the first call only
             (a cache carries the cells after it); memory review's starting cell stays the learned one.
         """
-        if not torch.compiler.is_compiling():
-            self.check_config()  # a field the model was built from, changed since, is named
-            if kwargs.get("cache_position") is not None:  # Transformers' own; RAN's cache needs none
-                new_positions = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-                check_cache_position(kwargs["cache_position"], past_key_values, new_positions)
-        if past_key_values is not None and attention_mask is None and token_type_ids is None and initial_cell is None:
-            step = self.decodes_in_steps(
-                input_ids, inputs_embeds, past_key_values, output_attentions, output_hidden_states
-            )
-            if step:
-                if past_key_values.checked_by is not self.checked_config:  # handed over: checked once
-                    check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
-                    past_key_values.checked_by = self.checked_config
-                return self.decode_step(input_ids, inputs_embeds, past_key_values)
+        step = self.as_decoding_step(
+            input_ids, attention_mask, inputs_embeds, past_key_values, output_attentions, output_hidden_states,
+            initial_cell, token_type_ids, **kwargs,
+        )  # fmt: skip
+        if step is not None:
+            return step
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
