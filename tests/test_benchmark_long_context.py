@@ -196,6 +196,15 @@ def assert_plot_shows(saved_figure, output):
             assert drawn[label][0] == lengths and drawn[label][1] == pytest.approx(accuracy), (task, label)
 
 
+def assert_whole_answers(row: dict, answers: int) -> None:
+    """An accuracy is the share of `answers` that were right: a whole number of them (to the 4 decimals written), and
+    a passkey's at most its weakest digit's (all digits right, or the answer is wrong)."""
+    right = row["accuracy"] * answers
+    assert right == pytest.approx(round(right), abs=1e-3) and 0 <= round(right) <= answers, (row, answers)
+    if "digit_accuracy" in row:
+        assert row["accuracy"] <= min(row["digit_accuracy"]) + 1e-4, row
+
+
 @needs_data
 def test_tiny_run_writes_table_and_plot(tmp_path, monkeypatch):
     figures = record_saved_figures(monkeypatch)
@@ -215,7 +224,11 @@ def test_tiny_run_writes_table_and_plot(tmp_path, monkeypatch):
     assert saved["settings"]["key_digits"] == 2 and saved["device"] == "cpu"
     for result in saved["results"]:
         assert {row["length"] for row in result["passkey"]} == {128, 256}
-        assert len(result["mqar"]) == 4 and all(0 <= row["accuracy"] <= 1 for row in result["mqar"])
+        assert len(result["mqar"]) == 4
+        for row in result["mqar"]:  # 2 examples of 2 or 4 pairs
+            assert_whole_answers(row, 2 * row["pairs"])
+        for row in result["passkey"]:  # 2 examples
+            assert_whole_answers(row, 2)
         decoded = [row for row in result["passkey"] if "ms_per_token" in row]
         assert len(decoded) == (0 if result["model"] == "gpt2" else 2)
         if (
@@ -320,7 +333,8 @@ def test_tiny_run_on_cuda(tmp_path):
     )  # fmt: skip
     for result in results:
         assert len(result["passkey"]) == 2 and len(result["mqar"]) == 1
-        assert all(0 <= row["accuracy"] <= 1 for row in result["passkey"] + result["mqar"])
+        for row in result["passkey"] + result["mqar"]:  # 2 examples (of 2 pairs)
+            assert_whole_answers(row, 2 * row.get("pairs", 1))
     assert [row["cache_bytes"] > 0 for row in results[0]["passkey"]] == [True, True]  # the RAN decoded on CUDA
 
 
@@ -371,7 +385,8 @@ def test_the_mqar_anchors_run_when_named_and_gla_refuses_saving(tmp_path, capsys
     ]  # fmt: skip
     results = bench.main(arguments + ["--output", str(tmp_path / "anchors")])
     assert [r["model"] for r in results] == ["llama", "gla"]
-    assert all(0 <= row["accuracy"] <= 1 for result in results for row in result["mqar"])
+    for row in [row for result in results for row in result["mqar"]]:  # 2 examples of 2 pairs
+        assert_whole_answers(row, 4)
     with_passkey = arguments[:5] + ["1"] + arguments[6:] + ["--key_curriculum_steps", "0"]  # --passkey_steps 1
     with pytest.raises(SystemExit):
         bench.parse_args(with_passkey + ["--save_models", str(tmp_path / "models")])
