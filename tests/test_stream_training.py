@@ -10,6 +10,7 @@ import torch
 from benchmark_utils import LiveTensorPeak
 from lm_data import interleave_streams
 from test_scripts import QUIET, from_scratch, tokenizer_dir, topic_files  # noqa: F401 (fixtures)
+from transformers import AutoTokenizer
 
 from ran_hf import RANForCausalLM
 from ran_hf.memory_review import RANMemoryReview
@@ -79,8 +80,15 @@ def test_run_clm_trains_on_streams_and_its_loss_goes_down(topic_files, tokenizer
     assert results["train"]["train_samples"] % 2 == 0
     losses = [entry["loss"] for entry in json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
               if "loss" in entry]  # fmt: skip
+    # Below the loss of the best predictor that ignores the context: each token's frequency in the training text
+    # (its unigram entropy), which a model learning token counts alone would reach. Lower needs the context.
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    texts = [json.loads(line)["text"] for line in topic_files["train"].read_text().splitlines()]
+    counts = np.bincount(np.concatenate([tokenizer(text)["input_ids"] for text in texts]))
+    frequencies = counts[counts > 0] / counts.sum()
+    unigram_entropy = float(-(frequencies * np.log(frequencies)).sum())
     tenth = max(len(losses) // 10, 1)
-    assert np.mean(losses[-tenth:]) < 0.8 * np.mean(losses[:tenth])
+    assert np.mean(losses[-tenth:]) < unigram_entropy, (np.mean(losses[-tenth:]), unigram_entropy)
     assert "parallel streams" in (output_dir / "README.md").read_text()
 
 
