@@ -3,7 +3,9 @@ own checkpoint, padding invariance, target-side causality (content and length), 
 `Trainer`, generation, save/load and remote code without `ran_hf`, bad segments named."""
 
 import json
+import math
 import random
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -221,7 +223,8 @@ def test_generate_continues_the_source_as_the_full_forward_predicts():
 
 @pytest.mark.needs_data("wikitext-2", "conll2003")  # the WordPiece tokenizer's corpus
 def test_trainer_learns_targets_from_sources(wordpiece_tokenizer, tmp_path):
-    """(source, target) pairs through `prefix_lm_features`, `DataCollatorForSeq2Seq` and `Trainer`: the loss falls."""
+    """(source, target) pairs through `prefix_lm_features`, `DataCollatorForSeq2Seq` and `Trainer`: the loss falls
+    below what reading no context can reach."""
     tokenizer = wordpiece_tokenizer
     words = ["court", "state", "law", "market", "trade", "rule", "water", "energy"]
     rng = random.Random(0)
@@ -234,13 +237,19 @@ def test_trainer_learns_targets_from_sources(wordpiece_tokenizer, tmp_path):
     config = tiny_config(vocab_size=len(tokenizer), hidden_size=32, head_dim=16, window_size=4, min_window_size=2)
     model = RANForPrefixLM(config)
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_train_epochs=8, learning_rate=1e-2,
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_train_epochs=40, learning_rate=1e-2,
         logging_steps=4, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=features, data_collator=DataCollatorForSeq2Seq(tokenizer))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert losses[-1] < 0.5 * losses[0], losses
+    # Below the loss of the best predictor that reads no context at all: each target token's frequency among the
+    # targets (their unigram entropy). Lower needs the source or the target's earlier tokens.
+    counts = Counter(token for feature in features for token in feature["labels"] if token != -100)
+    frequencies = [count / sum(counts.values()) for count in counts.values()]
+    unigram_entropy = -sum(p * math.log(p) for p in frequencies)
+    last = sum(losses[-5:]) / 5  # the last 20 steps (a batch's loss alone is noisy)
+    assert last < unigram_entropy, (losses, unigram_entropy)
 
 
 GENERATE_WITHOUT_RAN_HF = r"""
