@@ -14,7 +14,9 @@ for real (RAN in chunks of `--prefill_chunk` through its cache, Mamba-2 in one p
 `--llama_max_context`, beyond which it is left out), then `generate()` adds `--steps` tokens greedily, timed from the
 first step's logits to the last's by a logits processor (so the prompt's pass is not counted): the median step of each
 of `--repeats` runs, the least of them reported (on a shared machine noise only adds time). One thread by default.
-Writes a table to stdout and one JSON in the benchmarks' result format.
+With `--memory_review_cells N` the RAN reviews the last N cells only, so that a step's work no longer grows with
+the context (by default it reviews one cell per window read so far). Writes a table to stdout and one JSON in the
+benchmarks' result format.
 """
 
 import argparse
@@ -79,6 +81,7 @@ def build(name: str, args, classifier: bool = False):
             vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
             head_dim=width // heads, window_size=args.window_size, min_window_size=min(16, args.window_size // 4),
             is_causal=not classifier, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            memory_review_cells=args.memory_review_cells,
         )  # fmt: skip
         return (RANForSequenceClassification if classifier else RANForCausalLM)(config).eval()
     if name == "llama":
@@ -153,6 +156,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_heads", type=POSITIVE, default=4)
     parser.add_argument("--vocab_size", type=POSITIVE, default=1000)
     parser.add_argument("--window_size", type=POSITIVE, default=128)
+    parser.add_argument(
+        "--memory_review_cells", type=POSITIVE, default=None,
+        help="RAN's memory review reads the last N cells only (default: all, one per window so far)",
+    )  # fmt: skip
     parser.add_argument("--contexts", type=POSITIVE, nargs="+", default=[512, 4096])
     parser.add_argument("--steps", type=POSITIVE, default=32, help="new tokens timed per context")
     parser.add_argument("--repeats", type=POSITIVE, default=3, help="timed runs per context: the least median wins")
