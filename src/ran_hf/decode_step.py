@@ -82,12 +82,13 @@ def step_positions(config: StepSettings, cache: RANCache, device: torch.device) 
     cell scan in a step where no row ends a window)."""
     window_size, overlap = config.window_size, config.window_overlap
     past = cache.lengths  # (B,)
-    window = past // window_size
-    slot = torch.minimum(past, past % window_size + overlap)
+    window, within = past // window_size, past % window_size
+    slot = torch.minimum(past, within + overlap) if overlap else within  # (a first window has no enrichment)
+    key_slot = slot + 1  # among the keys attention reads, after the read cell's; the rotary position of slot s too
     num_slots = cache.tail_slots
-    visible = torch.arange(num_slots, device=device) <= slot[:, None]
+    reads = torch.arange(1 + num_slots, device=device) <= key_slot[:, None]  # (B, 1 + S): the cell, then the slots
     rotations = step_rotations(config, num_slots, device)
-    ends_window = (past + 1) % window_size == 0
+    ends_window = within == window_size - 1
     if torch.compiler.is_compiling():
         scan_runs = True
     else:
@@ -104,14 +105,13 @@ def step_positions(config: StepSettings, cache: RANCache, device: torch.device) 
         reads_cells = window > 0
         first_readable = torch.where(reads_cells, (bound - window).clamp(min=0) + initial, 0)[:, None]
         readable = torch.where(reads_cells, bound + initial, initial)[:, None]
-    key_slot = slot + 1  # the rotary position of slot s is s + 1 too
     return StepPositions(
         slot=slot,
         rows=torch.arange(past.shape[0], device=device),
         # (an additive mask: SDPA turns a boolean one into this in every layer)
-        attention_bias=F.pad(torch.where(visible, 0.0, float("-inf")), (1, 0))[:, None, None],
+        attention_bias=torch.where(reads, 0.0, float("-inf"))[:, None, None],
         window=window,
-        visible=visible,
+        visible=reads[:, 1:],
         key_slot=key_slot,
         token_rotations=rotations[key_slot][:, None, None],
         key_rotations=rotations[1:][:, None],
