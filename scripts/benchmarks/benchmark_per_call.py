@@ -81,7 +81,7 @@ def build(name: str, args, classifier: bool = False):
             vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
             head_dim=width // heads, window_size=args.window_size, min_window_size=min(16, args.window_size // 4),
             is_causal=not classifier, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            memory_review_cells=args.memory_review_cells,
+            memory_review_cells=None if classifier else args.memory_review_cells,  # (the encoder reviews all)
         )  # fmt: skip
         return (RANForSequenceClassification if classifier else RANForCausalLM)(config).eval()
     if name == "llama":

@@ -72,6 +72,7 @@ class StepPositions(NamedTuple):
     key_rotations: torch.Tensor  # (S, 1, d / 2) every slot's
     ends_window: torch.Tensor  # (B,) the token is the last of its window: the cell scan takes a step
     scan_runs: bool  # whether any row ends a window (always, compiled: the step cannot ask)
+    cells_read: int | None  # eager, unbounded: the cached cells any row reads (the room's rest is empty); else None
     first_readable: torch.Tensor | None  # (B, 1) the first cached cell the token's memory review reads (None: 0)
     readable: torch.Tensor  # (B, 1) the cells it reads end before this one (0: it reads none)
     review_mask: tuple | None = None  # memory review's (B, C) hidden cells and (B, 1) readable, for all layers
@@ -89,10 +90,12 @@ def step_positions(config: StepSettings, cache: RANCache, device: torch.device) 
     reads = torch.arange(1 + num_slots, device=device) <= key_slot[:, None]  # (B, 1 + S): the cell, then the slots
     rotations = step_rotations(config, num_slots, device)
     ends_window = within == window_size - 1
-    if torch.compiler.is_compiling():
-        scan_runs = True
-    else:
-        scan_runs = any((length + 1) % window_size == 0 for length in cache.known_lengths())
+    scan_runs, cells_read = True, None
+    if not torch.compiler.is_compiling():
+        lengths = cache.known_lengths()
+        scan_runs = any((length + 1) % window_size == 0 for length in lengths)
+        if config.memory_review_cells is None:
+            cells_read = max(lengths) // window_size
     # Memory review: window w reads the cells of windows before it (the last `memory_review_cells`), after the
     # layer's starting cell where `review_initial_cell` puts it first. Unbounded, cached cell c is window c's; bounded,
     # the M cached cells are right-aligned, the last being window w - 1's.
@@ -117,6 +120,7 @@ def step_positions(config: StepSettings, cache: RANCache, device: torch.device) 
         key_rotations=rotations[1:][:, None],
         ends_window=ends_window,
         scan_runs=scan_runs,
+        cells_read=cells_read,
         first_readable=first_readable,
         readable=readable,
     )
@@ -217,12 +221,13 @@ def reviewed_cells(layer, cache: RANCacheLayer, at: StepPositions, config: StepS
     between eager steps (`step_review`), rebuilt in every compiled one."""
     if cache.step_review is not None and not torch.compiler.is_compiling():
         return cache.step_review
-    cells = cache.cell_states
+    cells, hidden = cache.cell_states, at.review_mask[0]
+    if at.cells_read is not None:  # not the room's empty rest, which every token would score and hide again
+        cells, hidden = cells[:, : at.cells_read], hidden[:, : at.cells_read + config.review_initial_cell]
     if config.review_initial_cell:
         review = layer.memory_review
         initial = review.project_cells(layer.initial_cell[None].expand(cells.shape[0], -1))[:, None]
         cells = torch.cat([initial.to(cells.dtype), cells], dim=1)
-    hidden = at.review_mask[0]
     reviewed = cells, layer.memory_review.score_bias(cells, hidden)
     if not torch.compiler.is_compiling():
         cache.step_review = reviewed
