@@ -13,7 +13,8 @@ steps compiled by `generate()` ("ran-compiled": Transformers' compile path, indu
 for real (RAN in chunks of `--prefill_chunk` through its cache, Mamba-2 in one pass, Llama in one pass up to
 `--llama_max_context`, beyond which it is left out), then `generate()` adds `--steps` tokens greedily, timed from the
 first step's logits to the last's by a logits processor (so the prompt's pass is not counted): the median step of each
-of `--repeats` runs, the least of them reported (on a shared machine noise only adds time). One thread by default.
+of `--repeats` rounds, which time every model and context in turn, the least of them reported (on a shared machine
+noise only adds time). One thread by default.
 With `--memory_review_cells N` the RAN reviews the last N cells only, so that a step's work no longer grows with
 the context (by default it reviews one cell per window read so far). Writes a table to stdout and one JSON in the
 benchmarks' result format.
@@ -127,7 +128,9 @@ def classifier_calls(name: str, args) -> int:
 
 
 @torch.no_grad()
-def ms_per_token(name: str, model, context: int, args) -> float | None:
+def prepare_timing(name: str, model, context: int, args) -> dict | None:
+    """What a timed `generate()` after `context` tokens takes (None where the model is left out): the prompt's ids,
+    and for the RAN its cache after reading them (in chunks, as a long text is read) and the compile config."""
     if name == "llama" and context > args.llama_max_context:
         return None
     ids = torch.randint(1, args.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
@@ -140,13 +143,17 @@ def ms_per_token(name: str, model, context: int, args) -> float | None:
     if name == "ran-compiled":  # Transformers' compile path, asked for on a CPU
         kwargs["compile_config"] = CompileConfig(fullgraph=True, dynamic=False, mode="default")
         kwargs["compile_config"]._compile_all_devices = True
-    medians = []
-    for _ in range(args.repeats):  # each from the same prompt's state: the cache is copied
-        cache = kwargs.get("past_key_values")
-        fresh = {} if cache is None else {"past_key_values": copy.deepcopy(cache)}
-        times = generate(model, ids, args.steps + 1, **{**kwargs, **fresh})
-        medians.append(statistics.median(later - earlier for earlier, later in zip(times, times[1:])))
-    return 1000 * min(medians)  # the least disturbed of the repeats (a shared machine's noise only adds time)
+    return {"model": model, "ids": ids, "kwargs": kwargs}
+
+
+@torch.no_grad()
+def median_step(timing: dict, args) -> float:
+    """One greedy `generate()` of `--steps` tokens from the prepared prompt (a copy of its cache): the median time
+    between two steps' logits, in ms."""
+    kwargs, cache = timing["kwargs"], timing["kwargs"].get("past_key_values")
+    fresh = {} if cache is None else {"past_key_values": copy.deepcopy(cache)}
+    times = generate(timing["model"], timing["ids"], args.steps + 1, **{**kwargs, **fresh})
+    return 1000 * statistics.median(later - earlier for earlier, later in zip(times, times[1:]))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -177,21 +184,31 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     info = machine_info("cpu")
     print(machine_line(info))
-    results = []
+    results, timings = [], {}
     for name in tqdm(args.models, desc="models"):
         model = build(name, args)
         compiled = name == "ran-compiled"
         row = {"model": name, "python_calls_per_decoding_step": None if compiled else calls_per_step(model, args)}
         row["python_calls_classifier_forward"] = classifier_calls(name, args) if name in ("ran", "llama") else None
         if compiled:  # compiled once, before the timed contexts
-            ms_per_token(name, model, 512, args)
-        for context in tqdm(args.contexts, desc=name, leave=False):
-            row[f"ms_per_token_at_{context}"] = ms_per_token(name, model, context, args)
+            median_step(prepare_timing(name, model, 512, args), args)
+        for context in args.contexts:
+            timings[name, context] = prepare_timing(name, model, context, args)
         results.append(row)
+    # Every model and context once per round, round after round: a shared machine's slow spells fall on all of them
+    # alike. Each keeps the least of its rounds' medians (noise only adds time).
+    medians = {key: [] for key, timing in timings.items() if timing is not None}
+    for _ in tqdm(range(args.repeats), desc="rounds"):
+        for key in medians:
+            medians[key].append(median_step(timings[key], args))
+    for row in results:
+        for context in args.contexts:
+            times = medians.get((row["model"], context))
+            row[f"ms_per_token_at_{context}"] = min(times) if times else None
     columns = list(results[0])
     print(" | ".join(f"{column:>14}" for column in columns))
     for row in results:
-        print(" | ".join(f"{row[c]:>14.1f}" if isinstance(row[c], float) else f"{row[c]!s:>14}" for c in columns))
+        print(" | ".join(f"{row[c]:>14.2f}" if isinstance(row[c], float) else f"{row[c]!s:>14}" for c in columns))
     record = result_record(command_line(__file__, argv), vars(args), results, device="cpu", dtype="float32", info=info)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.output, json.dumps(record, indent=2) + "\n")
