@@ -467,3 +467,22 @@ def test_a_hook_on_the_base_model_sees_every_decoding_step_and_changes_nothing()
     assert len(seen) == 6 and all(cache is hooked_cache for cache in seen)
     for expected, logits in zip(plain, hooked):
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+
+
+def test_a_cache_handed_to_another_model_keeps_none_of_what_the_first_models_steps_kept():
+    """What decoding steps keep between steps (the read cell's key and value, the reviewed cells) is the computing
+    model's: a second model continuing the cache (another fine-tune of the same shape) computes them anew, as from a
+    cache that never kept them."""
+    config = tiny_config(is_causal=True, window_size=4, min_window_size=2)
+    first, second = (randomize_(RANForCausalLM(config), seed=seed).eval() for seed in (0, 1))
+    ids = torch.randint(1, 61, (2, 8), generator=torch.Generator().manual_seed(0))
+    cache = RANCache(config)
+    with torch.no_grad():
+        first(ids[:, :5], past_key_values=cache, use_cache=True)
+        first(ids[:, 5:6], past_key_values=cache)  # a step: the first model's memos are kept
+        assert cache.layers[0].step_window is not None
+        unkept = copy.deepcopy(cache)
+        for layer in unkept.layers:
+            layer.forget_step_memos()
+        expected = second(ids[:, 6:7], past_key_values=unkept).logits
+        torch.testing.assert_close(second(ids[:, 6:7], past_key_values=cache).logits, expected, rtol=0, atol=0)

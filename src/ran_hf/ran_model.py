@@ -402,6 +402,8 @@ class RANModel(RANPreTrainedModel):
         if past_key_values.checked_by is not self.checked_config:  # handed over: checked once
             check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
             past_key_values.checked_by = self.checked_config
+            for layer in past_key_values.layers:  # what another model's steps kept, this model computes anew
+                layer.forget_step_memos()
         return self.decode_step(input_ids, inputs_embeds, past_key_values)
 
     @property
