@@ -27,6 +27,14 @@ def test_a_decoding_step_runs_at_most_twice_the_python_calls_of_mamba2():
     assert ran <= 2 * mamba, f"RAN {ran:.0f} Python calls per decoding step, Mamba-2 {mamba:.0f}"
 
 
+def test_a_classifier_forward_runs_at_most_one_and_a_half_times_the_python_calls_of_llama():
+    """A sequence classifier's forward pass over 512 tokens (four windows, two layers) runs within 1.5 times the Python
+    calls of Llama's of the same width: the layout built once, no config work, no module called for nothing."""
+    args = benchmark_per_call.parse_args([])
+    ran, llama = benchmark_per_call.classifier_calls("ran", args), benchmark_per_call.classifier_calls("llama", args)
+    assert ran <= 1.5 * llama, f"RAN {ran} Python calls per classifier forward, Llama {llama}"
+
+
 def test_a_decoding_step_reads_nothing_to_the_host():
     """After the prompt's pass, a step of every layer runs on the device alone: counted on the meta device, which
     stands in for a GPU (a read there would have to wait for the device)."""

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .building_blocks import apply_dropout
 from .input_checks import check_num_items_in_batch
 
 
@@ -159,4 +160,4 @@ class RANOutputMapping(nn.Module):
         self.dense = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.silu(self.dense(self.dropout(hidden_states)))
+        return F.silu(self.dense(apply_dropout(self.dropout, hidden_states)))

@@ -17,6 +17,7 @@ from .kernel_choice import PLAIN_WEIGHT_MODULES, choose
 from .triton_glu import NO_ACTIVATION, branch_activation, triton_glu
 from .triton_norm import TritonNorm
 from .triton_rotary import triton_rotate_pairs
+from .triton_scan_kernels import SILU_ACTIVATIONS
 
 
 def standard_normalize(hidden_states: torch.Tensor, eps: float, dropout: nn.Dropout | None = None) -> torch.Tensor:
@@ -63,6 +64,17 @@ def apply_dropout(dropout: nn.Dropout | None, states: torch.Tensor) -> torch.Ten
 def dropout_rate(dropout: nn.Dropout | None) -> float:
     """The rate at which a dropout module drops units now: its `p` in training, else 0."""
     return dropout.p if dropout is not None and dropout.training else 0.0
+
+
+def activation_function(name: str):
+    """The activation `config.hidden_act` names, as the layers call it: SiLU ("silu", "swish", the default) as
+    `F.silu` itself, any other as Transformers' module (`ACT2FN`). A module costs three Python calls more a call,
+    and a forward pass activates a dozen times."""
+    if name in SILU_ACTIVATIONS:
+        return F.silu
+    from transformers.activations import ACT2FN  # here: `import ran_hf` does not import the activations
+
+    return ACT2FN[name]
 
 
 def unit_vectors(states: torch.Tensor) -> torch.Tensor:
@@ -132,7 +144,7 @@ class RANGatedLinearUnit(nn.Module):
         self,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None = None,
-        residual_activation: nn.Module | None = None,
+        residual_activation=None,
         residual_dropout: nn.Dropout | None = None,
         residual_rows: torch.Tensor | None = None,
         norm: RANCenteredRMSNorm | None = None,
@@ -179,7 +191,7 @@ PLAIN_WEIGHT_MODULES[RANGatedLinearUnit] = ("proj",)  # the fused scans read its
 
 def residual_branch(
     residual: torch.Tensor | None,
-    activation: nn.Module | None = None,
+    activation=None,
     dropout: nn.Dropout | None = None,
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
@@ -194,7 +206,7 @@ def residual_branch(
 def gated_linear_unit_reference(
     projected: torch.Tensor,
     residual: torch.Tensor | None = None,
-    residual_activation: nn.Module | None = None,
+    residual_activation=None,
     residual_dropout: nn.Dropout | None = None,
     residual_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:

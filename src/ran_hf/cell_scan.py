@@ -28,10 +28,16 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.utils.generic import GeneralInterface
 
-from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, gather_rows, project_heads, standard_normalize
+from .building_blocks import (
+    RANCenteredRMSNorm,
+    RANGatedLinearUnit,
+    activation_function,
+    gather_rows,
+    project_heads,
+    standard_normalize,
+)
 from .fused_scan import FusedCellScan, ScanPlan, scan_forward, window_maxima
 from .kernel_choice import choose
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
@@ -68,8 +74,12 @@ def step_major(keys: torch.Tensor, values: torch.Tensor, layout: RANWindowLayout
     used). One sequence needs no gather at all.
     """
     if layout.full_grid:  # every sequence has every step's window, packed step-major: a view
-        steps = (layout.num_steps, layout.batch_size)
-        return keys.unflatten(0, steps), values.unflatten(0, steps), layout.slot_mask.unflatten(0, steps)
+        steps = (layout.num_steps, layout.batch_size)  # (`view`, not the Python `unflatten`: a per-call path)
+        return (
+            keys.view(*steps, *keys.shape[1:]),
+            values.view(*steps, *values.shape[1:]),
+            layout.slot_mask.view(*steps, -1),
+        )
     has_window = layout.step_windows < keys.shape[0]  # (N, B)
     windows = torch.where(has_window, layout.step_windows, 0)
     step_mask = layout.slot_mask[windows] & has_window[..., None]  # (N, B, S)
@@ -210,10 +220,6 @@ def fused_scan(scan, weights, cell, previous_raw, step_keys, step_values, step_m
     reference scan. Returns what `reference_cell_scan` returns."""
     num_heads = scan.num_heads
     num_steps, batch_size = step_mask.shape[:2]
-
-    def weight_and_bias(module):
-        return (None, None) if module is None else (module.weight, module.bias)
-
     first_step_residual = False
     if scan.use_cell_residual:
         if layout.continued_rows == batch_size:
@@ -244,10 +250,11 @@ def fused_scan(scan, weights, cell, previous_raw, step_keys, step_values, step_m
     cell_glu, cell_norm = (scan.cell_glu.proj, scan.cell_norm) if scan.use_cell_residual else (None, None)
     modules = (weights.input_norm, weights.qkv_proj, weights.o_proj, attention_glu, weights.attention_norm, cell_glu,
                cell_norm)  # fmt: skip
-    # The 14 weights. (Lists, not generators, on this per-call path: a generator is re-entered for every item.)
-    plain = tuple(
-        [None if tensor is None else tensor.to(compute_dtype) for m in modules for tensor in weight_and_bias(m)]
-    )
+    # The 14 weights, read from the plain modules' parameter tables (`kernel_choice.fused_scan_unsupported` checked
+    # them: no subclass, no hook): `nn.Module.__getattr__` would be a Python call for each. (A list, not a generator,
+    # on this per-call path: a generator is re-entered for every item.)
+    pairs = [(None, None) if m is None else (m._parameters["weight"], m._parameters["bias"]) for m in modules]
+    plain = tuple([None if tensor is None else tensor.to(compute_dtype) for pair in pairs for tensor in pair])
     dropout = draw_scan_dropout(scan, num_steps, batch_size, step_keys.shape[-2], compute_dtype, cell.device)
     output_shift = None
     if scan.cell_max_pool:  # the reference adds the maxima before `o_proj`: the same, by linearity
@@ -304,7 +311,7 @@ class RANCellScan(nn.Module):
         self.qk_activation = config.attention_qk_activation
         self.output_activation = config.memory_value_activation  # of what the cell writes
         self.cell_max_pool = config.cell_max_pool
-        self.act = ACT2FN[config.hidden_act]
+        self.act, self.hidden_act = activation_function(config.hidden_act), config.hidden_act
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
 
@@ -342,7 +349,7 @@ class RANCellScan(nn.Module):
                 f"{sorted(ALL_SCAN_FUNCTIONS)}. Add one with `ran_hf.cell_scan.RANScanInterface.register(name, "
                 f"function)`."
             )
-        name = choose("scan", requested, self.config.hidden_act, self.modules_read(weights), cell)
+        name = choose("scan", requested, self.hidden_act, self.modules_read(weights), cell)
         try:
             outputs = ALL_SCAN_FUNCTIONS[name](self, weights, cell, previous_raw, keys, values, layout)
         except kernel_build_errors() as error:  # built on first use: a GPU they cannot be built for

@@ -61,11 +61,19 @@ def expected(annotation) -> str:
     return " or ".join(dict.fromkeys(map(expected, members))) or getattr(annotation, "__name__", str(annotation))
 
 
+_UNSET = object()
+
+
 def value_errors(cls):
     """`@strict` raises `StrictDataclassError`; a RAN config raises `ValueError` naming the field and the value."""
     setattr_, validate = cls.__setattr__, cls.validate
 
     def __setattr__(self, name, value):
+        state = object.__getattribute__(self, "__dict__")  # past Transformers' attribute map: no Python call
+        if state.get("_post_init_done") and state.get(name, _UNSET) is value:
+            # Set to what it holds: nothing changes, nothing to check. Transformers' defaults merger sets `is_causal`
+            # around every forward pass.
+            return
         try:
             setattr_(self, name, value)
         except StrictDataclassFieldValidationError as error:

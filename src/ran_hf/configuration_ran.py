@@ -25,8 +25,6 @@ from .safe_writes import hub_repo, write_into
 from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
 
 
-_UNSET = object()
-
 # The layer's two designs, as data: the value each gives the fields that differ between them. "official" is the layer
 # of the paper and of its checkpoints; "learnable_memory" the causal layer whose memory learns to carry what a later
 # window needs (docs/memory.md). `layer_design` picks one when the config is made; a field set on its own overrides it.
@@ -211,10 +209,7 @@ class RANConfig(PreTrainedConfig):
                 self.__dict__[name] = LAYER_DESIGNS[self.layer_design][name]
 
     def __setattr__(self, name, value):
-        state = self.__dict__
-        if state.get("_post_init_done") and state.get(name, _UNSET) is value:
-            # Set to what it holds: nothing changes. Transformers' defaults merger sets `is_causal` on every call.
-            return
+        state = self.__dict__  # (a value set to what it holds never gets here: `value_errors`)
         check_new_name(self, name)  # a misspelt field (`config.windowsize = 3`) is refused, as `@strict` does
         if name == "num_labels" and value is not None:
             check_num_labels(value)  # named as given, before Transformers turns it into `id2label`

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from .scan_dropout import drop
+from .scan_dropout import NO_DROPOUT, drop
 
 
 # `cell_max_pool`'s soft maximum: temperature 0.03 keeps it within 0.03 * ln(S) of the maximum of S values (swish
@@ -178,32 +178,37 @@ def scan_forward(
     num_steps, batch_size, num_heads, num_slots, head_dim = step_keys.shape
     heads, eps = batch_size * num_heads, plan.eps
     # Keys and values of every step with a free slot 0 for the cell's own, filled as the scan reaches it.
-    key_buffer = F.pad(step_keys, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
-    value_buffer = F.pad(step_values, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
+    key_buffer = torch.constant_pad_nd(step_keys, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
+    value_buffer = torch.constant_pad_nd(step_values, (0, 0, 1, 0)).view(num_steps, heads, 1 + num_slots, head_dim)
     keys_t, values_all = key_buffer.transpose(-1, -2).unbind(0), value_buffer.unbind(0)
     key_slots, value_slots = key_buffer[:, :, :1].unbind(0), value_buffer[:, :, :1].unbind(0)
     biases = score_bias.unbind(0)
     qkv_wt, o_wt = qkv_w.t(), o_w.t()
-    ag_wt, cg_wt = (None if weight is None else weight.t() for weight in (ag_w, cg_w))
+    ag_wt, cg_wt = [None if weight is None else weight.t() for weight in (ag_w, cg_w)]
 
     read_keys, read_values, raw_cells, cells, saved = [], [], [], [], []
+    masks, first_residual = dropout, plan.has_residual(0)
+    # (The dropout masks are applied inline, not by `drop`: in inference its calls were a third of the loop's.)
     for step in range(num_steps):
-        masks = dropout.step(step)
+        if dropout is not NO_DROPOUT:
+            masks = dropout.step(step)
         normed_cell, input_norm = standardize(cell, eps)
-        normed = drop(torch.addcmul(in_b, normed_cell, in_w), masks.input)  # (B, D)
+        normed = torch.addcmul(in_b, normed_cell, in_w)  # (B, D)
+        normed = normed if masks.input is None else normed * masks.input
         qkv_pre = torch.addmm(qkv_b, normed, qkv_wt)  # (B, 3 H d)
         qkv = activate_projections(qkv_pre, plan).view(batch_size, 3, num_heads, head_dim).transpose(1, 2)
-        query, key, value = qkv.reshape(heads, 3, head_dim).split(1, dim=1)  # (B H, 1, d) each
+        query, key, value = qkv.reshape(heads, 3, 1, head_dim).unbind(1)  # (B H, 1, d) each
         key_slots[step].copy_(key)
         value_slots[step].copy_(value)
         scores = torch.baddbmm(biases[step], query, keys_t[step], alpha=head_dim**-0.5)  # (B H, 1, 1 + S)
         probs = torch.softmax(scores, dim=-1)
-        dropped = drop(probs, heads_first(masks.probs))
+        dropped = probs if masks.probs is None else probs * heads_first(masks.probs)
         attended = torch.bmm(dropped, values_all[step]).view(batch_size, -1)  # (B, H d)
         output_pre = torch.addmm(o_b, attended, o_wt)  # (B, D)
         if output_shift is not None:
             output_pre = output_pre + output_shift[step]
-        output = drop(F.silu(output_pre) if plan.output_activation else output_pre, masks.output)
+        output = F.silu(output_pre) if plan.output_activation else output_pre
+        output = output if masks.output is None else output * masks.output
         glu_pre = normed_gated = gated_norm = None
         if plan.cell_input_residual:
             glu_pre = torch.addmm(ag_b, normed, ag_wt)  # (B, 2 D)
@@ -211,8 +216,8 @@ def scan_forward(
             raw, raw_norm = standardize(torch.addcmul(an_b, normed_gated, an_w), eps)  # (B, D)
         else:
             raw, raw_norm = standardize(output, eps)
-        raw = drop(raw, masks.written)
-        residual = plan.has_residual(step)
+        raw = raw if masks.written is None else raw * masks.written
+        residual = plan.use_cell_residual if step > 0 else first_residual
         residual_input = cell_gate = joined_norm = None
         if residual is False:
             new_cell = raw
@@ -220,7 +225,8 @@ def scan_forward(
             residual_input = previous_raw
             cell_gate = torch.addmm(cg_b, previous_raw, cg_wt)  # (B, 2 D)
             normed_joined, joined_norm = standardize(raw + F.glu(cell_gate, dim=-1), eps)
-            new_cell = drop(torch.addcmul(cn_b, normed_joined, cn_w), masks.cell)
+            new_cell = torch.addcmul(cn_b, normed_joined, cn_w)
+            new_cell = new_cell if masks.cell is None else new_cell * masks.cell
             if residual is not True:
                 new_cell = torch.where(residual, new_cell, raw)
         if plan.keep_for_backward:

@@ -60,12 +60,12 @@ CHOSEN: dict[str, str] = {}  # op -> the implementation it last ran (not recorde
 PLAIN_WEIGHT_MODULES: dict = {nn.Linear: ()}
 
 
+TRITON_DEVICES = ("cuda", "meta")  # the meta device counts the launches a GPU would make
+
+
 def _on_a_triton_device(op: str, tensor: torch.Tensor) -> bool:
     return (
-        tensor.device.type in ("cuda", "meta")
-        and TRITON[op]
-        and TRITON_AVAILABLE
-        and not torch.compiler.is_compiling()
+        tensor.device.type in TRITON_DEVICES and TRITON[op] and TRITON_AVAILABLE and not torch.compiler.is_compiling()
     )
 
 
@@ -105,7 +105,8 @@ def fused_scan_unsupported(hidden_act: str, modules_read: dict) -> str | None:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             wrapped = f"`{name}` is wrapped ({kind}, or forward hooks)"
             return f"it reads plain weights, and {wrapped}: adapters would be skipped"
-        modules += [(f"{name}.{child}", getattr(module, child)) for child in PLAIN_WEIGHT_MODULES[type(module)]]
+        for child in PLAIN_WEIGHT_MODULES[type(module)]:
+            modules.append((f"{name}.{child}", module._modules[child]))
     return None
 
 
@@ -168,7 +169,12 @@ def choose(op: str, *args) -> str:
     norm: (hidden_states); glu: (projected); rotary: (states); window_projection: (projected, hidden_act, cached);
     scan: (config.scan_implementation, config.hidden_act, the modules the scan reads, the starting cell).
     """
-    name = FORCED.get(op) or RULES[op](*args)
+    if FORCED:
+        name = FORCED.get(op) or RULES[op](*args)
+    elif op in TRITON and args[0].device.type not in TRITON_DEVICES:  # a token-wise op off CUDA: no rule to ask
+        name = "pytorch"
+    else:
+        name = RULES[op](*args)
     if name != CHOSEN.get(op) and not torch.compiler.is_compiling():  # (a dict store is cheaper than the question)
         CHOSEN[op] = name
     return name

@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers.activations import ACT2FN
 
-from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, unit_vectors
+from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, activation_function, unit_vectors
 from .cache_ran import RANCacheLayer
 from .causal_memory import memory_to_read
 from .configuration_ran import RANConfig
@@ -49,12 +48,12 @@ class RANMemoryReview(nn.Module):
         self.o_proj = nn.Linear(hidden_size, hidden_size)
         self.glu = RANGatedLinearUnit(hidden_size)
         self.norm = RANCenteredRMSNorm(hidden_size, config.layer_norm_eps)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation_function(config.hidden_act)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
         self.residual_stream = config.residual_stream
         self.qk_norm = config.review_qk_norm
-        self.value_act = self.act if config.memory_value_activation else nn.Identity()
+        self.value_act = self.act if config.memory_value_activation else None  # None: none
         # Cell 0 is the starting cell, always in reach.
         self.reads_initial_cell = config.is_causal and config.review_initial_cell
         if config.review_salience:  # a learned prior of every cell, `salience . key`; zero at initialisation
@@ -76,7 +75,7 @@ class RANMemoryReview(nn.Module):
         """(..., D) cells -> (..., 2 D) their keys and values; a cache keeps these, not the cells."""
         key, value = self.kv_proj(cells).chunk(2, dim=-1)
         key = unit_vectors(key) if self.qk_norm else self.act(key)
-        return torch.cat([key, self.value_act(value)], dim=-1)
+        return torch.cat([key, value if self.value_act is None else self.value_act(value)], dim=-1)
 
     def cell_salience(self, cell_states: torch.Tensor) -> torch.Tensor:
         """(..., 2 D) cell keys and values from `project_cells` -> (...) their learned prior, what every token's score
@@ -222,7 +221,8 @@ class RANMemoryReview(nn.Module):
         # With a salience, float32 from here on; without, in the scores' dtype (autocast's, where it is on).
         scores = scores + (score_bias if hasattr(self, "salience") else score_bias.to(scores.dtype))
         probs = torch.softmax(scores, dim=-1) * reads_any
-        probs_read = F.dropout(probs, self.attention_dropout, self.training).to(value.dtype)
+        probs_read = F.dropout(probs, self.attention_dropout) if self.training else probs  # (no call in inference)
+        probs_read = probs_read.to(value.dtype)
         if one_token:
             review = torch.bmm(probs_read[:, None], value)[:, 0]  # (B, D)
         else:

@@ -9,14 +9,13 @@ import torch
 from torch import nn
 from transformers import GenerationMixin
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
 from .adaptive_softmax import RANAdaptiveSoftmax, RANOutputMapping, adaptive_lm_loss
-from .building_blocks import RANCenteredRMSNorm
+from .building_blocks import RANCenteredRMSNorm, activation_function, apply_dropout
 from .cache_ran import RANCache, cache_transaction
 from .configuration_ran import RANConfig
 from .input_checks import (
@@ -114,11 +113,11 @@ class RANPredictionHead(nn.Module):
         super().__init__()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation_function(config.hidden_act)
         self.norm = RANCenteredRMSNorm(config.hidden_size, config.layer_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.act(self.dense(self.dropout(hidden_states))))
+        return self.norm(self.act(self.dense(apply_dropout(self.dropout, hidden_states))))
 
 
 class RANLanguageModelBase(RANPreTrainedModel):
@@ -237,7 +236,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
             self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
-        logits = self.classifier(self.dropout(outputs.pooler_output))
+        logits = self.classifier(apply_dropout(self.dropout, outputs.pooler_output))
 
         loss = None
         if labels is not None:
@@ -278,7 +277,7 @@ class RANForTokenClassification(RANPreTrainedModel):
             self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        logits = self.classifier(apply_dropout(self.dropout, outputs.last_hidden_state))
 
         loss = None
         if labels is not None:
@@ -472,7 +471,7 @@ class RANForQuestionAnswering(RANPreTrainedModel):
             self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
-        logits = self.qa_outputs(self.dropout(outputs.last_hidden_state))
+        logits = self.qa_outputs(apply_dropout(self.dropout, outputs.last_hidden_state))
         if attention_mask is not None:
             # Padding is never an answer: without it in the softmax over positions, the loss and the span
             # probabilities do not depend on how a sequence is padded.

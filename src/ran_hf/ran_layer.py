@@ -15,12 +15,18 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .associative_memory import RANAssociativeMemory
-from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, apply_interleaved_rotary, project_heads
+from .building_blocks import (
+    RANCenteredRMSNorm,
+    RANGatedLinearUnit,
+    activation_function,
+    apply_dropout,
+    apply_interleaved_rotary,
+    project_heads,
+)
 from .cache_ran import RANCacheLayer
 from .causal_memory import update_cache
 from .cell_scan import CellScanWeights, RANCellScan
@@ -89,6 +95,11 @@ def in_row_chunks(function, chunk_rows: int | None, *tensors: torch.Tensor, out:
     return out
 
 
+def rows_per_chunk(rows: torch.Tensor, features: int | None) -> int | None:
+    """How many rows of `rows` (R, ...) make a chunk of at most `features` features (None: all rows at once)."""
+    return None if features is None else max(1, features // max(1, rows[0].numel()))
+
+
 class RANWindowAttention(nn.Module):
     """The window attention of a RAN layer: its tokens read their window's cell and slots through one of
     Transformers' attention functions. Holds no weights (the projections are the layer's); its weights, where the
@@ -100,6 +111,7 @@ class RANWindowAttention(nn.Module):
         self.head_dim = config.head_dim
         self.attention_dropout = config.attention_probs_dropout_prob
         self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
+        self.causal_windows = config.is_causal  # an architecture field: fixed once built
 
     def forward(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions: bool,
                 joined=None, chunk: int | None = None):  # fmt: skip
@@ -111,7 +123,7 @@ class RANWindowAttention(nn.Module):
         an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None; the attended
         values stay in the windows' query slots, (K, Q, H * d). With `chunk`, `chunk` windows at a time.
         """
-        attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
+        attention_mask = layout.window_attention_mask(self.causal_windows, query.dtype)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
 
         def join(key, value, cell_key, cell_value):
@@ -176,26 +188,28 @@ class RANLayer(GradientCheckpointingLayer):
         # The scan owns what only the cell uses (its GLU and norm with `use_cell_residual`). Built at this point, they
         # keep the parameter order, and so the initial weights a seed gives, they had as the layer's.
         self.cell_scan = RANCellScan(config)
+        # Architecture fields, fixed once built, kept as plain attributes: a config read costs Python calls.
+        self.recalls_associative_memory, self.reviews_memory = config.associative_memory, config.memory_review
+        self.hidden_act = config.hidden_act
         if config.associative_memory:
             self.associative_memory = RANAssociativeMemory(config)
-        self.reviews_memory = config.memory_review  # an architecture field: fixed once built
         if config.memory_review:
             self.memory_review = RANMemoryReview(config)
         elif not self.residual_stream:
             self.output_norm = RANCenteredRMSNorm(hidden_size, eps)
 
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation_function(config.hidden_act)
         self.qk_activation = config.attention_qk_activation
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob  # the scan's window attention reads it too
         self.window_attention = RANWindowAttention(config)
 
-    def inference_chunk(self, rows: torch.Tensor) -> int | None:
-        """How many rows of `rows` (R, ...) inference computes at a time (`inference_chunk_features` features); None
-        in training, with gradients and when compiled: all at once."""
+    def chunk_features(self) -> int | None:
+        """How many features inference computes at a time (`inference_chunk_features`; `rows_per_chunk`); None in
+        training, with gradients and when compiled: all at once. Asked once per call of the layer."""
         if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
-        return max(1, self.inference_chunk_features // max(1, rows[0].numel()))
+        return self.inference_chunk_features
 
     # ---- shared per-position maths -------------------------------------------------------------------------------
 
@@ -237,7 +251,7 @@ class RANLayer(GradientCheckpointingLayer):
     # ---- phase 1 ---------------------------------------------------------------------------------------------------
 
     def project_windows(
-        self, normed_tokens: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None
+        self, normed_tokens: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None, chunk_features=None
     ) -> WindowProjections:
         """Queries, keys and values of every token in every window slot, rotary applied (slot s is position s + 1).
 
@@ -245,21 +259,22 @@ class RANLayer(GradientCheckpointingLayer):
         output is needed (new, non-enrichment tokens): (K, H, Q, d). Also returns the un-rotated keys and values of
         the new tokens, from which the cache keeps its tail, with `config.associative_memory` what each token
         recalls from it (T, H * d): the memory is read with the same queries and written with the same keys, and
-        from the Triton kernel the keys and values again with a slot 0 for the read cell (`attend_windows`).
+        from the Triton kernel the keys and values again with a slot 0 for the read cell (`attend_windows`). The
+        PyTorch path computes `chunk_features` features at a time (`chunk_features()`; None: all at once).
         """
         config = self.config
         rotations = (
             layout.rotary(self.head_dim, config.rope_theta, normed_tokens.device) if config.use_rotary else None
         )
-        fused = choose("window_projection", normed_tokens, config.hidden_act, cache is not None) == "triton"
-        if fused and not config.associative_memory:  # one kernel each way from the projections to the windows
+        fused = choose("window_projection", normed_tokens, self.hidden_act, cache is not None) == "triton"
+        if fused and not self.recalls_associative_memory:  # one kernel each way from the projections to the windows
             # The kernel adds the bias and sums its gradient (a wrapped projection, LoRA or quantised, runs as it is).
             bias = self.qkv_proj.bias if type(self.qkv_proj) is nn.Linear else None
             qkv = self.qkv_proj(normed_tokens) if bias is None else F.linear(normed_tokens, self.qkv_proj.weight)
             qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
             query, key, value, *joined = triton_window_projection(qkv, layout, rotations, self.qk_activation, bias)
             return WindowProjections(query, key, value, None, None, joined)
-        return self.project_windows_reference(normed_tokens, layout, cache, rotations)
+        return self.project_windows_reference(normed_tokens, layout, cache, rotations, chunk_features)
 
     def project_windows_reference(
         self,
@@ -267,13 +282,16 @@ class RANLayer(GradientCheckpointingLayer):
         layout: RANWindowLayout,
         cache: RANCacheLayer | None,
         rotations: torch.Tensor | None,
+        chunk_features: int | None = None,
     ) -> WindowProjections:
         """`project_windows` without its kernel, wherever that does not run; `rotations` (S, d / 2, 2) are the window
         slots' (None without the rotary embedding). The rotary embedding stays its own op (`apply_interleaved_rotary`),
         with its own choice of kernel."""
         config = self.config
-        qkv = in_row_chunks(self.project, self.inference_chunk(normed_tokens), normed_tokens)  # (T, 3, H, d)
-        new_query, new_kv = qkv.split([1, 2], dim=1)  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
+        qkv = in_row_chunks(self.project, rows_per_chunk(normed_tokens, chunk_features), normed_tokens)  # (T, 3, H, d)
+        new_query, new_kv = qkv.split_with_sizes(
+            [1, 2], dim=1
+        )  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
         key, value = layout.gather_sources(new_kv, layout.window_slots, tail).permute(2, 0, 3, 1, 4)
         query = layout.gather_sources(new_query[:, 0], layout.query_index).transpose(1, 2)  # (K, H, Q, d)
@@ -281,17 +299,17 @@ class RANLayer(GradientCheckpointingLayer):
         new_kv = new_kv if cache is not None else None
         del qkv, new_query
         recalled = None
-        if config.associative_memory:
+        if self.recalls_associative_memory:
             recalled = self.associative_memory.recall(
                 query, key, value, normed_tokens, layout, cache, config.window_overlap
             )
         if rotations is not None:  # (S, d / 2, 2): slot s is position s + 1
             # In inference, rotated a chunk of windows at a time in place: the gathered slots are this pass's own.
             query_rotations = rotations[layout.query_slots][:, None]  # (K, 1, Q, d / 2, 2)
-            chunk = self.inference_chunk(query)
+            chunk = rows_per_chunk(query, chunk_features)
             out = None if chunk is None else query
             query = in_row_chunks(apply_interleaved_rotary, chunk, query, query_rotations, out=out)
-            chunk = self.inference_chunk(key)
+            chunk = rows_per_chunk(key, chunk_features)
             out = None if chunk is None else key
             key = in_row_chunks(lambda key: apply_interleaved_rotary(key, rotations), chunk, key, out=out)
         return WindowProjections(query, key, value, new_kv, recalled, None)
@@ -299,27 +317,28 @@ class RANLayer(GradientCheckpointingLayer):
     # ---- phase 3 ---------------------------------------------------------------------------------------------------
 
     def attend_windows(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions,
-                       joined=None):  # fmt: skip
+                       joined=None, chunk_features=None):  # fmt: skip
         """Token attention of all windows in one call (`RANWindowAttention`); in inference on the PyTorch path a
-        chunk of windows at a time (`inference_chunk`). Returns the attended values in the windows' query slots,
+        chunk of windows at a time (`chunk_features`). Returns the attended values in the windows' query slots,
         (K, Q, H * d), and the weights (B, H, L, 1 + S) or None."""
-        chunk = None if joined or output_attentions else self.inference_chunk(key)
+        chunk = None if joined or output_attentions else rows_per_chunk(key, chunk_features)
         return self.window_attention(query, key, value, cell_key, cell_value, layout, output_attentions, joined, chunk)
 
-    def per_token_tail(self, token_states, attended, normed_tokens, rows=None) -> torch.Tensor:
+    def per_token_tail(self, token_states, attended, normed_tokens, rows=None, chunk_features=None) -> torch.Tensor:
         """The attention's output and the layer's ending before memory review: the residual sum, or the official
         norms (and, without memory review, the output norm) -> (T, D). In inference on the PyTorch path (`rows` is
-        None: the attended values are per token already) a chunk of tokens at a time (`inference_chunk`)."""
+        None: the attended values are per token already) a chunk of tokens at a time (`chunk_features`)."""
 
         def tail(states, attended, normed):
             if self.residual_stream:
                 return states + self.attention_output(attended, normed, rows)
             states = self.finish_attention(attended, normed, rows)
-            return states if self.config.memory_review else self.output_norm(states)
+            return states if self.reviews_memory else self.output_norm(states)
 
         if rows is not None:
             return tail(token_states, attended, normed_tokens)
-        return in_row_chunks(tail, self.inference_chunk(token_states), token_states, attended, normed_tokens)
+        chunk = rows_per_chunk(token_states, chunk_features)
+        return in_row_chunks(tail, chunk, token_states, attended, normed_tokens)
 
     # ---- the layer -------------------------------------------------------------------------------------------------
 
@@ -344,7 +363,7 @@ class RANLayer(GradientCheckpointingLayer):
         """
         initial_cell = None
         if hasattr(self, "initial_cell"):
-            initial_cell = self.dropout(self.initial_cell[None].expand(layout.batch_size, -1))
+            initial_cell = apply_dropout(self.dropout, self.initial_cell[None].expand(layout.batch_size, -1))
         start_cell = initial_cell if cell is None else cell
         start_previous = torch.zeros_like(start_cell)
         if cache is not None and cache.is_initialized:
@@ -355,7 +374,10 @@ class RANLayer(GradientCheckpointingLayer):
         normed_tokens = self.normalize_input(token_states)  # (T, D)
 
         # 1. Everything that does not depend on the cell, for all windows at once.
-        query, key, value, new_kv, recalled, joined = self.project_windows(normed_tokens, layout, cache)
+        chunk_features = self.chunk_features()
+        query, key, value, new_kv, recalled, joined = self.project_windows(
+            normed_tokens, layout, cache, chunk_features
+        )
 
         # 2. The cell scan: the only sequential step.
         read_keys, read_values, raw_cells, cells = self.cell_scan(
@@ -365,7 +387,7 @@ class RANLayer(GradientCheckpointingLayer):
         # 3. Token attention of all windows in one batched call, then the per-token tail.
         read_key, read_value = layout.per_sequence(read_keys), layout.per_sequence(read_values)
         attended, attention_weights = self.attend_windows(
-            query, key, value, read_key, read_value, layout, output_attentions, joined
+            query, key, value, read_key, read_value, layout, output_attentions, joined, chunk_features
         )  # (K, Q, H * d)
         # Back to tokens (T, H * d); on the Triton path the output projection runs on the query slots and the GLU
         # kernel reads its rows by token, so that no gather and no zero-filled scatter move them.
@@ -374,15 +396,15 @@ class RANLayer(GradientCheckpointingLayer):
         attended = attended.flatten(0, 1) if rows is not None else layout.from_windows(attended)
         if recalled is not None:  # the associative memory of the windows before, read with the same queries
             attended = attended + recalled
-        token_states = self.per_token_tail(token_states, attended, normed_tokens, rows)  # (T, D)
+        token_states = self.per_token_tail(token_states, attended, normed_tokens, rows, chunk_features)  # (T, D)
         del attended, normed_tokens
         review_weights, memory = None, None
-        if self.config.memory_review:
+        if self.reviews_memory:
             token_states, review_weights, memory = self.memory_review.read(
                 token_states, raw_cells, initial_cell, layout, cache, output_attentions
             )
         if cache is not None:
-            salience = self.memory_review.cell_salience if self.config.memory_review else None
+            salience = self.memory_review.cell_salience if self.reviews_memory else None
             update_cache(self.config, salience, cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv,
                          memory)  # fmt: skip
         last_cell = layout.last_cells(cells, start_cell)

@@ -9,7 +9,7 @@ import functools
 import os
 import pickle
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,6 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import merge_with_config_defaults
@@ -25,7 +24,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .adaptive_softmax import RANAdaptiveEmbedding, RANClusterBiases
 from .associative_memory import RANAssociativeMemory
-from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit
+from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, activation_function, apply_dropout
 from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache, check_cache_position
 from .configuration_ran import RANConfig
 from .decode_step import decode_layer, step_positions, step_settings, write_step
@@ -106,11 +105,11 @@ class RANPooler(nn.Module):
         self.cell_dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.cell_glu = RANGatedLinearUnit(config.hidden_size)
         self.token_dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation_function(config.hidden_act)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, pooled_cell: torch.Tensor, token_states: torch.Tensor, attention_mask: torch.Tensor):
-        cell = self.cell_glu(self.dropout(self.act(self.cell_dense(pooled_cell))))  # (B, D)
+        cell = self.cell_glu(apply_dropout(self.dropout, self.act(self.cell_dense(pooled_cell))))  # (B, D)
         return cell + self.token_dense(self.pool_tokens(token_states, attention_mask.bool()))  # (B, D)
 
 
@@ -333,13 +332,18 @@ def memory_attentions_with_attentions(forward):
     return wrapper
 
 
-@contextmanager
+_AS_IS = nullcontext()  # (reusable: one object, no Python call to make it)
+
+
 def checkpointing_off(layer: RANLayer, when: bool):
     """Run `layer` without gradient checkpointing when it reads or updates a cache: recomputed in the backward pass,
-    it would read the cache it had already updated. Training through a cache in chunks then costs full activations."""
-    if not (when and layer.gradient_checkpointing):
-        yield
-        return
+    it would read the cache it had already updated. Training through a cache in chunks then costs full activations.
+    Otherwise, as it is."""
+    return _checkpointing_off(layer) if when and layer.gradient_checkpointing else _AS_IS
+
+
+@contextmanager
+def _checkpointing_off(layer: RANLayer):
     logger.warning_once("RAN layers that read or update a cache run without gradient checkpointing.")
     layer.gradient_checkpointing = False
     try:
@@ -564,8 +568,9 @@ class RANModel(RANPreTrainedModel):
         hidden_states = layout.to_padded(token_states)  # (B, L, D), zeros at padding: a view where there is none
         del embeddings, token_states  # the first layer reads its tokens, and the later ones need them no more
         cell = initial_cell  # None: the first layer starts from its own learned cell
+        is_causal = self.config.is_causal
         for layer in self.layers:
-            if self.config.is_causal and layer.layer_idx > 0:
+            if is_causal and layer.layer_idx > 0:
                 cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):

@@ -23,6 +23,7 @@ Shapes: projected (R, 2 D) rows of [value, gate] as `nn.Linear(D, 2 D)` writes t
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .triton_scan_kernels import check_kernels
@@ -35,13 +36,14 @@ NORM_ROWS_PER_PROGRAM = 4  # with a norm after it, a program holds whole rows
 NO_ACTIVATION, SILU = 0, 1
 
 
-def branch_activation(activation: nn.Module | None) -> int | None:
-    """The kernels' code for a residual branch's activation module, or None where they cannot compute it."""
+def branch_activation(activation) -> int | None:
+    """The kernels' code for a residual branch's activation (a function or module; None: none), or None where they
+    cannot compute it."""
     from transformers.activations import SiLUActivation  # here: importing it imports Triton where installed
 
     if activation is None or isinstance(activation, nn.Identity):
         return NO_ACTIVATION
-    if isinstance(activation, (nn.SiLU, SiLUActivation)):
+    if activation is F.silu or isinstance(activation, (nn.SiLU, SiLUActivation)):
         return SILU
     return None
 
