@@ -264,6 +264,25 @@ def test_an_empty_id2label_is_named():
         RANConfig(**TINY, id2label={})
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RANConfig(**TINY, per_layer_config={0: {"window_size": 3}}),
+        lambda: setattr(RANConfig(**TINY), "per_layer_config", {1: {"hidden_act": "gelu"}}),
+        lambda: RANConfig.from_dict({**TINY, "per_layer_config": {0: {"window_size": 3}}}),
+    ],
+    ids=["made", "set", "from_dict"],
+)
+def test_per_layer_values_are_refused_when_given_not_when_a_layer_reads_them(make):
+    """Every RAN layer is built from the config's own fields: a heterogeneous config (Transformers' per-layer values)
+    is refused where it is given, naming the field, not by an ambiguous read deep in a forward pass."""
+    with pytest.raises(ValueError, match=r"`per_layer_config` is not supported by RANConfig"):
+        make()
+    config = RANConfig(**TINY)
+    config.per_layer_config = None  # none is none
+    assert not config.is_heterogeneous and config.to_dict()["window_size"] == TINY["window_size"]
+
+
 # ---- refused fields: the fix fits the kind of field -----------------------------------------------------------------
 
 

@@ -189,7 +189,9 @@ def exportable_cell_scan(scan, weights, cell, previous_raw, keys, values, layout
         # The scan's outputs may alias neither each other (views of one projection) nor the carried state.
         return (cell, raw), tuple(output.clone() for output in (key, value, raw, cell))
 
-    _, outputs = scan_operator(step, (cell, previous_raw), per_step)
+    # The carried state as the step returns it, dense: a layer's learned starting cell is expanded over the batch,
+    # and the operator wants its carry's strides to stay the same from step to step.
+    _, outputs = scan_operator(step, (cell.contiguous(), previous_raw.contiguous()), per_step)
     return CellScanOutputs(*outputs)
 
 

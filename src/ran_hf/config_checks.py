@@ -69,7 +69,7 @@ def value_errors(cls):
     setattr_, validate = cls.__setattr__, cls.validate
 
     def __setattr__(self, name, value):
-        state = object.__getattribute__(self, "__dict__")  # past Transformers' attribute map: no Python call
+        state = self.__dict__
         if state.get("_post_init_done") and state.get(name, _UNSET) is value:
             # Set to what it holds: nothing changes, nothing to check. Transformers' defaults merger sets `is_causal`
             # around every forward pass.

@@ -179,6 +179,21 @@ class RANConfig(PreTrainedConfig):
     cutoffs: list[int] | None = None
     div_val: int = interval(min=1)(default=1)
 
+    # Every layer is built from the config's own fields, so per-layer values (Transformers' heterogeneous configs) are
+    # refused. Without them, and with no name mapped to another (`attribute_map` is empty), Transformers' attribute
+    # access (`PreTrainedConfig.__getattribute__`) changes nothing but costs three Python calls a read, and a forward
+    # pass reads the config dozens of times: fields are read as plain attributes.
+    __getattribute__ = object.__getattribute__
+
+    def _refuse_per_layer_config(self, per_layer_config):
+        if per_layer_config is not None:
+            raise ValueError(
+                "`per_layer_config` is not supported by RANConfig: every RAN layer is built from the config's own "
+                "fields. Set the field on the config itself; layers that differ need models of their own."
+            )
+
+    per_layer_config = property(PreTrainedConfig.per_layer_config.fget, _refuse_per_layer_config)
+
     def __post_init__(self, **kwargs):
         # The design, resolved once into plain fields. What was left None follows `is_causal` and `layer_design` if
         # they are set later (`_from_mode`, not saved): as if the config had been made with them.
@@ -196,9 +211,8 @@ class RANConfig(PreTrainedConfig):
     @property
     def edits(self) -> int:
         """How many times a field was set since the config was made: a model checks its config again only after
-        this changed (`RANPreTrainedModel.check_config`). Read on every forward pass: past Transformers' attribute map
-        (`PreTrainedConfig.__getattribute__`), which costs microseconds an access."""
-        return object.__getattribute__(self, "__dict__").get("_edits", 0)
+        this changed (`RANPreTrainedModel.check_config`)."""
+        return self.__dict__.get("_edits", 0)
 
     def _resolve_design(self):
         """Give the fields left to the design (`_from_mode`) the values of `layer_design` (or of the mode's)."""

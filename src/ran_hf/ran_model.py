@@ -560,7 +560,7 @@ class RANModel(RANPreTrainedModel):
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, L, D)
 
         token_states = layout.from_padded(embeddings)  # (T, D)
-        if self.config.token_shift:
+        if self.embeddings_shift_tokens:
             first_cache = past_key_values.layers[0] if past_key_values is not None else None
             token_states = self.embeddings.shift_tokens(token_states, layout, first_cache)
         if initial_cell is not None:

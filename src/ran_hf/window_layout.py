@@ -6,7 +6,6 @@ its windows step by step, and the window attention's outputs go back to the toke
 """
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -110,12 +109,11 @@ class RANWindowLayout:
     read_values: list | None = None  # `read_with_sizes` as read to the host with the sizes; None in an export
     total_lengths: list | None = None  # continuing a cache: each row's length after this pass, read with the sizes
 
-    # Read many times per pass, computed once: a property would be a Python call at each read.
-    @functools.cached_property
+    @property
     def num_steps(self) -> int:
         return self.step_windows.shape[0]
 
-    @functools.cached_property
+    @property
     def num_slots(self) -> int:
         return self.window_slots.shape[1]
 
@@ -411,13 +409,13 @@ class RANWindowLayout:
         rows = torch.arange(self.batch_size, device=last_step.device)
         return torch.where((cell_windows > 0)[:, None], cells[last_step, rows], start_cell)
 
-    @functools.cached_property
+    @property
     def unpadded(self) -> bool:
         """Whether every position of the (B, L) input is a real token (packed pretraining batches): the flat (T, ...)
         tokens are then the padded (B, L, ...) ones, and moving between the two is a reshape, not a scatter."""
         return self.real_tokens is None and self.token_index.shape[0] == self.batch_size * self.padded_length
 
-    @functools.cached_property
+    @property
     def full_grid(self) -> bool:
         """Whether the packed windows are exactly (scan step, sequence) in step-major order, every sequence having
         the same number of windows: the scan's (N, B, ...) view of them is then a reshape, not a gather."""
