@@ -46,7 +46,7 @@ def standard_normalize_reference(
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
     normalized = (hidden_states - mean) * torch.rsqrt(mean_square + eps)
     normalized = normalized if autocast else normalized.to(input_dtype)
-    return apply_dropout(dropout, normalized)
+    return normalized if dropout is None else apply_dropout(dropout, normalized)  # (a norm's inner one has none)
 
 
 def autocast_on(states: torch.Tensor) -> bool:
