@@ -70,7 +70,8 @@ class RANConfig(PreTrainedConfig):
     Configuration of a [`RANModel`]: the Recurrent Attention Network of Li et al. (ACL 2023), which reads a document in
     windows and carries a global perception cell from window to window. Defaults follow the official "V3 EN base"
     model; the official code's names are in brackets. A field is checked when set (type, range) and when the config
-    is made or saved (the rules between fields); a wrong value raises `ValueError` naming the field.
+    is made or saved (the rules between fields); a wrong value raises `ValueError` naming the field. Every layer is
+    built from these fields: Transformers' per-layer values (`per_layer_config`) are refused.
 
     Args:
         vocab_size (`int`, defaults to 30522): Size of the token vocabulary.
