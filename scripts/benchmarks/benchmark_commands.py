@@ -12,7 +12,6 @@ the median) with the command, commit, date and machine. What import ran_hf costs
 """
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -21,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark_utils import POSITIVE, command_line, machine_info, result_path, result_record, write_result
+from benchmark_utils import POSITIVE, command_line, machine_info, result_path, result_record, write_json_and_table
 from tqdm.auto import tqdm
 
 
@@ -104,8 +103,7 @@ def main(argv=None) -> dict:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    write_result(result_path(args.output, ".json"), json.dumps(result, indent=2) + "\n")
-    write_result(result_path(args.output, ".md"), text)
+    write_json_and_table(args.output, result, text)
     return result
 
 

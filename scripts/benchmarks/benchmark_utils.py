@@ -200,6 +200,12 @@ def write_result(path: Path, text: str) -> None:
     partial.replace(path)
 
 
+def write_json_and_table(prefix: str | Path, result: dict, table: str) -> None:
+    """A run's result file (`prefix`.json) and its table (`prefix`.md), each written whole or not at all."""
+    write_result(result_path(prefix, ".json"), json.dumps(result, indent=2) + "\n")
+    write_result(result_path(prefix, ".md"), table)
+
+
 def machine_line(info: dict) -> str:
     hardware = info.get("gpu") or f"{info['cpu']} x{info['threads']} threads"
     return f"{hardware} | torch {info['torch']} | transformers {info['transformers']} | git {info['git_sha']}"

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmark_utils import command_line, machine_info, result_path, result_record, write_result
+from benchmark_utils import command_line, machine_info, result_record, write_json_and_table
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     lines += [f"Wall time of this run, in the job: {summary['wall_time_s']} s.", ""]
     text = "\n".join(lines)
     print(text)
-    write_result(result_path(args.output, ".json"), json.dumps(result, indent=2) + "\n")
-    write_result(result_path(args.output, ".md"), text)
+    write_json_and_table(args.output, result, text)
     return result
 
 
