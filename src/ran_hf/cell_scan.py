@@ -313,7 +313,7 @@ class RANCellScan(nn.Module):
         self.qk_activation = config.attention_qk_activation
         self.output_activation = config.memory_value_activation  # of what the cell writes
         self.cell_max_pool = config.cell_max_pool
-        self.act, self.hidden_act = activation_function(config.hidden_act), config.hidden_act
+        self.act = activation_function(config.hidden_act)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob
 
@@ -351,7 +351,7 @@ class RANCellScan(nn.Module):
                 f"{sorted(ALL_SCAN_FUNCTIONS)}. Add one with `ran_hf.cell_scan.RANScanInterface.register(name, "
                 f"function)`."
             )
-        name = choose("scan", requested, self.hidden_act, self.modules_read(weights), cell)
+        name = choose("scan", requested, self.config.hidden_act, self.modules_read(weights), cell)
         try:
             outputs = ALL_SCAN_FUNCTIONS[name](self, weights, cell, previous_raw, keys, values, layout)
         except kernel_build_errors() as error:  # built on first use: a GPU they cannot be built for

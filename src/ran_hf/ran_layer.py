@@ -111,7 +111,6 @@ class RANWindowAttention(nn.Module):
         self.head_dim = config.head_dim
         self.attention_dropout = config.attention_probs_dropout_prob
         self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
-        self.causal_windows = config.is_causal  # an architecture field: fixed once built
 
     def forward(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions: bool,
                 joined=None, chunk: int | None = None):  # fmt: skip
@@ -123,7 +122,7 @@ class RANWindowAttention(nn.Module):
         an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None; the attended
         values stay in the windows' query slots, (K, Q, H * d). With `chunk`, `chunk` windows at a time.
         """
-        attention_mask = layout.window_attention_mask(self.causal_windows, query.dtype)
+        attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
 
         def join(key, value, cell_key, cell_value):
@@ -188,11 +187,9 @@ class RANLayer(GradientCheckpointingLayer):
         # The scan owns what only the cell uses (its GLU and norm with `use_cell_residual`). Built at this point, they
         # keep the parameter order, and so the initial weights a seed gives, they had as the layer's.
         self.cell_scan = RANCellScan(config)
-        # Architecture fields, fixed once built, kept as plain attributes: a config read costs Python calls.
-        self.recalls_associative_memory, self.reviews_memory = config.associative_memory, config.memory_review
-        self.hidden_act = config.hidden_act
         if config.associative_memory:
             self.associative_memory = RANAssociativeMemory(config)
+        self.reviews_memory = config.memory_review  # an architecture field: fixed once built
         if config.memory_review:
             self.memory_review = RANMemoryReview(config)
         elif not self.residual_stream:
@@ -266,8 +263,8 @@ class RANLayer(GradientCheckpointingLayer):
         rotations = (
             layout.rotary(self.head_dim, config.rope_theta, normed_tokens.device) if config.use_rotary else None
         )
-        fused = choose("window_projection", normed_tokens, self.hidden_act, cache is not None) == "triton"
-        if fused and not self.recalls_associative_memory:  # one kernel each way from the projections to the windows
+        fused = choose("window_projection", normed_tokens, config.hidden_act, cache is not None) == "triton"
+        if fused and not config.associative_memory:  # one kernel each way from the projections to the windows
             # The kernel adds the bias and sums its gradient (a wrapped projection, LoRA or quantised, runs as it is).
             bias = self.qkv_proj.bias if type(self.qkv_proj) is nn.Linear else None
             qkv = self.qkv_proj(normed_tokens) if bias is None else F.linear(normed_tokens, self.qkv_proj.weight)
@@ -289,9 +286,8 @@ class RANLayer(GradientCheckpointingLayer):
         with its own choice of kernel."""
         config = self.config
         qkv = in_row_chunks(self.project, rows_per_chunk(normed_tokens, chunk_features), normed_tokens)  # (T, 3, H, d)
-        new_query, new_kv = qkv.split_with_sizes(
-            [1, 2], dim=1
-        )  # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
+        # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
+        new_query, new_kv = qkv.split_with_sizes([1, 2], dim=1)
         tail = None if cache is None else cache.tail  # (B, P, 2, H, d)
         key, value = layout.gather_sources(new_kv, layout.window_slots, tail).permute(2, 0, 3, 1, 4)
         query = layout.gather_sources(new_query[:, 0], layout.query_index).transpose(1, 2)  # (K, H, Q, d)
@@ -299,7 +295,7 @@ class RANLayer(GradientCheckpointingLayer):
         new_kv = new_kv if cache is not None else None
         del qkv, new_query
         recalled = None
-        if self.recalls_associative_memory:
+        if config.associative_memory:
             recalled = self.associative_memory.recall(
                 query, key, value, normed_tokens, layout, cache, config.window_overlap
             )

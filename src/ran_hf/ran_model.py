@@ -568,9 +568,8 @@ class RANModel(RANPreTrainedModel):
         hidden_states = layout.to_padded(token_states)  # (B, L, D), zeros at padding: a view where there is none
         del embeddings, token_states  # the first layer reads its tokens, and the later ones need them no more
         cell = initial_cell  # None: the first layer starts from its own learned cell
-        is_causal = self.config.is_causal
         for layer in self.layers:
-            if is_causal and layer.layer_idx > 0:
+            if self.config.is_causal and layer.layer_idx > 0:
                 cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
