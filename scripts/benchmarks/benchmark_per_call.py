@@ -14,7 +14,9 @@ for real (RAN in chunks of `--prefill_chunk` through its cache, Mamba-2 in one p
 `--llama_max_context`, beyond which it is left out), then `generate()` adds `--steps` tokens greedily, timed from the
 first step's logits to the last's by a logits processor (so the prompt's pass is not counted): the median step of each
 of `--repeats` rounds, which time every model and context in turn, the least of them reported (on a shared machine
-noise only adds time). One thread by default.
+noise only adds time). Of an eager step, the model's forward is timed too (a forward pre-hook to the step's logits,
+"ms_forward_at_N"): the rest is `generate()`'s own, which grows with the context for every model (it adds each new
+token to ids that hold the whole prompt). One thread by default.
 With `--memory_review_cells N` the RAN reviews the last N cells only, so that a step's work no longer grows with
 the context (by default it reviews one cell per window read so far). Writes a table to stdout and one JSON in the
 benchmarks' result format.
@@ -50,14 +52,18 @@ MODELS = ("ran", "ran-compiled", "llama", "mamba2")
 
 
 class StepClock(LogitsProcessor):
-    """Records the time at every step of `generate()` (called once per new token, after its forward)."""
+    """Records the time at every step of `generate()` (called once per new token, after its forward) and, as a
+    forward pre-hook on the model (`forward_started`), when each forward starts."""
 
     def __init__(self):
-        self.times = []
+        self.times, self.forward_starts = [], []
 
     def __call__(self, input_ids, scores):
         self.times.append(time.perf_counter())
         return scores
+
+    def forward_started(self, module, args):
+        self.forward_starts.append(time.perf_counter())
 
 
 def python_calls(function) -> int:
@@ -99,13 +105,20 @@ def build(name: str, args, classifier: bool = False):
     return Mamba2ForCausalLM(config).eval()
 
 
-def generate(model, ids, steps, **kwargs):
+def generate(model, ids, steps, **kwargs) -> StepClock:
+    """A greedy `generate()` of `steps` tokens, clocked. The forwards are clocked only where `generate()` calls them
+    eagerly: a compiled step would trace the hook."""
     clock = StepClock()
-    model.generate(
-        ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-        logits_processor=LogitsProcessorList([clock]), **kwargs,
-    )  # fmt: skip
-    return clock.times
+    hook = None if "compile_config" in kwargs else model.register_forward_pre_hook(clock.forward_started)
+    try:
+        model.generate(
+            ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+            logits_processor=LogitsProcessorList([clock]), **kwargs,
+        )  # fmt: skip
+    finally:
+        if hook is not None:
+            hook.remove()
+    return clock
 
 
 @torch.no_grad()
@@ -147,13 +160,20 @@ def prepare_timing(name: str, model, context: int, args) -> dict | None:
 
 
 @torch.no_grad()
-def median_step(timing: dict, args) -> float:
+def median_step(timing: dict, args) -> tuple[float, float | None]:
     """One greedy `generate()` of `--steps` tokens from the prepared prompt (a copy of its cache): the median time
-    between two steps' logits, in ms."""
+    between two steps' logits, and the median of the model's forward in a step (from its start to its logits; None
+    where the step is compiled), in ms. What is left of a step is `generate()`'s own: choosing the token and adding
+    it to the ids, which hold the whole prompt."""
     kwargs, cache = timing["kwargs"], timing["kwargs"].get("past_key_values")
     fresh = {} if cache is None else {"past_key_values": copy.deepcopy(cache)}
-    times = generate(timing["model"], timing["ids"], args.steps + 1, **{**kwargs, **fresh})
-    return 1000 * statistics.median(later - earlier for earlier, later in zip(times, times[1:]))
+    clock = generate(timing["model"], timing["ids"], args.steps + 1, **{**kwargs, **fresh})
+    times = clock.times
+    step = 1000 * statistics.median(later - earlier for earlier, later in zip(times, times[1:]))
+    if not clock.forward_starts:
+        return step, None
+    forward = statistics.median(end - start for start, end in zip(clock.forward_starts[1:], times[1:]))
+    return step, 1000 * forward
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -204,7 +224,11 @@ def main(argv=None):
     for row in results:
         for context in args.contexts:
             times = medians.get((row["model"], context))
-            row[f"ms_per_token_at_{context}"] = min(times) if times else None
+            row[f"ms_per_token_at_{context}"] = min(step for step, _ in times) if times else None
+        for context in args.contexts:  # the least median forward (of any round: noise only adds time)
+            times = medians.get((row["model"], context))
+            forwards = [forward for _, forward in times or () if forward is not None]
+            row[f"ms_forward_at_{context}"] = min(forwards) if forwards else None
     columns = list(results[0])
     print(" | ".join(f"{column:>14}" for column in columns))
     for row in results:

@@ -176,8 +176,8 @@ def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPosi
 
     # 3. Memory review of the cached cells (the layer's starting cell first, where it reads it).
     if layer.reviews_memory:
-        cells, score_bias = reviewed_cells(layer, cache, at, config)
-        token = layer.memory_review.read_cells(token, cells, score_bias, at.review_mask[1])[0]
+        first_cell, cells, score_bias = reviewed_cells(layer, cache, at, config)
+        token = layer.memory_review.read_cells(token, cells, score_bias, at.review_mask[1], first_cell)[0]
 
     # 4. Where a row's token ends its window, the cell scan's step for that window.
     cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states
@@ -216,19 +216,21 @@ def current_window(layer, cache: RANCacheLayer, keys, values, rotated_key, value
 
 
 def reviewed_cells(layer, cache: RANCacheLayer, at: StepPositions, config: StepSettings):
-    """The cells memory review reads, (B, C, 2 D) (the layer's starting cell first, where it reads it), and every
-    one's score bias (B, C) (`RANMemoryReview.score_bias`). Both stay the same until a window ends: kept in the cache
-    between eager steps (`step_review`), rebuilt in every compiled one."""
+    """What memory review reads: the layer's starting cell's key and value (1, 2 D) where it reads it (else None),
+    the cached cells' (B, C, 2 D), and every one's score bias (B, 1 + C) (`RANMemoryReview.score_bias`). The
+    starting cell is read apart, not joined to the cached ones: joining them copied the whole room every compiled
+    step. All stay the same until a window ends: kept in the cache between eager steps (`step_review`), rebuilt in
+    every compiled one."""
     if cache.step_review is not None and not torch.compiler.is_compiling():
         return cache.step_review
     cells, hidden = cache.cell_states, at.review_mask[0]
     if at.cells_read is not None:  # not the room's empty rest, which every token would score and hide again
         cells, hidden = cells[:, : at.cells_read], hidden[:, : at.cells_read + config.review_initial_cell]
+    review = layer.memory_review
+    first_cell = None
     if config.review_initial_cell:
-        review = layer.memory_review
-        initial = review.project_cells(layer.initial_cell[None].expand(cells.shape[0], -1))[:, None]
-        cells = torch.cat([initial.to(cells.dtype), cells], dim=1)
-    reviewed = cells, layer.memory_review.score_bias(cells, hidden)
+        first_cell = review.project_cells(layer.initial_cell[None]).to(cells.dtype)
+    reviewed = first_cell, cells, review.score_bias(cells, hidden, first_cell)
     if not torch.compiler.is_compiling():
         cache.step_review = reviewed
     return reviewed

@@ -170,22 +170,25 @@ class RANMemoryReview(nn.Module):
         hidden, reads_any = self.hidden_cells(cell_states.shape[1], *readable)
         return self.read_cells(token_states, cell_states, self.score_bias(cell_states, hidden), reads_any)
 
-    def read_cells(self, token_states, cell_states, score_bias, reads_any):
+    def read_cells(self, token_states, cell_states, score_bias, reads_any, first_cell=None):
         """`review_chunk` with what every score of a cell gets added given (`score_bias` (B, l, C)) and whether each
         token reads any cell ((B, l, 1) `reads_any`). A decoding step keeps the bias of its window's cells, and
-        gives its tokens as (B, D), the bias as (B, C) and `reads_any` as (B, 1)."""
+        gives its tokens as (B, D), the bias as (B, C) and `reads_any` as (B, 1); where it reads the layer's starting
+        cell, that cell's keys and value apart (`first_cell` (1, 2 D), read before `cell_states`, bias in column 0)."""
         if self.residual_stream:
-            review, probs = self.review(self.norm(token_states), cell_states, score_bias, reads_any)
+            review, probs = self.review(self.norm(token_states), cell_states, score_bias, reads_any, None, first_cell)
             return token_states + review, probs
-        return self.review(token_states, cell_states, score_bias, reads_any, norm=self.norm)
+        return self.review(token_states, cell_states, score_bias, reads_any, self.norm, first_cell)
 
-    def score_bias(self, cell_states, hidden) -> torch.Tensor:
+    def score_bias(self, cell_states, hidden, first_cell=None) -> torch.Tensor:
         """What each token's score of each cell gets added: -inf for the cells it may not read (`hidden` (B, l, C) or
-        a decoding step's (B, C)), else the cell's learned salience (`config.review_salience`) or 0. In float32
-        where there is a salience."""
+        a decoding step's (B, C), with its `first_cell` in column 0), else the cell's learned salience
+        (`config.review_salience`) or 0. In float32 where there is a salience."""
         if not hasattr(self, "salience"):
             return torch.where(hidden, float("-inf"), 0.0)  # in the scores' dtype when added (`review`)
         salience = self.cell_salience(cell_states)  # (B, C)
+        if first_cell is not None:
+            salience = torch.cat([self.cell_salience(first_cell).expand(salience.shape[0], 1), salience], dim=1)
         return torch.where(hidden, float("-inf"), salience if hidden.dim() == 2 else salience[:, None, :])
 
     def hidden_cells(self, num_cells, readable_cells, first_readable=None, salient_table=None, salient_rows=None):
@@ -205,8 +208,9 @@ class RANMemoryReview(nn.Module):
             hidden = hidden & ~salient_table.gather(1, index)
         return hidden & readable, readable  # a token that reads nothing: nothing hidden, its softmax stays finite
 
-    def review(self, token_states, cell_states, score_bias, reads_any, norm=None):
-        """The review of a chunk of tokens and its weights; `norm` (the official layer's) applied to it."""
+    def review(self, token_states, cell_states, score_bias, reads_any, norm=None, first_cell=None):
+        """The review of a chunk of tokens and its weights; `norm` (the official layer's) applied to it. A decoding
+        step's `first_cell` is scored and read apart from `cell_states`: joining them would copy every cached cell."""
         projected = self.q_proj(token_states)  # (B, l, D)
         query = self.act(projected)
         key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
@@ -215,7 +219,11 @@ class RANMemoryReview(nn.Module):
         scoring_query = unit_vectors(projected) if self.qk_norm else query
         one_token = token_states.dim() == 2  # (B, D): a decoding step's, one token per row, bias (B, C)
         if one_token:
-            scores = torch.bmm(key, scoring_query[:, :, None])[..., 0] * self.scale  # (B, C)
+            scores = torch.bmm(key, scoring_query[:, :, None])[..., 0]  # (B, C)
+            if first_cell is not None:
+                first_key, first_value = first_cell.chunk(2, dim=-1)  # (1, D) each
+                scores = torch.cat([(scoring_query * first_key).sum(-1, keepdim=True), scores], dim=1)
+            scores = scores * self.scale
         else:
             scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
         # With a salience, float32 from here on; without, in the scores' dtype (autocast's, where it is on).
@@ -223,7 +231,9 @@ class RANMemoryReview(nn.Module):
         probs = torch.softmax(scores, dim=-1) * reads_any
         probs_read = F.dropout(probs, self.attention_dropout) if self.training else probs  # (no call in inference)
         probs_read = probs_read.to(value.dtype)
-        if one_token:
+        if one_token and first_cell is not None:
+            review = torch.bmm(probs_read[:, None, 1:], value)[:, 0] + probs_read[:, :1] * first_value  # (B, D)
+        elif one_token:
             review = torch.bmm(probs_read[:, None], value)[:, 0]  # (B, D)
         else:
             review = probs_read @ value  # (B, l, D)
