@@ -67,7 +67,8 @@ def test_a_decoding_step_reads_nothing_to_the_host():
 )
 def test_a_compiled_decoding_step_runs_64_steps_in_one_graph(fields):
     """`torch.compile(fullgraph=True)` of the model's forward takes 64 single-token steps (16 windows end among them)
-    without a graph break or a recompilation, and gives the eager steps' logits."""
+    without a graph break or a recompilation, and gives the eager steps' logits. With an unbounded memory, every step
+    writes its cell into the cache's room in place: the room is not copied step after step."""
     torch._dynamo.reset()
     model = randomize_(RANForCausalLM(tiny_config(is_causal=True, window_size=4, min_window_size=2, **fields)))
     ids = torch.randint(1, 61, (2, 70), generator=torch.Generator().manual_seed(2))
@@ -78,6 +79,7 @@ def test_a_compiled_decoding_step_runs_64_steps_in_one_graph(fields):
         model(ids[:, :6], past_key_values=compiled_cache, use_cache=True)
         counts = torch._dynamo.utils.counters
         counts.clear()
+        rooms = [layer.cell_states for layer in compiled_cache.layers]
         for position in range(6, 70):
             token = ids[:, position : position + 1]
             eager = model(token, past_key_values=eager_cache, use_cache=True).logits
@@ -86,6 +88,8 @@ def test_a_compiled_decoding_step_runs_64_steps_in_one_graph(fields):
     assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
     assert not counts["graph_break"], dict(counts["graph_break"])
     assert compiled_cache.get_seq_length() == 70 and compiled_cache.known_lengths() == [70, 70]
+    if model.config.memory_review_cells is None:
+        assert all(layer.cell_states is room for layer, room in zip(compiled_cache.layers, rooms))
 
 
 @pytest.mark.slow

@@ -447,8 +447,9 @@ class RANCache(Cache):
 
     def snapshot(self) -> tuple:
         """What a forward may change, by reference: every update replaces a tensor, none writes into one (the base
-        layer's per-state dicts are copied, their tensors are not). The one exception, `step_window`, is written in
-        place only in the slot after each row's tail, which no step reads before writing it again."""
+        layer's per-state dicts are copied, their tensors are not). Two exceptions are written in place, each only
+        where no step reads before writing it again: `step_window` in the slot after each row's tail, and, in a
+        compiled step, the cells' room at each row's own window's place."""
         layers = [(dict(vars(layer)), *map(dict, per_state(layer))) for layer in self.layers]
         return layers, dict(vars(self))
 

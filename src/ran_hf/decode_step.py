@@ -174,12 +174,9 @@ def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPosi
         token = layer.finish_attention(attended, normed)
         token = token if layer.reviews_memory else layer.output_norm(token)
 
-    # 3. Memory review of the cached cells (the layer's starting cell first, where it reads it).
-    if layer.reviews_memory:
-        first_cell, cells, score_bias = reviewed_cells(layer, cache, at, config)
-        token = layer.memory_review.read_cells(token, cells, score_bias, at.review_mask[1], first_cell)[0]
-
-    # 4. Where a row's token ends its window, the cell scan's step for that window.
+    # 3. Where a row's token ends its window, the cell scan's step for that window. Before memory review, which does
+    # not read the window's own cell: a compiled step writes it into the room first, in place, and reviews the room
+    # it wrote (a graph that read the room before writing it in place would copy all of it).
     cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states
     tail_keys, tail_values = keys, values
     if at.scan_runs:
@@ -191,6 +188,11 @@ def decode_layer(layer, states: torch.Tensor, cache: RANCacheLayer, at: StepPosi
             cell_states = remember_cell(layer.memory_review.project_cells(raw), cell_states, at, config)
         tail_keys, tail_values = (next_tail(slots, at, config.window_overlap) for slots in (keys, values))
         window_keys = window_values = None  # the window and the cell change: the next step rebuilds them
+
+    # 4. Memory review of the cached cells (the layer's starting cell first, where it reads it).
+    if layer.reviews_memory:
+        first_cell, cells, score_bias = reviewed_cells(layer, cache, at, config)
+        token = layer.memory_review.read_cells(token, cells, score_bias, at.review_mask[1], first_cell)[0]
     window = None if torch.compiler.is_compiling() or window_keys is None else (window_keys, window_values)
     return token, LayerStep(cell, previous_raw, cell_states, tail_keys, tail_values, window)
 
@@ -268,6 +270,13 @@ def remember_cell(projected, cell_states: torch.Tensor, at: StepPositions, confi
     rows = torch.arange(cell_states.shape[0], device=cell_states.device)
     place = at.window.clamp(max=cell_states.shape[1] - 1)
     written = torch.where(ends, projected.to(cell_states.dtype), cell_states[rows, place])
+    if torch.compiler.is_compiling():
+        # A compiled step runs this in every step, ended window or not: written out of place, it would copy the whole
+        # room each time. In place, a row's cell goes where no token reads yet (its own window's place), so a step
+        # that fails and is run again leaves nothing behind (as `current_window`'s writes). None: the cache holds it
+        # (a graph that returned the tensor it writes in place would copy it all the same).
+        cell_states.index_put_((rows, place), written)
+        return None
     return cell_states.index_put((rows, place), written)
 
 
