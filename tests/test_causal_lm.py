@@ -103,7 +103,9 @@ def decode_in_chunks(model, ids, chunk_sizes, attention_mask=None):
         pytest.param({"num_hidden_layers": 3, "window_size": 3, "min_window_size": 1}, id="three-layers-window-3"),
         pytest.param({"memory_review": False, "window_overlap": 1}, id="no-memory-review"),
         pytest.param({"review_initial_cell": False}, id="no-initial-cell"),
-        pytest.param({"residual_stream": False, "review_qk_norm": False, "review_salience": False}, id="official-layer"),
+        pytest.param(
+            {"residual_stream": False, "review_qk_norm": False, "review_salience": False}, id="official-layer"
+        ),
         pytest.param({"memory_review_cells": 2, "window_overlap": 1}, id="bounded-memory"),
         pytest.param({"memory_review_cells": 1, "review_initial_cell": False}, id="bounded-memory-no-initial-cell"),
         pytest.param({"memory_review_cells": 1, "memory_salient_cells": 2, "window_overlap": 1}, id="salient-cells"),
