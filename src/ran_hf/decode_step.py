@@ -218,11 +218,12 @@ def current_window(layer, cache: RANCacheLayer, keys, values, rotated_key, value
 
 
 def reviewed_cells(layer, cache: RANCacheLayer, at: StepPositions, config: StepSettings):
-    """What memory review reads: the layer's starting cell's key and value (1, 2 D) where it reads it (else None),
-    the cached cells' (B, C, 2 D), and every one's score bias (B, 1 + C) (`RANMemoryReview.score_bias`). The
-    starting cell is read apart, not joined to the cached ones: joining them copied the whole room every compiled
-    step. All stay the same until a window ends: kept in the cache between eager steps (`step_review`), rebuilt in
-    every compiled one."""
+    """What memory review reads: the layer's starting cell's key and value (1, 2 D) where it reads it and a compiled
+    step runs (else None), the cells' (B, C, 2 D), and every one's score bias (B, 1 + C) or (B, C)
+    (`RANMemoryReview.score_bias`). A compiled step rebuilds them every step and reads the starting cell apart: joined
+    to the cached cells it would copy the whole room each time. Between eager steps they stay the same until a window
+    ends (`step_review`), so there the starting cell is joined to the cached ones once, and each step reads them all
+    in one product."""
     if cache.step_review is not None and not torch.compiler.is_compiling():
         return cache.step_review
     cells, hidden = cache.cell_states, at.review_mask[0]
@@ -232,10 +233,13 @@ def reviewed_cells(layer, cache: RANCacheLayer, at: StepPositions, config: StepS
     first_cell = None
     if config.review_initial_cell:
         first_cell = review.project_cells(layer.initial_cell[None]).to(cells.dtype)
-    reviewed = first_cell, cells, review.score_bias(cells, hidden, first_cell)
-    if not torch.compiler.is_compiling():
-        cache.step_review = reviewed
-    return reviewed
+    score_bias = review.score_bias(cells, hidden, first_cell)
+    if torch.compiler.is_compiling():
+        return first_cell, cells, score_bias
+    if first_cell is not None:
+        cells = torch.cat([first_cell[None].expand(cells.shape[0], 1, -1), cells], dim=1)
+    cache.step_review = None, cells, score_bias
+    return cache.step_review
 
 
 def scan_step(layer, cell, previous_raw, rotated_keys, window_values, at: StepPositions):
