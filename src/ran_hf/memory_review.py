@@ -173,8 +173,8 @@ class RANMemoryReview(nn.Module):
     def read_cells(self, token_states, cell_states, score_bias, reads_any, first_cell=None):
         """`review_chunk` with what every score of a cell gets added given (`score_bias` (B, l, C)) and whether each
         token reads any cell ((B, l, 1) `reads_any`). A decoding step keeps the bias of its window's cells, and
-        gives its tokens as (B, D), the bias as (B, C) and `reads_any` as (B, 1); where it reads the layer's starting
-        cell, that cell's keys and value apart (`first_cell` (1, 2 D), read before `cell_states`, bias in column 0)."""
+        gives its tokens as (B, D), the bias as (B, C) and `reads_any` as (B, 1); a compiled one, the layer's starting
+        cell's key and value apart (`first_cell` (1, 2 D), read before `cell_states`, its bias in column 0)."""
         if self.residual_stream:
             review, probs = self.review(self.norm(token_states), cell_states, score_bias, reads_any, None, first_cell)
             return token_states + review, probs
@@ -210,7 +210,8 @@ class RANMemoryReview(nn.Module):
 
     def review(self, token_states, cell_states, score_bias, reads_any, norm=None, first_cell=None):
         """The review of a chunk of tokens and its weights; `norm` (the official layer's) applied to it. A decoding
-        step's `first_cell` is scored and read apart from `cell_states`: joining them would copy every cached cell."""
+        step's `first_cell` (a compiled one's) is scored and read apart from `cell_states`: joining them would copy
+        every cached cell each step."""
         projected = self.q_proj(token_states)  # (B, l, D)
         query = self.act(projected)
         key, value = cell_states.chunk(2, dim=-1)  # (B, C, D) each
