@@ -41,7 +41,7 @@ def standard_normalize_reference(
     """`standard_normalize` in PyTorch ops, wherever the kernel does not run."""
     input_dtype = hidden_states.dtype
     autocast = autocast_on(hidden_states)
-    hidden_states = hidden_states.float()
+    hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))  # (float64 stays so)
     mean = hidden_states.mean(-1, keepdim=True)
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
     normalized = (hidden_states - mean) * torch.rsqrt(mean_square + eps)
@@ -80,7 +80,7 @@ def activation_function(name: str):
 def unit_vectors(states: torch.Tensor) -> torch.Tensor:
     """L2-normalised along the last axis, in float32: in half precision the guard against a zero vector (padding)
     underflows to 0, and 0 / 0 is NaN."""
-    return F.normalize(states.float(), dim=-1).to(states.dtype)
+    return F.normalize(states.to(torch.promote_types(states.dtype, torch.float32)), dim=-1).to(states.dtype)
 
 
 class RANCenteredRMSNorm(nn.Module):
@@ -249,7 +249,7 @@ def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> t
 
 def rotate_pairs_reference(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """`apply_interleaved_rotary` in PyTorch ops, wherever the kernel does not run."""
-    x, y = states.float().unflatten(-1, (-1, 2)).unbind(-1)
+    x, y = states.to(torch.promote_types(states.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = rotations.unbind(-1)
     return torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).flatten(-2).to(states.dtype)
 
@@ -259,7 +259,7 @@ def rotate_pairs_complex(states: torch.Tensor, rotations: torch.Tensor) -> torch
     them, in four ops whatever the size, for a decoding step whose tensors are small. Not exportable to ONNX."""
     if torch.compiler.is_compiling():  # inductor generates no code for complex products: its fused real form
         return rotate_pairs_reference(states, torch.view_as_real(rotations))
-    pairs = torch.view_as_complex(states.float().unflatten(-1, (-1, 2)))
+    pairs = torch.view_as_complex(states.to(torch.promote_types(states.dtype, torch.float32)).unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotations).flatten(-2).to(states.dtype)
 
 

@@ -38,6 +38,7 @@ from .building_blocks import (
     project_heads,
     standard_normalize,
 )
+from .decode_step import StepPositions
 from .fused_scan import FusedCellScan, ScanPlan, scan_forward, window_maxima
 from .kernel_choice import choose
 from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
@@ -59,7 +60,8 @@ class CellScanWeights(NamedTuple):
 
 
 class CellScanOutputs(NamedTuple):
-    """Per scan step j (the j-th window of every sequence in this pass), stacked as (N, B, ...)."""
+    """Per scan step j (the j-th window of every sequence in this pass), stacked as (N, B, ...); a decoding step's
+    one step, as (B, ...)."""
 
     read_keys: torch.Tensor  # (N, B, H, d) the key of the cell the window reads
     read_values: torch.Tensor  # (N, B, H, d) its value
@@ -343,7 +345,12 @@ class RANCellScan(nn.Module):
         return drop(standard_normalize(written, self.eps), written_mask)
 
     def forward(self, weights: CellScanWeights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
-        """Run the implementation `kernel_choice.choose` picks; see `reference_cell_scan` for the arguments."""
+        """Run the implementation `kernel_choice.choose` picks; see `reference_cell_scan` for the arguments.
+
+        A decoding step (`layout` is its `StepPositions`) takes one scan step for the window each row's token ends:
+        keys and values (B, H, S, d) are that window's slots, rotated; it returns (B, ...) tensors (`step`)."""
+        if type(layout) is StepPositions:
+            return self.step(weights, cell, previous_raw, keys, values, layout)
         requested = self.config.scan_implementation
         if requested != "auto" and requested not in ALL_SCAN_FUNCTIONS:
             raise ValueError(
@@ -360,3 +367,17 @@ class RANCellScan(nn.Module):
             record_build_failure(error)  # from now on `choose` gives the fused scan, and says why
             return self(weights, cell, previous_raw, keys, values, layout)
         return CellScanOutputs(*outputs)
+
+    def step(self, weights: CellScanWeights, cell, previous_raw, keys, values, at: StepPositions) -> CellScanOutputs:
+        """A decoding step's scan step (`cell_step`), for every row (the layer keeps it where the row's window ended).
+        In the weights' dtype under autocast, as the scan runs: the cell is a running state."""
+        device = cell.device.type
+        if device != "meta" and torch.is_autocast_enabled(device):
+            dtype = weights.qkv_proj.weight.dtype
+            with torch.autocast(device, enabled=False):
+                return self.step(weights, cell.to(dtype), previous_raw.to(dtype), keys.to(dtype), values.to(dtype), at)
+        maxima = window_maxima(values[None], at.visible[None])[0] if self.cell_max_pool else None  # (B, H, d)
+        continues = (at.window > 0)[:, None] if self.use_cell_residual else None
+        return CellScanOutputs(
+            *cell_step(self, weights, cell, previous_raw, keys, values, at.visible, maxima, NO_DROPOUT, continues)
+        )

@@ -13,6 +13,7 @@ from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, activation_
 from .cache_ran import RANCacheLayer
 from .causal_memory import memory_to_read
 from .configuration_ran import RANConfig
+from .decode_step import StepPositions
 from .window_layout import RANWindowLayout
 
 
@@ -83,14 +84,21 @@ class RANMemoryReview(nn.Module):
         token and cell, and cancels; in bfloat16 it was 1.9% off (the rest of the model: at most 1.2%)."""
         key = cell_states[..., : cell_states.shape[-1] // 2]
         with nullcontext() if key.is_meta else torch.autocast(key.device.type, enabled=False):
-            return key.float() @ self.salience.float()
+            dtype = torch.promote_types(key.dtype, torch.float32)  # (float64 stays so)
+            return key.to(dtype) @ self.salience.to(dtype)
 
-    def read(self, token_states, raw_cells, initial_cell, layout: RANWindowLayout, cache: RANCacheLayer | None = None,
-             output_attentions: bool = False):  # fmt: skip
+    def forward(self, token_states, raw_cells, initial_cell, layout: RANWindowLayout | StepPositions,
+                cache: RANCacheLayer | None = None, output_attentions: bool = False):  # fmt: skip
         """The layer's memory review: token states (T, D) read the cells (N, B, D) of this pass's windows (and the
-        cached ones) that they may (causal_memory.py). Returns the reviewed token states (T, D), with
-        `output_attentions` the review weights (B, L, C) (zeros at padding), and what a cache keeps
-        (`memory_to_read`)."""
+        cached ones) that they may (causal_memory.py); `initial_cell` (B or 1, D) is the layer's starting cell. Returns
+        the reviewed token states (T, D), with `output_attentions` the review weights (B, L, C) (zeros at padding),
+        and what a cache keeps (`memory_to_read`).
+
+        A decoding step (`layout` is its `StepPositions`) hands one token per row, (B, D), and no cells of its own: it
+        reads the cached ones (`step_cells`). Returns (B, D), None and None."""
+        if type(layout) is StepPositions:
+            first_cell, cells, score_bias = self.step_cells(initial_cell, layout, cache)
+            return self.read_cells(token_states, cells, score_bias, layout.reads_cells, first_cell)[0], None, None
         initial = self.project_cells(initial_cell) if self.reads_initial_cell else None
         cells = self.project_cells(raw_cells.transpose(0, 1))  # (B, N, 2 D): only this pass's cells
         (read_cells, readable_cells, first_readable, salient), memory = memory_to_read(
@@ -100,13 +108,39 @@ class RANMemoryReview(nn.Module):
         real_tokens = None  # (B, L, 1): the review weights are none at padding
         if output_attentions:
             real_tokens = layout.to_padded(token_states.new_ones(layout.token_index.numel(), 1))
-        reviewed, weights = self(
+        reviewed, weights = self.review_tokens(
             layout.to_padded(token_states), read_cells, readable_cells, output_attentions, first_readable, salient,
             real_tokens,
         )  # fmt: skip
         return layout.from_padded(reviewed), weights, memory
 
-    def forward(
+    def step_cells(self, initial_cell, at: StepPositions, cache: RANCacheLayer):
+        """What a decoding step's review reads: the starting cell's key and value (1, 2 D) where it reads it and a
+        compiled step runs (else None), the cached cells' (B, C, 2 D), and every one's score bias (B, 1 + C) or
+        (B, C) (`score_bias`). A compiled step rebuilds them every step and reads the starting cell apart: joined to
+        the cached cells it would copy the whole room each time. Between eager steps they stay the same until a window
+        ends (`cache.step_review`), so there the starting cell is joined to the cached ones once, and each step reads
+        them all in one product."""
+        compiling = torch.compiler.is_compiling()
+        if cache.step_review is not None and not compiling:
+            return cache.step_review
+        cells = cache.cell_states
+        if at.cells_read is not None:  # not the room's empty rest, which every token would score and hide again
+            cells = cells[:, : at.cells_read]
+        num_cells = cells.shape[1] + self.reads_initial_cell
+        hidden = self.hidden_cells(num_cells, at.readable, at.first_readable)[0][:, 0]  # (B, C)
+        first_cell = None
+        if self.reads_initial_cell:
+            first_cell = self.project_cells(initial_cell).to(cells.dtype)
+        score_bias = self.score_bias(cells, hidden, first_cell)
+        if compiling:
+            return first_cell, cells, score_bias
+        if first_cell is not None:
+            cells = torch.cat([first_cell[None].expand(cells.shape[0], 1, -1), cells], dim=1)
+        cache.step_review = None, cells, score_bias
+        return cache.step_review
+
+    def review_tokens(
         self,
         token_states: torch.Tensor,
         cell_states: torch.Tensor,

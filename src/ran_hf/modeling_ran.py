@@ -380,18 +380,10 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
         """
         check_language_model_labels(self, labels, logits_to_keep, input_ids, inputs_embeds)
-        outputs = None
-        if past_key_values is not None and labels is None and self.model.steps_without_wrappers:
-            # A decoding step (generate()'s every token) skips the base model's call and its wrappers, which record
-            # nothing in a step and cost a tenth of it.
-            outputs = self.model.as_decoding_step(
-                input_ids, attention_mask, inputs_embeds, past_key_values, initial_cell=initial_cell, **kwargs
-            )
-        if outputs is None:
-            outputs = head_outputs(
-                self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                initial_cell=initial_cell, past_key_values=past_key_values, use_cache=use_cache, **kwargs,
-            )  # fmt: skip
+        outputs = head_outputs(
+            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            initial_cell=initial_cell, past_key_values=past_key_values, use_cache=use_cache, **kwargs,
+        )  # fmt: skip
         hidden_states = outputs.last_hidden_state
         if self.config.cutoffs is None:
             logits = self.decoder(self.head(slice_logits_to_keep(hidden_states, logits_to_keep)))

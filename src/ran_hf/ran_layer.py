@@ -26,11 +26,13 @@ from .building_blocks import (
     apply_dropout,
     apply_interleaved_rotary,
     project_heads,
+    rotate_pairs_complex,
 )
 from .cache_ran import RANCacheLayer
 from .causal_memory import update_cache
 from .cell_scan import CellScanWeights, RANCellScan
 from .configuration_ran import RANConfig
+from .decode_step import StepPositions, next_tail, remember_cell
 from .kernel_choice import choose
 from .memory_review import RANMemoryReview
 from .triton_window_projection import JoinReadCells, triton_window_projection
@@ -121,9 +123,17 @@ class RANWindowAttention(nn.Module):
         (`config._attn_implementation`). Returns the attended values (T, H * d) and, with `output_attentions` and
         an implementation that gives them (eager), every token's weights (B, H, L, 1 + S), else None; the attended
         values stay in the windows' query slots, (K, Q, H * d). With `chunk`, `chunk` windows at a time.
+
+        A decoding step (`layout` is its `StepPositions`) hands one query per row (B, H, 1, d) and its window's keys
+        and values (B, H, 1 + S, d), the read cell's in slot 0 already: returns (B, H * d) and None.
         """
-        attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
+        if type(layout) is StepPositions:
+            attended, _ = attention(
+                self, query, key, value, layout.attention_bias, dropout=0.0, scaling=self.head_dim**-0.5
+            )  # (B, 1, H, d)
+            return attended.flatten(1), None
+        attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
 
         def join(key, value, cell_key, cell_value):
             if joined:
@@ -356,7 +366,12 @@ class RANLayer(GradientCheckpointingLayer):
         (the starting one for a row of padding only) and, with `output_attentions`, every token's window attention
         weights (B, H, L, 1 + S) (None unless the attention implementation gives them) and memory-review weights
         (B, L, C).
+
+        A decoding step hands its `StepPositions` as the `layout`, one token per row as (B, D) `hidden_states`, and
+        the layer's `cache` (`decode_token`).
         """
+        if type(layout) is StepPositions:
+            return self.decode_token(hidden_states, cache, layout)
         initial_cell = None
         if hasattr(self, "initial_cell"):
             initial_cell = apply_dropout(self.dropout, self.initial_cell[None].expand(layout.batch_size, -1))
@@ -396,7 +411,7 @@ class RANLayer(GradientCheckpointingLayer):
         del attended, normed_tokens
         review_weights, memory = None, None
         if self.reviews_memory:
-            token_states, review_weights, memory = self.memory_review.read(
+            token_states, review_weights, memory = self.memory_review(
                 token_states, raw_cells, initial_cell, layout, cache, output_attentions
             )
         if cache is not None:
@@ -406,3 +421,77 @@ class RANLayer(GradientCheckpointingLayer):
         last_cell = layout.last_cells(cells, start_cell)
         hidden_states = layout.to_padded(token_states)  # (B, L, D)
         return LayerOutputs(hidden_states, raw_cells, last_cell, attention_weights, review_weights)
+
+    # ---- a decoding step -------------------------------------------------------------------------------------------
+
+    def decode_token(self, states: torch.Tensor, cache: RANCacheLayer, at: StepPositions) -> LayerOutputs:
+        """One new token per row against the cache (decode_step.py): the three phases of `forward` for that token,
+        through the same modules. states (B, D) -> the token states after the layer (B, D); the cache's state is
+        updated (the head's `cache_transaction` restores it if a later layer fails)."""
+        # 1. The new token's query, key and value (rotated together: they share a position), and its window.
+        normed = self.normalize_input(states)  # (B, D)
+        qkv = self.project(normed)  # (B, 3, H, d)
+        query, key, value = qkv.unbind(1)  # (B, H, d) each
+        rotated_key = key
+        if at.token_rotations is not None:
+            query, rotated_key = rotate_pairs_complex(qkv[:, :2], at.token_rotations).unbind(1)
+        keys = cache.tail_keys.index_put((at.rows, at.slot), key)  # (B, S, H, d), un-rotated: what the cache keeps
+        values = cache.tail_values.index_put((at.rows, at.slot), value)  # (B, S, H, d)
+        window_keys, window_values = self.step_window(cache, keys, values, rotated_key, value, at)  # (B, H, 1 + S, d)
+
+        # 2. Token attention over the read cell (slot 0, not rotated) and the window's visible slots.
+        attended, _ = self.window_attention(query[:, :, None], window_keys, window_values, None, None, at, False)
+        token = self.per_token_tail(states, attended, normed)  # (B, D)
+
+        # 3. Where a row's token ends its window, the cell scan's step for that window. Before memory review, which
+        # does not read the window's own cell: a compiled step writes it into the room first, in place, and reviews the
+        # room it wrote (a graph that read the room before writing it in place would copy all of it).
+        cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states
+        tail_keys, tail_values = keys, values
+        if at.scan_runs:
+            _, _, raw, new_cell = self.cell_scan(
+                self.cell_scan_weights(), cell, previous_raw, window_keys[:, :, 1:], window_values[:, :, 1:], at
+            )
+            ends = at.ends_window[:, None]
+            cell, previous_raw = torch.where(ends, new_cell, cell), torch.where(ends, raw, previous_raw)
+            if self.reviews_memory:
+                bounded = self.config.memory_review_cells is not None
+                cell_states = remember_cell(self.memory_review.project_cells(raw), cell_states, at, bounded)
+            overlap = self.config.window_overlap
+            tail_keys, tail_values = next_tail(keys, at, overlap), next_tail(values, at, overlap)
+
+        # 4. Memory review of the cached cells (the layer's starting cell first, where it reads it).
+        if self.reviews_memory:
+            token = self.memory_review(token, None, self.initial_cell[None], at, cache)[0]
+
+        # 5. The layer's state after the step; what stays until a window ends stays cached between eager steps.
+        review = None if at.scan_runs else cache.step_review
+        if at.scan_runs:
+            cache.update_recurrent_state(cell)
+            cache.previous_raw_cell = previous_raw
+        if cell_states is not None and cell_states is not cache.cell_states:
+            cache.update_cell_states(cell_states)
+        cache.update_tail(tail_keys, tail_values)  # (each update drops the step memos ...)
+        if not (at.scan_runs or torch.compiler.is_compiling()):  # (... which still hold)
+            cache.step_window, cache.step_review = (window_keys, window_values), review
+        return LayerOutputs(token, None, None, None, None)
+
+    def step_window(self, cache: RANCacheLayer, keys, values, rotated_key, value, at: StepPositions):
+        """The keys and values (B, H, 1 + S, d) window attention reads in a step: the read cell's (slot 0, not
+        rotated), then the window's slots, rotated, the new token's written in. Kept in the cache between eager steps
+        (`step_window`), where a step writes only its token's; built from the cached tail and cell where the cache has
+        none (after a window ended, or any other update of the state) and in every compiled step, which cannot ask."""
+        if cache.step_window is not None and not torch.compiler.is_compiling():
+            window_keys, window_values = cache.step_window
+            # In place, into the slot after each row's tail: no step reads it before the one that writes it, so a step
+            # that fails and is run again leaves nothing behind.
+            window_keys[at.rows, :, at.key_slot] = rotated_key
+            window_values[at.rows, :, at.key_slot] = value
+            return window_keys, window_values
+        _, cell_key, cell_value = self.project(self.normalize_input(cache.cell)).unbind(1)  # (B, H, d) each
+        if at.key_rotations is not None:
+            keys = rotate_pairs_complex(keys, at.key_rotations)
+        # (Joined heads-first: joined slot-first and then transposed, inductor wrote wrong values into the cached tail.)
+        window_keys = torch.cat([cell_key[:, :, None], keys.transpose(1, 2)], dim=2)  # (B, H, 1 + S, d)
+        window_values = torch.cat([cell_value[:, :, None], values.transpose(1, 2)], dim=2)
+        return window_keys, window_values

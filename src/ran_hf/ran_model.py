@@ -27,7 +27,7 @@ from .associative_memory import RANAssociativeMemory
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, activation_function, apply_dropout
 from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache, check_cache_position
 from .configuration_ran import RANConfig
-from .decode_step import decode_layer, step_positions, step_settings, write_step
+from .decode_step import decodes_in_steps, step_positions
 from .input_checks import (
     check_exportable,
     check_initial_cell,
@@ -210,7 +210,7 @@ class RANPreTrainedModel(PreTrainedModel):
         self._built_config = self.config.snapshot()
         self._checked_key = None  # (config, its edit count) when last checked: unchanged since, nothing to check
         self.checked_config = None  # a token of that check, which the caches it checked carry
-        self.step_settings = None  # what a decoding step reads of the config, as last checked (decode_step.py)
+        self.decodes_in_steps = False  # whether one-token calls take the step branch, as last checked (decode_step.py)
 
     def check_config(self):
         """Apply the rule of every field edited since the model was built (`configuration_ran.EDIT_RULES`): refuse to
@@ -235,7 +235,7 @@ class RANPreTrainedModel(PreTrainedModel):
             embeddings = self.get_input_embeddings()
             if type(embeddings) is nn.Embedding:  # only the gradient of the padding row reads it
                 embeddings.padding_idx = config.pad_token_id
-            self._checked_key, self.step_settings = checked, step_settings(config)
+            self._checked_key, self.decodes_in_steps = checked, decodes_in_steps(config)
             self.checked_config = object()  # what a cache this model checks is marked with (`RANCache.checked_by`)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -397,7 +397,7 @@ class RANModel(RANPreTrainedModel):
             or self.training
             or torch.is_grad_enabled()
             or (input_ids if input_ids is not None else inputs_embeds).shape[1] != 1
-            or self.step_settings is None
+            or not self.decodes_in_steps
             or output_attentions
             or output_hidden_states
             or self.pooler is not None
@@ -410,43 +410,21 @@ class RANModel(RANPreTrainedModel):
                 layer.forget_step_memos()
         return self.decode_step(input_ids, inputs_embeds, past_key_values)
 
-    @property
-    def steps_without_wrappers(self) -> bool:
-        """Whether a head may run a decoding step without calling this module (`as_decoding_step` instead of
-        `forward`): where no hook is registered on it, or on every module, that the call would run."""
-        return not (
-            self._forward_hooks or self._forward_pre_hooks or nn.modules.module._global_forward_hooks
-            or nn.modules.module._global_forward_pre_hooks
-        )  # fmt: skip
-
     def decode_step(self, input_ids, inputs_embeds, cache: RANCache) -> RANModelOutput:
-        """One new token per row against `cache` (decode_step.py), in shapes that do not change from step to step and
-        without a host read. Returns the last layer's token states and the cache; a step computes no cells for the
-        output (`cells`, `pooled_cell` and `last_cell` are None)."""
+        """One new token per row against `cache`: every layer's step branch (`RANLayer.decode_token`), in shapes that
+        do not change from step to step and without a host read. Returns the last layer's token states and the cache;
+        a step computes no cells for the output (`cells`, `pooled_cell` and `last_cell` are None)."""
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)[:, 0]  # (B, D)
         if not torch.compiler.is_compiling():
             cache.reserve(max(cache.known_lengths()) + 1)  # room for a cell each row may write
-        settings = self.step_settings
-        at = step_positions(settings, cache, embeddings.device)
-        if self.layers[0].reviews_memory:  # which cells the tokens review, the same in every layer
-            hidden = None  # needed only where a layer's reviewed cells are rebuilt (`decode_step.reviewed_cells`)
-            if torch.compiler.is_compiling() or any(layer.step_review is None for layer in cache.layers):
-                num_cells = cache.layers[0].cell_states.shape[1] + settings.review_initial_cell
-                review = self.layers[0].memory_review
-                hidden = review.hidden_cells(num_cells, at.readable, at.first_readable)[0][:, 0]  # (B, C)
-            at = at._replace(review_mask=(hidden, at.readable > 0))  # and whether each token reads any, (B, 1)
+        at = step_positions(self.config, cache, embeddings.dtype, embeddings.device)  # the same in every layer
         states = embeddings
         if self.embeddings_shift_tokens:
             states = embeddings + self.embeddings.token_shift(cache.layers[0].last_token)
-        steps = []
         for layer, layer_cache in zip(self.layers, cache.layers):
-            states, step = decode_layer(layer, states, layer_cache, at, settings)
-            steps.append(step)
+            states = layer(states, None, at, layer_cache)[0]
         if self.norm is not None:
             states = self.norm(states)
-        # Every layer's state is written once all have run: a step that fails leaves the cache as it was.
-        for layer_cache, step in zip(cache.layers, steps):
-            write_step(layer_cache, step, at.scan_runs)
         if self.embeddings_shift_tokens:
             cache.layers[0].update_last_token(embeddings)
         cache.advance_one_token()
