@@ -219,15 +219,19 @@ def test_a_bounded_memory_keeps_the_cache_flat_and_reads_only_recent_cells():
 def review_cell_states(model, ids):
     """Per layer, the (B, 1 + C, 2 D) cells its memory review reads in one forward pass over `ids`."""
     captured = []
-    hooks = [
-        layer.memory_review.register_forward_hook(lambda module, args, output: captured.append(args[1]))
-        for layer in model.model.layers
-    ]
+    reviews = [layer.memory_review for layer in model.model.layers]
+    for review in reviews:  # the cells the review of the tokens reads, past the review's own bookkeeping
+
+        def review_tokens(token_states, cell_states, *args, plain=review.review_tokens):
+            captured.append(cell_states)
+            return plain(token_states, cell_states, *args)
+
+        review.review_tokens = review_tokens
     try:
         outputs = model(ids, output_attentions=True)
     finally:
-        for hook in hooks:
-            hook.remove()
+        for review in reviews:
+            del review.review_tokens
     return outputs, captured
 
 

@@ -114,7 +114,11 @@ def assert_every_path_equals_the_full_forward(model, length=19, tolerance=TOLERA
         stepwise = decode(model, ids, [1] * length)
         chunked = decode(model, ids, [4, 1, 7, 1, 1, length - 14])
         prompt_then_steps = decode(model, ids, [6] + [1] * (length - 6))
-    for name, logits in [("token by token", stepwise), ("chunked", chunked), ("prompt, then steps", prompt_then_steps)]:
+    for name, logits in [
+        ("token by token", stepwise),
+        ("chunked", chunked),
+        ("prompt, then steps", prompt_then_steps),
+    ]:
         error = (logits.double() - full.double()).abs().max().item()
         assert error <= tolerance, f"{name}: {error:.2e} from the full forward"
     generated = model.generate(
@@ -166,9 +170,10 @@ def test_batched_generate_with_left_padded_rows_shorter_than_the_overlap(overrid
 def test_a_step_with_another_number_of_rows_than_its_cache_is_refused():
     model = build()
     ids = torch.randint(1, 61, (2, 7))
-    cache = model(ids, use_cache=True).past_key_values
-    with pytest.raises(ValueError, match="rows"):
-        model(ids[:1, :1], past_key_values=cache)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="rows"):
+            model(ids[:1, :1], past_key_values=cache)
 
 
 @pytest.mark.parametrize(
@@ -188,12 +193,13 @@ def test_a_step_checks_its_input_as_the_forward_does(inputs, message):
     cache = model(ids, use_cache=True).past_key_values
     if "input_ids" in inputs and inputs["input_ids"].shape[0] == 1 and inputs["input_ids"].dim() == 2:
         inputs = {"input_ids": inputs["input_ids"].expand(2, 1)}
-    with pytest.raises(ValueError, match=message):
-        model(**inputs, past_key_values=cache)
-    torch.testing.assert_close(  # and the cache is as it was
-        model(ids[:, -1:] * 0 + 3, past_key_values=cache).logits,
-        model(torch.cat([ids, ids[:, -1:] * 0 + 3], 1)).logits[:, -1:],
-    )
+    with torch.no_grad():  # where one-token calls take the step branch
+        with pytest.raises(ValueError, match=message):
+            model(**inputs, past_key_values=cache)
+        torch.testing.assert_close(  # and the cache is as it was
+            model(ids[:, -1:] * 0 + 3, past_key_values=cache).logits,
+            model(torch.cat([ids, ids[:, -1:] * 0 + 3], 1)).logits[:, -1:],
+        )
 
 
 @pytest.mark.parametrize(
@@ -262,7 +268,8 @@ def test_the_step_calls_its_submodules_as_modules():
     handles = [
         module.register_forward_pre_hook(lambda module, args, name=name: called[phase[0]].add(name))
         for name, module in model.named_modules()
-        if any(True for _ in module.parameters(recurse=False)) and not isinstance(module, nn.Embedding | RANForCausalLM)
+        if any(True for _ in module.parameters(recurse=False))
+        and not isinstance(module, nn.Embedding | RANForCausalLM)
     ]
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values

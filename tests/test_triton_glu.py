@@ -8,6 +8,7 @@ import torch
 
 from ran_hf import kernel_choice, triton_glu
 from ran_hf.building_blocks import (
+    NormAfter,
     RANCenteredRMSNorm,
     RANGatedLinearUnit,
     centered_rms_norm_reference,
@@ -244,7 +245,7 @@ def test_the_norm_after_the_glu_in_its_kernel_equals_the_pytorch_ops(then_standa
         norm.zero_grad()
         torch.manual_seed(4)
         if use_triton:
-            out = glu(leaf, residual_leaf * 1, act, drop, order, norm, drop, then_standardize)
+            out = glu(leaf, residual_leaf * 1, act, drop, order, NormAfter(norm, drop, then_standardize))
         else:  # the references with the kernel's masks
             summed = gated_linear_unit_reference(glu.proj(leaf), act((residual_leaf * 1)[order]) * branch_mask)
             out = centered_rms_norm_reference(summed, norm.weight, norm.bias, 1e-7, None, then_standardize) * norm_mask

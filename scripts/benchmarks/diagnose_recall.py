@@ -208,7 +208,7 @@ def install_token_keys(model: RANForCausalLM) -> None:
     token. The cell still gives the value. An experiment for unpadded batches without a cache."""
     for layer in model.model.layers:
         review = layer.memory_review
-        plain_project_cells, plain_read = review.project_cells, review.read
+        plain_project_cells, plain_read = review.project_cells, review.forward
 
         def read(token_states, raw_cells, initial_cell, layout, *rest, review=review,
                  plain_project_cells=plain_project_cells, plain_read=plain_read):  # fmt: skip
@@ -230,7 +230,7 @@ def install_token_keys(model: RANForCausalLM) -> None:
             finally:
                 del review.project_cells
 
-        review.read = read
+        review.forward = read
 
 
 def install_oracle(model: RANForCausalLM) -> None:
@@ -240,21 +240,21 @@ def install_oracle(model: RANForCausalLM) -> None:
     for layer in model.model.layers:
         review = layer.memory_review
         review.oracle_cells = None
-        plain_forward = review.forward
+        plain_review = review.review_tokens
 
-        def forward(token_states, cell_states, readable_cells, output_attentions=False, first_readable=None,
-                    salient=None, real_tokens=None, *, review=review, plain_forward=plain_forward):  # fmt: skip
+        def review_tokens(token_states, cell_states, readable_cells, output_attentions=False, first_readable=None,
+                    salient=None, real_tokens=None, *, review=review, plain_review=plain_review):  # fmt: skip
             if review.oracle_cells is not None:  # read cells [target, target + 1): the pair's cell only
                 target = review.oracle_cells.to(readable_cells.device)
                 handed = target >= 0
                 first = torch.zeros_like(readable_cells) if first_readable is None else first_readable
                 readable_cells = torch.where(handed, target + 1, readable_cells)
                 first_readable = torch.where(handed, target, first)
-            return plain_forward(
+            return plain_review(
                 token_states, cell_states, readable_cells, output_attentions, first_readable, salient, real_tokens
             )
 
-        review.forward = forward
+        review.review_tokens = review_tokens
 
 
 def set_oracle(model, cells: torch.Tensor | None) -> None:

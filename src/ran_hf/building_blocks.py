@@ -9,6 +9,8 @@ public form only dispatches: its PyTorch form is a function of its own (`standar
 `choose`, so that it stays the reference the kernels are tested against.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +43,7 @@ def standard_normalize_reference(
     """`standard_normalize` in PyTorch ops, wherever the kernel does not run."""
     input_dtype = hidden_states.dtype
     autocast = autocast_on(hidden_states)
-    hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))  # (float64 stays so)
+    hidden_states = hidden_states if input_dtype == torch.float64 else hidden_states.float()
     mean = hidden_states.mean(-1, keepdim=True)
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
     normalized = (hidden_states - mean) * torch.rsqrt(mean_square + eps)
@@ -80,7 +82,7 @@ def activation_function(name: str):
 def unit_vectors(states: torch.Tensor) -> torch.Tensor:
     """L2-normalised along the last axis, in float32: in half precision the guard against a zero vector (padding)
     underflows to 0, and 0 / 0 is NaN."""
-    return F.normalize(states.to(torch.promote_types(states.dtype, torch.float32)), dim=-1).to(states.dtype)
+    return F.normalize(states if states.dtype == torch.float64 else states.float(), dim=-1).to(states.dtype)
 
 
 class RANCenteredRMSNorm(nn.Module):
@@ -147,10 +149,9 @@ class RANGatedLinearUnit(nn.Module):
         residual_activation=None,
         residual_dropout: nn.Dropout | None = None,
         residual_rows: torch.Tensor | None = None,
-        norm: RANCenteredRMSNorm | None = None,
-        norm_dropout: nn.Dropout | None = None,
-        then_standardize: bool = False,
+        then: "NormAfter | None" = None,
     ) -> torch.Tensor:
+        norm, norm_dropout, then_standardize = (None, None, False) if then is None else then
         if choose("glu", hidden_states) != "triton":
             out = gated_linear_unit_reference(
                 self.proj(hidden_states), residual, residual_activation, residual_dropout, residual_rows
@@ -159,7 +160,7 @@ class RANGatedLinearUnit(nn.Module):
         # The kernel's path, kept in `forward` itself so that kernel counts name the kernel (scripts/benchmarks/
         # benchmark_kernels.py). The bias is added by the kernel, which also sums its gradient: one pass over the
         # projection's gradient fewer. A wrapped projection (LoRA, quantised) runs as it is.
-        bias = self.proj.bias if type(self.proj) is nn.Linear else None
+        bias = self.proj.bias if plain_module(self.proj, nn.Linear) else None
         projected = self.proj(hidden_states) if bias is None else F.linear(hidden_states, self.proj.weight)  # (.., 2D)
         width = projected.shape[-1] // 2
         activation = branch_activation(residual_activation) if residual is not None else NO_ACTIVATION
@@ -171,7 +172,7 @@ class RANGatedLinearUnit(nn.Module):
         )
         if activation is not None and fits:  # the whole branch, and the norm, in the kernel
             out_dtype, norm_args = projected.dtype, None
-            norm_fused = norm is not None and type(norm) is RANCenteredRMSNorm
+            norm_fused = norm is not None and plain_module(norm, RANCenteredRMSNorm)
             if norm_fused and choose("norm", projected[..., :width]) == "triton":
                 autocast = projected.device.type == "cuda" and torch.is_autocast_enabled("cuda")
                 out_dtype = torch.promote_types(norm.weight.dtype, torch.float32 if autocast else projected.dtype)
@@ -184,6 +185,26 @@ class RANGatedLinearUnit(nn.Module):
         residual = residual_branch(residual, residual_activation, residual_dropout, residual_rows)
         out = triton_glu(projected, residual, bias=bias)  # one kernel each way instead of two (three with the sum)
         return out if norm is None else norm(out, norm_dropout, then_standardize)
+
+
+def plain_module(module: nn.Module, kind: type) -> bool:
+    """Whether a kernel may read `module`'s weights past its call: of exactly `kind` (not an adapter's wrapper or a
+    quantised subclass), and without an Accelerate hook (offloaded weights arrive only when it is called)."""
+    return type(module) is kind and "_hf_hook" not in module.__dict__
+
+
+@dataclass(frozen=True, slots=True)
+class NormAfter:
+    """A norm the gated linear unit applies to its output (inside its kernel on CUDA), with the norm's dropout and
+    whether it standardises again after it (`RANCenteredRMSNorm.forward`). Not a tuple and not the module itself:
+    Accelerate's hooks move what they find in a call's arguments to the device, an offloaded norm included."""
+
+    norm: nn.Module
+    dropout: nn.Dropout | None = None
+    then_standardize: bool = False
+
+    def __iter__(self):
+        return iter((self.norm, self.dropout, self.then_standardize))
 
 
 PLAIN_WEIGHT_MODULES[RANGatedLinearUnit] = ("proj",)  # the fused scans read its projection's weight and bias
@@ -249,7 +270,7 @@ def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> t
 
 def rotate_pairs_reference(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """`apply_interleaved_rotary` in PyTorch ops, wherever the kernel does not run."""
-    x, y = states.to(torch.promote_types(states.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
+    x, y = (states if states.dtype == torch.float64 else states.float()).unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = rotations.unbind(-1)
     return torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).flatten(-2).to(states.dtype)
 
@@ -259,7 +280,7 @@ def rotate_pairs_complex(states: torch.Tensor, rotations: torch.Tensor) -> torch
     them, in four ops whatever the size, for a decoding step whose tensors are small. Not exportable to ONNX."""
     if torch.compiler.is_compiling():  # inductor generates no code for complex products: its fused real form
         return rotate_pairs_reference(states, torch.view_as_real(rotations))
-    pairs = torch.view_as_complex(states.to(torch.promote_types(states.dtype, torch.float32)).unflatten(-1, (-1, 2)))
+    pairs = torch.view_as_complex((states if states.dtype == torch.float64 else states.float()).unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * rotations).flatten(-2).to(states.dtype)
 
 

@@ -161,14 +161,11 @@ def memory_to_read(config: RANConfig, salience: Salience, cells, initial_cell, l
     return (cells, readable_cells, None, None), (cells, first_cell, None)
 
 
-def update_cache(config: RANConfig, salience: Salience | None, cache: RANCacheLayer, layout: RANWindowLayout, start,
-                 raw_cells, cells, new_kv, memory) -> None:  # fmt: skip
-    """Keep what a causal layer's next pass needs: the cell after the last finished window, the cells memory review
-    may read again (`memory` from `memory_to_read`), and the unfinished tail of keys and values."""
+def update_cache(config: RANConfig, cache: RANCacheLayer, layout: RANWindowLayout, start, raw_cells, cells,
+                 new_kv) -> None:  # fmt: skip
+    """Keep what a causal layer's next pass needs: the cell after the last finished window and the unfinished tail
+    of keys and values. (Memory review keeps the cells it may read again itself: `remember`.)"""
     cache.update_cell(cells, raw_cells, layout.finished_windows - layout.first_window, start)
-    if config.memory_review:
-        cell_states, first_cell, pool = memory
-        remember(config, salience, cache, layout, cell_states, first_cell, pool)
     tail = layout.sources(new_kv, cache.tail)[layout.next_tail]  # (B, P', 2, H, d)
     # Kept `window_size + window_overlap` slots wide, zeros after a row's last: the most any row can need and the
     # slot a decoding step writes its token into, so that it keeps the cache's shapes.

@@ -23,6 +23,7 @@ join Transformers' `AttentionInterface`, and run where the config names them.
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -48,9 +49,12 @@ from .triton_scan_kernels import kernel_build_errors
 from .window_layout import RANWindowLayout
 
 
-class CellScanWeights(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class CellScanWeights:
     """The layer's modules, shared with its tokens, whose weights a cell scan uses (None: the layer's design has no
-    such step). The cell's own modules are the scan's (`RANCellScan.cell_glu`, `RANCellScan.cell_norm`)."""
+    such step). The cell's own modules are the scan's (`RANCellScan.cell_glu`, `RANCellScan.cell_norm`). Not a tuple:
+    Accelerate's hooks move every tensor and module in a tuple argument to the device, and offloaded modules must
+    stay where they are until called."""
 
     input_norm: nn.Module  # the cell's input norm (the layer's concat norm of tokens and cells)
     qkv_proj: nn.Module  # queries, keys and values of the cell, as of the tokens
@@ -322,7 +326,8 @@ class RANCellScan(nn.Module):
     def modules_read(self, weights: CellScanWeights) -> dict[str, nn.Module]:
         """Every module whose weights the scan reads, by name: the layer's (`weights`), then its own."""
         own = {"cell_glu": self.cell_glu, "cell_norm": self.cell_norm} if self.use_cell_residual else {}
-        return {name: module for name, module in (weights._asdict() | own).items() if module is not None}
+        shared = {field.name: getattr(weights, field.name) for field in fields(weights)}
+        return {name: module for name, module in (shared | own).items() if module is not None}
 
     def project(self, qkv_proj: nn.Module, normed: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., 3, H, d) queries, keys and values, as the layer projects its tokens."""

@@ -235,6 +235,20 @@ def validate_ran_inputs(
     return shape, InputChecks(torch.stack([check.long() for check in checks]), judge)
 
 
+def check_step_inputs(config: RANConfig, input_ids, inputs_embeds, shape: tuple) -> None:
+    """A decoding step's token ids or embeddings (of `input_batch_shape` `shape`), checked as a forward checks them
+    (`validate_ran_inputs`): read and judged on the CPU, where a read waits for nothing; asserted on the device
+    elsewhere and when compiled, so that no step waits for the device (a bad value then fails the call when it runs,
+    as in a compiled forward)."""
+    tensor = input_ids if input_ids is not None else inputs_embeds
+    if tensor.device.type == "cpu" or torch.compiler.is_compiling():
+        checks = validate_ran_inputs(config, input_ids, None, inputs_embeds, 0, shape)[1]
+        if checks is not None:
+            checks.read_and_judge()
+    else:
+        assert_on_device(config, input_ids, None, inputs_embeds)
+
+
 def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_positions: int) -> InputChecks | None:
     """A starting cell's shape and dtype now, before any work; whether it is finite is returned as `InputChecks`,
     read with the inputs' checks (asserted on the device under `torch.compile`; not in an export)."""

@@ -105,6 +105,10 @@ def fused_scan_unsupported(hidden_act: str, modules_read: dict) -> str | None:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             wrapped = f"`{name}` is wrapped ({kind}, or forward hooks)"
             return f"it reads plain weights, and {wrapped}: adapters would be skipped"
+        if "_hf_hook" in module.__dict__:  # Accelerate's hooks replace `forward`, not torch's hook registries
+            return (
+                f"it reads plain weights, and `{name}` has an Accelerate hook (offloaded weights arrive on its call)"
+            )
         for child in PLAIN_WEIGHT_MODULES[type(module)]:
             modules.append((f"{name}.{child}", module._modules[child]))
     return None

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, activation_function, unit_vectors
+from .building_blocks import NormAfter, RANCenteredRMSNorm, RANGatedLinearUnit, activation_function, unit_vectors
 from .cache_ran import RANCacheLayer
-from .causal_memory import memory_to_read
+from .causal_memory import memory_to_read, remember
 from .configuration_ran import RANConfig
 from .decode_step import StepPositions
 from .window_layout import RANWindowLayout
@@ -91,14 +91,14 @@ class RANMemoryReview(nn.Module):
                 cache: RANCacheLayer | None = None, output_attentions: bool = False):  # fmt: skip
         """The layer's memory review: token states (T, D) read the cells (N, B, D) of this pass's windows (and the
         cached ones) that they may (causal_memory.py); `initial_cell` (B or 1, D) is the layer's starting cell. Returns
-        the reviewed token states (T, D), with `output_attentions` the review weights (B, L, C) (zeros at padding),
-        and what a cache keeps (`memory_to_read`).
+        the reviewed token states (T, D) and, with `output_attentions`, the review weights (B, L, C) (zeros at
+        padding); with a `cache`, it keeps the cells a later pass reads again (`causal_memory.remember`).
 
         A decoding step (`layout` is its `StepPositions`) hands one token per row, (B, D), and no cells of its own: it
-        reads the cached ones (`step_cells`). Returns (B, D), None and None."""
+        reads the cached ones (`step_cells`). Returns (B, D) and None."""
         if type(layout) is StepPositions:
             first_cell, cells, score_bias = self.step_cells(initial_cell, layout, cache)
-            return self.read_cells(token_states, cells, score_bias, layout.reads_cells, first_cell)[0], None, None
+            return self.read_cells(token_states, cells, score_bias, layout.reads_cells, first_cell)[0], None
         initial = self.project_cells(initial_cell) if self.reads_initial_cell else None
         cells = self.project_cells(raw_cells.transpose(0, 1))  # (B, N, 2 D): only this pass's cells
         (read_cells, readable_cells, first_readable, salient), memory = memory_to_read(
@@ -112,7 +112,9 @@ class RANMemoryReview(nn.Module):
             layout.to_padded(token_states), read_cells, readable_cells, output_attentions, first_readable, salient,
             real_tokens,
         )  # fmt: skip
-        return layout.from_padded(reviewed), weights, memory
+        if cache is not None:  # here, in the module's call: an offloaded salience is there only now
+            remember(self.config, self.cell_salience, cache, layout, *memory)
+        return layout.from_padded(reviewed), weights
 
     def step_cells(self, initial_cell, at: StepPositions, cache: RANCacheLayer):
         """What a decoding step's review reads: the starting cell's key and value (1, 2 D) where it reads it and a
@@ -273,4 +275,5 @@ class RANMemoryReview(nn.Module):
         else:
             review = probs_read @ value  # (B, l, D)
         # dropout(value_act(o_proj(review))) + GLU(query), then the norm: on CUDA all inside the GLU's kernel
-        return self.glu(query, self.o_proj(review), self.value_act, self.dropout, norm=norm), probs
+        then = None if norm is None else NormAfter(norm)
+        return self.glu(query, self.o_proj(review), self.value_act, self.dropout, then=then), probs

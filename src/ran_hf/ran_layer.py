@@ -20,11 +20,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .associative_memory import RANAssociativeMemory
 from .building_blocks import (
+    NormAfter,
     RANCenteredRMSNorm,
     RANGatedLinearUnit,
     activation_function,
     apply_dropout,
     apply_interleaved_rotary,
+    plain_module,
     project_heads,
     rotate_pairs_complex,
 )
@@ -239,9 +241,8 @@ class RANLayer(GradientCheckpointingLayer):
     def finish_attention(self, attended: torch.Tensor, normed: torch.Tensor, rows=None) -> torch.Tensor:
         """The official post-norm ending: attention output, then the two normalisations -> standardised (..., D)."""
         # On CUDA one kernel from the GLU's projection to the dropped, twice-normalised states.
-        return self.attention_glu(
-            normed, self.o_proj(attended), self.act, self.dropout, rows, self.attention_norm, self.dropout, True
-        )
+        then = NormAfter(self.attention_norm, self.dropout, True)
+        return self.attention_glu(normed, self.o_proj(attended), self.act, self.dropout, rows, then)
 
     def cell_scan_weights(self) -> CellScanWeights:
         """The layer's modules that the cell scan shares with the tokens, read now (an adapter may have replaced one
@@ -276,7 +277,7 @@ class RANLayer(GradientCheckpointingLayer):
         fused = choose("window_projection", normed_tokens, config.hidden_act, cache is not None) == "triton"
         if fused and not config.associative_memory:  # one kernel each way from the projections to the windows
             # The kernel adds the bias and sums its gradient (a wrapped projection, LoRA or quantised, runs as it is).
-            bias = self.qkv_proj.bias if type(self.qkv_proj) is nn.Linear else None
+            bias = self.qkv_proj.bias if plain_module(self.qkv_proj, nn.Linear) else None
             qkv = self.qkv_proj(normed_tokens) if bias is None else F.linear(normed_tokens, self.qkv_proj.weight)
             qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
             query, key, value, *joined = triton_window_projection(qkv, layout, rotations, self.qk_activation, bias)
@@ -341,7 +342,7 @@ class RANLayer(GradientCheckpointingLayer):
             states = self.finish_attention(attended, normed, rows)
             return states if self.reviews_memory else self.output_norm(states)
 
-        if rows is not None:
+        if rows is not None or chunk_features is None:
             return tail(token_states, attended, normed_tokens)
         chunk = rows_per_chunk(token_states, chunk_features)
         return in_row_chunks(tail, chunk, token_states, attended, normed_tokens)
@@ -409,15 +410,13 @@ class RANLayer(GradientCheckpointingLayer):
             attended = attended + recalled
         token_states = self.per_token_tail(token_states, attended, normed_tokens, rows, chunk_features)  # (T, D)
         del attended, normed_tokens
-        review_weights, memory = None, None
+        review_weights = None
         if self.reviews_memory:
-            token_states, review_weights, memory = self.memory_review(
+            token_states, review_weights = self.memory_review(
                 token_states, raw_cells, initial_cell, layout, cache, output_attentions
             )
         if cache is not None:
-            salience = self.memory_review.cell_salience if self.reviews_memory else None
-            update_cache(self.config, salience, cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv,
-                         memory)  # fmt: skip
+            update_cache(self.config, cache, layout, (start_cell, start_previous), raw_cells, cells, new_kv)
         last_cell = layout.last_cells(cells, start_cell)
         hidden_states = layout.to_padded(token_states)  # (B, L, D)
         return LayerOutputs(hidden_states, raw_cells, last_cell, attention_weights, review_weights)

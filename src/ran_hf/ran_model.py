@@ -31,6 +31,7 @@ from .decode_step import decodes_in_steps, step_positions
 from .input_checks import (
     check_exportable,
     check_initial_cell,
+    check_step_inputs,
     check_token_type_ids,
     input_batch_shape,
     joined_checks,
@@ -319,6 +320,22 @@ def damaged_weights_error(files: list[str], error: Exception) -> OSError:
     )
 
 
+def decoding_step_first(forward):
+    """A keyword call that is a decoding step (`RANModel.as_decoding_step`: `generate()`'s every token, a head's call)
+    takes the model's step branch before Transformers' config defaults and output capture, which resolve and record
+    nothing for it. Any other call goes on to them."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        if not args:
+            step = self.as_decoding_step(**kwargs)
+            if step is not None:
+                return step
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
 def memory_attentions_with_attentions(forward):
     """`output_attentions` also asks for the memory-review weights (`memory_attentions`), as it asks Transformers'
     output capture for the cross-attentions of the models that have them."""
@@ -380,7 +397,7 @@ class RANModel(RANPreTrainedModel):
                          **kwargs) -> RANModelOutput | None:  # fmt: skip
         """This call (`forward`'s arguments) as a decoding step (`decode_step`) where it is one, else None: one new
         real token per row (no attention mask: all are real) continuing an initialised `RANCache`, in inference, with
-        nothing recorded on the way. Everything else, and the options a step does not compute (the associative memory,
+        nothing recorded on the way. Its inputs are checked as the forward checks them (`check_step_inputs`). Everything else, and the options a step does not compute (the associative memory,
         salient cells), takes the general forward pass. The cache is checked once, when first handed over; the config
         only after an edit; a `cache_position`, where one is given, against the cache."""
         if not torch.compiler.is_compiling():
@@ -396,13 +413,18 @@ class RANModel(RANPreTrainedModel):
             or initial_cell is not None
             or self.training
             or torch.is_grad_enabled()
-            or (input_ids if input_ids is not None else inputs_embeds).shape[1] != 1
             or not self.decodes_in_steps
             or output_attentions
             or output_hidden_states
+            or kwargs.get("return_dict") is False
             or self.pooler is not None
         ):
             return None
+        shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)  # (no value read)
+        if shape[1] != 1:
+            return None
+        past_key_values.past_lengths(shape[0], None)  # as many rows as the cache, or a clear error
+        check_step_inputs(self.config, input_ids, inputs_embeds, shape)
         if past_key_values.checked_by is not self.checked_config:  # handed over: checked once
             check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
             past_key_values.checked_by = self.checked_config
@@ -434,6 +456,7 @@ class RANModel(RANPreTrainedModel):
         self.embeddings.word_embeddings = value
 
     @cache_transaction  # a forward that fails leaves `past_key_values` as it was
+    @decoding_step_first
     @memory_attentions_with_attentions
     @merge_with_config_defaults
     @capture_outputs
@@ -481,7 +504,7 @@ class RANModel(RANPreTrainedModel):
             all-zero cells with its learned one, here pass None for that. Causal models: with the first call only
             (a cache carries the cells after it); memory review's starting cell stays the learned one.
         """
-        step = self.as_decoding_step(
+        step = self.as_decoding_step(  # (a keyword call took the step branch before the output capture already)
             input_ids, attention_mask, inputs_embeds, past_key_values, output_attentions, output_hidden_states,
             initial_cell, token_type_ids, **kwargs,
         )  # fmt: skip
