@@ -93,21 +93,13 @@ def test_from_pretrained_with_a_device_map_that_offloads_to_disk(name, tmp_path)
     if name != "llama":
         randomize_(model)
     model.save_pretrained(tmp_path / "saved")
-    layers = "model.layers" if name != "classifier" else "model.layers"
-    device_map = {name: "cpu" for name, child in model.named_children()} | {layers: "disk"}
     if name == "llama":
         device_map = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu",
                       "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
-    else:
-        device_map = (
-            {"model.embeddings": "cpu", "model.layers": "disk"}
-            | {
-                f"model.{child}": "cpu"
-                for child, _ in model.model.named_children()
-                if child not in ("embeddings", "layers")
-            }
-            | {child: "cpu" for child, _ in model.named_children() if child != "model"}
-        )
+    else:  # every module on the CPU but the layers
+        device_map = {f"model.{child}": "cpu" for child, _ in model.model.named_children() if child != "layers"}
+        device_map |= {child: "cpu" for child, _ in model.named_children() if child != "model"}
+        device_map["model.layers"] = "disk"
     loaded = (
         type(model)
         .from_pretrained(tmp_path / "saved", device_map=device_map, offload_folder=str(tmp_path / "offload"))

@@ -1,6 +1,7 @@
 """The task benchmark: its probe, its models at matched size, the official causal design, and one tiny run."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -139,8 +140,9 @@ def test_a_tiny_benchmark_writes_its_table_and_resumes(tmp_path, wordpiece_token
     )
     for run in runs:
         assert run["steps"] >= 1 and run["train_tokens"] > 0
-        value = next(iter(run["metrics"].values()))
-        assert value == value and value >= 0  # finite, not NaN
+        name, value = next(iter(run["metrics"].items()))
+        assert math.isfinite(value), (name, value)  # neither NaN nor inf
+        assert value >= 1 if "perplexity" in name else 0 <= value <= 1, (name, value)  # a perplexity, or a share
     check_result(payload)
     summary = payload["results"]["summary"]
     for run in (r for r in runs if r["task"] == "hyperpartisan"):  # a share of the 24 test documents
