@@ -53,14 +53,12 @@ class StepPositions(NamedTuple):
     cells_read: int | None  # eager, unbounded: the cached cells any row reads (the room's rest is empty); else None
     first_readable: torch.Tensor | None  # (B, 1) the first cached cell the token's memory review reads (None: 0)
     readable: torch.Tensor  # (B, 1) the cells it reads end before this one (0: it reads none)
-    hidden_cells: torch.Tensor | None = None  # (B, C) the cached cells memory review may not read, where rebuilt
-    reads_cells: torch.Tensor | None = None  # (B, 1) whether the token reviews any cell
+    reads_cells: torch.Tensor  # (B, 1) whether the token reviews any cell
 
 
-def step_positions(config, cache, dtype: torch.dtype, device: torch.device, hidden_cells=None) -> StepPositions:
+def step_positions(config, cache, dtype: torch.dtype, device: torch.device) -> StepPositions:
     """Where the new tokens go, from the lengths the cache has read (on the device; on the host only to skip the
-    cell scan in a step where no row ends a window). `dtype`: the states'; `hidden_cells(readable, first_readable)`
-    gives memory review's hidden cells (`RANMemoryReview.hidden_cells`), asked only where some layer rebuilds them."""
+    cell scan in a step where no row ends a window). `dtype`: the states', which attention's bias takes."""
     window_size, overlap = config.window_size, config.window_overlap
     past = cache.lengths  # (B,)
     window, within = past // window_size, past % window_size
@@ -91,7 +89,6 @@ def step_positions(config, cache, dtype: torch.dtype, device: torch.device, hidd
         reads_any = window > 0
         first_readable = torch.where(reads_any, (bound - window).clamp(min=0) + initial, 0)[:, None]
         readable = torch.where(reads_any, bound + initial, initial)[:, None]
-    hidden = None if hidden_cells is None else hidden_cells(readable, first_readable)
     return StepPositions(
         slot=slot,
         key_slot=key_slot,
@@ -107,7 +104,6 @@ def step_positions(config, cache, dtype: torch.dtype, device: torch.device, hidd
         cells_read=cells_read,
         first_readable=first_readable,
         readable=readable,
-        hidden_cells=hidden,
         reads_cells=readable > 0,
     )
 

@@ -6,6 +6,7 @@ inputs' value checks (input_checks.py), and runs the layers (ran_layer.py) over 
 """
 
 import functools
+import inspect
 import os
 import pickle
 import re
@@ -321,17 +322,20 @@ def damaged_weights_error(files: list[str], error: Exception) -> OSError:
 
 
 def decoding_step_first(forward):
-    """A keyword call that is a decoding step (`RANModel.as_decoding_step`: `generate()`'s every token, a head's call)
-    takes the model's step branch before Transformers' config defaults and output capture, which resolve and record
-    nothing for it. Any other call goes on to them."""
+    """A call that is a decoding step (`RANModel.as_decoding_step`: `generate()`'s every token) takes the model's step
+    branch before Transformers' config defaults and output capture, which resolve and record nothing for it. Any other
+    call goes on to them, its config checked."""
+
+    names = list(inspect.signature(forward).parameters)[1:]  # after `self`
 
     @functools.wraps(forward)
     def wrapper(self, *args, **kwargs):
-        if not args:
-            step = self.as_decoding_step(**kwargs)
-            if step is not None:
-                return step
-        return forward(self, *args, **kwargs)
+        if args:  # by name, as the step's check reads them (a name given twice: Python's own error, below)
+            if any(name in kwargs for name in names[: len(args)]):
+                return forward(self, *args, **kwargs)
+            kwargs.update(zip(names, args))
+        step = self.as_decoding_step(**kwargs)  # (which also checks the config, for either path)
+        return step if step is not None else forward(self, **kwargs)
 
     return wrapper
 
@@ -397,9 +401,10 @@ class RANModel(RANPreTrainedModel):
                          **kwargs) -> RANModelOutput | None:  # fmt: skip
         """This call (`forward`'s arguments) as a decoding step (`decode_step`) where it is one, else None: one new
         real token per row (no attention mask: all are real) continuing an initialised `RANCache`, in inference, with
-        nothing recorded on the way. Its inputs are checked as the forward checks them (`check_step_inputs`). Everything else, and the options a step does not compute (the associative memory,
-        salient cells), takes the general forward pass. The cache is checked once, when first handed over; the config
-        only after an edit; a `cache_position`, where one is given, against the cache."""
+        nothing recorded on the way; its inputs are checked as the forward checks them (`check_step_inputs`).
+        Everything else, and the options a step does not compute (the associative memory, salient cells), takes the
+        general forward pass. The cache is checked once, when first handed over; the config only after an edit; a
+        `cache_position`, where one is given, against the cache."""
         if not torch.compiler.is_compiling():
             self.check_config()  # a field the model was built from, changed since, is named
             if kwargs.get("cache_position") is not None:  # Transformers' own; RAN's cache needs none
@@ -417,6 +422,7 @@ class RANModel(RANPreTrainedModel):
             or output_attentions
             or output_hidden_states
             or kwargs.get("return_dict") is False
+            or "is_causal" in kwargs  # a field set for this call: the general pass checks it
             or self.pooler is not None
         ):
             return None
@@ -504,12 +510,8 @@ class RANModel(RANPreTrainedModel):
             all-zero cells with its learned one, here pass None for that. Causal models: with the first call only
             (a cache carries the cells after it); memory review's starting cell stays the learned one.
         """
-        step = self.as_decoding_step(  # (a keyword call took the step branch before the output capture already)
-            input_ids, attention_mask, inputs_embeds, past_key_values, output_attentions, output_hidden_states,
-            initial_cell, token_type_ids, **kwargs,
-        )  # fmt: skip
-        if step is not None:
-            return step
+        if not torch.compiler.is_compiling():
+            self.check_config()  # again, after Transformers' defaults merger set what a call passed (`is_causal`)
         check_exportable(past_key_values, use_cache)
         if (past_key_values is not None or use_cache) and not self.config.is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
