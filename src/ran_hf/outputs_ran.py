@@ -101,34 +101,64 @@ class RANModelOutput(ModelOutput):
     __setattr__ = set_field
 
 
-MEMORY_ATTENTIONS_DOC = """
+MEMORY_ATTENTIONS = """
         memory_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
-            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`]."""
+            Every layer's memory-review weights, `(batch_size, sequence_length, num_cells)`; see [`RANModelOutput`].
+"""
 
 
-def with_memory_attentions(output_class: type[ModelOutput], name: str, note: str = "") -> type[ModelOutput]:
-    """Transformers' `output_class` with one more field, last: `memory_attentions`, the memory-review weights that
-    every RAN head returns beside `attentions`."""
-    namespace = {
-        "__annotations__": {"memory_attentions": tuple[torch.FloatTensor, ...] | None},
-        "memory_attentions": None,
-        "__setattr__": set_field,
-        "__module__": __name__,
-        "__qualname__": name,
-        "__doc__": (
-            f"\n    [`{output_class.__name__}`] with the memory-review weights{note}.\n\n"
-            f"    Args:{MEMORY_ATTENTIONS_DOC}\n"
-        ),
-    }
-    return with_field_names(dataclass(type(name, (output_class,), namespace)))
+# Every head's output is Transformers' own with one more field, last: `memory_attentions`, the memory-review weights
+# every RAN head returns beside `attentions`.
 
 
-RANMaskedLMOutput = with_memory_attentions(MaskedLMOutput, "RANMaskedLMOutput")
-RANSequenceClassifierOutput = with_memory_attentions(SequenceClassifierOutput, "RANSequenceClassifierOutput")
-RANTokenClassifierOutput = with_memory_attentions(TokenClassifierOutput, "RANTokenClassifierOutput")
-RANCausalLMOutputWithPast = with_memory_attentions(CausalLMOutputWithPast, "RANCausalLMOutputWithPast")
-RANQuestionAnsweringModelOutput = with_memory_attentions(
-    QuestionAnsweringModelOutput,
-    "RANQuestionAnsweringModelOutput",
-    "; `start_logits` and `end_logits` are the lowest float at padding positions",
-)
+@with_field_names
+@dataclass
+class RANMaskedLMOutput(MaskedLMOutput):
+    __doc__ = f"[`MaskedLMOutput`] with the memory-review weights.\n\n    Args:{MEMORY_ATTENTIONS}"
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+    __setattr__ = set_field
+
+
+@with_field_names
+@dataclass
+class RANSequenceClassifierOutput(SequenceClassifierOutput):
+    __doc__ = f"[`SequenceClassifierOutput`] with the memory-review weights.\n\n    Args:{MEMORY_ATTENTIONS}"
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+    __setattr__ = set_field
+
+
+@with_field_names
+@dataclass
+class RANTokenClassifierOutput(TokenClassifierOutput):
+    __doc__ = f"[`TokenClassifierOutput`] with the memory-review weights.\n\n    Args:{MEMORY_ATTENTIONS}"
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+    __setattr__ = set_field
+
+
+@with_field_names
+@dataclass
+class RANCausalLMOutputWithPast(CausalLMOutputWithPast):
+    __doc__ = f"[`CausalLMOutputWithPast`] with the memory-review weights.\n\n    Args:{MEMORY_ATTENTIONS}"
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+    __setattr__ = set_field
+
+
+@with_field_names
+@dataclass
+class RANQuestionAnsweringModelOutput(QuestionAnsweringModelOutput):
+    __doc__ = (
+        "[`QuestionAnsweringModelOutput`] with the memory-review weights; `start_logits` and `end_logits` are the "
+        f"lowest float at padding positions.\n\n    Args:{MEMORY_ATTENTIONS}"
+    )
+
+    memory_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+    __setattr__ = set_field
