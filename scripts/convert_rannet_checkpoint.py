@@ -5,13 +5,13 @@
 
 `--rannet_dir` holds the release as published: `config.json`, `vocab.txt` and `model.ckpt.*`. The output folder loads
 with `AutoTokenizer` and `AutoModelForMaskedLM` (or another Auto class) and `trust_remote_code=True`. No TensorFlow is
-needed. See `ran_hf.convert_rannet` for what is written.
+needed. See `ran_hf.integrations.convert_rannet` for what is written.
 """
 
 import argparse
 
 from ran_hf import convert_rannet_checkpoint
-from ran_hf.convert_rannet import OutputFolderNotEmptyError
+from ran_hf.integrations.convert_rannet import OutputFolderNotEmptyError
 
 
 def main(argv=None) -> None:

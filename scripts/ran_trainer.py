@@ -22,7 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ran_hf import RANConfig
 from ran_hf.files.folders import discard_set_aside, retire_set_aside, write_folder
-from ran_hf.sentence_embeddings import write_sentence_transformers_config
+from ran_hf.integrations.sentence_embeddings import write_sentence_transformers_config
 
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class RANTrainer(StopsDivergedRuns, Trainer):
 
     `card` holds what only the script knows: the task, the data, intended use and limitations (see `write_model_card`).
     With `sentence_transformers_pooling`, the final save also writes sentence-transformers' files
-    (`ran_hf.sentence_embeddings.write_sentence_transformers_config`) beside the model, in the same atomic step.
+    (`ran_hf.integrations.sentence_embeddings.write_sentence_transformers_config`) beside the model, in the same atomic step.
     """
 
     def __init__(self, *args, card: dict | None = None, sentence_transformers_pooling: str | None = None, **kwargs):

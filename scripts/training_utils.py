@@ -23,7 +23,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import ran_hf  # noqa: F401 (registers RAN with the Auto classes and marks it for remote code on save)
 from ran_hf import RAN_LORA_TARGET_MODULES, RANConfig, frozen_new_weights, ran_lora_config
-from ran_hf.sentence_embeddings import SENTENCE_POOLINGS
+from ran_hf.integrations.sentence_embeddings import SENTENCE_POOLINGS
 
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class ModelArguments:
             "help": "Encoders (run_classification.py, run_mlm.py, run_ner.py): also write sentence-transformers' "
             "files into the saved model, so that `SentenceTransformer(output_dir, trust_remote_code=True)` embeds "
             f"documents with this RAN representation: one of {', '.join(SENTENCE_POOLINGS)} "
-            "(ran_hf.sentence_embeddings). `cell_transform` needs a trained pooler: run_classification.py only."
+            "(ran_hf.integrations.sentence_embeddings). `cell_transform` needs a trained pooler: run_classification.py only."
         },
     )
     parameter_checksum_dir: str | None = field(

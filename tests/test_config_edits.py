@@ -120,7 +120,7 @@ def test_a_dropout_edit_is_taken_up_when_the_model_saves(tmp_path):
 
 def test_lora_dropout_keeps_its_own_rate():
     peft = pytest.importorskip("peft")
-    from ran_hf.lora import ran_lora_config
+    from ran_hf.integrations.lora import ran_lora_config
 
     model = classifier()
     model = peft.get_peft_model(model, ran_lora_config(model, r=2, lora_dropout=0.05))

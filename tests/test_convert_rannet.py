@@ -34,8 +34,8 @@ from transformers import (
 )
 
 from ran_hf import RANForMaskedLM, convert_rannet_checkpoint
-from ran_hf.convert_rannet import build_rannet_tokenizer, rannet_config_to_ran_config
 from ran_hf.files.tf_checkpoint import TFCheckpointReader
+from ran_hf.integrations.convert_rannet import build_rannet_tokenizer, rannet_config_to_ran_config
 
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rannet"
@@ -700,7 +700,7 @@ def test_converted_folder_loads_as_remote_code_and_fills_masks_without_ran_hf(co
 
 def test_importing_ran_hf_leaves_the_converter_unloaded():
     code = (
-        "import sys, ran_hf; loaded = [m for m in ('ran_hf.convert_rannet', 'ran_hf.files.tf_checkpoint')"
+        "import sys, ran_hf; loaded = [m for m in ('ran_hf.integrations.convert_rannet', 'ran_hf.files.tf_checkpoint')"
         " if m in sys.modules];"
         "assert not loaded, loaded; assert callable(ran_hf.convert_rannet_checkpoint)"
     )

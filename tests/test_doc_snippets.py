@@ -247,7 +247,7 @@ def make_prefix_lm(folder: Path, tokenizer_dir: Path) -> None:
 
 
 def make_sentence_transformers_classifier(folder: Path, tokenizer_dir: Path) -> None:
-    from ran_hf.sentence_embeddings import write_sentence_transformers_config
+    from ran_hf.integrations.sentence_embeddings import write_sentence_transformers_config
 
     make_classifier(folder, tokenizer_dir)
     write_sentence_transformers_config(folder, pooling="cell_transform")
@@ -269,7 +269,7 @@ def make_lora_adapter(folder: Path, tokenizer_dir: Path) -> None:
 
 def make_converted_checkpoint(folder: Path, tokenizer_dir: Path) -> None:
     """`scripts/convert_rannet_checkpoint.py` run on a random-weight `rannet` checkpoint of the test fixtures."""
-    from ran_hf.convert_rannet import convert_rannet_checkpoint
+    from ran_hf.integrations.convert_rannet import convert_rannet_checkpoint
 
     convert_rannet_checkpoint(ROOT / "tests" / "fixtures" / "rannet" / "l2_d24_w6_mean", folder)
 

@@ -19,8 +19,8 @@ from transformers import (
 
 import ran_hf
 from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANForTokenClassification, RANModel
-from ran_hf.rename_cell_weights import main as rename_cell_weights_cli
-from ran_hf.rename_cell_weights import rename_cell_weights
+from ran_hf.integrations.rename_cell_weights import main as rename_cell_weights_cli
+from ran_hf.integrations.rename_cell_weights import rename_cell_weights
 
 
 HEADS = [
@@ -69,7 +69,7 @@ def without_path(config_dict):
 
 
 # The weight names of checkpoints saved while the cell's own GLU and norm were the layer's, not its scan's: refused
-# on loading, with the conversion to run (`ran_hf.rename_cell_weights`).
+# on loading, with the conversion to run (`ran_hf.integrations.rename_cell_weights`).
 TODAYS_CELL_WEIGHT = re.compile(r"(layers\.\d+)\.cell_scan\.(cell_glu|cell_norm)\.")
 OLD_CELL_WEIGHT = re.compile(r"layers\.\d+\.(cell_glu|cell_norm)\.")
 
@@ -208,7 +208,7 @@ EVERY_HEAD = {
 }
 
 
-CONVERSION = "python -m ran_hf.rename_cell_weights"
+CONVERSION = "python -m ran_hf.integrations.rename_cell_weights"
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:

@@ -18,18 +18,11 @@ import ran_hf
 
 
 PACKAGE = Path(ran_hf.__file__).parent
-# Flat modules that are no model's code (checkpoint conversion, export, PEFT and sentence-transformers glue): no
-# saved folder carries them. Data reading, output folders and TensorFlow checkpoints sit in the `files` subpackage,
-# which no folder carries either.
-NOT_MODEL_CODE = {
-    "__init__",
-    "convert_rannet",
-    "export",
-    "lora",
-    "rename_cell_weights",
-    "sentence_embeddings",
-}
-FILES_CODE = {path.stem for path in (PACKAGE / "files").glob("*.py")}
+# Flat modules that are no model's code (the ONNX export): no saved folder carries them. The integrations (checkpoint
+# conversion, PEFT and sentence-transformers glue) and the file readers and writers sit in the `integrations` and
+# `files` subpackages, which no folder carries either.
+NOT_MODEL_CODE = {"__init__", "export"}
+SUBPACKAGE_CODE = {path.stem for folder in ("files", "integrations") for path in (PACKAGE / folder).glob("*.py")}
 # Code that only the folder of one head carries (its pipeline); every folder carries the rest (the prefix LM's too:
 # every folder loads with AutoModelForSeq2SeqLM).
 HEAD_CODE = {"RANForQuestionAnswering": {"question_answering"}}
@@ -58,7 +51,8 @@ def test_a_saved_folder_carries_the_modeling_code_only(name, tmp_path):
     shipped = {path.stem for path in tmp_path.glob("*.py")}
     package = {path.stem for path in PACKAGE.glob("*.py")}
     assert not shipped & NOT_MODEL_CODE
-    assert not shipped & FILES_CODE and not (tmp_path / "files").exists()
+    assert not shipped & (SUBPACKAGE_CODE - {"__init__"})
+    assert not (tmp_path / "files").exists() and not (tmp_path / "integrations").exists()
     other_heads = set().union(*(code for head, code in HEAD_CODE.items() if head != name))
     assert shipped == package - NOT_MODEL_CODE - other_heads
     config = json.loads((tmp_path / "config.json").read_text())

@@ -28,8 +28,8 @@ from ran_hf import (
     RANModel,
 )
 from ran_hf.files.folders import keeps_user_files, recover_interrupted, write_folder
+from ran_hf.integrations.sentence_embeddings import write_sentence_transformers_config
 from ran_hf.safe_writes import WriteStoppedError, write_into
-from ran_hf.sentence_embeddings import write_sentence_transformers_config
 
 
 HEADS = {

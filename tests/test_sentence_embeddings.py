@@ -11,13 +11,13 @@ from remote_code import run_without_ran_hf
 from transformers import AutoModel, AutoModelForSequenceClassification, pipeline
 
 from ran_hf import RANForMaskedLM, RANForSequenceClassification
-from ran_hf.ran_model import masked_max, masked_mean
-from ran_hf.sentence_embeddings import (
+from ran_hf.integrations.sentence_embeddings import (
     SENTENCE_POOLINGS,
     ran_sentence_transformer,
     sentence_pooling,
     write_sentence_transformers_config,
 )
+from ran_hf.ran_model import masked_max, masked_mean
 
 
 sentence_transformers = pytest.importorskip("sentence_transformers")

@@ -15,7 +15,7 @@ from ran_testing import randomize_, tiny_config
 from remote_code import run_without_ran_hf
 
 from ran_hf import RANForMaskedLM, RANForPrefixLM, convert_rannet_checkpoint
-from ran_hf.convert_rannet import OutputFolderNotEmptyError
+from ran_hf.integrations.convert_rannet import OutputFolderNotEmptyError
 
 
 ROOT = Path(__file__).resolve().parents[1]

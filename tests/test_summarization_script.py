@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
 from ran_hf import RANForCausalLM, RANForPrefixLM
-from ran_hf.convert_rannet import build_rannet_tokenizer
+from ran_hf.integrations.convert_rannet import build_rannet_tokenizer
 
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

@@ -147,7 +147,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the Trainer of run_summarization.py trains
     info = machine_info(device)
     print(machine_line(info))
-    from ran_hf.convert_rannet import build_rannet_tokenizer
+    from ran_hf.integrations.convert_rannet import build_rannet_tokenizer
 
     with tempfile.TemporaryDirectory() as work:
         tokenizer = Path(work) / "tokenizer"

@@ -15,7 +15,7 @@ the corpus documents with its label (`InformationRetrievalEvaluator`: nDCG@10 an
 
 Every RAN run starts from the same weights: the RAN at `--model_name_or_path`, or a RAN built from scratch with
 `--config_overrides` (random weights; a from-scratch RAN's pooler is random too). Each pooling choice of
-`ran_hf.sentence_embeddings` (`cell_transform`, `pooled_cell`, `mean`, `max`) gets its own copy, trained with the same
+`ran_hf.integrations.sentence_embeddings` (`cell_transform`, `pooled_cell`, `mean`, `max`) gets its own copy, trained with the same
 data, steps and seed. The baseline is a `BertModel` of matching width and depth built from scratch with the same
 tokenizer (nothing is downloaded), mean-pooled, reading at most `--baseline_max_length` (512) tokens. Each trained
 model is saved under `--output_dir` and loads with `SentenceTransformer(path, trust_remote_code=True)`.
@@ -47,7 +47,7 @@ from transformers import AutoTokenizer, BertConfig, BertModel, set_seed
 from ran_hf import RANConfig, RANModel
 from ran_hf.files.data import load_records
 from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
-from ran_hf.sentence_embeddings import SENTENCE_POOLINGS, ran_sentence_transformer
+from ran_hf.integrations.sentence_embeddings import SENTENCE_POOLINGS, ran_sentence_transformer
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the machine line of the benchmarks

@@ -58,11 +58,11 @@ _LAZY_NAMES = {
     "prefix_lm_features": "prefix_lm",
     "ExtractiveQuestionAnsweringPipeline": "question_answering",
     "export_onnx": "export",
-    "RAN_LORA_TARGET_MODULES": "lora",
-    "RAN_NEW_HEAD_MODULES": "lora",
-    "frozen_new_weights": "lora",
-    "ran_lora_config": "lora",
-    "convert_rannet_checkpoint": "convert_rannet",
+    "RAN_LORA_TARGET_MODULES": "integrations.lora",
+    "RAN_NEW_HEAD_MODULES": "integrations.lora",
+    "frozen_new_weights": "integrations.lora",
+    "ran_lora_config": "integrations.lora",
+    "convert_rannet_checkpoint": "integrations.convert_rannet",
 }
 
 

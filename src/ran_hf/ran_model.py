@@ -131,7 +131,7 @@ def masked_mean(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # (today `layers.N.cell_scan.cell_glu.*`): no public checkpoint has them, so they are not renamed on loading, which
 # would also make Transformers write them back on saving. Loading them is refused with the conversion to run.
 OLD_CELL_WEIGHT = re.compile(r"(^|\.)(layers\.\d+)\.(cell_glu|cell_norm)\.")
-CELL_WEIGHTS_CONVERSION = "python -m ran_hf.rename_cell_weights FOLDER"
+CELL_WEIGHTS_CONVERSION = "python -m ran_hf.integrations.rename_cell_weights FOLDER"
 
 
 def todays_cell_weight_name(name: str) -> str:
@@ -160,7 +160,7 @@ def check_no_old_cell_weights(names, source: str) -> None:
     else:
         message += (
             f"Convert the folder once with `{CELL_WEIGHTS_CONVERSION}` (a state dict with "
-            "`ran_hf.rename_cell_weights.renamed_cell_weights(state_dict)`), then load it."
+            "`ran_hf.integrations.rename_cell_weights.renamed_cell_weights(state_dict)`), then load it."
         )
     raise ValueError(message)
 

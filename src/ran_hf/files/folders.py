@@ -97,7 +97,7 @@ def _never(name: str) -> bool:
 
 
 # What `save_pretrained` of a model or tokenizer (weights, config, tokenizer files, the model's code, its card) and
-# `ran_hf.sentence_embeddings` write at the top of a folder: a new save replaces all of them, so that a folder never
+# `ran_hf.integrations.sentence_embeddings` write at the top of a folder: a new save replaces all of them, so that a folder never
 # shows one model's weights with another's tokenizer or settings. Anything else there is the user's.
 MODEL_FILES = frozenset(
     {

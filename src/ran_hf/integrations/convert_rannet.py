@@ -47,8 +47,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging
 
-from .configuration_ran import LAYER_DESIGN_FIELDS, RANConfig
-from .files.folders import (
+from ..configuration_ran import LAYER_DESIGN_FIELDS, RANConfig
+from ..files.folders import (
     check_not_inputs,
     contents,
     keeps_user_files,
@@ -57,8 +57,8 @@ from .files.folders import (
     releases_folder_locks,
     write_folder,
 )
-from .files.tf_checkpoint import TFCheckpointReader
-from .modeling_ran import RANForCausalLM, RANForMaskedLM
+from ..files.tf_checkpoint import TFCheckpointReader
+from ..modeling_ran import RANForCausalLM, RANForMaskedLM
 
 
 logger = logging.get_logger(__name__)

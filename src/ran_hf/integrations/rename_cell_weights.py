@@ -3,7 +3,7 @@
 and `layers.N.cell_scan.cell_norm.*`. Loading refuses the old names (`ran_model.check_no_old_cell_weights`) and names
 this conversion:
 
-    python -m ran_hf.rename_cell_weights FOLDER
+    python -m ran_hf.integrations.rename_cell_weights FOLDER
 
 The folder's safetensors weights (one file or shards, with their index) are rewritten through the library's guarded
 writer (`ran_hf.files.folders.write_folder`): the new files are complete beside the folder before they replace the old
@@ -18,8 +18,8 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .files.folders import write_folder
-from .ran_model import OLD_CELL_WEIGHT, todays_cell_weight_name
+from ..files.folders import write_folder
+from ..ran_model import OLD_CELL_WEIGHT, todays_cell_weight_name
 
 
 INDEX = "model.safetensors.index.json"

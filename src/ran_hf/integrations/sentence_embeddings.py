@@ -19,7 +19,7 @@ folder's `sentence_bert_config.json` (and `1_Pooling/config.json`), and survives
 RAN lays out its windows from each document's own length, so an embedding does not depend on the batch it is
 encoded in, nor on padding, for any choice.
 
-    from ran_hf.sentence_embeddings import write_sentence_transformers_config
+    from ran_hf.integrations.sentence_embeddings import write_sentence_transformers_config
     write_sentence_transformers_config("outputs/ran-classifier", pooling="cell_transform")
     model = SentenceTransformer("outputs/ran-classifier", trust_remote_code=True)
 
@@ -32,7 +32,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
-from .safe_writes import write_into
+from ..safe_writes import write_into
 
 
 __all__ = [
