@@ -394,6 +394,13 @@ class RANCache(Cache):
         return self.host_lengths
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.lengths is not None and beam_idx.device.type == "cpu":  # (a read waits for nothing on the CPU)
+            rows = self.lengths.shape[0]
+            if beam_idx.numel() and not (0 <= int(beam_idx.min()) and int(beam_idx.max()) < rows):
+                raise ValueError(
+                    f"`reorder_cache` was given rows {beam_idx.tolist()}, but the cache holds {rows} rows (0 to "
+                    f"{rows - 1}): pick rows that exist."
+                )
         super().reorder_cache(beam_idx)
         if self.lengths is not None:
             self.lengths = self.lengths.index_select(0, beam_idx.to(self.lengths.device))

@@ -400,8 +400,32 @@ def scored_token_loss(loss_function, logits, labels, scored, **kwargs) -> torch.
     return loss_function(logits, labels, **kwargs)
 
 
+def check_labels_tensor(labels) -> None:
+    if not torch.is_tensor(labels):
+        raise ValueError(
+            f"`labels` must be a tensor, got {type(labels).__name__}: pass `torch.tensor(labels)` (a data collator "
+            "does this for `Trainer`)."
+        )
+
+
+def check_embeds_dtype(inputs_embeds: torch.Tensor | None, weights_dtype: torch.dtype) -> None:
+    """`inputs_embeds` of no wider dtype than the model's weights, unless autocast casts them: narrower ones are
+    promoted by the first norm, but a float64 tensor into a float32 model would fail inside the first projection,
+    unnamed."""
+    if inputs_embeds is None or torch.promote_types(inputs_embeds.dtype, weights_dtype) == weights_dtype:
+        return
+    device = inputs_embeds.device.type
+    if device != "meta" and torch.is_autocast_enabled(device):
+        return
+    raise ValueError(
+        f"`inputs_embeds` are {inputs_embeds.dtype}, but the model's weights are {weights_dtype}: pass "
+        f"`inputs_embeds.to({weights_dtype})`, or cast the model (`model.to({inputs_embeds.dtype})`)."
+    )
+
+
 def check_token_labels(labels: torch.Tensor, batch_shape: tuple, num_classes: int, name: str) -> InputChecks:
     """Shape and dtype now; the values' range is returned, for the head to read before it runs the base model."""
+    check_labels_tensor(labels)
     if tuple(labels.shape) != batch_shape:
         raise ValueError(f"`labels` must have shape {batch_shape} (one {name} per token), got {tuple(labels.shape)}.")
     if labels.is_floating_point() or labels.dtype == torch.bool:
@@ -423,6 +447,7 @@ def check_sequence_labels(labels: torch.Tensor, batch_size: int, config: RANConf
     and dtypes now; their values returned as `InputChecks`, whose judge raises on a bad one, for the head to read in
     one host synchronisation before it runs the base model. Returns the labels (float for multi-label classification
     and regression), the problem type and the checks."""
+    check_labels_tensor(labels)
     num_labels, problem_type = config.num_labels, config.problem_type
     if problem_type is None:
         if num_labels == 1:
@@ -443,8 +468,14 @@ def check_sequence_labels(labels: torch.Tensor, batch_size: int, config: RANConf
         values = [scored.min(), scored.max()]
     elif problem_type == "multi_label_classification":
         if tuple(labels.shape) != (batch_size, num_labels):
+            chosen = (
+                ""
+                if config.problem_type
+                else f" (chosen from the labels' dtype {labels.dtype}: pass integer class ids for single-label "
+                "classification, or set `config.problem_type`)"
+            )
             raise ValueError(
-                f"Multi-label classification needs labels of shape ({batch_size}, {num_labels}), "
+                f"Multi-label classification{chosen} needs labels of shape ({batch_size}, {num_labels}), "
                 f"got {tuple(labels.shape)}."
             )
         labels = labels.float()

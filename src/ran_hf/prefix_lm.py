@@ -186,6 +186,11 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
         if token_type_ids is None:
             token_type_ids = torch.full(batch_shape, SOURCE, dtype=torch.long, device=device)
         check_language_model_labels(self, labels, logits_to_keep, input_ids, inputs_embeds, "every target position")
+        if labels is not None and not torch.compiler.is_compiling() and not bool((token_type_ids == TARGET).any()):
+            raise ValueError(
+                "`labels` score the target tokens, but `token_type_ids` mark every token as source (0): nothing "
+                "would be scored (a loss of 0). Mark each text's target with 1, as `ran_hf.prefix_lm_features` does."
+            )
         outputs = head_outputs(
             self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             token_type_ids=token_type_ids, initial_cell=initial_cell, **kwargs,
@@ -215,6 +220,11 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
         Returns the generated tokens only, as every model behind `AutoModelForSeq2SeqLM` does (an encoder-decoder's
         output holds no source). With `return_dict_in_generate=True`, `sequences` holds them."""
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if input_ids is not None and not torch.is_tensor(input_ids):
+            raise ValueError(
+                f"The source must be a tensor of token ids, got {type(input_ids).__name__}: pass "
+                '`torch.tensor(...)`, or call the tokenizer with `return_tensors="pt"`.'
+            )
         if kwargs.get("token_type_ids") is None and torch.is_tensor(input_ids):
             kwargs["token_type_ids"] = torch.full_like(input_ids, SOURCE)
         output = super().generate(inputs, generation_config, **kwargs)

@@ -30,6 +30,7 @@ from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache, 
 from .configuration_ran import RANConfig
 from .decode_step import decodes_in_steps, step_positions
 from .input_checks import (
+    check_embeds_dtype,
     check_exportable,
     check_initial_cell,
     check_step_inputs,
@@ -427,6 +428,7 @@ class RANModel(RANPreTrainedModel):
         ):
             return None
         shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)  # (no value read)
+        check_embeds_dtype(inputs_embeds, self.embeddings.norm.weight.dtype)
         if shape[1] != 1:
             return None
         past_key_values.past_lengths(shape[0], None)  # as many rows as the cache, or a clear error
@@ -522,6 +524,7 @@ class RANModel(RANPreTrainedModel):
             past_key_values.check_graph()  # per pass: a backward may have freed the graph it carries since
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
+        check_embeds_dtype(inputs_embeds, self.embeddings.norm.weight.dtype)
         cell_checks = type_checks = None
         if initial_cell is not None:
             cell_checks = check_initial_cell(initial_cell, batch_shape, self.config.hidden_size, past_positions)

@@ -1,0 +1,80 @@
+"""Unclear errors and silent results found by probing as a new user would (issue "nothing lost, round five"): each
+input now gets an error naming it and the fix, before any work, or an exact result."""
+
+import pytest
+import torch
+from ran_testing import randomize_, tiny_config
+
+from ran_hf import RANForCausalLM, RANForPrefixLM, RANForSequenceClassification, RANModel
+
+
+IDS = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("labels", [[0, 1], (0, 1)], ids=["list", "tuple"])
+def test_classifier_labels_that_are_not_a_tensor_are_named(labels):
+    model = randomize_(RANForSequenceClassification(tiny_config(num_labels=3)))
+    with pytest.raises(ValueError, match=r"`labels` must be a tensor, got (list|tuple): pass `torch.tensor"):
+        model(IDS, labels=labels)
+
+
+def test_float_labels_say_that_their_dtype_chose_multi_label_classification():
+    model = randomize_(RANForSequenceClassification(tiny_config(num_labels=3)))
+    with pytest.raises(ValueError, match=r"chosen from the labels' dtype torch.float32.*integer class ids"):
+        model(IDS, labels=torch.tensor([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("model_class", [RANModel, RANForCausalLM])
+def test_embeddings_wider_than_the_weights_are_named(model_class):
+    model = randomize_(model_class(tiny_config(is_causal=model_class is RANForCausalLM)))
+    with pytest.raises(
+        ValueError, match=r"`inputs_embeds` are torch.float64, but the model's weights are torch.float32"
+    ):
+        model(inputs_embeds=torch.randn(2, 9, 16, dtype=torch.float64))
+
+
+def test_embeddings_narrower_than_the_weights_still_run():
+    """bfloat16 embeddings into a float32 model are promoted by the first norm, as before: not refused."""
+    model = randomize_(RANModel(tiny_config()))
+    embeds = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        narrow = model(inputs_embeds=embeds.bfloat16()).last_hidden_state
+        wide = model(inputs_embeds=embeds).last_hidden_state
+    assert narrow.dtype == torch.float32
+    assert (narrow - wide).abs().max() < 0.1  # the input's bfloat16 rounding, no more
+
+
+def test_a_decoding_step_with_embeddings_wider_than_the_weights_is_named():
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True)))
+    with torch.no_grad():
+        cache = model(IDS, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"`inputs_embeds` are torch.float64"):
+            model(inputs_embeds=torch.randn(2, 1, 16, dtype=torch.float64), past_key_values=cache)
+
+
+def test_reordering_a_cache_to_rows_it_does_not_hold_is_named_and_changes_nothing():
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True)))
+    with torch.no_grad():
+        cache = model(IDS, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"given rows \[0, 5\], but the cache holds 2 rows"):
+            cache.reorder_cache(torch.tensor([0, 5]))
+        torch.testing.assert_close(  # the cache still continues the text
+            model(IDS[:, :1], past_key_values=cache).logits,
+            model(torch.cat([IDS, IDS[:, :1]], 1)).logits[:, -1:],
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+def test_a_prefix_lm_source_given_as_a_list_is_named():
+    model = randomize_(RANForPrefixLM(tiny_config()))
+    with pytest.raises(ValueError, match=r"The source must be a tensor of token ids, got list"):
+        model.generate([[1, 2, 3]], max_new_tokens=3)
+
+
+def test_prefix_lm_labels_with_no_target_token_are_refused_not_scored_as_zero():
+    model = randomize_(RANForPrefixLM(tiny_config()))
+    with pytest.raises(ValueError, match=r"mark every token as source"):
+        model(IDS, labels=IDS, token_type_ids=torch.zeros_like(IDS))
+    loss = model(IDS, labels=IDS, token_type_ids=(torch.arange(9) >= 5).long().expand(2, -1)).loss
+    assert loss > 0  # with a target, it is scored
