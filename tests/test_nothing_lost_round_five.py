@@ -78,3 +78,25 @@ def test_prefix_lm_labels_with_no_target_token_are_refused_not_scored_as_zero():
         model(IDS, labels=IDS, token_type_ids=torch.zeros_like(IDS))
     loss = model(IDS, labels=IDS, token_type_ids=(torch.arange(9) >= 5).long().expand(2, -1)).loss
     assert loss > 0  # with a target, it is scored
+
+
+def test_saves_of_either_kind_leave_no_stale_weights_behind(tmp_path):
+    """A sharded save over a save in one file left `model.safetensors`, which loading then read (the old weights);
+    a save in one file over a sharded one left the shards' index."""
+    first = randomize_(RANForCausalLM(tiny_config(is_causal=True)), seed=1)
+    second = randomize_(RANForCausalLM(tiny_config(is_causal=True)), seed=2)
+
+    def weight_files():
+        return sorted(path.name for path in tmp_path.iterdir() if "safetensors" in path.name)
+
+    def loaded_equals(model):
+        loaded = RANForCausalLM.from_pretrained(tmp_path)
+        return all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+
+    first.save_pretrained(tmp_path)
+    second.save_pretrained(tmp_path, max_shard_size=4000)
+    assert "model.safetensors" not in weight_files() and "model.safetensors.index.json" in weight_files()
+    assert loaded_equals(second)
+    first.save_pretrained(tmp_path)
+    assert weight_files() == ["model.safetensors"]
+    assert loaded_equals(first)

@@ -40,6 +40,7 @@ LIMITS = {errno.EFBIG: "the file-size limit", errno.ENOSPC: "a full disk", getat
 # A weights shard of Transformers' naming, `model-00001-of-00003.safetensors`: (its prefix, the rest).
 WEIGHT_SHARD = re.compile(r"^(.*?)-\d{5}-of-\d{5}(\.safetensors|\.bin)$")
 WEIGHT_FILE = re.compile(r"^(.*?)(\.safetensors|\.bin)$")
+INDEX_SUFFIX = ".index.json"
 
 
 class WriteStoppedError(OSError):
@@ -106,19 +107,30 @@ def stopped_write(error: BaseException, folder: Path, staging: Path) -> WriteSto
 
 
 def superseded_weights(written: set[str], existing: Iterable[str]) -> set[str]:
-    """The weight shards of an earlier save that a save writing `written` leaves behind (`model-00002-of-00002`
-    after a save in one file): those named like a shard with the prefix of a weights file written, as Transformers'
-    own save deletes them."""
-    prefixes = set()
+    """The weight files of an earlier save that a save writing `written` leaves behind, which loading would read
+    instead of (or beside) the new ones: shards named with the prefix of a weights file written (`model-00002-of-00002`
+    after a save in one file, as Transformers' own save deletes them), a single file and its shards' index where the
+    new save is the other kind (`model.safetensors` after a sharded save; `model.safetensors.index.json` after a save
+    in one file)."""
+    shard_prefixes, file_prefixes = set(), set()
     for name in written:
-        found = WEIGHT_SHARD.match(name) or WEIGHT_FILE.match(name)
-        if found:
-            prefixes.add(found.group(1))
-    return {
-        name
-        for name in existing
-        if name not in written and WEIGHT_SHARD.match(name) and any(name.startswith(prefix) for prefix in prefixes)
-    }
+        if found := WEIGHT_SHARD.match(name):
+            shard_prefixes.add(found.group(1))
+        elif found := WEIGHT_FILE.match(name):
+            file_prefixes.add(found.group(1))
+
+    def stale(name: str) -> bool:
+        if name in written:
+            return False
+        if WEIGHT_SHARD.match(name):
+            return any(name.startswith(prefix) for prefix in shard_prefixes | file_prefixes)
+        if name.endswith(INDEX_SUFFIX):  # the index of shards the new save, in one file, no longer has
+            indexed = WEIGHT_FILE.match(name.removesuffix(INDEX_SUFFIX))
+            return indexed is not None and indexed.group(1) in file_prefixes
+        single = WEIGHT_FILE.match(name)
+        return single is not None and single.group(1) in shard_prefixes  # one file, where the new save has shards
+
+    return {name for name in existing if stale(name)}
 
 
 def hub_repo(save_directory: str | os.PathLike, push_to_hub: bool, kwargs: dict) -> dict:
