@@ -100,3 +100,16 @@ def test_saves_of_either_kind_leave_no_stale_weights_behind(tmp_path):
     first.save_pretrained(tmp_path)
     assert weight_files() == ["model.safetensors"]
     assert loaded_equals(first)
+
+
+def test_a_causal_models_folder_does_not_load_as_a_masked_lm(tmp_path):
+    """`AutoModelForMaskedLM` on a causal folder built a masked LM that read the left context only, with no word."""
+    from transformers import AutoModelForMaskedLM
+
+    RANForCausalLM(tiny_config(is_causal=True)).save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"RANForMaskedLM fills a mask from the words on both sides.*AutoModelForCausalLM"
+    ):
+        AutoModelForMaskedLM.from_pretrained(tmp_path)
+    encoder = AutoModelForMaskedLM.from_pretrained(tmp_path, is_causal=False)  # asked for: it reads both ways
+    assert not encoder.config.is_causal

@@ -10,7 +10,7 @@ import torch
 from remote_code import run_without_ran_hf
 from transformers import AutoModel, AutoModelForSequenceClassification, pipeline
 
-from ran_hf import RANForMaskedLM, RANForSequenceClassification
+from ran_hf import RANForMaskedLM, RANForSequenceClassification, RANModel
 from ran_hf.integrations.sentence_embeddings import (
     SENTENCE_POOLINGS,
     ran_sentence_transformer,
@@ -172,7 +172,7 @@ def test_bad_requests_are_refused(classifier_folder, make_config, tmp_path):
         write_sentence_transformers_config(masked_lm, pooling="cell_transform")
     write_sentence_transformers_config(masked_lm, pooling="pooled_cell")
     causal = tmp_path / "causal"
-    RANForMaskedLM(make_config(is_causal=True)).save_pretrained(causal)
+    RANModel(make_config(is_causal=True)).save_pretrained(causal)
     with pytest.raises(ValueError, match="causal"):
         write_sentence_transformers_config(causal, pooling="mean")
     weights = masked_lm / "model.safetensors"

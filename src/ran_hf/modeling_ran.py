@@ -165,6 +165,16 @@ class RANLanguageModelBase(RANPreTrainedModel):
 
 @auto_docstring(custom_intro="RAN with the official masked-language-modelling head, tied to the token embedding.")
 class RANForMaskedLM(RANLanguageModelBase):
+    def __init__(self, config: RANConfig):
+        if config.is_causal:  # `AutoModelForMaskedLM` on a causal model's folder, say
+            raise ValueError(
+                "RANForMaskedLM fills a mask from the words on both sides, but this config is causal "
+                "(`is_causal=True`): every token would read only the words before it. Load a causal model's folder "
+                "with `AutoModelForCausalLM`; to read it both ways (which it was not trained to), pass "
+                "`is_causal=False` to `from_pretrained`."
+            )
+        super().__init__(config)
+
     @can_return_tuple
     @auto_docstring(custom_args=HEAD_ARGS)
     def forward(
