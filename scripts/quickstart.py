@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         "--overwrite_output_dir", action="store_true", help="replace an --output_dir that holds other files"
     )
     args = parser.parse_args(argv)
-    if not args.text_file.is_file():
+    if not args.text_file.exists():
         parser.error(f"--text_file {args.text_file} does not exist")
+    if args.text_file.is_dir():
+        parser.error(f"--text_file {args.text_file} is a folder: give a text file")
     try:
         check_output_dir(args)
         lines, more = read_text(args.text_file, CHARACTERS_PER_TOKEN * args.max_tokens)

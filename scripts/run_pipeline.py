@@ -250,6 +250,9 @@ class PipelineArguments:
             path = getattr(self, flag)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"--{flag} {path} does not exist or is not a file.")
+        for parent in (Path(self.output_dir), *Path(self.output_dir).parents):
+            if parent.exists() and not parent.is_dir():
+                raise ValueError(f"--output_dir {self.output_dir}: {parent} is a file. Give the path of a folder.")
         if self.dataset_name is None and self.train_file is None:
             self.document_counts()
         if self.hidden_size % self.num_attention_heads:

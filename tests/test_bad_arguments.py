@@ -259,6 +259,17 @@ def test_pipeline_checks_every_flag_before_its_first_step(argv, message, tmp_pat
     assert not (tmp_path / "pipeline").exists()  # no data written, no tokenizer trained
 
 
+@pytest.mark.parametrize("below", ["", "pipeline"], ids=["the-file", "a-folder-below-it"])
+def test_pipeline_output_dir_on_a_file_is_named_before_any_work(below, tmp_path):
+    """It was a raw `NotADirectoryError` from inside the data step."""
+    file = tmp_path / "taken"
+    file.write_text("a user's file")
+    output_dir = file / below if below else file
+    with pytest.raises(ValueError, match=rf"--output_dir {output_dir}: {file} is a file"):
+        run_pipeline.main(["--output_dir", str(output_dir)])
+    assert file.read_text() == "a user's file"
+
+
 def test_pipeline_checks_its_steps_flags_before_its_first_step(tmp_path, monkeypatch):
     """A flag the pipeline passes on, refused by a later step's own parser, stops it before the first step."""
     real_parse = run_pipeline.parse_arguments
@@ -299,6 +310,9 @@ def test_export_flags_out_of_range(argv, message, tmp_path, capsys):
     [
         (["--window_size", "8"], "argument --window_size: must be more than 8, got 8"),
         (["--vocab_size", "5"], "argument --vocab_size: must be more than 5, got 5"),
+        # a device that exists but is no regular file: it was said not to exist
+        (["--text_file", "/dev/null"], "--text_file /dev/null holds no text"),
+        (["--text_file", "/"], "--text_file / is a folder"),
     ],
 )
 def test_quickstart_flags_out_of_range(argv, message, monkeypatch, capsys):
