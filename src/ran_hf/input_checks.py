@@ -235,18 +235,25 @@ def validate_ran_inputs(
     return shape, InputChecks(torch.stack([check.long() for check in checks]), judge)
 
 
-def check_step_inputs(config: RANConfig, input_ids, inputs_embeds, shape: tuple) -> None:
+def check_step_inputs(config: RANConfig, input_ids, inputs_embeds, shape: tuple, weights_dtype) -> None:
     """A decoding step's token ids or embeddings (of `input_batch_shape` `shape`), checked as a forward checks them
-    (`validate_ran_inputs`): read and judged on the CPU, where a read waits for nothing; asserted on the device
-    elsewhere and when compiled, so that no step waits for the device (a bad value then fails the call when it runs,
-    as in a compiled forward)."""
+    (`validate_ran_inputs`, whose words name a bad value): read on the CPU, where a read waits for nothing; asserted
+    on the device elsewhere and when compiled, so that no step waits for the device (a bad value then fails the call
+    when it runs, as in a compiled forward). The usual case, ids in the vocabulary, costs no Python call beyond this."""
+    if inputs_embeds is not None:
+        check_embeds_dtype(inputs_embeds, weights_dtype)
     tensor = input_ids if input_ids is not None else inputs_embeds
-    if tensor.device.type == "cpu" or torch.compiler.is_compiling():
-        checks = validate_ran_inputs(config, input_ids, None, inputs_embeds, 0, shape)[1]
-        if checks is not None:
-            checks.read_and_judge()
-    else:
+    if torch.compiler.is_compiling():
+        validate_ran_inputs(config, input_ids, None, inputs_embeds, 0, shape)  # (asserted on the device)
+        return
+    if tensor.device.type != "cpu":
         assert_on_device(config, input_ids, None, inputs_embeds)
+        return
+    if input_ids is not None:
+        low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read
+        if low >= 0 and high < config.vocab_size:
+            return
+    validate_ran_inputs(config, input_ids, None, inputs_embeds, 0, shape)[1].read_and_judge()
 
 
 def check_initial_cell(initial_cell, batch_shape: tuple, hidden_size: int, past_positions: int) -> InputChecks | None:

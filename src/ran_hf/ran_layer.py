@@ -331,21 +331,22 @@ class RANLayer(GradientCheckpointingLayer):
         chunk = None if joined or output_attentions else rows_per_chunk(key, chunk_features)
         return self.window_attention(query, key, value, cell_key, cell_value, layout, output_attentions, joined, chunk)
 
-    def per_token_tail(self, token_states, attended, normed_tokens, rows=None, chunk_features=None) -> torch.Tensor:
+    def token_tail(self, token_states, attended, normed_tokens, rows=None) -> torch.Tensor:
         """The attention's output and the layer's ending before memory review: the residual sum, or the official
-        norms (and, without memory review, the output norm) -> (T, D). In inference on the PyTorch path (`rows` is
-        None: the attended values are per token already) a chunk of tokens at a time (`chunk_features`)."""
+        norms (and, without memory review, the output norm) -> (..., D). With `rows`, `attended` is in another order
+        (the windows' query slots) and token t reads row `rows[t]`."""
+        if self.residual_stream:
+            return token_states + self.attention_output(attended, normed_tokens, rows)
+        token_states = self.finish_attention(attended, normed_tokens, rows)
+        return token_states if self.reviews_memory else self.output_norm(token_states)
 
-        def tail(states, attended, normed):
-            if self.residual_stream:
-                return states + self.attention_output(attended, normed, rows)
-            states = self.finish_attention(attended, normed, rows)
-            return states if self.reviews_memory else self.output_norm(states)
-
+    def per_token_tail(self, token_states, attended, normed_tokens, rows=None, chunk_features=None) -> torch.Tensor:
+        """`token_tail` for all tokens (T, D); in inference on the PyTorch path (`rows` is None: the attended values
+        are per token already) a chunk of tokens at a time (`chunk_features`)."""
         if rows is not None or chunk_features is None:
-            return tail(token_states, attended, normed_tokens)
+            return self.token_tail(token_states, attended, normed_tokens, rows)
         chunk = rows_per_chunk(token_states, chunk_features)
-        return in_row_chunks(tail, chunk, token_states, attended, normed_tokens)
+        return in_row_chunks(self.token_tail, chunk, token_states, attended, normed_tokens)
 
     # ---- the layer -------------------------------------------------------------------------------------------------
 
@@ -440,7 +441,7 @@ class RANLayer(GradientCheckpointingLayer):
 
         # 2. Token attention over the read cell (slot 0, not rotated) and the window's visible slots.
         attended, _ = self.window_attention(query[:, :, None], window_keys, window_values, None, None, at, False)
-        token = self.per_token_tail(states, attended, normed)  # (B, D)
+        token = self.token_tail(states, attended, normed)  # (B, D)
 
         # 3. Where a row's token ends its window, the cell scan's step for that window. Before memory review, which
         # does not read the window's own cell: a compiled step writes it into the room first, in place, and reviews the

@@ -428,11 +428,11 @@ class RANModel(RANPreTrainedModel):
         ):
             return None
         shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)  # (no value read)
-        check_embeds_dtype(inputs_embeds, self.embeddings.norm.weight.dtype)
         if shape[1] != 1:
             return None
-        past_key_values.past_lengths(shape[0], None)  # as many rows as the cache, or a clear error
-        check_step_inputs(self.config, input_ids, inputs_embeds, shape)
+        if shape[0] != past_key_values.lengths.shape[0]:
+            past_key_values.past_lengths(shape[0], None)  # as many rows as the cache, or a clear error
+        check_step_inputs(self.config, input_ids, inputs_embeds, shape, self.embeddings.norm.weight.dtype)
         if past_key_values.checked_by is not self.checked_config:  # handed over: checked once
             check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
             past_key_values.checked_by = self.checked_config
