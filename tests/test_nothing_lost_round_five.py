@@ -5,7 +5,15 @@ import pytest
 import torch
 from ran_testing import randomize_, tiny_config
 
-from ran_hf import RANForCausalLM, RANForPrefixLM, RANForSequenceClassification, RANModel
+from ran_hf import (
+    RANForCausalLM,
+    RANForMaskedLM,
+    RANForPrefixLM,
+    RANForQuestionAnswering,
+    RANForSequenceClassification,
+    RANForTokenClassification,
+    RANModel,
+)
 
 
 IDS = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -113,3 +121,18 @@ def test_a_causal_models_folder_does_not_load_as_a_masked_lm(tmp_path):
         AutoModelForMaskedLM.from_pretrained(tmp_path)
     encoder = AutoModelForMaskedLM.from_pretrained(tmp_path, is_causal=False)  # asked for: it reads both ways
     assert not encoder.config.is_causal
+
+
+@pytest.mark.parametrize(
+    "head", [RANForSequenceClassification, RANForQuestionAnswering, RANForTokenClassification, RANForMaskedLM]
+)
+def test_an_encoder_head_given_a_tokenizers_pair_ids_computes_as_without_them(head):
+    """A BERT-style tokenizer's `token_type_ids` (0 for the first text, 1 for the second) switched on the prefix-LM
+    mask in these heads, and changed their logits (by 0.09 for the QA head)."""
+    model = randomize_(head(tiny_config(num_labels=3)))
+    pair_ids = (torch.arange(9) >= 4).long().expand(2, -1)
+    with torch.no_grad():
+        plain, paired = model(IDS), model(IDS, token_type_ids=pair_ids)
+    for name in ("logits", "start_logits", "end_logits"):
+        if name in plain:
+            assert torch.equal(plain[name], paired[name]), name

@@ -58,7 +58,18 @@ def check_head_config(head: RANPreTrainedModel) -> None:
 def head_outputs(head: RANPreTrainedModel, **inputs):
     """The prelude every head shares: its base model's outputs as a `RANModelOutput` (the head reads fields by name,
     whatever `return_dict` the caller or the config asks for). A head checks its config (`check_head_config`), then
-    its labels, before it calls this."""
+    its labels, before it calls this.
+
+    `token_type_ids` mark a prefix LM's source and target: an encoder head other than the prefix LM (which passes
+    them itself) leaves them out, so that a BERT-style tokenizer's pair ids (`model(**tokenizer(a, b))`, Transformers'
+    pipelines) change nothing; a causal model refuses them (`check_token_type_ids`)."""
+    if inputs.get("token_type_ids") is not None and not head.reads_token_types and not head.config.is_causal:
+        logger.warning_once(
+            f"{type(head).__name__} ignores `token_type_ids`: RAN has no segment embeddings, and its token types mark "
+            "a prefix LM's source and target (RANForPrefixLM). Call the tokenizer with `return_token_type_ids=False` "
+            "to pass none."
+        )
+        inputs["token_type_ids"] = None
     return head.model(**inputs, return_dict=True)
 
 

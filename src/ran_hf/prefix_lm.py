@@ -124,6 +124,7 @@ def prefix_lm_features(
     """
 )
 class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
+    reads_token_types = True  # its source (0) and target (1)
     # What `ran_hf.export_onnx` (and `torch.export`) answer at once: tracing it fails after minutes on `aten.cummax`.
     onnx_export_refusal = (
         "RANForPrefixLM cannot be exported to ONNX: its graph would need `token_type_ids` as an input, and the prefix "

@@ -198,6 +198,8 @@ class RANPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     # The cell scan runs window after window through the whole sequence: it cannot be split across ranks by length.
     _supports_context_parallel = False
+    # Whether a head reads `token_type_ids` (the prefix LM's source and target); the others leave them out.
+    reads_token_types = False
     # Transformers' output capture records these (`output_hidden_states`, `output_attentions`) from the modules that
     # compute them, as for Llama: every layer's input and output token states (B, L, D), the window attention's
     # weights where the implementation gives them, and the memory review's.
