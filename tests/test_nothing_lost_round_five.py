@@ -136,3 +136,15 @@ def test_an_encoder_head_given_a_tokenizers_pair_ids_computes_as_without_them(he
     for name in ("logits", "start_logits", "end_logits"):
         if name in plain:
             assert torch.equal(plain[name], paired[name]), name
+
+
+def test_speculative_decoding_is_refused_before_any_work_and_a_cache_cannot_drop_draft_tokens():
+    """Assisted and prompt-lookup decoding would need a cache cropped back to before rejected draft tokens, which a
+    recurrent state cannot be: refused before a token is generated, and so is cropping."""
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True)))
+    with pytest.raises(ValueError, match="stateful"):
+        model.generate(IDS, prompt_lookup_num_tokens=3, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cache = model(IDS, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="crop"):
+        cache.crop(2)
