@@ -60,9 +60,10 @@ def head_outputs(head: RANPreTrainedModel, **inputs):
     whatever `return_dict` the caller or the config asks for). A head checks its config (`check_head_config`), then
     its labels, before it calls this.
 
-    `token_type_ids` mark a prefix LM's source and target: an encoder head other than the prefix LM (which passes
-    them itself) leaves them out, so that a BERT-style tokenizer's pair ids (`model(**tokenizer(a, b))`, Transformers'
-    pipelines) change nothing; a causal model refuses them (`check_token_type_ids`)."""
+    `token_type_ids` mark a prefix LM's source and target: the classifier, token-classifier and QA heads leave them
+    out, so that a BERT-style tokenizer's pair ids (`model(**tokenizer(a, b))`, Transformers' pipelines) change
+    nothing; the language models read them (`reads_token_types`), and a causal model refuses them
+    (`check_token_type_ids`)."""
     if inputs.get("token_type_ids") is not None and not head.reads_token_types and not head.config.is_causal:
         logger.warning_once(
             f"{type(head).__name__} ignores `token_type_ids`: RAN has no segment embeddings, and its token types mark "
@@ -176,6 +177,8 @@ class RANLanguageModelBase(RANPreTrainedModel):
 
 @auto_docstring(custom_intro="RAN with the official masked-language-modelling head, tied to the token embedding.")
 class RANForMaskedLM(RANLanguageModelBase):
+    reads_token_types = True  # the official seq2seq model is this network with the prefix mask (docs/seq2seq.md)
+
     def __init__(self, config: RANConfig):
         if config.is_causal:  # `AutoModelForMaskedLM` on a causal model's folder, say
             raise ValueError(
