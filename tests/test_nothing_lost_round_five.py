@@ -146,3 +146,18 @@ def test_speculative_decoding_is_refused_before_any_work_and_a_cache_cannot_drop
         cache = model(IDS, use_cache=True).past_key_values
     with pytest.raises(ValueError, match="crop"):
         cache.crop(2)
+
+
+def test_a_cache_handed_to_generate_grows_with_what_is_generated_not_with_max_new_tokens():
+    """Eager `generate()` reserved a handed `RANCache` for `max_new_tokens` at once: 1 GiB for a tiny model at
+    10**7, however early EOS ended it."""
+    from ran_hf import RANCache
+
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True)))
+    first = model.generate(IDS[:1], max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1].item()
+    cache = RANCache(model.config)
+    generated = model.generate(
+        IDS[:1], past_key_values=cache, max_new_tokens=10**7, eos_token_id=first, do_sample=False, pad_token_id=0
+    )
+    assert generated.shape[1] == IDS.shape[1] + 1  # EOS at once
+    assert cache.nbytes() < 64 * 1024  # the cells of 10**7 tokens would be 2 windows' keys of 16 floats x 2M windows

@@ -342,7 +342,10 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
         cache = model_kwargs.get("past_key_values")
-        if isinstance(cache, RANCache):  # room for every cell this call can write: its compiled steps keep one graph
+        # Room for every cell this call can write, where its steps are compiled (a graph cannot grow the cache). Eager
+        # steps grow it as they go (`prepare_inputs_for_generation`): memory follows what is generated, not what
+        # `max_new_tokens` allows.
+        if isinstance(cache, RANCache) and self._valid_auto_compile_criteria(model_kwargs, generation_config):
             cache.reserve(max_cache_length)
 
     # What `generate` hands a step that a decoding step leaves out: the mask (see below), and what the prompt's pass
