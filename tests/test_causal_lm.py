@@ -491,6 +491,6 @@ def test_a_cache_handed_to_another_model_keeps_none_of_what_the_first_models_ste
         assert cache.layers[0].step_window is not None
         unkept = copy.deepcopy(cache)
         for layer in unkept.layers:
-            layer.forget_step_memos()
+            layer.step_window = layer.step_review = None
         expected = second(ids[:, 6:7], past_key_values=unkept).logits
         torch.testing.assert_close(second(ids[:, 6:7], past_key_values=cache).logits, expected, rtol=0, atol=0)

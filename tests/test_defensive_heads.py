@@ -384,15 +384,19 @@ def test_a_cache_continued_with_another_batch_size_is_named():
             model(torch.randint(1, 61, (3, 4)), past_key_values=cache, use_cache=True)
 
 
-def test_chunked_training_without_detaching_the_cache_names_the_fix():
-    """The second chunk's backward would run into the first chunk's freed graph ("backward a second time")."""
+def test_chunked_training_without_detaching_the_cache_fails_at_the_backward():
+    """The second chunk's backward would run into the first chunk's freed graph: PyTorch's own error, at that
+    backward ("backward through the graph a second time"), never a silent gradient; detached (truncated
+    backpropagation through time) or kept with `retain_graph=True`, chunked training goes on."""
     model = causal_model().train()
     ids = torch.randint(1, 61, (2, 20), generator=torch.Generator().manual_seed(0))
     first = model(ids[:, :10], labels=ids[:, :10], use_cache=True)
     first.loss.backward()
-    with pytest.raises(RuntimeError, match=r"cache.detach\(\)"):
-        model(ids[:, 10:], labels=ids[:, 10:], past_key_values=first.past_key_values, use_cache=True)
-    # Detached, it trains on; kept with `retain_graph=True`, backpropagating through both chunks works too.
+    second = model(ids[:, 10:], labels=ids[:, 10:], past_key_values=first.past_key_values, use_cache=True)
+    with pytest.raises(RuntimeError, match=r"backward through the graph a second time"):
+        second.loss.backward()
+    first = model(ids[:, :10], labels=ids[:, :10], use_cache=True)
+    first.loss.backward()
     second = model(ids[:, 10:], labels=ids[:, 10:], past_key_values=first.past_key_values.detach(), use_cache=True)
     second.loss.backward()
     first = model(ids[:, :10], labels=ids[:, :10], use_cache=True)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .cache_ran import CACHE_SHAPE_FIELDS, RANCache
 from .configuration_ran import RANConfig
 
 
@@ -92,6 +93,54 @@ class InputChecks(NamedTuple):
         if torch.compiler.is_compiling():
             return
         self.judge(self.values.tolist())
+
+
+def check_cache(past_key_values, config, dtype: torch.dtype | None = None) -> None:
+    """Refuse, naming the mismatch, a `past_key_values` this model cannot continue: a cache of another kind (a
+    transformer's `DynamicCache`, legacy tuples), a `RANCache` made by a model of another shape, or one whose cells a
+    model of another `dtype` (its weights') wrote."""
+    if past_key_values is None:
+        return
+    if not isinstance(past_key_values, RANCache):
+        raise TypeError(
+            f"`past_key_values` must be a RANCache (what a causal RAN returns with `use_cache=True`), got "
+            f"{type(past_key_values).__name__}: a RAN carries a recurrent state, not per-token keys and values. Pass "
+            "the cache this model returned, or None to start a new text."
+        )
+    differing = [
+        f"{name} {made!r} there, {config_value!r} here"
+        for name in CACHE_SHAPE_FIELDS
+        if (made := past_key_values.model_shape.get(name)) != (config_value := getattr(config, name))
+    ]
+    if differing:
+        raise ValueError(
+            f"`past_key_values` was made by another model ({'; '.join(differing)}): its state cannot be continued "
+            "by this one. Pass the cache this model returned, or None to start a new text."
+        )
+    written = next((layer.cell.dtype for layer in past_key_values.layers if layer.cell is not None), None)
+    if dtype is not None and written is not None and written != dtype:
+        raise ValueError(
+            f"`past_key_values` was written by a model in {written}, and this one computes in {dtype}: its state "
+            f"cannot be continued in another dtype. Continue it with the model that wrote it (or one cast to "
+            f"{written}), or pass None to start a new text."
+        )
+
+
+def check_cache_position(cache_position, past_key_values, new_positions: int) -> None:
+    """Refuse a `cache_position` (Transformers' index of the new positions) that disagrees with what
+    `past_key_values` has read: a RAN cache knows where every row stands and needs none, so one given must say the
+    same (a host read, only where one is given)."""
+    read = 0 if past_key_values is None else past_key_values.get_seq_length()
+    expected = list(range(read, read + new_positions))
+    given = cache_position.tolist() if torch.is_tensor(cache_position) else cache_position
+    if given != expected:
+        shown = f"{given}" if not isinstance(given, list) or len(given) <= 6 else f"[{given[0]}, ..., {given[-1]}]"
+        raise ValueError(
+            f"`cache_position` is {shown}, but `past_key_values` has read {read} positions, so the {new_positions} new "
+            f"ones are {read}..{read + new_positions - 1}: the cache and the positions given with it disagree. A RAN "
+            "cache knows where each row stands: leave `cache_position` out, or pass the cache that read the text "
+            "before these tokens (a `copy.deepcopy` made then, or None for a new text)."
+        )
 
 
 def check_token_type_ids(token_type_ids, batch_shape: tuple, attention_mask, config: RANConfig) -> InputChecks:

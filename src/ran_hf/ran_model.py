@@ -26,10 +26,12 @@ from transformers.utils.output_capturing import capture_outputs
 from .adaptive_softmax import RANAdaptiveEmbedding, RANClusterBiases
 from .associative_memory import RANAssociativeMemory
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, activation_function, apply_dropout
-from .cache_ran import RANCache, RANCacheLayer, cache_transaction, check_cache, check_cache_position
+from .cache_ran import RANCache, RANCacheLayer, cache_transaction
 from .configuration_ran import RANConfig
 from .decode_step import decodes_in_steps, step_positions
 from .input_checks import (
+    check_cache,
+    check_cache_position,
     check_embeds_dtype,
     check_exportable,
     check_initial_cell,
@@ -439,7 +441,7 @@ class RANModel(RANPreTrainedModel):
             check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
             past_key_values.checked_by = self.checked_config
             for layer in past_key_values.layers:  # what another model's steps kept, this model computes anew
-                layer.forget_step_memos()
+                layer.step_window = layer.step_review = None
         return self.decode_step(input_ids, inputs_embeds, past_key_values)
 
     def decode_step(self, input_ids, inputs_embeds, cache: RANCache) -> RANModelOutput:
@@ -522,8 +524,6 @@ class RANModel(RANPreTrainedModel):
         if past_key_values is not None and getattr(past_key_values, "checked_by", None) is not self.checked_config:
             check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
             past_key_values.checked_by = self.checked_config  # a decoding step trusts it while the config stays
-        if past_key_values is not None:
-            past_key_values.check_graph()  # per pass: a backward may have freed the graph it carries since
         past_positions = past_key_values.get_seq_length() if past_key_values is not None else 0
         batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
         check_embeds_dtype(inputs_embeds, self.embeddings.norm.weight.dtype)
@@ -589,7 +589,6 @@ class RANModel(RANPreTrainedModel):
 
         if past_key_values is not None:
             past_key_values.advance(layout.lengths, padded_length, layout.total_lengths)
-            token_states = past_key_values.watch_graph(token_states)  # tells a later forward when backward freed it
         if self.norm is not None:
             token_states = self.norm(token_states)
         last_hidden_state = layout.to_padded(token_states)  # with hidden states, recorded as the last
