@@ -161,3 +161,21 @@ def test_a_cache_handed_to_generate_grows_with_what_is_generated_not_with_max_ne
     )
     assert generated.shape[1] == IDS.shape[1] + 1  # EOS at once
     assert cache.nbytes() < 64 * 1024  # the cells of 10**7 tokens would be 2 windows' keys of 16 floats x 2M windows
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"num_beams": 3, "num_return_sequences": 2}, {"num_return_sequences": 3, "do_sample": True}],
+    ids=["beam-search", "sampled-sequences"],
+)
+def test_beam_search_and_several_sequences_continue_a_returned_cache(options):
+    """Each row of the cache is repeated as `generate` repeats the row's text: the tokens of reading it all anew."""
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True))).eval()
+    first = model.generate(IDS[:, :6], max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    text = torch.cat([first.sequences, IDS[:, 6:8]], dim=1)
+    torch.manual_seed(1)
+    continued = model.generate(text, past_key_values=first.past_key_values, max_new_tokens=6, **options)
+    torch.manual_seed(1)
+    anew = model.generate(text, max_new_tokens=6, **options)
+    assert continued.shape[0] == 2 * (options["num_return_sequences"])
+    torch.testing.assert_close(continued, anew, rtol=0, atol=0)

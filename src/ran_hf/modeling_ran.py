@@ -348,6 +348,17 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
         if isinstance(cache, RANCache) and self._valid_auto_compile_criteria(model_kwargs, generation_config):
             cache.reserve(max_cache_length)
 
+    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
+                                      **model_kwargs):  # fmt: skip
+        # Beam search and `num_return_sequences` repeat every row `expand_size` times; a returned cache the call
+        # continues holds one state per original row, repeated the same way (Transformers expands tensors only).
+        cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, RANCache) and cache.is_initialized and expand_size > 1:
+            rows = (input_ids if input_ids is not None else model_kwargs["inputs_embeds"]).shape[0]
+            if cache.batch_size == rows:
+                cache.batch_repeat_interleave(expand_size)
+        return super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+
     # What `generate` hands a step that a decoding step leaves out: the mask (see below), and what the prompt's pass
     # read once (`initial_cell`) or a causal RAN does not take.
     _NOT_STEP_INPUTS = ("attention_mask", "initial_cell", "labels", "position_ids", "token_type_ids")
