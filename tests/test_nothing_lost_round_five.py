@@ -179,3 +179,21 @@ def test_beam_search_and_several_sequences_continue_a_returned_cache(options):
     anew = model.generate(text, max_new_tokens=6, **options)
     assert continued.shape[0] == 2 * (options["num_return_sequences"])
     torch.testing.assert_close(continued, anew, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"window_overlap": 2}, {"memory_review_cells": 2}, {"use_cell_residual": False}],
+    ids=["plain", "overlap", "bounded-review", "no-cell-residual"],
+)
+def test_the_exportable_scan_continues_a_cache_as_the_reference_does(options):
+    """A text read in two chunks through the `export` scan: its first window after the cache adds the cell residual
+    of the window before, as the reference scan's does (and one forward over the whole text)."""
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True, scan_implementation="export", **options))).eval()
+    ids = torch.randint(1, 61, (2, 14), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        first = model(ids[:, :9], use_cache=True)
+        second = model(ids[:, 9:], past_key_values=first.past_key_values, use_cache=True)
+        model.config.scan_implementation = "reference"
+        whole = model(ids).logits
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), whole, rtol=0, atol=1e-5)

@@ -89,6 +89,19 @@ def test_the_exported_graph_takes_padding_without_changing_a_text(exported):
     assert not padded[states][1, ~real.numpy()].any()  # zeros at padding, as in PyTorch
 
 
+def test_a_model_without_the_cell_residual_exports_and_runs_as_in_pytorch(tmp_path):
+    """Without the residual, a window's cell is its raw cell: the exported scan's carry holds one tensor twice."""
+    model = randomize_(RANModel(tiny_config(use_cell_residual=False)), seed=2)
+    export_onnx(model, tmp_path / "ran.onnx")
+    session = onnxruntime.InferenceSession(str(tmp_path / "ran.onnx"))
+    input_ids, attention_mask = padded_batch(2, 23, "right", model.config.vocab_size, seed=4)
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).last_hidden_state.numpy()
+    outputs = session.run(None, {"input_ids": input_ids.numpy(), "attention_mask": attention_mask.numpy()})
+    states = [output.name for output in session.get_outputs()].index("last_hidden_state")
+    np.testing.assert_allclose(outputs[states], expected, atol=TOLERANCE, rtol=0)
+
+
 def test_export_saves_atomically_and_replaces_an_existing_file(tmp_path):
     import onnx
     from onnx import helper

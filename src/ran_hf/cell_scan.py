@@ -176,13 +176,15 @@ def cell_step(scan, weights, cell, previous_raw, keys, values, mask, maxima, mas
 
 def exportable_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
     """`reference_cell_scan` as one `scan` operator over the steps (ONNX `Scan`), for `torch.export` and ONNX, where
-    a Python loop would be unrolled for the example's number of windows. Inference only, without a cache."""
+    a Python loop would be unrolled for the example's number of windows. Inference only."""
     from torch._higher_order_ops.scan import scan as scan_operator
 
     step_keys, step_values, step_mask = step_major(keys, values, layout)
-    # (N, B, 1): a row adds the cell residual of the window before from its second window on.
-    continues = torch.arange(step_mask.shape[0], device=cell.device)[:, None, None] > 0
-    per_step = [step_keys, step_values, step_mask, continues.expand(-1, cell.shape[0], 1)]
+    # (N, B, 1): a row adds the cell residual of the window before from its second window on, or from its first
+    # where it continues a cached sequence.
+    later_step = torch.arange(step_mask.shape[0], device=cell.device)[:, None, None] > 0
+    continues = later_step | (layout.first_window > 0)[None, :, None]
+    per_step = [step_keys, step_values, step_mask, continues]
     if scan.cell_max_pool:
         per_step.append(window_maxima(step_values, step_mask))
 
@@ -192,8 +194,10 @@ def exportable_cell_scan(scan, weights, cell, previous_raw, keys, values, layout
             scan, weights, *carry, window_keys, window_values, mask, maxima[0] if maxima else None, NO_DROPOUT,
             window_continues if scan.use_cell_residual else None,
         )  # fmt: skip
-        # The scan's outputs may alias neither each other (views of one projection) nor the carried state.
-        return (cell, raw), tuple(output.clone() for output in (key, value, raw, cell))
+        # The scan's outputs may alias neither each other (views of one projection) nor the carried state, whose two
+        # parts are one tensor without the cell residual.
+        carry = (cell, raw.clone() if raw is cell else raw)
+        return carry, tuple(output.clone() for output in (key, value, raw, cell))
 
     # The carried state as the step returns it, dense: a layer's learned starting cell is expanded over the batch,
     # and the operator wants its carry's strides to stay the same from step to step.
