@@ -12,10 +12,12 @@ script passes `in_range(int, at_least=1)` as a flag's `type`. A float flag must 
 import argparse
 import copy
 import dataclasses
+import difflib
 import math
 import operator
 import os
 import sys
+import typing
 
 from transformers import HfArgumentParser
 
@@ -114,3 +116,64 @@ def in_range(kind: type, **bounds):
 
     parse.__name__ = kind.__name__  # argparse's "invalid int value" wording for text that is not a number
     return parse
+
+
+def parse_override(annotation, text: str):
+    """One `--config_overrides` value read as the type `annotation` accepts (the text itself where nothing else reads
+    it: setting it then names the type expected)."""
+    kinds, word = typing.get_args(annotation) or (annotation,), text.lower()
+    if type(None) in kinds and word in ("none", "null"):
+        return None
+    if bool in kinds and word in ("true", "false", "1", "0", "yes", "no"):
+        return word in ("true", "1", "yes")
+    for kind in (int, float) if bool not in kinds else ():
+        if kind in kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    if list[int] in kinds:
+        try:
+            return [int(item) for item in text.strip("[]").replace(";", ",").split(",") if item.strip()]
+        except ValueError:
+            pass
+    return text
+
+
+def split_overrides(text: str) -> list[str]:
+    """`"a=1,cutoffs=[2,3],b=x"` -> `["a=1", "cutoffs=[2,3]", "b=x"]`: commas inside brackets belong to a list."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        items, current = (items + [current], "") if char == "," and depth <= 0 else (items, current + char)
+    return [item for item in [*items, current] if item.strip()]
+
+
+def apply_config_overrides(config, overrides: str) -> None:
+    """`--config_overrides "name=value,name=value"`: set config fields, each value read by its field's type (ints,
+    numbers, `true`/`false`, strings, `none`, lists of ints as `[2000,10000]` or `2000;10000`); nothing is set unless
+    all parse and make a valid config. Errors are `ValueError`s naming the field."""
+    previous, given = dict(config.__dict__), set()
+    try:
+        for item in split_overrides(overrides):
+            name, equals, text = (part.strip() for part in item.partition("="))
+            if not equals or not name:
+                raise ValueError(f"`{item.strip()}` is not an override: write it `name=value` (joined by commas).")
+            if name in given:
+                raise ValueError(f"`{name}` is given twice in the overrides {overrides!r}: give it once.")
+            given.add(name)
+            if not hasattr(config, name) or name.startswith("_"):
+                close = difflib.get_close_matches(name, list(config.__dataclass_fields__), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"`{name}` is not a field of {type(config).__name__}{hint}.")
+            field = config.__dataclass_fields__.get(name)
+            # A model's own field by its type; Transformers' (annotated as strings) and properties by their value's.
+            typed = field is not None and not isinstance(field.type, str)
+            setattr(config, name, parse_override(field.type if typed else type(getattr(config, name)), text))
+        config.validate()
+    except Exception as error:
+        config.__dict__.clear()
+        config.__dict__.update(previous)
+        if isinstance(error, ValueError):
+            raise
+        raise ValueError(str(error.__cause__ or error)) from error  # `@strict`'s error: its cause names the field

@@ -36,6 +36,7 @@ import torch
 import train_tokenizer
 from argument_checks import check_ranges, parse_arguments
 from datasets import get_dataset_split_names, load_dataset
+from huggingface_hub.errors import StrictDataclassError
 
 from ran_hf import RANConfig
 
@@ -262,9 +263,10 @@ class PipelineArguments:
             )
         try:
             RANConfig(**self.model_fields())
-        except ValueError as error:
+        except (ValueError, StrictDataclassError) as error:
+            reason = error.__cause__ if isinstance(error, StrictDataclassError) else error  # `@strict`'s: the rule
             raise ValueError(
-                f"--hidden_size, --num_attention_heads and --window_size give no valid model: {error}"
+                f"--hidden_size, --num_attention_heads and --window_size give no valid model: {reason}"
             ) from None
 
     def model_fields(self) -> dict:

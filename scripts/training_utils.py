@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 import datasets
 import transformers
-from argument_checks import TRAINING_ARGUMENT_RANGES, check_ranges, parse_arguments  # noqa: F401 (scripts import it)
+from argument_checks import (  # noqa: F401 (scripts import it)
+    TRAINING_ARGUMENT_RANGES,
+    apply_config_overrides,
+    check_ranges,
+    parse_arguments,
+)
 from ran_trainer import first_nonfinite_weight
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase, TrainingArguments
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -289,7 +294,7 @@ def load_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, 
         if model_args.config_overrides:
             logger.info(f"Config overrides: {model_args.config_overrides}")
             task_values = {name: getattr(config, name) for name in task_fields}
-            config.update_from_string(model_args.config_overrides)
+            apply_config_overrides(config, model_args.config_overrides)
             changed = [name for name, value in task_values.items() if getattr(config, name) != value]
             if "num_labels" in changed:  # which makes new label names: the override set num_labels only
                 changed = [name for name in changed if name not in ("id2label", "label2id")]

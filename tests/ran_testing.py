@@ -1,8 +1,14 @@
 """Small helpers shared by the test files: tiny configs and models whose every weight is random."""
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from ran_hf import RANConfig
+
+
+# What a config refuses a value with: `@strict`'s errors (a field's type or range, a rule between fields), or a
+# `ValueError` (a misspelt field's name, a model's edit).
+CONFIG_ERROR = (ValueError, StrictDataclassError)
 
 
 def tiny_config(**overrides) -> RANConfig:

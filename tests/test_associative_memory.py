@@ -5,7 +5,7 @@ encoder refuses it."""
 import pytest
 import torch
 import torch.nn.functional as F
-from ran_testing import randomize_, tiny_config
+from ran_testing import CONFIG_ERROR, randomize_, tiny_config
 
 from ran_hf import RANCache, RANConfig, RANForCausalLM
 from ran_hf.associative_memory import delta_write
@@ -110,10 +110,10 @@ def test_gradients_reach_the_write_strengths_and_the_memory_trains():
 
 
 def test_the_encoder_refuses_it_and_a_cache_of_a_model_without_it_is_refused():
-    with pytest.raises(ValueError, match="`associative_memory` binds"):
+    with pytest.raises(CONFIG_ERROR, match="`associative_memory` and `cutoffs` belong to the causal LM"):
         RANConfig(associative_memory=True)
     plain = RANForCausalLM(tiny_config(is_causal=True)).eval()
     cache = plain(torch.ones(1, 5, dtype=torch.long), use_cache=True).past_key_values
-    with pytest.raises(ValueError, match="associative_memory"):
+    with pytest.raises(CONFIG_ERROR, match="associative_memory"):
         memory_model()(torch.ones(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
     assert isinstance(cache, RANCache)

@@ -21,6 +21,7 @@ import run_summarization
 import torch
 import train_tokenizer
 from data_loading import cut_for_tokenizer
+from ran_testing import CONFIG_ERROR
 from transformers import DynamicCache
 
 from ran_hf import RANCache, RANConfig, RANForCausalLM
@@ -85,15 +86,17 @@ def test_a_cache_of_a_model_of_the_same_shape_continues(tokens):
 @pytest.mark.parametrize(
     "name, value, message",
     [
-        pytest.param("window_size", 0, r"`window_size` must be >= 1, got 0", id="window_size 0"),
-        pytest.param("window_overlap", -1, r"`window_overlap` must be >= 0", id="negative overlap"),
-        pytest.param("hidden_dropout_prob", float("nan"), r"`hidden_dropout_prob` must be finite", id="nan dropout"),
-        pytest.param("cell_pooling", "median", r"`cell_pooling` must be one of", id="unknown pooling"),
+        pytest.param("window_size", 0, r"(?s)field 'window_size'.*got 0", id="window_size 0"),
+        pytest.param("window_overlap", -1, r"(?s)field 'window_overlap'.*got -1", id="negative overlap"),
+        pytest.param(
+            "hidden_dropout_prob", float("nan"), r"(?s)field 'hidden_dropout_prob'.*finite", id="nan dropout"
+        ),
+        pytest.param("cell_pooling", "median", r"(?s)field 'cell_pooling'.*expected one of", id="unknown pooling"),
     ],
 )
 def test_a_bad_value_set_on_a_built_models_config_is_refused_when_set(tokens, name, value, message):
     model = tiny_causal_lm()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(CONFIG_ERROR, match=message):
         setattr(model.config, name, value)
     assert model(tokens).logits.shape == (2, 13, 50)  # the config was left as it was
 
@@ -104,7 +107,7 @@ def test_a_bad_value_set_on_a_built_models_config_is_refused_when_set(tokens, na
         pytest.param(
             {"window_size": 4, "min_window_size": 6}, r"`min_window_size` \(6\) must be smaller", id="min over window"
         ),
-        pytest.param({"memory_salient_cells": 2}, r"`memory_salient_cells` keeps salient cells", id="salient alone"),
+        pytest.param({"memory_salient_cells": 2}, r"`memory_salient_cells` keeps cells", id="salient alone"),
     ],
 )
 def test_a_config_field_changed_after_building_is_checked_when_the_model_runs(tokens, changes, message):
@@ -113,7 +116,9 @@ def test_a_config_field_changed_after_building_is_checked_when_the_model_runs(to
     model(tokens)
     for name, value in changes.items():
         setattr(model.config, name, value)
-    with pytest.raises(ValueError, match=rf"config was changed after the model was built and is not valid: {message}"):
+    with pytest.raises(
+        ValueError, match=rf"(?s)config was changed after the model was built and is not valid: .*{message}"
+    ):
         model(tokens)
 
 

@@ -22,7 +22,7 @@ TINY |= {"window_size": 4, "min_window_size": 2}
 # The fix fits the kind of field (issue 53): a width no trained weight fits is built anew, a field some weights' shapes
 # follow loads with `ignore_mismatched_sizes=True`, the others load with the field.
 FIXES = {
-    "hidden_size": r"Build a new model from the config and train it \(`RANForMaskedLM\(config\)`\)",
+    "hidden_size": r"build a new model from the config \(`RANForMaskedLM\(config\)`\)",
     **dict.fromkeys(
         ("head_dim", "num_attention_heads", "cutoffs", "div_val"),
         r"from_pretrained\(folder, {field}=.*, ignore_mismatched_sizes=True\)",
@@ -188,8 +188,8 @@ def test_the_copy_follows_the_design_as_a_config_made_causal_would():
     fields set explicitly, and `tie_word_embeddings`, stay."""
     copied = RANForCausalLM(RANConfig(**TINY, review_initial_cell=False)).config
     made = RANConfig(**TINY, is_causal=True, review_initial_cell=False, tie_word_embeddings=True)
-    assert {name: getattr(copied, name) for name in made.architecture_fields()} == {
-        name: getattr(made, name) for name in made.architecture_fields()
+    assert {name: getattr(copied, name) for name in made.architecture_fields} == {
+        name: getattr(made, name) for name in made.architecture_fields
     }
     # A config loaded from a folder names every design field: the causal copy keeps the encoder's layer.
     loaded = RANConfig.from_dict(RANConfig(**TINY).to_dict())
@@ -198,9 +198,9 @@ def test_the_copy_follows_the_design_as_a_config_made_causal_would():
 
 def test_the_architecture_fields_are_fields():
     fields = RANConfig.__dataclass_fields__
-    assert all(name in fields for name in RANConfig.architecture_fields())
+    assert all(name in fields for name in RANConfig.architecture_fields)
     assert {"memory_review_cells", "memory_salient_cells", "scan_implementation"}.isdisjoint(
-        RANConfig.architecture_fields()
+        RANConfig.architecture_fields
     )
 
 

@@ -29,7 +29,7 @@ VALUED = {
     "memory_salient_cells": [1],  # (with a bounded memory: `memory_review_cells` 2)
     "scan_implementation": ["reference", "fused"],
     "hidden_act": ["gelu", "relu"],
-    "rope_theta": [77.0],
+    "rope_parameters": [{"rope_type": "default", "rope_theta": 77.0}],
     "layer_norm_eps": [1e-3],
     "cutoffs": [[20, 40]],
     "div_val": [2],  # (with `cutoffs`)

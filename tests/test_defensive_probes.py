@@ -9,6 +9,8 @@ import re
 
 import pytest
 import torch
+from argument_checks import apply_config_overrides
+from ran_testing import CONFIG_ERROR
 from test_nothing_lost import RANNET_FIXTURE, files_of
 from transformers import BertTokenizerFast, pipeline
 
@@ -331,13 +333,13 @@ def test_config_overrides_of_what_the_script_sets_from_the_data_are_refused(word
 def test_a_field_given_twice_in_the_overrides_is_named():
     config = RANConfig(**TINY, min_window_size=2)
     with pytest.raises(ValueError, match="`hidden_size` is given twice"):
-        config.update_from_string("hidden_size=32,hidden_size=16")
+        apply_config_overrides(config, "hidden_size=32,hidden_size=16")
     assert config.hidden_size == TINY["hidden_size"]  # nothing set
 
 
 @pytest.mark.parametrize("fields", [{"cutoffs": [10, 20]}, {"associative_memory": True}])
 def test_causal_only_options_on_an_encoder_point_to_the_causal_lm_not_to_flipping_the_head(fields):
-    with pytest.raises(ValueError, match=r"belongs? to the causal LM \(`RANForCausalLM`, `run_clm.py`"):
+    with pytest.raises(CONFIG_ERROR, match=r"belongs? to the causal LM \(`RANForCausalLM`, `run_clm.py`"):
         RANConfig(**TINY, min_window_size=2, **fields)
 
 

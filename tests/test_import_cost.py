@@ -73,7 +73,7 @@ print(json.dumps(report))
     )
     assert report["heavy"] == []
     # (the config saves through `safe_writes`: the standard library and Transformers' logging)
-    modules = ["ran_hf", "ran_hf.config_checks", "ran_hf.configuration_ran", "ran_hf.safe_writes", "ran_hf.saved_code"]
+    modules = ["ran_hf", "ran_hf.configuration_ran", "ran_hf.safe_writes", "ran_hf.saved_code"]
     assert report["ran_hf_modules"] == modules
     assert not report["triton_after_triton_modules"]
     assert report["kernels_defined"] == []

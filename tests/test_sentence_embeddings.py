@@ -233,7 +233,7 @@ def test_training_scripts_write_the_files(tokenizer_dir, tmp_path):
     "overrides, message",
     [
         ("hidden_size=16,windw_size=16", r"`windw_size` is not a field of RANConfig \(did you mean 'window_size'\?\)"),
-        ("hidden_size=16,window_size=abc", r"`window_size` must be an int, got 'abc'"),
+        ("hidden_size=16,window_size=abc", r"Field 'window_size' expected int, got str \(value: 'abc'\)"),
         ("vocab_size=5", r"sets `vocab_size`, which the script takes from the tokenizer"),
     ],
 )

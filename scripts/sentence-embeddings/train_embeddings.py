@@ -53,7 +53,7 @@ from ran_hf.integrations.sentence_embeddings import SENTENCE_POOLINGS, ran_sente
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the machine line of the benchmarks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the flags' ranges
 
-from argument_checks import TRAINING_ARGUMENT_RANGES, check_ranges, parse_arguments  # noqa: E402
+from argument_checks import TRAINING_ARGUMENT_RANGES, apply_config_overrides, check_ranges, parse_arguments  # noqa: E402
 from benchmark_utils import (  # noqa: E402
     command_line,
     machine_info,
@@ -241,14 +241,14 @@ def retrieval_scores(model: SentenceTransformer, evaluator) -> dict:
 
 def scratch_config(model_args: ModelArguments, tokenizer) -> RANConfig | None:
     """From scratch, the RAN's config: the tokenizer's vocabulary and padding id, then --config_overrides, each value
-    read by its field's type (`RANConfig.update_from_string`), so that an unknown field or a bad value is refused,
+    read by its field's type (`argument_checks.apply_config_overrides`), so that an unknown field or a bad value is refused,
     naming it, before any document is read. None with --model_name_or_path, whose own config is used."""
     if model_args.model_name_or_path is not None:
         return None
     fixed = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
     config = RANConfig(**fixed)
     try:
-        config.update_from_string(model_args.config_overrides)
+        apply_config_overrides(config, model_args.config_overrides)
     except ValueError as error:
         raise ValueError(f"--config_overrides {model_args.config_overrides!r}: {error}") from error
     if changed := [name for name, value in fixed.items() if getattr(config, name) != value]:

@@ -229,7 +229,7 @@ def validate_ran_inputs(
     """
     shape = shape or input_batch_shape(input_ids, inputs_embeds, config.hidden_size)
     if torch.compiler.is_compiling():
-        config.validate_review_bounds()  # what compiled code checks; an eager forward checks the config in the model
+        config.validate_architecture()  # what compiled code checks; an eager forward checks the config in the model
     if attention_mask is not None and not torch.is_tensor(attention_mask):
         raise ValueError(
             f"`attention_mask` must be a tensor (1 for real tokens, 0 for padding), got "

@@ -225,7 +225,7 @@ class RANForMaskedLM(RANLanguageModelBase):
 )
 class RANForSequenceClassification(RANPreTrainedModel):
     def __init__(self, config: RANConfig):
-        config.validate_label_fields()  # set on the config after it was made, perhaps
+        config.validate()  # its labels may have been set on the config after it was made
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = RANModel(config)
@@ -273,7 +273,7 @@ class RANForSequenceClassification(RANPreTrainedModel):
 @auto_docstring(custom_intro="RAN with a linear classifier on every token state (e.g. named-entity recognition).")
 class RANForTokenClassification(RANPreTrainedModel):
     def __init__(self, config: RANConfig):
-        config.validate_label_fields()  # set on the config after it was made, perhaps
+        config.validate()  # its labels may have been set on the config after it was made
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = RANModel(config, add_pooling_layer=False)

@@ -14,6 +14,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
@@ -186,6 +187,28 @@ def checkpoint_weight_names(state_dict, checkpoint_files) -> list[str]:
     return names
 
 
+def changed_after_build(model_name: str, name: str, built, value) -> str:
+    """The error for a field the model was built from, set from `built` to `value` on its config."""
+    load = f"set it back, save the model and load it with `{model_name}.from_pretrained(folder, {name}={value!r}"
+    if name == "vocab_size":
+        fix = f"call `model.resize_token_embeddings({value!r})` instead: it keeps the trained rows and sets it"
+    elif name == "hidden_size":  # every weight's shape follows it: no trained weight carries over
+        fix = f"no trained weight fits it; build a new model from the config (`{model_name}(config)`) and train it"
+    elif name == "is_causal" and model_name in ("RANForCausalLM", "RANForPrefixLM"):
+        mode = "always runs causal" if model_name == "RANForCausalLM" else "never runs causal"
+        fix = f"{model_name} {mode}; for the other mode, load its folder with `RANModel.from_pretrained(folder, "
+        fix += f"is_causal={value!r})` or a head of that mode"
+    elif name in ("num_attention_heads", "head_dim", "cutoffs", "div_val", "num_labels"):  # some weights' shapes
+        fix = f"{load}, ignore_mismatched_sizes=True)`: the weights it reshapes start new (train them), the others "
+        fix += f"are kept; or build a new model from the config (`{model_name}(config)`)"
+    else:
+        fix = f"{load})`: the trained weights in modules built with it (weights it adds start new)"
+    return (
+        f"`{name}` was changed from {built!r} to {value!r} after the model was built, whose weights and modules were "
+        f"made for {built!r}: {fix}. To keep this model as it is, set `{name}` back to {built!r}."
+    )
+
+
 @auto_docstring
 class RANPreTrainedModel(PreTrainedModel):
     config: RANConfig
@@ -213,37 +236,44 @@ class RANPreTrainedModel(PreTrainedModel):
 
     def post_init(self):
         super().post_init()
-        # The config's fields as built: a forward or save after a field it was built from changed is refused.
-        self._built_config = self.config.snapshot()
+        self._built_from = self.built_fields()  # a forward or save after one of these changed is refused
         self._checked_key = None  # (config, its edit count) when last checked: unchanged since, nothing to check
         self.checked_config = None  # a token of that check, which the caches it checked carry
         self.decodes_in_steps = False  # whether one-token calls take the step branch, as last checked (decode_step.py)
 
+    def built_fields(self) -> dict:
+        """What this model's weights and modules were made from: the config's `architecture_fields`, and a
+        classifier's number of scores."""
+        built = {name: getattr(self.config, name) for name in self.config.architecture_fields}
+        return built | ({"num_labels": self.num_labels} if hasattr(self, "num_labels") else {})
+
     def check_config(self):
-        """Apply the rule of every field edited since the model was built (`configuration_ran.EDIT_RULES`): refuse to
-        run or save after a field its weights or modules were made from changed, or its classifier's number of
-        labels (`RANConfig.check_built`, naming the field and the fix); validate the config; and renew what modules
-        hold a copy of (dropout rates, the embedding's padding index), so that such an edit takes effect at once.
-        Only when the config was edited since the last check (its edit count, `RANConfig.edits`): a forward pass does
-        no config work otherwise. Host-only: compiled code skips it."""
+        """After an edit of the config (its edit count changed; compiled code skips this): refuse to run or save if a
+        field the model was built from changed, naming the fix; validate the config; renew what modules hold a copy
+        of (dropout rates, the embedding's padding index), so that such an edit takes effect at once."""
         config = self.config
-        checked = (id(config), config.edits)
-        if checked != self._checked_key:
-            labels = getattr(self, "num_labels", None)  # a classifier's number of scores, fixed when built
-            self._built_config = config.check_built(self._built_config, type(self).__name__, labels)
-            package = __name__.rpartition(".")[0]
-            for module in self.modules():
-                if type(module).__module__.rpartition(".")[0] != package:
-                    continue  # another library's modules keep their own rates (LoRA's dropout)
-                if isinstance(getattr(module, "dropout", None), nn.Dropout):
-                    module.dropout.p = config.hidden_dropout_prob
-                if isinstance(getattr(module, "attention_dropout", None), (int, float)):
-                    module.attention_dropout = config.attention_probs_dropout_prob
-            embeddings = self.get_input_embeddings()
-            if type(embeddings) is nn.Embedding:  # only the gradient of the padding row reads it
-                embeddings.padding_idx = config.pad_token_id
-            self._checked_key, self.decodes_in_steps = checked, decodes_in_steps(config)
-            self.checked_config = object()  # what a cache this model checks is marked with (`RANCache.checked_by`)
+        checked = (id(config), config.__dict__.get("edits"))
+        if checked == self._checked_key:
+            return
+        for name, built in self._built_from.items():
+            if (value := getattr(config, name)) != built:
+                raise ValueError(changed_after_build(type(self).__name__, name, built, value))
+        try:
+            config.validate()
+        except StrictDataclassError as error:  # (its cause names the field or the rule)
+            message = f"The model's config was changed after the model was built and is not valid: {error.__cause__}"
+            raise ValueError(message) from error
+        for module in self.modules():
+            if type(module).__module__.rpartition(".")[0] != __name__.rpartition(".")[0]:
+                continue  # another library's modules keep their own rates (LoRA's dropout)
+            if isinstance(getattr(module, "dropout", None), nn.Dropout):
+                module.dropout.p = config.hidden_dropout_prob
+            if isinstance(getattr(module, "attention_dropout", None), (int, float)):
+                module.attention_dropout = config.attention_probs_dropout_prob
+        if type(embeddings := self.get_input_embeddings()) is nn.Embedding:  # only the padding row's gradient reads it
+            embeddings.padding_idx = config.pad_token_id
+        self._checked_key, self.decodes_in_steps = checked, decodes_in_steps(config)
+        self.checked_config = object()  # what a cache this model checks is marked with (`RANCache.checked_by`)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Transformers' `save_pretrained`. A path that is a file is refused (Transformers logs a line and saves
@@ -267,7 +297,7 @@ class RANPreTrainedModel(PreTrainedModel):
         embeddings = super().resize_token_embeddings(*args, **kwargs)
         for module in self.modules():  # `vocab_size` now matches the resized embedding
             if isinstance(module, RANPreTrainedModel):
-                module._built_config, module._checked_key = module.config.snapshot(), None
+                module._built_from, module._checked_key = module.built_fields(), None
         return embeddings
 
     @staticmethod

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging
@@ -123,9 +124,9 @@ def read_rannet_config(path: Path) -> RANConfig:
     kwargs = rannet_config_to_ran_config(rannet_config, str(path))
     try:
         return RANConfig(**kwargs, pad_token_id=0)  # pad id 0: `rannet` treats every id > 0 as a token
-    except (TypeError, ValueError) as error:
-        # Name the official keys, not the `RANConfig` fields they became.
-        message = str(error)
+    except (TypeError, ValueError, StrictDataclassError) as error:
+        # Name the official keys, not the `RANConfig` fields they became (`@strict`'s error: its cause).
+        message = str(error.__cause__ if isinstance(error, StrictDataclassError) else error)
         for key, (fields, _) in RANNET_CONFIG_KEYS.items():
             for field in fields:
                 message = message.replace(f"`{field}`", f"`{key}`")
