@@ -450,7 +450,9 @@ def _checkpointing_off(layer: RANLayer):
 
 @auto_docstring(
     custom_intro="The bare RAN encoder (or causal decoder when `config.is_causal`): embeddings, RAN layers, optional "
-    "pooler (the official cell transform)."
+    "pooler (the official cell transform). A row that packs several documents (`position_ids` that restart, "
+    "`cu_seq_lens_q`/`cu_seq_lens_k` or `seq_idx`, as `DataCollatorWithFlattening` passes them) reads each document "
+    "as if it were alone; cells and pooled outputs then have one row per document (docs/training.md)."
 )
 class RANModel(RANPreTrainedModel):
     def __init__(self, config: RANConfig, add_pooling_layer: bool = True):
