@@ -398,3 +398,47 @@ def test_trainer_with_flattening_collator_learns(head, tmp_path):
     with torch.no_grad():
         packed = model(**collator(features)).loss
         assert_close(packed, model(ids, attention_mask=mask, labels=labels).loss, "loss")
+
+
+# ---- the other ways in: embeddings, tuples, chosen hidden states, checkpointing, the adaptive softmax ---------------
+
+
+def test_embeddings_tuples_and_chosen_hidden_states_come_back_packed():
+    config = tiny_config(is_causal=True, token_shift=True)
+    model = randomize_(RANModel(config), seed=15)
+    documents = make_documents(config.vocab_size, [6, 2, 9], seed=15)
+    inputs = packed_inputs(documents)
+    embeds = model.get_input_embeddings()(inputs.pop("input_ids"))
+    with torch.no_grad():
+        packed = model(inputs_embeds=embeds, **inputs, output_hidden_states=[0, -1])
+        as_tuple = model(inputs_embeds=embeds, **inputs, return_dict=False)
+        for document, tokens in zip(documents, spans(documents)):
+            alone = model(document[None], output_hidden_states=True)
+            assert_close(packed.last_hidden_state[:, tokens], alone.last_hidden_state, "token states")
+            assert_close(packed.hidden_states[0][:, tokens], alone.hidden_states[0], "embedding output")
+            assert_close(packed.hidden_states[-1][:, tokens], alone.hidden_states[-1], "last hidden states")
+            assert_close(as_tuple[0][:, tokens], alone.last_hidden_state, "token states as a tuple")
+    assert packed.hidden_states[1] is None
+
+
+def test_gradient_checkpointing_reads_each_document_alone():
+    config = tiny_config(is_causal=True, window_overlap=1)
+    model = randomize_(RANForCausalLM(config), seed=16).train()
+    model.gradient_checkpointing_enable()
+    documents = make_documents(config.vocab_size, seed=16)
+    packed = model(**packed_inputs(documents), labels=torch.cat(documents)[None])
+    ids, mask = padded_documents(documents)
+    batch = model(ids, attention_mask=mask, labels=ids)
+    assert_close(packed.loss, batch.loss, "loss")
+    assert_same_gradients(model, packed.loss, batch.loss)
+
+
+def test_adaptive_softmax_loss_matches_documents_alone():
+    config = tiny_config(is_causal=True, vocab_size=80, cutoffs=[20, 50])
+    model = randomize_(RANForCausalLM(config), seed=17)
+    documents = make_documents(config.vocab_size, [9, 4, 12], seed=17)
+    ids, mask = padded_documents(documents)
+    packed = model(**packed_inputs(documents, "cu_seq_lens"), labels=torch.cat(documents)[None])
+    batch = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    assert_close(packed.loss, batch.loss, "loss")
+    assert_same_gradients(model, packed.loss, batch.loss)
