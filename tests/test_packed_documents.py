@@ -159,6 +159,8 @@ def test_causal_lm_logits_loss_and_gradients_match_documents_alone():
         input_ids=collated["input_ids"], position_ids=collated["position_ids"], labels=collated["input_ids"]
     )
     assert_close(unmarked.loss, batch.loss, "loss with the inputs as labels")
+    unscored = model(input_ids=collated["input_ids"], cu_seq_lens_q=collated["cu_seq_lens_q"])  # no labels
+    assert_close(unscored.logits, packed.logits, "logits without labels")
     assert_same_gradients(model, packed.loss, batch.loss)
 
 

@@ -428,7 +428,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             self, documents, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, past_key_values=past_key_values, use_cache=use_cache, **kwargs,
         )  # fmt: skip
-        if documents is not None:
+        if documents is not None and labels is not None:
             # A packed row's document is not predicted from the one before it: its first token is never scored, as
             # a text's first token is not (`DataCollatorWithFlattening` marks it so in its labels already).
             labels = labels.masked_fill(documents.starts.to(labels.device), -100)
