@@ -9,6 +9,7 @@ import csv
 import errno
 import gzip
 import json
+import math
 import os
 import re
 import shutil
@@ -338,6 +339,70 @@ def test_run_mlm_from_scratch_then_continued(topic_files, tokenizer_dir, tmp_pat
     assert continued["train"]["train_samples"] == 24  # one example per document
     continued_card = (tmp_path / "continued" / "README.md").read_text()
     assert "fine-tuned from a model trained locally (`mlm`)" in continued_card and str(tmp_path) not in continued_card
+
+
+@pytest.mark.parametrize("script", [run_clm, run_mlm])
+def test_packing_trains_on_documents_packed_in_one_row(script, topic_files, tokenizer_dir, tmp_path, monkeypatch):
+    """`--packing`: every batch is one row of whole documents without padding, their boundaries marked by restarting
+    `position_ids`; the masked LM's masks never fall on special tokens and keep every document's labels."""
+    batches = []
+    collator_class = run_clm.DataCollatorWithFlattening if script is run_clm else run_mlm.PackedMaskedLMCollator
+
+    class Recording(collator_class):
+        def __call__(self, features, *args, **kwargs):
+            batch = super().__call__(features, *args, **kwargs)
+            batches.append(([list(feature["input_ids"]) for feature in features], batch))
+            return batch
+
+    monkeypatch.setattr(script, collator_class.__name__, Recording)
+    length = ["--block_size" if script is run_clm else "--max_seq_length", "48"]
+    results = script.main(
+        from_scratch(tokenizer_dir, tmp_path / "packed")
+        + ["--train_file", str(topic_files["train"]), "--validation_file", str(topic_files["validation"])]
+        + length
+        + ["--packing", "--do_train", "--do_eval", "--max_steps", "3", "--per_device_train_batch_size", "4"]
+        + QUIET
+    )
+    assert math.isfinite(results["train"]["train_loss"]) and math.isfinite(results["eval"]["eval_loss"])
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for documents, batch in batches:
+        assert batch["input_ids"].shape == (1, sum(map(len, documents)))  # one row, no padding
+        expected = torch.cat([torch.arange(len(document)) for document in documents])
+        assert torch.equal(batch["position_ids"][0], expected)
+        labels = batch["labels"][0]
+        if script is run_clm:  # the inputs, with no document predicted from the one before
+            starts = expected == 0
+            assert (labels[starts] == -100).all() and torch.equal(labels[~starts], batch["input_ids"][0][~starts])
+        else:  # masks on the documents' own tokens only; a masked token's label is what it was
+            flat = torch.tensor([token for document in documents for token in document])
+            masked = labels != -100
+            assert torch.equal(labels[masked], flat[masked])
+            special = torch.tensor(tokenizer.get_special_tokens_mask(flat.tolist(), already_has_special_tokens=True))
+            assert not (masked & special.bool()).any()
+    assert any(len(documents) > 1 for documents, _ in batches)
+
+
+@pytest.mark.parametrize(
+    "script, extra, message",
+    [
+        (run_clm, ["--stream_training"], "Give one of them"),
+        (run_mlm, ["--pad_to_multiple_of", "8"], "Give one of them"),
+    ],
+)
+def test_packing_with_an_option_it_contradicts_is_refused(script, extra, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        script.main(
+            [
+                "--tokenizer_name",
+                "t",
+                "--output_dir",
+                str(tmp_path / "o"),
+                "--train_file",
+                "x.txt",
+                "--packing",
+                *extra,
+            ]
+        )
 
 
 @pytest.mark.slow

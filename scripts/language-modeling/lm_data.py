@@ -14,7 +14,7 @@ from data_loading import check_split_texts, load_splits
 from datasets import Dataset, DatasetDict
 from tokenizers import processors
 from training_utils import ModelArguments
-from transformers import PreTrainedTokenizerBase
+from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
 from ran_hf.files.data import split_before_whitespace
 
@@ -132,6 +132,31 @@ def group_into_blocks(examples: dict[str, list], block_size: int) -> dict[str, l
         key: [values[start : start + block_size] for start in range(0, total, block_size)]
         for key, values in concatenated.items()
     }
+
+
+def cut_documents(examples: dict[str, list], block_size: int) -> dict[str, list[np.ndarray]]:
+    """Each tokenized document as one example (`--packing`), a document longer than `block_size` cut into pieces of
+    `block_size` (the last may be shorter), each its own document: nothing is dropped and no piece reads another."""
+    return {
+        key: [row[start : start + block_size] for row in values for start in range(0, len(row), block_size)]
+        for key, values in examples.items()
+    }
+
+
+class PackedMaskedLMCollator:
+    """`--packing` for masked language modelling: a batch's documents in one row without padding, their boundaries
+    marked by restarting `position_ids` (`DataCollatorWithFlattening`), then masked as `masking` (a
+    `DataCollatorForLanguageModeling`) masks a batch. Flattening first keeps every document's labels: given labels,
+    the flattening collator would replace each document's first one by -100, as a causal LM's."""
+
+    def __init__(self, masking: DataCollatorForLanguageModeling):
+        self.masking = masking
+        self.flattening = DataCollatorWithFlattening()
+
+    def __call__(self, features, return_tensors=None):
+        batch = self.flattening([{"input_ids": feature["input_ids"]} for feature in features], return_tensors="pt")
+        batch["input_ids"], batch["labels"] = self.masking.torch_mask_tokens(batch["input_ids"])
+        return batch
 
 
 def interleave_streams(token_ids: np.ndarray, num_streams: int, chunk_size: int) -> Dataset:

@@ -12,6 +12,10 @@ documents are concatenated and cut into blocks of `--block_size` tokens, and the
 model shifts them). `evaluate_perplexity.py` (in this folder) then reads a long text in one recurrent stream. Hub
 data, several machines and resuming work as in `run_mlm.py`.
 
+With `--packing`, every document is an example of its own instead (one longer than `--block_size` cut into
+pieces), and a batch's documents are packed into one row without padding (`DataCollatorWithFlattening`), each read
+as if it were alone: no document is predicted from the one before it (docs/training.md, "Packed documents").
+
 With `--stream_training`, the training text is read as `--per_device_train_batch_size` parallel streams instead:
 each batch row continues the same row of the batch before, and the recurrent state (`RANCache`) is carried from
 batch to batch, detached, so backpropagation is truncated at chunk boundaries of `--block_size` tokens. The model
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, set_seed
+from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, DataCollatorWithFlattening, set_seed
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: traini
 from checkpoints import prepare_output_dir  # noqa: E402
 from data_loading import check_data_limits, describe_source  # noqa: E402
 from lm_data import (  # noqa: E402
+    cut_documents,
     end_of_text_id,
     group_into_blocks,
     interleave_streams,
@@ -92,6 +97,13 @@ class DataTrainingArguments:
             "chunk to chunk and truncating backpropagation at chunk boundaries. Single process only."
         },
     )
+    packing: bool = field(
+        default=False,
+        metadata={
+            "help": "One document per example (cut into --block_size pieces where longer), and a batch's documents "
+            "packed into one row without padding, each read as if alone (DataCollatorWithFlattening)."
+        },
+    )
     preprocessing_num_workers: int | None = field(
         default=None, metadata={"at_least": 1, "help": "Processes for tokenization."}
     )
@@ -101,6 +113,11 @@ class DataTrainingArguments:
     def __post_init__(self):
         if self.dataset_name is None and self.train_file is None and self.validation_file is None:
             raise ValueError("Give --dataset_name or --train_file / --validation_file.")
+        if self.packing and self.stream_training:
+            raise ValueError(
+                "--stream_training reads the text as streams that carry the recurrent state from batch to batch; "
+                "--packing reads every document alone. Give one of them."
+            )
         check_data_limits(self)
 
 
@@ -160,11 +177,11 @@ def main(argv: list[str] | None = None) -> dict:
         lm_datasets = (
             tokenized.with_format("numpy")
             .map(
-                group_into_blocks,
+                cut_documents if data_args.packing else group_into_blocks,
                 batched=True,
                 fn_kwargs={"block_size": data_args.block_size},
                 num_proc=data_args.preprocessing_num_workers,
-                desc=f"Grouping into blocks of {data_args.block_size}",
+                desc=f"{'Cutting documents' if data_args.packing else 'Grouping'} into blocks of {data_args.block_size}",
             )
             .with_format(None)
         )
@@ -223,7 +240,10 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),  # labels = input_ids, -100 on padding
+        # labels = input_ids, -100 on padding; packed: -100 at every document's first token
+        data_collator=DataCollatorWithFlattening()
+        if data_args.packing
+        else DataCollatorForLanguageModeling(tokenizer, mlm=False),
         compute_metrics=compute_metrics if score_accuracy else None,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics if score_accuracy else None,
         callbacks=[ParameterChecksumCallback(model_args.parameter_checksum_dir)]
@@ -308,6 +328,12 @@ def describe_data(data_args: DataTrainingArguments, train_dataset, eval_dataset)
         parts.append(f"{len(train_dataset):,} training blocks")
     if eval_dataset is not None:
         parts.append(f"{len(eval_dataset):,} validation blocks")
+    if data_args.packing:
+        return (
+            f"{source}; documents ended by an end-of-text token, each an example of its own (cut into "
+            f"{data_args.block_size}-token pieces where longer), a batch's documents packed into one row and each "
+            f"read alone ({', '.join(parts)})."
+        )
     return (
         f"{source}; documents ended by an end-of-text token, concatenated and cut into {data_args.block_size}-token "
         f"pieces ({', '.join(parts)})."

@@ -14,7 +14,8 @@ Hub data: `--dataset_name wikitext --dataset_config_name wikitext-103-raw-v1`. S
 
 Documents are tokenized with the tokenizer's special tokens (`[CLS] text [SEP]` for those of `train_tokenizer.py`),
 concatenated and cut into blocks of `--max_seq_length` tokens (RAN has no position limit, so blocks may be long);
-`--line_by_line` keeps one document per example instead. Masking is dynamic: `DataCollatorForLanguageModeling` draws
+`--line_by_line` keeps one document per example instead, and `--packing` too, with a batch's documents packed into one
+row without padding, each read as if it were alone (docs/training.md, "Packed documents"). Masking is dynamic: `DataCollatorForLanguageModeling` draws
 new masks every time a batch is formed. Evaluation reports the masked-token loss, its exponential (`perplexity`) and
 the accuracy on masked tokens. `--resume_from_checkpoint latest` restores weights, optimizer, scheduler, step and data
 order exactly, but the masks drawn after the resume differ from an uninterrupted run's (see docs/training.md).
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: traini
 
 from checkpoints import prepare_output_dir  # noqa: E402
 from data_loading import check_data_limits, cut_for_tokenizer, describe_source  # noqa: E402
-from lm_data import group_into_blocks, load_text_datasets, token_ids  # noqa: E402
+from lm_data import PackedMaskedLMCollator, group_into_blocks, load_text_datasets, token_ids  # noqa: E402
 from ran_trainer import ParameterChecksumCallback, RANTrainer  # noqa: E402
 from training_utils import (  # noqa: E402
     ModelArguments,
@@ -71,6 +72,13 @@ class DataTrainingArguments:
     line_by_line: bool = field(
         default=False, metadata={"help": "One document per example (truncated to max_seq_length), no concatenation."}
     )
+    packing: bool = field(
+        default=False,
+        metadata={
+            "help": "One document per example (as --line_by_line), and a batch's documents packed into one row "
+            "without padding, each read as if alone (DataCollatorWithFlattening's position_ids)."
+        },
+    )
     mlm_probability: float = field(default=0.15, metadata={"above": 0, "below": 1, "help": "Share of tokens to mask."})
     pad_to_multiple_of: int | None = field(
         default=None, metadata={"at_least": 1, "help": "Pad batches to a multiple of this length."}
@@ -84,6 +92,11 @@ class DataTrainingArguments:
     def __post_init__(self):
         if self.dataset_name is None and self.train_file is None and self.validation_file is None:
             raise ValueError("Give --dataset_name or --train_file / --validation_file.")
+        if self.packing and self.pad_to_multiple_of is not None:
+            raise ValueError(
+                "--pad_to_multiple_of pads a batch's rows, but --packing puts a batch's documents in one row without "
+                "padding. Give one of them."
+            )
         check_data_limits(self)
 
 
@@ -116,7 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Preprocessing
     def tokenize(examples):
         texts = examples["text"]
-        if not data_args.line_by_line:  # in pieces: a long line costs the memory of a piece, not of the line
+        if not (
+            data_args.line_by_line or data_args.packing
+        ):  # in pieces: a long line costs the memory of a piece, not of the line
             return {"input_ids": token_ids(tokenizer, texts, special_tokens=True)}
         # truncated: cut long documents first, to tokenize only what is kept
         texts = cut_for_tokenizer(tokenizer, texts, data_args.max_seq_length)
@@ -130,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
             remove_columns=["text"],
             desc="Tokenizing",
         )
-        if not data_args.line_by_line:
+        if not (data_args.line_by_line or data_args.packing):
             tokenized = (
                 tokenized.with_format("numpy")
                 .map(
@@ -163,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     collator = DataCollatorForLanguageModeling(
         tokenizer, mlm_probability=data_args.mlm_probability, pad_to_multiple_of=data_args.pad_to_multiple_of
     )
+    if data_args.packing:
+        collator = PackedMaskedLMCollator(collator)
     trainer = RANTrainer(
         model=model,
         args=training_args,
@@ -223,9 +240,11 @@ def describe_data(data_args: DataTrainingArguments, train_dataset, eval_dataset)
     source = describe_source(data_args)
     layout = (
         f"one document per example, truncated to {data_args.max_seq_length} tokens"
-        if data_args.line_by_line
+        if data_args.line_by_line or data_args.packing
         else f"documents concatenated into blocks of {data_args.max_seq_length} tokens"
     )
+    if data_args.packing:
+        layout += ", a batch's documents packed into one row, each read alone"
     counts = ", ".join(
         f"{len(dataset):,} {name} examples"
         for name, dataset in (("training", train_dataset), ("validation", eval_dataset))

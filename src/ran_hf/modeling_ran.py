@@ -34,7 +34,8 @@ from .outputs_ran import (
     RANSequenceClassifierOutput,
     RANTokenClassifierOutput,
 )
-from .ran_model import RANModel, RANPreTrainedModel
+from .packed_documents import PackedDocuments, boundary_signals
+from .ran_model import RANModel, RANPreTrainedModel, packed_documents_of
 
 
 logger = logging.get_logger(__name__)
@@ -55,7 +56,18 @@ def check_head_config(head: RANPreTrainedModel) -> None:
         head.check_config()
 
 
-def head_outputs(head: RANPreTrainedModel, **inputs):
+def head_documents(
+    head: RANPreTrainedModel, input_ids, inputs_embeds, attention_mask, kwargs
+) -> PackedDocuments | None:
+    """The documents of packed rows (packed_documents.py), for a head whose labels or loss follow them: found once,
+    then handed to the base model (`head_outputs`). None, reading nothing, when no boundary marker is given."""
+    if not boundary_signals(kwargs):
+        return None
+    inputs = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
+    return packed_documents_of(head.model, {**kwargs, **inputs})
+
+
+def head_outputs(head: RANPreTrainedModel, documents: PackedDocuments | None = None, **inputs):
     """The prelude every head shares: its base model's outputs as a `RANModelOutput` (the head reads fields by name,
     whatever `return_dict` the caller or the config asks for). A head checks its config (`check_head_config`), then
     its labels, before it calls this.
@@ -71,6 +83,8 @@ def head_outputs(head: RANPreTrainedModel, **inputs):
             "to pass none."
         )
         inputs["token_type_ids"] = None
+    if documents is not None:
+        inputs["packed_documents"] = documents  # found by the head: the base model regroups by them
     return head.model(**inputs, return_dict=True)
 
 
@@ -251,22 +265,24 @@ class RANForSequenceClassification(RANPreTrainedModel):
             `config.problem_type` and is inferred as in Transformers when unset.
         """
         check_head_config(self)  # an edited label count is named before the labels are read against it
-        problem_type = None
+        # Packed rows (`position_ids` that restart, `cu_seq_lens_*`): one document a row of logits and of labels.
+        documents = head_documents(self, input_ids, inputs_embeds, attention_mask, kwargs)
+        problem_type, rows_mask = None, attention_mask if documents is None else documents.attention_mask
         if labels is not None:
             batch_size = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)[0]
+            if documents is not None:
+                batch_size = documents.num_documents
             labels, problem_type, label_checks = check_sequence_labels(labels, batch_size, self.config)
             label_checks.read_and_judge()  # one host read, before any work of the base model
         outputs = head_outputs(
-            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, documents, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
         logits = self.classifier(apply_dropout(self.dropout, outputs.pooler_output))
 
         loss = None
         if labels is not None:
-            loss = sequence_loss(
-                self.loss_function, logits, labels, problem_type, attention_mask, self.config, **kwargs
-            )
+            loss = sequence_loss(self.loss_function, logits, labels, problem_type, rows_mask, self.config, **kwargs)
         return head_output(RANSequenceClassifierOutput, outputs, loss=loss, logits=logits)
 
 
@@ -418,10 +434,18 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             Compute logits only for the last `logits_to_keep` positions (0: all), or for the given positions.
         """
         check_language_model_labels(self, labels, logits_to_keep, input_ids, inputs_embeds)
+        documents = head_documents(self, input_ids, inputs_embeds, attention_mask, kwargs)
         outputs = head_outputs(
-            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, documents, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, past_key_values=past_key_values, use_cache=use_cache, **kwargs,
         )  # fmt: skip
+        if documents is not None and labels is not None:
+            # A packed row's document is not predicted from the one before it: its first token is never scored, as
+            # a text's first token is not (`DataCollatorWithFlattening` marks it so in its labels already).
+            labels = labels.masked_fill(documents.starts.to(labels.device), -100)
+            if kwargs.get("shift_labels") is not None:
+                ends = documents.next_token_starts().to(kwargs["shift_labels"].device)
+                kwargs["shift_labels"] = kwargs["shift_labels"].masked_fill(ends, -100)
         hidden_states = outputs.last_hidden_state
         if self.config.cutoffs is None:
             logits = self.decoder(self.head(slice_logits_to_keep(hidden_states, logits_to_keep)))
@@ -491,14 +515,20 @@ class RANForQuestionAnswering(RANPreTrainedModel):
         check_head_config(self)
         if (start_positions is None) != (end_positions is None):
             raise ValueError("Give both `start_positions` and `end_positions` for a loss, or neither.")
+        # Packed rows: logits per token as packed; answer positions, one per document, counted from its first token.
+        documents = head_documents(self, input_ids, inputs_embeds, attention_mask, kwargs)
         if start_positions is not None:
             batch_shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)
+            answer_mask = attention_mask
+            if documents is not None:
+                batch_shape = (documents.num_documents, documents.longest)
+                answer_mask = documents.attention_mask
             start_positions, end_positions, answered, answer_checks = check_answer_positions(
-                start_positions, end_positions, attention_mask, batch_shape
+                start_positions, end_positions, answer_mask, batch_shape
             )
             answer_checks.read_and_judge()  # one host read, before any work of the base model
         outputs = head_outputs(
-            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, documents, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
         logits = self.qa_outputs(apply_dropout(self.dropout, outputs.last_hidden_state))
@@ -515,7 +545,14 @@ class RANForQuestionAnswering(RANPreTrainedModel):
                 # Summed over the answers, divided by their number: their mean, and 0 (not NaN) when none is scored.
                 kwargs["num_items_in_batch"] = answered
             start_positions, end_positions = start_positions.to(logits.device), end_positions.to(logits.device)
-            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
+            scored_start, scored_end = start_logits, end_logits
+            if documents is not None:  # the softmax over positions runs over each document's own tokens
+                padding = ~documents.attention_mask.to(logits.device)
+                scored_start, scored_end = (
+                    documents.to_documents(side).masked_fill(padding, torch.finfo(side.dtype).min)
+                    for side in (start_logits, end_logits)
+                )
+            loss = self.loss_function(scored_start, scored_end, start_positions, end_positions, **kwargs)
         return head_output(
             RANQuestionAnsweringModelOutput, outputs, loss=loss, start_logits=start_logits, end_logits=end_logits
         )

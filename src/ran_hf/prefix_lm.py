@@ -18,7 +18,14 @@ from transformers.utils.generic import can_return_tuple
 
 from .configuration_ran import RANConfig
 from .input_checks import input_batch_shape, scored_token_loss
-from .modeling_ran import HEAD_ARGS, RANLanguageModelBase, check_language_model_labels, head_output, head_outputs
+from .modeling_ran import (
+    HEAD_ARGS,
+    RANLanguageModelBase,
+    check_language_model_labels,
+    head_documents,
+    head_output,
+    head_outputs,
+)
 from .outputs_ran import RANCausalLMOutputWithPast
 
 
@@ -192,8 +199,9 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
                 "`labels` score the target tokens, but `token_type_ids` mark every token as source (0): nothing "
                 "would be scored (a loss of 0). Mark each text's target with 1, as `ran_hf.prefix_lm_features` does."
             )
+        documents = head_documents(self, input_ids, inputs_embeds, attention_mask, kwargs)
         outputs = head_outputs(
-            self, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+            self, documents, input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             token_type_ids=token_type_ids, initial_cell=initial_cell, **kwargs,
         )  # fmt: skip
         logits = self.decoder(self.head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)))
@@ -201,6 +209,8 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
         loss = None
         if labels is not None:
             shifted = target_labels(labels, token_type_ids, attention_mask)
+            if documents is not None:  # packed rows: no document's first token is predicted from the one before
+                shifted = shifted.masked_fill(documents.next_token_starts().to(shifted.device), -100)
             kwargs.pop("shift_labels", None)
             loss = scored_token_loss(
                 ForCausalLMLoss, logits, labels, shifted, vocab_size=self.config.vocab_size, shift_labels=shifted,
