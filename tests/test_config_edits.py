@@ -396,3 +396,11 @@ def documented_fields() -> list[str]:
 
 def test_the_docs_list_the_refused_fields():
     assert documented_fields() == list(RANConfig.architecture_fields)
+
+
+def test_the_configuration_page_describes_every_field():
+    from ran_hf.configuration_ran import RAN_FIELDS
+
+    page = (ARCHITECTURE_MD.parent / "configuration.md").read_text()
+    described = set(re.findall(r"^\| `([a-z_0-9]+)`", page, flags=re.M)) | {"bos_token_id", "eos_token_id"}
+    assert described == set(RAN_FIELDS)
