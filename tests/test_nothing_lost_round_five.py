@@ -6,6 +6,7 @@ import torch
 from ran_testing import randomize_, tiny_config
 
 from ran_hf import (
+    RANCache,
     RANForCausalLM,
     RANForPrefixLM,
     RANForQuestionAnswering,
@@ -197,3 +198,20 @@ def test_the_exportable_scan_continues_a_cache_as_the_reference_does(options):
         model.config.scan_implementation = "reference"
         whole = model(ids).logits
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # compiles a decoding step
+def test_a_compiled_step_past_its_caches_room_is_refused_not_written_over_the_last_cell():
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True, window_size=2, min_window_size=1))).eval()
+    step = torch.compile(model, fullgraph=True)
+    token = torch.ones(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        cache = model(IDS[:1, :3], use_cache=True).past_key_values  # room for the cells of 3 tokens
+        with pytest.raises(RuntimeError, match=r"ran past the room its RANCache holds.*cache.reserve\(N\)"):
+            for _ in range(4):
+                step(token, past_key_values=cache, use_cache=True)
+        reserved = model(IDS[:1, :3], past_key_values=RANCache(model.config, max_cache_len=16), use_cache=True)
+        eager = model(IDS[:1, :3], use_cache=True).past_key_values
+        for _ in range(8):  # with room, the compiled steps give the eager ones' logits
+            compiled_logits = step(token, past_key_values=reserved.past_key_values, use_cache=True).logits
+            torch.testing.assert_close(compiled_logits, model(token, past_key_values=eager).logits, rtol=0, atol=1e-4)

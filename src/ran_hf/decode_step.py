@@ -125,6 +125,12 @@ def step_rotations(config, num_slots: int, dtype: torch.dtype, device: torch.dev
     return _ROTATIONS[key]
 
 
+ROOM_EXHAUSTED = (
+    "A compiled decoding step ran past the room its RANCache holds for cells: give it room for every token first, "
+    "`RANCache(config, max_cache_len=N)` or `cache.reserve(N)` (generate() reserves max_new_tokens itself)."
+)
+
+
 def remember_cell(projected, cell_states: torch.Tensor, at: StepPositions, bounded: bool) -> torch.Tensor | None:
     """The cached cells after the windows that end here wrote theirs (`projected` (B, 2 D)): unbounded, into the
     window's place; `bounded` (`memory_review_cells`), after the last M - 1 (right-aligned)."""
@@ -136,6 +142,10 @@ def remember_cell(projected, cell_states: torch.Tensor, at: StepPositions, bound
     place = at.window.clamp(max=cell_states.shape[1] - 1)
     written = torch.where(ends, projected.to(cell_states.dtype), cell_states[rows, place])
     if torch.compiler.is_compiling():
+        # A compiled graph cannot grow the room: a cell past it would overwrite the last one. Checked on the device
+        # (no host read), where `generate()` reserved too little or a caller compiled steps without `reserve`.
+        overflow = (at.ends_window & (at.window >= cell_states.shape[1])).any()
+        torch._assert_async(~overflow, ROOM_EXHAUSTED)
         # A compiled step runs this in every step, ended window or not: written out of place, it would copy the whole
         # room each time. In place, a row's cell goes where no token reads yet (its own window's place), so a step
         # that fails and is run again leaves nothing behind (as the window memo's writes). None: the cache holds it
