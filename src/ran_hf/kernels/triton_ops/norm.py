@@ -1,6 +1,6 @@
 """RAN's normalisation as one Triton kernel forward and one backward (on CUDA, where Triton is installed).
 
-`standard_normalize` and `RANCenteredRMSNorm` (building_blocks.py) are seven to nine PyTorch ops forward and more
+`standard_normalize` and `RANCenteredRMSNorm` (ran_hf/building_blocks.py) are seven to nine PyTorch ops forward and more
 backward, each a kernel that reads and writes every token state; there are five or six of them per layer. Here the
 forward is one kernel per block of rows: y = weight * (x - mean(x)) / sqrt(mean(x^2) + eps) + bias, in float32
 whatever x is. The backward is one kernel that writes the input's gradient and, per block of rows, partial sums of
@@ -8,125 +8,116 @@ the weight's and bias's gradients (summed after). Each launch is a `torch.librar
 
 The layer drops units of two normalised states in training (its input's, and the official ending's). Given the rate,
 the kernels apply that dropout too (two launches and about five token-state passes fewer each), with the mask drawn
-as `triton_glu.py` draws it: Philox from a seed drawn on the device, drawn again in the backward, not the units
+as `glu.py` draws it: Philox from a seed drawn on the device, drawn again in the backward, not the units
 `nn.Dropout` would drop for the same seed.
 
 Shapes: R rows (tokens), D hidden size.
 """
 
-import functools
-
 import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
-from .triton_scan_kernels import check_kernels, register_meta_no_ops
+from . import register_meta_no_ops
 
 
 ROWS_PER_PROGRAM = 16
 
 
-@functools.cache
-def kernels_ready() -> bool:
-    """Imports Triton and defines this module's kernels and the ops that launch them, once, when first asked for: a
-    machine that runs none of them never imports Triton. Whether they exist (False: Triton cannot be imported). Every
-    name defined here is a module global, where `triton.jit` looks up a kernel's helpers."""
-    global triton, tl, triton_op, wrap_triton, norm_backward, norm_forward, _norm_backward_kernel
-    global _norm_forward_kernel, _standardize, _standardize_grad
-    # In a `try`, Triton is not among the packages Transformers requires before it loads a saved folder's code.
-    try:
-        import triton
-        import triton.language as tl
-        from torch.library import triton_op, wrap_triton
-    except ImportError:
-        return False
+@triton.jit
+def _standardize(row, ok, D, eps):
+    """SN(row) (zeros past D) and its 1 / sqrt(mean(row^2) + eps)."""
+    mean = tl.sum(row, 0) / D
+    rstd = 1.0 / tl.sqrt(tl.sum(row * row, 0) / D + eps)
+    return tl.where(ok, (row - mean) * rstd, 0.0), rstd
 
-    @triton.jit
-    def _standardize(row, ok, D, eps):
-        """SN(row) (zeros past D) and its 1 / sqrt(mean(row^2) + eps)."""
-        mean = tl.sum(row, 0) / D
-        rstd = 1.0 / tl.sqrt(tl.sum(row * row, 0) / D + eps)
-        return tl.where(ok, (row - mean) * rstd, 0.0), rstd
 
-    @triton.jit
-    def _standardize_grad(grad, row, normed, rstd, D):
-        """d SN(row) / d row applied to grad: rstd (g - mean(g) - row rstd mean(g SN(row)))."""
-        mean_grad = tl.sum(grad, 0) / D
-        mean_product = tl.sum(grad * normed, 0) / D
-        return rstd * (grad - mean_grad - row * rstd * mean_product)
+@triton.jit
+def _standardize_grad(grad, row, normed, rstd, D):
+    """d SN(row) / d row applied to grad: rstd (g - mean(g) - row rstd mean(g SN(row)))."""
+    mean_grad = tl.sum(grad, 0) / D
+    mean_product = tl.sum(grad * normed, 0) / D
+    return rstd * (grad - mean_grad - row * rstd * mean_product)
 
-    @triton.jit
-    def _norm_forward_kernel(x, weight, bias, y, R, D, eps, seed_at, keep, AFFINE: tl.constexpr,
-                             THEN_STANDARDIZE: tl.constexpr, DROPOUT: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_D: tl.constexpr):  # fmt: skip
-        i = tl.arange(0, BLOCK_D)
-        ok = i < D
+
+@triton.jit
+def _norm_forward_kernel(x, weight, bias, y, R, D, eps, seed_at, keep, AFFINE: tl.constexpr,
+                         THEN_STANDARDIZE: tl.constexpr, DROPOUT: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK_D: tl.constexpr):  # fmt: skip
+    i = tl.arange(0, BLOCK_D)
+    ok = i < D
+    if AFFINE:
+        w = tl.load(weight + i, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(bias + i, mask=ok, other=0.0).to(tl.float32)
+    for r in range(tl.program_id(0) * ROWS, tl.minimum(R, (tl.program_id(0) + 1) * ROWS)):
+        row = tl.load(x + r * D + i, mask=ok, other=0.0).to(tl.float32)
+        out, _ = _standardize(row, ok, D, eps)
         if AFFINE:
-            w = tl.load(weight + i, mask=ok, other=0.0).to(tl.float32)
-            b = tl.load(bias + i, mask=ok, other=0.0).to(tl.float32)
-        for r in range(tl.program_id(0) * ROWS, tl.minimum(R, (tl.program_id(0) + 1) * ROWS)):
-            row = tl.load(x + r * D + i, mask=ok, other=0.0).to(tl.float32)
-            out, _ = _standardize(row, ok, D, eps)
-            if AFFINE:
-                out = out * w + b
-            if THEN_STANDARDIZE:  # the official layer's ending: LayerNorm, then the standardisation
-                out, _ = _standardize(out, ok, D, eps)
-            if DROPOUT:  # kept with probability `keep`, scaled by 1 / keep
-                out = tl.where(tl.rand(tl.load(seed_at), r * D + i) < keep, out / keep, 0.0)
-            tl.store(y + r * D + i, out.to(y.dtype.element_ty), mask=ok)
+            out = out * w + b
+        if THEN_STANDARDIZE:  # the official layer's ending: LayerNorm, then the standardisation
+            out, _ = _standardize(out, ok, D, eps)
+        if DROPOUT:  # kept with probability `keep`, scaled by 1 / keep
+            out = tl.where(tl.rand(tl.load(seed_at), r * D + i) < keep, out / keep, 0.0)
+        tl.store(y + r * D + i, out.to(y.dtype.element_ty), mask=ok)
 
-    @triton.jit
-    def _norm_backward_kernel(x, weight, bias, grad_y, grad_x, grad_weight_parts, grad_bias_parts, R, D, eps, seed_at,
-                              keep, AFFINE: tl.constexpr, THEN_STANDARDIZE: tl.constexpr, DROPOUT: tl.constexpr,
-                              ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-        program = tl.program_id(0)
-        i = tl.arange(0, BLOCK_D)
-        ok = i < D
-        grad_w = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        grad_b = tl.zeros((BLOCK_D,), dtype=tl.float32)
+
+@triton.jit
+def _norm_backward_kernel(x, weight, bias, grad_y, grad_x, grad_weight_parts, grad_bias_parts, R, D, eps, seed_at,
+                          keep, AFFINE: tl.constexpr, THEN_STANDARDIZE: tl.constexpr, DROPOUT: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    program = tl.program_id(0)
+    i = tl.arange(0, BLOCK_D)
+    ok = i < D
+    grad_w = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    grad_b = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if AFFINE:
+        w = tl.load(weight + i, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(bias + i, mask=ok, other=0.0).to(tl.float32)
+    for r in range(program * ROWS, tl.minimum(R, (program + 1) * ROWS)):
+        row = tl.load(x + r * D + i, mask=ok, other=0.0).to(tl.float32)
+        grad = tl.load(grad_y + r * D + i, mask=ok, other=0.0).to(tl.float32)
+        if DROPOUT:  # the forward's mask, drawn again
+            grad = tl.where(tl.rand(tl.load(seed_at), r * D + i) < keep, grad / keep, 0.0)
+        normed, rstd = _standardize(row, ok, D, eps)
+        if THEN_STANDARDIZE:  # back through the second standardisation, of the LayerNorm's output (recomputed)
+            affine = tl.where(ok, normed * w + b, 0.0) if AFFINE else normed
+            second, second_rstd = _standardize(affine, ok, D, eps)
+            grad = _standardize_grad(grad, affine, second, second_rstd, D)
         if AFFINE:
-            w = tl.load(weight + i, mask=ok, other=0.0).to(tl.float32)
-            b = tl.load(bias + i, mask=ok, other=0.0).to(tl.float32)
-        for r in range(program * ROWS, tl.minimum(R, (program + 1) * ROWS)):
-            row = tl.load(x + r * D + i, mask=ok, other=0.0).to(tl.float32)
-            grad = tl.load(grad_y + r * D + i, mask=ok, other=0.0).to(tl.float32)
-            if DROPOUT:  # the forward's mask, drawn again
-                grad = tl.where(tl.rand(tl.load(seed_at), r * D + i) < keep, grad / keep, 0.0)
-            normed, rstd = _standardize(row, ok, D, eps)
-            if THEN_STANDARDIZE:  # back through the second standardisation, of the LayerNorm's output (recomputed)
-                affine = tl.where(ok, normed * w + b, 0.0) if AFFINE else normed
-                second, second_rstd = _standardize(affine, ok, D, eps)
-                grad = _standardize_grad(grad, affine, second, second_rstd, D)
-            if AFFINE:
-                grad_w += grad * normed
-                grad_b += grad
-                grad = grad * w
-            grad_in = _standardize_grad(grad, row, normed, rstd, D)
-            tl.store(grad_x + r * D + i, grad_in.to(grad_x.dtype.element_ty), mask=ok)
-        if AFFINE:
-            tl.store(grad_weight_parts + program * D + i, grad_w, mask=ok)
-            tl.store(grad_bias_parts + program * D + i, grad_b, mask=ok)
+            grad_w += grad * normed
+            grad_b += grad
+            grad = grad * w
+        grad_in = _standardize_grad(grad, row, normed, rstd, D)
+        tl.store(grad_x + r * D + i, grad_in.to(grad_x.dtype.element_ty), mask=ok)
+    if AFFINE:
+        tl.store(grad_weight_parts + program * D + i, grad_w, mask=ok)
+        tl.store(grad_bias_parts + program * D + i, grad_b, mask=ok)
 
-    @triton_op("ran_hf::norm_forward", mutates_args={"y"})
-    def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, y: torch.Tensor, eps: float,
-                     affine: bool, then_standardize: bool, seed: torch.Tensor, keep: float) -> None:  # fmt: skip
-        rows, hidden = x.shape
-        wrap_triton(_norm_forward_kernel)[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
-            x, weight, bias, y, rows, hidden, eps, seed, keep, AFFINE=affine, THEN_STANDARDIZE=then_standardize,
-            DROPOUT=keep < 1.0, ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(hidden),
-        )  # fmt: skip
 
-    @triton_op("ran_hf::norm_backward", mutates_args={"grad_x", "grad_weight_parts", "grad_bias_parts"})
-    def norm_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, grad_y: torch.Tensor,
-                      grad_x: torch.Tensor, grad_weight_parts: torch.Tensor, grad_bias_parts: torch.Tensor, eps: float,
-                      affine: bool, then_standardize: bool, seed: torch.Tensor, keep: float) -> None:  # fmt: skip
-        rows, hidden = x.shape
-        wrap_triton(_norm_backward_kernel)[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
-            x, weight, bias, grad_y, grad_x, grad_weight_parts, grad_bias_parts, rows, hidden, eps, seed, keep,
-            AFFINE=affine, THEN_STANDARDIZE=then_standardize, DROPOUT=keep < 1.0, ROWS=ROWS_PER_PROGRAM,
-            BLOCK_D=triton.next_power_of_2(hidden),
-        )  # fmt: skip
+@triton_op("ran_hf::norm_forward", mutates_args={"y"})
+def norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, y: torch.Tensor, eps: float,
+                 affine: bool, then_standardize: bool, seed: torch.Tensor, keep: float) -> None:  # fmt: skip
+    rows, hidden = x.shape
+    wrap_triton(_norm_forward_kernel)[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+        x, weight, bias, y, rows, hidden, eps, seed, keep, AFFINE=affine, THEN_STANDARDIZE=then_standardize,
+        DROPOUT=keep < 1.0, ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(hidden),
+    )  # fmt: skip
 
-    register_meta_no_ops(norm_forward, norm_backward)
-    return True
+
+@triton_op("ran_hf::norm_backward", mutates_args={"grad_x", "grad_weight_parts", "grad_bias_parts"})
+def norm_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, grad_y: torch.Tensor,
+                  grad_x: torch.Tensor, grad_weight_parts: torch.Tensor, grad_bias_parts: torch.Tensor, eps: float,
+                  affine: bool, then_standardize: bool, seed: torch.Tensor, keep: float) -> None:  # fmt: skip
+    rows, hidden = x.shape
+    wrap_triton(_norm_backward_kernel)[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+        x, weight, bias, grad_y, grad_x, grad_weight_parts, grad_bias_parts, rows, hidden, eps, seed, keep,
+        AFFINE=affine, THEN_STANDARDIZE=then_standardize, DROPOUT=keep < 1.0, ROWS=ROWS_PER_PROGRAM,
+        BLOCK_D=triton.next_power_of_2(hidden),
+    )  # fmt: skip
+
+
+register_meta_no_ops(norm_forward, norm_backward)
 
 
 class TritonNorm(torch.autograd.Function):
@@ -138,7 +129,6 @@ class TritonNorm(torch.autograd.Function):
     def forward(
         ctx, x, weight, bias, eps: float, out_dtype: torch.dtype, dropout: float = 0.0, then_standardize=False
     ):
-        check_kernels(kernels_ready(), "The Triton normalisation")
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).contiguous()
         affine = weight is not None

@@ -1,6 +1,6 @@
 """RAN's rotary embedding as one Triton kernel forward and one backward (on CUDA, where Triton is installed).
 
-`apply_interleaved_rotary` (building_blocks.py) is about fifteen PyTorch ops forward (a float32 copy, the pairs'
+`apply_interleaved_rotary` (ran_hf/building_blocks.py) is about fifteen PyTorch ops forward (a float32 copy, the pairs'
 four products, their sums, a stack, a cast back) and twenty backward, each a kernel that reads and writes every
 query or key; it runs on the queries and on the keys of every layer. Here the rotation of a row of pairs,
 (x, y) -> (x cos - y sin, x sin + y cos), is one kernel computed in float32 whatever the states' dtype; its gradient
@@ -13,89 +13,76 @@ Shapes: states (A, B, C, d), any strides; the rotations' cosines and sines (A, B
 A, B, C; the output (A, B, C, d) contiguous.
 """
 
-import functools
-
 import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
-from .triton_scan_kernels import check_kernels
+from . import register_on_meta
 
 
 ROWS_PER_PROGRAM = 16
 
 
-@functools.cache
-def kernels_ready() -> bool:
-    """Imports Triton and defines this module's kernels and the ops that launch them, once, when first asked for: a
-    machine that runs none of them never imports Triton. Whether they exist (False: Triton cannot be imported). Every
-    name defined here is a module global, where `triton.jit` looks up a kernel's helpers."""
-    global triton, tl, triton_op, wrap_triton, rotate_pairs, _backward, _on_meta, _rotate_pairs_kernel
-    global _setup_context
-    # In a `try`, Triton is not among the packages Transformers requires before it loads a saved folder's code.
-    try:
-        import triton
-        import triton.language as tl
-        from torch.library import triton_op, wrap_triton
-    except ImportError:
-        return False
+@triton.jit
+def _rotate_pairs_kernel(states, rotations, out, R, B, C, half, stride_a, stride_b, stride_c, states_a, states_b,
+                         states_c, states_d, INVERSE: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pairs = tl.arange(0, BLOCK_HALF)
+    ok = (rows < R)[:, None] & (pairs < half)[None, :]
+    c = rows % C
+    b = (rows // C) % B
+    a = rows // (B * C)
+    angle = (a * stride_a + b * stride_b + c * stride_c)[:, None] + 2 * pairs[None, :]
+    cos = tl.load(rotations + angle, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(rotations + angle + 1, mask=ok, other=0.0).to(tl.float32)
+    if INVERSE:  # the transpose of a rotation: the gradient of the forward's
+        sin = -sin
+    source = (a * states_a + b * states_b + c * states_c)[:, None] + 2 * pairs[None, :] * states_d
+    x = tl.load(states + source, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(states + source + states_d, mask=ok, other=0.0).to(tl.float32)
+    element = rows[:, None] * (2 * half) + 2 * pairs[None, :]
+    tl.store(out + element, (x * cos - y * sin).to(out.dtype.element_ty), mask=ok)
+    tl.store(out + element + 1, (x * sin + y * cos).to(out.dtype.element_ty), mask=ok)
 
-    @triton.jit
-    def _rotate_pairs_kernel(states, rotations, out, R, B, C, half, stride_a, stride_b, stride_c, states_a, states_b,
-                             states_c, states_d, INVERSE: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_HALF: tl.constexpr):  # fmt: skip
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        pairs = tl.arange(0, BLOCK_HALF)
-        ok = (rows < R)[:, None] & (pairs < half)[None, :]
-        c = rows % C
-        b = (rows // C) % B
-        a = rows // (B * C)
-        angle = (a * stride_a + b * stride_b + c * stride_c)[:, None] + 2 * pairs[None, :]
-        cos = tl.load(rotations + angle, mask=ok, other=0.0).to(tl.float32)
-        sin = tl.load(rotations + angle + 1, mask=ok, other=0.0).to(tl.float32)
-        if INVERSE:  # the transpose of a rotation: the gradient of the forward's
-            sin = -sin
-        source = (a * states_a + b * states_b + c * states_c)[:, None] + 2 * pairs[None, :] * states_d
-        x = tl.load(states + source, mask=ok, other=0.0).to(tl.float32)
-        y = tl.load(states + source + states_d, mask=ok, other=0.0).to(tl.float32)
-        element = rows[:, None] * (2 * half) + 2 * pairs[None, :]
-        tl.store(out + element, (x * cos - y * sin).to(out.dtype.element_ty), mask=ok)
-        tl.store(out + element + 1, (x * sin + y * cos).to(out.dtype.element_ty), mask=ok)
 
-    @triton_op("ran_hf::rotate_pairs", mutates_args={})
-    def rotate_pairs(states: torch.Tensor, rotations: torch.Tensor, inverse: bool) -> torch.Tensor:
-        """`states` (A, B, C, d) of any strides, each pair (x_2i, x_2i+1) rotated by `rotations` (A, B, C, d / 2, 2),
-        whose last two axes are contiguous and whose first three may be broadcast (stride 0); the output contiguous."""
-        num_a, num_b, num_c, head_dim = states.shape
-        out = states.new_empty(states.shape)
-        rows = num_a * num_b * num_c
-        stride_a, stride_b, stride_c = rotations.stride()[:3]
-        wrap_triton(_rotate_pairs_kernel)[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
-            states, rotations, out, rows, num_b, num_c, head_dim // 2, stride_a, stride_b, stride_c, *states.stride(),
-            INVERSE=inverse, ROWS=ROWS_PER_PROGRAM, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        )  # fmt: skip
-        return out
+@triton_op("ran_hf::rotate_pairs", mutates_args={})
+def rotate_pairs(states: torch.Tensor, rotations: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """`states` (A, B, C, d) of any strides, each pair (x_2i, x_2i+1) rotated by `rotations` (A, B, C, d / 2, 2),
+    whose last two axes are contiguous and whose first three may be broadcast (stride 0); the output contiguous."""
+    num_a, num_b, num_c, head_dim = states.shape
+    out = states.new_empty(states.shape)
+    rows = num_a * num_b * num_c
+    stride_a, stride_b, stride_c = rotations.stride()[:3]
+    wrap_triton(_rotate_pairs_kernel)[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+        states, rotations, out, rows, num_b, num_c, head_dim // 2, stride_a, stride_b, stride_c, *states.stride(),
+        INVERSE=inverse, ROWS=ROWS_PER_PROGRAM, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+    )  # fmt: skip
+    return out
 
-    def _on_meta(states, rotations, inverse):  # shape checks and kernel counts without a GPU
-        return states.new_empty(states.shape)
 
-    try:
-        rotate_pairs.register_kernel("meta")(_on_meta)
-    except RuntimeError:  # some PyTorch versions give every triton_op a meta kernel of their own
-        pass
+def _on_meta(states, rotations, inverse):  # shape checks and kernel counts without a GPU
+    return states.new_empty(states.shape)
 
-    def _setup_context(ctx, inputs, output):
-        ctx.rotations, ctx.inverse = inputs[1], inputs[2]
 
-    def _backward(ctx, grad_out):
-        return rotate_pairs(grad_out, ctx.rotations, not ctx.inverse), None, None
+register_on_meta(rotate_pairs, _on_meta)
 
-    rotate_pairs.register_autograd(_backward, setup_context=_setup_context)
-    return True
+
+def _setup_context(ctx, inputs, output):
+    ctx.rotations, ctx.inverse = inputs[1], inputs[2]
+
+
+def _backward(ctx, grad_out):
+    return rotate_pairs(grad_out, ctx.rotations, not ctx.inverse), None, None
+
+
+rotate_pairs.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_rotate_pairs(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """`apply_interleaved_rotary` in one kernel: states (..., d), rotations (..., d / 2, 2) broadcasting against the
     states' leading axes (at most three of them)."""
-    check_kernels(kernels_ready(), "The Triton rotary embedding")
     leading = states.shape[:-1]
     if len(leading) > 3:
         raise ValueError(f"the Triton rotary embedding takes at most 3 leading axes, got states of shape {leading}")
