@@ -239,7 +239,7 @@ class RANCellScan(nn.Module):
     def write_cell(self, weights, attended: torch.Tensor, normed_cell: torch.Tensor, output_mask=None,
                    written_mask=None):  # fmt: skip
         """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D); the masks are the scan's dropout
-        (scan_dropout.py), None where nothing is dropped.
+        (scan_inputs.py), None where nothing is dropped.
 
         Without `cell_input_residual` the cell is what its attention read from the window: the gated residual of
         the cell's own input would add a term that is the same for every text in the first window and drowns it.

@@ -43,7 +43,7 @@ class ScanPlan:
     first_step_residual: torch.Tensor | bool  # (B, 1) rows whose first step has a residual, or all / none of them
     keep_for_backward: bool  # whether the forward keeps what the backward reads (not under no_grad)
     # The functions that run the steps, forward and backward: this file's PyTorch ones, or the Triton scan's
-    # (triton_scan.py), which take and return the same. None: this file's.
+    # (triton_ops/scan.py), which take and return the same. None: this file's.
     kernels: tuple | None = None
 
     def has_residual(self, step: int):
