@@ -22,13 +22,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import PreTrainedTokenizerFast
 
-from ran_hf import RANConfig, triton_scan_kernels
+from ran_hf import RANConfig
+from ran_hf.kernels.choice import triton_ready
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if os.environ.get("TRITON_INTERPRET") == "1" and triton_ready():
+    from ran_hf.kernels.triton_ops import scan_tiles
+
     # The interpreter runs a kernel's programs one after another: splitting a head's attention over programs by rows
     # (which compiled kernels run side by side) only multiplies its work. test_triton_scan.py checks the split alone.
-    triton_scan_kernels.ROW_SPLITS = 1
+    scan_tiles.ROW_SPLITS = 1
 
 # The scripts the tests import, each from its folder (scripts/README.md): the shared ones in scripts/, the example
 # training scripts in their task folders, the benchmarks with their baselines.

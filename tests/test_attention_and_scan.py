@@ -160,7 +160,7 @@ def test_an_unknown_scan_is_named(make_config):
 
 
 def test_window_maxima_are_a_soft_maximum_of_the_readable_slots_only():
-    from ran_hf.fused_scan import MAX_POOL_TEMPERATURE, window_maxima
+    from ran_hf.scan_inputs import MAX_POOL_TEMPERATURE, window_maxima
 
     values = torch.randn(3, 2, 4, 6, 5, dtype=torch.float64, requires_grad=True)  # (N, B, H, S, d)
     mask = torch.ones(3, 2, 6, dtype=torch.bool)

@@ -402,5 +402,5 @@ def test_the_configuration_page_describes_every_field():
     from ran_hf.configuration_ran import RAN_FIELDS
 
     page = (ARCHITECTURE_MD.parent / "configuration.md").read_text()
-    described = set(re.findall(r"^\| `([a-z_0-9]+)`", page, flags=re.M)) | {"bos_token_id", "eos_token_id"}
+    described = set(re.findall(r"^\| `([a-z_0-9]+)`", page, flags=re.MULTILINE)) | {"bos_token_id", "eos_token_id"}
     assert described == set(RAN_FIELDS)

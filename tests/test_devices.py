@@ -14,7 +14,7 @@ from ran_reference import reference_forward
 from ran_testing import pad_batch, random_ids, randomize_, real_positions, tiny_config
 
 from ran_hf import RANForCausalLM, RANModel
-from ran_hf.triton_scan import TRITON_AVAILABLE
+from ran_hf.kernels.choice import TRITON_AVAILABLE
 
 
 # The Triton scan runs on CUDA (compiled) and, on a CPU, in Triton's interpreter where Triton is installed.

@@ -11,8 +11,9 @@ from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 from transformers.utils import logging as transformers_logging
 
 from ran_hf import RANCache, RANForCausalLM, RANModel, building_blocks
-from ran_hf.cell_scan import fused_cell_scan, reference_cell_scan
-from ran_hf.kernel_choice import fused_scan_unsupported
+from ran_hf.cell_scan import reference_cell_scan
+from ran_hf.kernels.cell_scan import fused_cell_scan
+from ran_hf.kernels.choice import fused_scan_unsupported
 from ran_hf.ran_layer import RANLayer
 from ran_hf.window_layout import RANWindowLayout
 
@@ -257,7 +258,7 @@ def test_fused_scan_falls_back_to_the_reference_and_warns_once(fields, train, re
     reference = RANModel(tiny_config(**{**config_fields, "scan_implementation": "reference"})).train(train)
     reference.load_state_dict(model.state_dict())
     ids, mask = pad_batch([random_ids(n, 61, seed=n) for n in (13, 6)])
-    with caplog.at_level(logging.WARNING, logger="ran_hf.kernel_choice"):
+    with caplog.at_level(logging.WARNING, logger="ran_hf.kernels.choice"):
         torch.manual_seed(1)
         fused = model(ids, attention_mask=mask).last_hidden_state
         model(ids, attention_mask=mask)
@@ -274,7 +275,7 @@ def test_dropout_does_not_send_the_fused_scan_back_to_the_reference(train, caplo
     model = RANModel(tiny_config(scan_implementation="fused", hidden_dropout_prob=0.1)).train(train)
     layer = next(module for module in model.modules() if isinstance(module, RANLayer))
     assert unsupported(layer) is None
-    with caplog.at_level(logging.WARNING, logger="ran_hf.kernel_choice"):
+    with caplog.at_level(logging.WARNING, logger="ran_hf.kernels.choice"):
         model(*pad_batch([random_ids(9, 61, seed=0)]))
     assert "fused cell scan" not in caplog.text
 
@@ -297,7 +298,7 @@ def test_a_wrapped_module_sends_the_fused_scan_back_to_the_reference(path, named
     layer.get_submodule(path).register_forward_hook(lambda module, args, output: output + 0.5)
     assert named in unsupported(layer)
     layer.config.scan_implementation = "fused"
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ran_hf.kernel_choice"):
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ran_hf.kernels.choice"):
         fused = layer.cell_scan(layer.cell_scan_weights(), *inputs, layout)
         expected = run_scan(reference_cell_scan, layer, *inputs, layout)
         unwrapped = run_scan(fused_cell_scan, layer, *inputs, layout)

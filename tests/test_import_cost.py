@@ -6,10 +6,12 @@ Each check runs in a fresh interpreter (this one imported everything long ago). 
 time is measured in benchmarks/import/.
 """
 
+import ast
 import importlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +31,6 @@ HEAVY_MODULES = (
     "sentence_transformers",
     "peft",
 )
-TRITON_MODULES = ("triton_glu", "triton_norm", "triton_rotary", "triton_scan", "triton_window_projection")
 
 
 def run_fresh(script: str) -> dict:
@@ -47,12 +48,9 @@ import ran_hf
 report = {{"heavy": [name for name in {HEAVY_MODULES!r} if name in sys.modules]}}
 report["ran_hf_modules"] = sorted(name for name in sys.modules if name.startswith("ran_hf"))
 
-# The Triton modules define their kernels (and import Triton) when one is first needed, not on import.
-for name in {TRITON_MODULES!r}:
-    __import__("ran_hf." + name)
-report["triton_after_triton_modules"] = "triton" in sys.modules
-report["kernels_defined"] = [name for name in ("triton_norm", "triton_glu") if hasattr(sys.modules["ran_hf." + name],
-                             "triton_op")]
+# The kernels' mapping imports no Triton: the Triton kernels (kernels/triton_ops) are imported when one is chosen.
+import ran_hf.kernels
+report["triton_after_kernels"] = "triton" in sys.modules
 
 # The pipeline's task is registered once anything imports the pipelines.
 from transformers import pipeline
@@ -65,6 +63,8 @@ from transformers import AutoModelForMaskedLM
 config = ran_hf.RANConfig(vocab_size=31, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
                           window_size=8, min_window_size=2)
 model = AutoModelForMaskedLM.from_config(config)
+model(input_ids=__import__("torch").ones(1, 5, dtype=__import__("torch").long))
+report["triton_ops_after_a_cpu_forward"] = [name for name in sys.modules if name.startswith("ran_hf.kernels.triton")]
 report["model"] = type(model) is ran_hf.RANForMaskedLM
 report["mapping"] = AutoModelForMaskedLM._model_mapping[type(config)] is ran_hf.RANForMaskedLM
 report["auto_class"] = ran_hf.RANForMaskedLM._auto_class
@@ -75,8 +75,8 @@ print(json.dumps(report))
     # (the config saves through `safe_writes`: the standard library and Transformers' logging)
     modules = ["ran_hf", "ran_hf.configuration_ran", "ran_hf.safe_writes", "ran_hf.saved_code"]
     assert report["ran_hf_modules"] == modules
-    assert not report["triton_after_triton_modules"]
-    assert report["kernels_defined"] == []
+    assert not report["triton_after_kernels"]
+    assert report["triton_ops_after_a_cpu_forward"] == []
     assert report["pipeline"] == "ran_hf.question_answering.ExtractiveQuestionAnsweringPipeline"
     assert report["model"] and report["mapping"]
     assert report["auto_class"] == "AutoModelForMaskedLM"
@@ -110,13 +110,22 @@ def test_every_public_name_resolves_to_its_module():
         assert value is getattr(importlib.import_module(f"ran_hf.{module}"), name), name
 
 
-def test_the_triton_kernels_are_defined_as_module_globals():
-    """`triton.jit` finds a kernel's helpers among its module's globals: every name a module's `kernels_ready`
-    defines must be declared global there (a local would hide the helper from compiled kernels, though not from the
-    CPU interpreter the tests run)."""
-    for name in ("triton_glu", "triton_norm", "triton_rotary", "triton_window_projection", "triton_scan_kernels"):
-        code = importlib.import_module(f"ran_hf.{name}").kernels_ready.__wrapped__.__code__
-        assert code.co_varnames == () and code.co_cellvars == (), name
+def test_the_triton_kernels_are_defined_at_the_top_of_their_modules():
+    """`triton.jit` kernels and the `triton_op`s that launch them sit at the top of their modules (where readers,
+    linters and tracebacks find them, and `triton.jit` a kernel's helpers), in `ran_hf/kernels/triton_ops/` only."""
+    package = Path(ran_hf.__file__).parent
+    kernels = []
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            decorators = getattr(node, "decorator_list", [])
+            if any(ast.unparse(decorator).startswith(("triton.jit", "triton_op")) for decorator in decorators):
+                assert node in tree.body, f"{path.name}: {node.name} is defined inside another definition"
+                assert path.parent.name == "triton_ops", f"{path}: {node.name} outside kernels/triton_ops"
+                kernels.append(node.name)
+    assert {"_project_kernel", "_attention_grad_kernel", "_norm_forward_kernel", "scan_project", "glu_forward"} <= set(
+        kernels
+    )
 
 
 def test_a_stand_in_pickles_as_its_model_class_before_first_use():

@@ -1,4 +1,4 @@
-"""Which implementation each op ran, as `kernel_choice.choose` recorded it (kernel_choice.py): on a CPU the PyTorch ops and the
+"""Which implementation each op ran, as `choice.choose` recorded it (ran_hf/kernels/choice.py): on a CPU the PyTorch ops and the
 reference scan; on the meta device, which stands in for CUDA (tests/test_kernel_budget.py counts its launches), the
 Triton kernels; compiled or exported, the forms that trace; and where a switch or a module rules a kernel out, the
 fallback. Where an op runs "pytorch", what runs is its `*_reference` function, which asks nothing of `choose`."""
@@ -8,7 +8,7 @@ import torch
 from benchmark_kernels import layouts_built_with_values
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
-from ran_hf import RANForMaskedLM, kernel_choice
+from ran_hf import RANForMaskedLM
 from ran_hf.building_blocks import (
     RANCenteredRMSNorm,
     RANGatedLinearUnit,
@@ -20,9 +20,9 @@ from ran_hf.building_blocks import (
     standard_normalize,
     standard_normalize_reference,
 )
-from ran_hf.kernel_choice import choose
+from ran_hf.kernels import choice as kernel_choice
+from ran_hf.kernels.choice import TRITON_AVAILABLE, choose
 from ran_hf.ran_layer import RANLayer
-from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_hf.window_layout import RANWindowLayout
 
 

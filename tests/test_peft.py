@@ -118,7 +118,7 @@ def test_a_lora_on_the_scans_own_glu_sends_the_fused_scan_back_to_the_reference(
         for layer in range(TINY_CONFIG["num_hidden_layers"])
     }
     inputs = {name: value for name, value in batch("masked-lm").items() if name != "labels"}
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ran_hf.kernel_choice"):
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ran_hf.kernels.choice"):
         fused = adapted(**inputs).logits
         model.config.scan_implementation = "reference"
         reference = adapted(**inputs).logits

@@ -1,9 +1,13 @@
-"""A folder saved from any RAN head carries the modeling code and nothing else, and serves on its own: with `ran_hf`
-unimportable (see `remote_code.py`), every Auto class loads it with `trust_remote_code=True`, and a question-answering
-model's folder serves the `extractive-question-answering` pipeline, with the answers of the installed package."""
+"""A folder saved from any RAN head carries the modeling code and nothing else (no kernel), and serves on its own: with
+`ran_hf` unimportable (see `remote_code.py`), every Auto class loads it with `trust_remote_code=True` and runs the plain
+PyTorch implementations, and a question-answering model's folder serves the `extractive-question-answering` pipeline,
+with the answers of the installed package. Where `ran_hf` is installed, the folder's code takes its kernels from it."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, pipeline
 
 import ran_hf
+import ran_hf.kernels
 
 
 PACKAGE = Path(ran_hf.__file__).parent
@@ -23,6 +28,8 @@ PACKAGE = Path(ran_hf.__file__).parent
 # `files` subpackages, which no folder carries either.
 NOT_MODEL_CODE = {"__init__", "export"}
 SUBPACKAGE_CODE = {path.stem for folder in ("files", "integrations") for path in (PACKAGE / folder).glob("*.py")}
+# The fused and Triton implementations: a folder's code takes them from an installed `ran_hf`, and never ships them.
+KERNEL_CODE = {path.read_text() for path in (PACKAGE / "kernels").rglob("*.py")}
 # Code that only the folder of one head carries (its pipeline); every folder carries the rest (the prefix LM's too:
 # every folder loads with AutoModelForSeq2SeqLM).
 HEAD_CODE = {"RANForQuestionAnswering": {"question_answering"}}
@@ -53,6 +60,9 @@ def test_a_saved_folder_carries_the_modeling_code_only(name, tmp_path):
     assert not shipped & NOT_MODEL_CODE
     assert not shipped & (SUBPACKAGE_CODE - {"__init__"})
     assert not (tmp_path / "files").exists() and not (tmp_path / "integrations").exists()
+    assert not {path.read_text() for path in tmp_path.glob("*.py")} & KERNEL_CODE
+    assert not [path for path in tmp_path.rglob("*") if path.is_dir()]  # flat: no folder of code at all
+    assert {"building_blocks", "cell_scan", "kernel_hub", "scan_inputs"} <= shipped  # the plain implementations
     other_heads = set().union(*(code for head, code in HEAD_CODE.items() if head != name))
     assert shipped == package - NOT_MODEL_CODE - other_heads
     config = json.loads((tmp_path / "config.json").read_text())
@@ -71,6 +81,7 @@ import transformers
 root = sys.argv[1]
 expected = torch.load(f"{root}/expected.pt")
 report["differences"], report["modules"], report["loading_info"], report["refused"] = {}, {}, {}, {}
+report["kernels"] = {}
 for name, (auto_class, output) in json.loads(sys.argv[2]).items():
     model, info = getattr(transformers, auto_class).from_pretrained(
         f"{root}/{name}", trust_remote_code=True, output_loading_info=True
@@ -80,6 +91,7 @@ for name, (auto_class, output) in json.loads(sys.argv[2]).items():
         actual = getattr(model.eval()(**inputs), output)
     report["differences"][name] = (actual - expected[name]).abs().max().item()
     report["modules"][name] = type(model).__module__ + "." + type(model).__name__
+    report["kernels"][name] = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".kernel_hub"].KERNELS
     report["loading_info"][name] = {key: sorted(map(str, value)) for key, value in info.items()}
     if name == "RANForMaskedLM":
         report["masked_lm_decoder_tied"] = model.decoder.weight is model.get_input_embeddings().weight
@@ -104,6 +116,8 @@ def test_every_saved_head_loads_and_runs_without_ran_hf(tmp_path):
     expected = {"input_ids": input_ids, "attention_mask": attention_mask}
     for name, (_, output) in HEADS.items():
         model = saved_head(name, tmp_path / name)
+        # Without `ran_hf` the folder runs the plain PyTorch implementations; here the fused scan would run ("auto").
+        model.config.scan_implementation = "reference"
         with torch.no_grad():
             expected[name] = getattr(model(input_ids=input_ids, attention_mask=attention_mask), output)
         shutil.copytree(tmp_path / name, tmp_path / f"{name}-old-names")
@@ -112,6 +126,7 @@ def test_every_saved_head_loads_and_runs_without_ran_hf(tmp_path):
 
     report = run_without_ran_hf(LOAD_EACH_HEAD, [tmp_path, json.dumps(HEADS)], tmp_path)
     assert len(report["modules"]) == len(HEADS)
+    assert report["kernels"] == dict.fromkeys(HEADS, {})  # nothing attached: plain PyTorch
     for name, module in report["modules"].items():
         assert module.startswith("transformers_modules.") and module.endswith(f".{name}"), module
     for name, difference in report["differences"].items():
@@ -126,6 +141,56 @@ def test_every_saved_head_loads_and_runs_without_ran_hf(tmp_path):
         assert resaved == saved_weight_names(tmp_path / name), name
         assert any(map(TODAYS_CELL_WEIGHT.search, resaved)) and not any(map(OLD_CELL_WEIGHT.search, resaved))
     assert report["encoder_as_classifier"] == "RANForSequenceClassification"
+
+
+# Runs where `ran_hf` is installed: a folder's code attaches the installed package's kernels (the fused scan, in float32
+# inference on a CPU), and gives the installed package's outputs.
+LOAD_WITH_RAN_HF = r"""
+import json, sys
+import torch
+import transformers
+
+root = sys.argv[1]
+expected = torch.load(f"{root}/expected.pt")
+# (`ran_hf` not imported first: where it is, its registered classes load the folder, not the folder's code)
+model = transformers.AutoModel.from_pretrained(f"{root}/RANModel", trust_remote_code=True).eval()
+from ran_hf.kernels import choice  # imported by the folder's code: the package the folder's kernels come from
+
+choice.CHOSEN.clear()
+with torch.no_grad():
+    hidden = model(input_ids=expected["input_ids"], attention_mask=expected["attention_mask"]).last_hidden_state
+package = sys.modules[type(model).__module__.rsplit(".", 1)[0]]
+norm = getattr(sys.modules[package.__name__ + ".building_blocks"], "RANCenteredRMSNorm")
+print(json.dumps({
+    "module": type(model).__module__, "kernel_layer_name": norm.__dict__.get("kernel_layer_name"),
+    "attached": sorted(sys.modules[package.__name__ + ".kernel_hub"].KERNELS), "chosen": choice.CHOSEN,
+    "difference": (hidden - expected["RANModel"]).abs().max().item(),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_a_saved_folder_takes_its_kernels_from_the_installed_package(tmp_path):
+    input_ids = torch.randint(1, 61, (2, 13), generator=torch.Generator().manual_seed(1))
+    model = saved_head("RANModel", tmp_path / "RANModel")
+    with torch.no_grad():
+        expected = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).last_hidden_state
+    torch.save({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "RANModel": expected},
+               tmp_path / "expected.pt")  # fmt: skip
+    completed = subprocess.run(
+        [sys.executable, "-c", LOAD_WITH_RAN_HF, str(tmp_path)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["module"].startswith("transformers_modules.")
+    assert report["kernel_layer_name"] == "RANCenteredRMSNorm"
+    assert report["attached"] == sorted(ran_hf.kernels.KERNELS)
+    assert report["chosen"]["scan"] == "fused"
+    assert report["difference"] <= 1e-6
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:

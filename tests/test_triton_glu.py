@@ -6,7 +6,6 @@ fill a program's block, float32 and float16. On a CPU the kernels run in Triton'
 import pytest
 import torch
 
-from ran_hf import kernel_choice, triton_glu
 from ran_hf.building_blocks import (
     NormAfter,
     RANCenteredRMSNorm,
@@ -14,11 +13,12 @@ from ran_hf.building_blocks import (
     centered_rms_norm_reference,
     gated_linear_unit_reference,
 )
-from ran_hf.kernel_choice import choose
-from ran_hf.triton_scan import TRITON_AVAILABLE
+from ran_hf.kernels import choice as kernel_choice
+from ran_hf.kernels.choice import TRITON_AVAILABLE, choose
 
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+triton_glu = pytest.importorskip("ran_hf.kernels.triton_ops.glu", reason="no Triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

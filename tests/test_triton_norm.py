@@ -6,18 +6,18 @@ CUDA compiled, and `RANCenteredRMSNorm` then uses them."""
 import pytest
 import torch
 
-from ran_hf import kernel_choice
 from ran_hf.building_blocks import (
     RANCenteredRMSNorm,
     centered_rms_norm_reference,
     standard_normalize,
     standard_normalize_reference,
 )
-from ran_hf.triton_norm import TritonNorm
-from ran_hf.triton_scan import TRITON_AVAILABLE
+from ran_hf.kernels import choice as kernel_choice
+from ran_hf.kernels.choice import TRITON_AVAILABLE
 
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+TritonNorm = pytest.importorskip("ran_hf.kernels.triton_ops.norm", reason="no Triton").TritonNorm
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

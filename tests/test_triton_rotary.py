@@ -5,14 +5,13 @@ powers of two, float32 and float16. On a CPU the kernel runs in Triton's interpr
 import pytest
 import torch
 
-from ran_hf import kernel_choice
 from ran_hf.building_blocks import rotary_rotations, rotate_pairs_reference
-from ran_hf.kernel_choice import choose
-from ran_hf.triton_rotary import triton_rotate_pairs
-from ran_hf.triton_scan import TRITON_AVAILABLE
+from ran_hf.kernels import choice as kernel_choice
+from ran_hf.kernels.choice import TRITON_AVAILABLE, choose
 
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+triton_rotate_pairs = pytest.importorskip("ran_hf.kernels.triton_ops.rotary", reason="no Triton").triton_rotate_pairs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

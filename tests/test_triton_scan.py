@@ -8,9 +8,10 @@ import torch
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 from test_fused_scan import BATCHES, DROPOUT, MODES, assert_scans_agree, layer_and_inputs
 
-from ran_hf import RANForCausalLM, RANModel, triton_scan_kernels
-from ran_hf.cell_scan import triton_cell_scan
-from ran_hf.triton_scan import TRITON_AVAILABLE, triton_scan_unsupported
+from ran_hf import RANForCausalLM, RANModel
+from ran_hf.kernels import choice
+from ran_hf.kernels.cell_scan import triton_cell_scan
+from ran_hf.kernels.choice import TRITON_AVAILABLE, triton_scan_unsupported
 
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
@@ -53,7 +54,7 @@ def test_triton_scan_with_wide_windows_heads_and_a_batch_over_one_block():
 def test_the_attention_split_over_programs_by_rows_changes_nothing(overrides, monkeypatch):
     """Compiled, each head's window attention is split over programs by rows of the batch (`ROW_SPLITS`); the
     interpreter's tests run unsplit for speed (conftest.py), so the split is checked here, with dropout."""
-    monkeypatch.setattr(triton_scan_kernels, "ROW_SPLITS", 3)
+    monkeypatch.setattr("ran_hf.kernels.triton_ops.scan_tiles.ROW_SPLITS", 3)
     layer, inputs, layout = layer_and_inputs(overrides, *BATCHES[3].values, device=DEVICE, **DROPOUT)
     layer.train()
     assert_scans_agree(layer, inputs, layout, TOLERANCE, scan=triton_cell_scan)
@@ -84,17 +85,15 @@ def test_a_kernel_that_cannot_be_built_sends_the_scan_to_the_fused_one(monkeypat
     """A GPU the kernels cannot be built for (too little shared memory, say) gets the fused scan, and is told why."""
     import triton
 
-    from ran_hf import triton_scan
-
     def out_of_resources(*args, **kwargs):
         raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
 
-    def as_the_layer_runs_it(cell_scan, weights, *inputs):  # the implementation `kernel_choice.choose` picks
+    def as_the_layer_runs_it(cell_scan, weights, *inputs):  # the implementation `choice.choose` picks
         return cell_scan(weights, *inputs)
 
-    monkeypatch.setattr(triton_scan, "BUILD_FAILURES", [])
-    monkeypatch.setattr("ran_hf.cell_scan.TRITON_KERNELS", (out_of_resources, out_of_resources))
+    monkeypatch.setattr(choice, "BUILD_FAILURES", [])
+    monkeypatch.setattr("ran_hf.kernels.triton_ops.scan.TRITON_KERNELS", (out_of_resources, out_of_resources))
     layer, inputs, layout = layer_and_inputs({}, [23, 7], None, device=DEVICE, scan_implementation="triton")
     assert_scans_agree(layer, inputs, layout, TOLERANCE, scan=as_the_layer_runs_it)
-    assert triton_scan.BUILD_FAILURES and "OutOfResources" in triton_scan.BUILD_FAILURES[0]
+    assert choice.BUILD_FAILURES and "OutOfResources" in choice.BUILD_FAILURES[0]
     assert "could not be built" in triton_scan_unsupported(inputs[0])

@@ -10,14 +10,15 @@ import pytest
 import torch
 from ran_testing import pad_batch, random_ids, randomize_, tiny_config
 
-from ran_hf import RANForCausalLM, RANModel, kernel_choice, triton_window_projection
-from ran_hf.kernel_choice import choose
+from ran_hf import RANForCausalLM, RANModel
+from ran_hf.kernels import choice as kernel_choice
+from ran_hf.kernels.choice import TRITON_AVAILABLE, choose
 from ran_hf.ran_layer import RANLayer
-from ran_hf.triton_scan import TRITON_AVAILABLE
 from ran_hf.window_layout import RANWindowLayout
 
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+triton_window_projection = pytest.importorskip("ran_hf.kernels.triton_ops.window_projection", reason="no Triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 CASES = {
@@ -56,7 +57,9 @@ def test_triton_window_projection_equals_the_pytorch_phase_one(overrides, length
             query, key, value, *_, joined = layer.project_windows_reference(leaf, layout, None, rotations)
         # The kernel's keys and values as the attention reads them, slots 1.. of (K, H, 1 + S, d) (slot 0 is the
         # read cell's, written later): in PyTorch ops, the same keys and values read again.
-        joined = (key, value) if joined is None else [part[:, :, 1:] for part in joined]
+        joined = (
+            (key, value) if joined is None else [part[:, :, 1:] for part in (joined.key_joined, joined.value_joined)]
+        )
         outs = (query, key, value, *joined)
         probes = torch.Generator().manual_seed(1)  # the same probes both ways; empty slots and queries included
         total = sum((out * torch.randn(out.shape, generator=probes).to(DEVICE)).sum() for out in outs)

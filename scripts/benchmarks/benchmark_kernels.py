@@ -58,8 +58,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
-from ran_hf import RANConfig, RANForMaskedLM, kernel_choice
+from ran_hf import RANConfig, RANForMaskedLM
 from ran_hf.input_checks import InputChecks
+from ran_hf.kernels import choice as kernel_choice
 from ran_hf.memory_review import RANMemoryReview
 from ran_hf.window_layout import RANWindowLayout
 
@@ -108,16 +109,18 @@ class KernelCounter(TorchDispatchMode):
         self.bytes_by_op: Counter = Counter()
         self.bytes_by_part: Counter = Counter()
         self.model = model
-        self._running: list[tuple] = []  # (part, forward's code) of the modules running, innermost last
+        self._running: list[tuple] = []  # (part, its forward's codes) of the modules running, innermost last
         self._node_parts: dict[int, str] = {}  # autograd node sequence number -> the part whose forward made it
         self._hooks = []
 
     def __enter__(self):
         if self.model is not None:
             # Global hooks: the fused and Triton scans refuse modules with hooks of their own (they read weights).
+            # A forward is known by its own code, or by the code of what wraps it: the layers' forward is wrapped, and
+            # a kernel attached to a module (ran_hf/kernel_hub.py) runs in place of the forward it wraps.
             parts = {
                 module: (re.sub(r"\.\d+(?=\.|$)", ".*", name) or type(module).__name__,
-                         inspect.unwrap(type(module).forward).__code__)  # (the layers' forward is wrapped)
+                         {inspect.unwrap(type(module).forward).__code__, type(module).forward.__code__})
                 for name, module in self.model.named_modules()
             }  # fmt: skip
 
@@ -144,9 +147,11 @@ class KernelCounter(TorchDispatchMode):
         if running is not None:  # a forward (or a checkpoint's recomputation in the backward)
             part, forward = running
             frame, called = sys._getframe(2), None  # from the caller of __torch_dispatch__ outwards
-            while frame is not None and frame.f_code is not forward:
-                code = frame.f_code  # neither torch's Python wrappers, this script's modes nor autograd functions
-                if TORCH_FILES not in code.co_filename and code.co_name not in ("__torch_function__", "forward"):
+            while frame is not None and frame.f_code not in forward:
+                code = frame.f_code  # neither torch's Python wrappers, this script's modes, autograd functions nor
+                # the dispatch of an op with a kernel attached (the kernel or the plain op it runs names the part)
+                skipped = TORCH_FILES in code.co_filename or code.co_filename.endswith("kernel_hub.py")
+                if not skipped and code.co_name not in ("__torch_function__", "forward"):
                     called = code.co_name
                 frame = frame.f_back
             if frame is not None and called is not None:

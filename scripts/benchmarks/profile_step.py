@@ -40,7 +40,8 @@ from benchmark_utils import (
 )
 from torch.profiler import ProfilerActivity, profile
 
-from ran_hf import RANForMaskedLM, kernel_choice
+from ran_hf import RANForMaskedLM
+from ran_hf.kernels import choice as kernel_choice
 
 
 BASELINES = ("modernbert", "longformer")  # Transformers' classes, built from config as benchmark_speed.py does

@@ -16,8 +16,8 @@ import torch
 from benchmark_scan import measure
 from benchmark_utils import FRACTION, POSITIVE, command_line, machine_info, machine_line, result_record
 
-import ran_hf.triton_scan as triton_scan
-import ran_hf.triton_scan_kernels as triton_kernels
+import ran_hf.kernels.triton_ops.scan as triton_scan
+import ran_hf.kernels.triton_ops.scan_tiles as tiles
 
 
 OPS = ["scan_project", "scan_output", "scan_write", "scan_write_grad", "scan_attention_grad", "scan_input_grad"]
@@ -50,8 +50,7 @@ def main():
     for case in CASES:
         results.append({**measure(case, "fused", args, device), "variant": "fused"})
         for block_k, block_n, block_s, warps, via_op in VARIANTS:
-            triton_kernels.BLOCK_K, triton_kernels.BLOCK_N, triton_kernels.BLOCK_S, triton_kernels.NUM_WARPS = (
-                block_k, block_n, block_s, warps)  # fmt: skip
+            tiles.BLOCK_K, tiles.BLOCK_N, tiles.BLOCK_S, tiles.NUM_WARPS = block_k, block_n, block_s, warps
             for name, op in through_op.items():
                 setattr(triton_scan, name, op if via_op else op._init_fn)
             variant = f"K{block_k} N{block_n} S{block_s} w{warps} {'op' if via_op else 'direct'}"

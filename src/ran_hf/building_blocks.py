@@ -2,11 +2,11 @@
 `RANCenteredRMSNorm`, langml's `LayerNormalization`), unit vectors, the gated linear unit, the interleaved rotary
 embedding and the row gather every layout uses.
 
-On CUDA the normalisations, the gated linear unit and the rotary embedding run as one Triton kernel each way
-(`triton_norm.py`, `triton_glu.py`, `triton_rotary.py`), where `kernel_choice.choose` says so (kernel_choice.py). Each op's
-public form only dispatches: its PyTorch form is a function of its own (`standard_normalize_reference`,
-`centered_rms_norm_reference`, `gated_linear_unit_reference`, `rotate_pairs_reference`), which asks nothing of
-`choose`, so that it stays the reference the kernels are tested against.
+Each op is plain PyTorch here. On CUDA, where `ran_hf` is installed, the normalisations, the gated linear unit and the
+rotary embedding run as one Triton kernel each way: `use_kernel_forward` and `use_kernel_function` (kernel_hub.py)
+attach them from `ran_hf.kernels`, which says where they run. Each op's PyTorch form is also a function of its own
+(`standard_normalize_reference`, `centered_rms_norm_reference`, `gated_linear_unit_reference`,
+`rotate_pairs_reference`), with nothing attached, so that it stays the reference the kernels are tested against.
 """
 
 from dataclasses import dataclass
@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel_choice import PLAIN_WEIGHT_MODULES, choose
-from .triton_glu import NO_ACTIVATION, branch_activation, triton_glu
-from .triton_norm import TritonNorm
-from .triton_rotary import triton_rotate_pairs
-from .triton_scan_kernels import SILU_ACTIVATIONS
+from .kernel_hub import use_kernel_forward, use_kernel_function
 
 
+# `hidden_act` names of SiLU, which the layers call as `F.silu` itself
+SILU_ACTIVATIONS = ("silu", "swish")
+
+
+@use_kernel_function("standard_normalize")
 def standard_normalize(hidden_states: torch.Tensor, eps: float, dropout: nn.Dropout | None = None) -> torch.Tensor:
     """(x - mean(x)) / sqrt(mean(x^2) + eps) over the last axis: the official RAN normalisation; then `dropout` where
     given (inside the kernel on CUDA).
@@ -31,9 +32,6 @@ def standard_normalize(hidden_states: torch.Tensor, eps: float, dropout: nn.Drop
     cast back to bf16, the token states lose the small differences that context makes between two occurrences of
     a token, and max pooling then splits its gradient between tokens that tie.
     """
-    if choose("norm", hidden_states) == "triton":  # one kernel each way, not seven to nine ops (and dropout's two)
-        out_dtype = torch.float32 if autocast_on(hidden_states) else hidden_states.dtype
-        return TritonNorm.apply(hidden_states, None, None, eps, out_dtype, dropout_rate(dropout))
     return standard_normalize_reference(hidden_states, eps, dropout)
 
 
@@ -63,11 +61,6 @@ def apply_dropout(dropout: nn.Dropout | None, states: torch.Tensor) -> torch.Ten
     return states if dropout is None or not dropout.training else dropout(states)
 
 
-def dropout_rate(dropout: nn.Dropout | None) -> float:
-    """The rate at which a dropout module drops units now: its `p` in training, else 0."""
-    return dropout.p if dropout is not None and dropout.training else 0.0
-
-
 def activation_function(name: str):
     """The activation `config.hidden_act` names, as the layers call it: SiLU ("silu", "swish", the default) as
     `F.silu` itself, any other as Transformers' module (`ACT2FN`). A module costs three Python calls more a call,
@@ -85,6 +78,7 @@ def unit_vectors(states: torch.Tensor) -> torch.Tensor:
     return F.normalize(states if states.dtype == torch.float64 else states.float(), dim=-1).to(states.dtype)
 
 
+@use_kernel_forward("RANCenteredRMSNorm")
 class RANCenteredRMSNorm(nn.Module):
     """weight * (x - mean(x)) / sqrt(mean(x^2) + eps) + bias: `standard_normalize` followed by a learned scale and
     shift; then, where `forward` is asked to, `standard_normalize` again (the official layer's ending) and the
@@ -104,16 +98,7 @@ class RANCenteredRMSNorm(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, dropout: nn.Dropout | None = None, then_standardize: bool = False
     ) -> torch.Tensor:
-        if choose("norm", hidden_states) == "triton":
-            autocast = hidden_states.device.type == "cuda" and torch.is_autocast_enabled("cuda")
-            normalized_dtype = torch.float32 if autocast else hidden_states.dtype
-            out_dtype = torch.promote_types(self.weight.dtype, normalized_dtype)
-            rate = dropout_rate(dropout)
-            return TritonNorm.apply(hidden_states, self.weight, self.bias, self.eps, out_dtype, rate, then_standardize)
         return centered_rms_norm_reference(hidden_states, self.weight, self.bias, self.eps, dropout, then_standardize)
-
-
-PLAIN_WEIGHT_MODULES[RANCenteredRMSNorm] = ()  # the fused scans read its weight and bias
 
 
 def centered_rms_norm_reference(
@@ -131,6 +116,7 @@ def centered_rms_norm_reference(
     return apply_dropout(dropout, normalized)
 
 
+@use_kernel_forward("RANGatedLinearUnit")
 class RANGatedLinearUnit(nn.Module):
     """GLU(x) = (A x + a) * sigmoid(G x + g), with A and G fused into one projection; plus a residual branch
     dropout(activation(residual)) where a residual is given; then, where given, a `norm` (`RANCenteredRMSNorm`, with
@@ -152,45 +138,10 @@ class RANGatedLinearUnit(nn.Module):
         then: "NormAfter | None" = None,
     ) -> torch.Tensor:
         norm, norm_dropout, then_standardize = (None, None, False) if then is None else then
-        if choose("glu", hidden_states) != "triton":
-            out = gated_linear_unit_reference(
-                self.proj(hidden_states), residual, residual_activation, residual_dropout, residual_rows
-            )
-            return out if norm is None else norm(out, norm_dropout, then_standardize)
-        # The kernel's path, kept in `forward` itself so that kernel counts name the kernel (scripts/benchmarks/
-        # benchmark_kernels.py). The bias is added by the kernel, which also sums its gradient: one pass over the
-        # projection's gradient fewer. A wrapped projection (LoRA, quantised) runs as it is.
-        bias = self.proj.bias if plain_module(self.proj, nn.Linear) else None
-        projected = self.proj(hidden_states) if bias is None else F.linear(hidden_states, self.proj.weight)  # (.., 2D)
-        width = projected.shape[-1] // 2
-        activation = branch_activation(residual_activation) if residual is not None else NO_ACTIVATION
-        fits = residual is None or (
-            residual.dtype == projected.dtype
-            and (
-                residual.shape == (*projected.shape[:-1], width) or (residual_rows is not None and residual.dim() == 2)
-            )
+        out = gated_linear_unit_reference(
+            self.proj(hidden_states), residual, residual_activation, residual_dropout, residual_rows
         )
-        if activation is not None and fits:  # the whole branch, and the norm, in the kernel
-            out_dtype, norm_args = projected.dtype, None
-            norm_fused = norm is not None and plain_module(norm, RANCenteredRMSNorm)
-            if norm_fused and choose("norm", projected[..., :width]) == "triton":
-                autocast = projected.device.type == "cuda" and torch.is_autocast_enabled("cuda")
-                out_dtype = torch.promote_types(norm.weight.dtype, torch.float32 if autocast else projected.dtype)
-                norm_args = (norm.weight, norm.bias, norm.eps, then_standardize, dropout_rate(norm_dropout))
-            dropout = dropout_rate(residual_dropout)
-            out = triton_glu(projected, residual, activation, dropout, residual_rows, bias, norm_args, out_dtype)
-            if norm is None or norm_args is not None:
-                return out
-            return norm(out, norm_dropout, then_standardize)
-        residual = residual_branch(residual, residual_activation, residual_dropout, residual_rows)
-        out = triton_glu(projected, residual, bias=bias)  # one kernel each way instead of two (three with the sum)
         return out if norm is None else norm(out, norm_dropout, then_standardize)
-
-
-def plain_module(module: nn.Module, kind: type) -> bool:
-    """Whether a kernel may read `module`'s weights past its call: of exactly `kind` (not an adapter's wrapper or a
-    quantised subclass), and without an Accelerate hook (offloaded weights arrive only when it is called)."""
-    return type(module) is kind and "_hf_hook" not in module.__dict__
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,9 +156,6 @@ class NormAfter:
 
     def __iter__(self):
         return iter((self.norm, self.dropout, self.then_standardize))
-
-
-PLAIN_WEIGHT_MODULES[RANGatedLinearUnit] = ("proj",)  # the fused scans read its projection's weight and bias
 
 
 def residual_branch(
@@ -256,6 +204,7 @@ def rotary_rotations(num_positions: int, head_dim: int, theta: float, device: to
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
+@use_kernel_function("apply_interleaved_rotary")
 def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x_2i, x_2i+1) of the last axis by the angles whose cosines and sines are
     `rotations` (..., d / 2, 2), which broadcasts against (..., d / 2, 2) pairs.
@@ -263,8 +212,6 @@ def apply_interleaved_rotary(states: torch.Tensor, rotations: torch.Tensor) -> t
     RAN rotates neighbouring pairs, not the two halves of the head as Llama does. Real arithmetic, not a complex
     product: ONNX has no complex numbers.
     """
-    if choose("rotary", states) == "triton":  # one kernel each way instead of about fifteen and twenty ops
-        return triton_rotate_pairs(states, rotations)
     return rotate_pairs_reference(states, rotations)
 
 

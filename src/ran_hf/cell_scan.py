@@ -10,24 +10,22 @@ one the scan calls. Every implementation reads the scan's own modules from the s
 Every implementation has one signature, `scan(cell_scan, weights, cell, previous_raw, keys, values, layout)`, and
 returns `CellScanOutputs`; `ALL_SCAN_FUNCTIONS` holds them by name:
 - "reference": the plain loop that autograd records op by op (`reference_cell_scan`);
-- "fused": the same maths as one autograd node with a hand-written backward (fused_scan.py; under `torch.compile`
-  one custom op, scan_op.py);
-- "triton": that node with each window's steps in Triton kernels, two launches per window forward and two
-  backward (triton_scan.py);
-- "export": the reference as one `scan` operator over the steps, for `torch.export` and ONNX.
-Which one runs is chosen in one place, `kernel_choice.choose("scan", ...)` (kernel_choice.py), from `config.scan_implementation`
-("auto" by default), the device, Triton, the activation and whether the layer's modules are plain. Other
-implementations (a benchmark's variant of the design) join with `RANScanInterface.register`, as attention functions
-join Transformers' `AttentionInterface`, and run where the config names them.
+- "export": the reference as one `scan` operator over the steps, for `torch.export` and ONNX;
+- "fused" and "triton", where `ran_hf` is installed: the same maths as one autograd node with a hand-written
+  backward (under `torch.compile` one custom op), and that node with each window's steps in Triton kernels, two
+  launches per window forward and two backward. They are `ran_hf.kernels`', attached to `cell_scan` (kernel_hub.py).
+"auto" (the default), "reference", "fused" and "triton" run `cell_scan`, where the kernels choose
+(`ran_hf.kernels.choice.choose("scan", ...)`) from `config.scan_implementation`, the device, Triton, the activation and
+whether the layer's modules are plain; without them, it is the reference. Other implementations (a benchmark's
+variant of the design) join with `RANScanInterface.register`, as attention functions join Transformers'
+`AttentionInterface`, and run where the config names them.
 """
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.utils.generic import GeneralInterface
 
@@ -35,17 +33,12 @@ from .building_blocks import (
     RANCenteredRMSNorm,
     RANGatedLinearUnit,
     activation_function,
-    gather_rows,
     project_heads,
     standard_normalize,
 )
 from .decode_step import StepPositions
-from .fused_scan import FusedCellScan, ScanPlan, scan_forward, window_maxima
-from .kernel_choice import choose
-from .scan_dropout import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop
-from .scan_op import cell_scan_op
-from .triton_scan import TRITON_KERNELS, record_build_failure
-from .triton_scan_kernels import kernel_build_errors
+from .kernel_hub import use_kernel_function
+from .scan_inputs import NO_DROPOUT, ScanDropout, draw_scan_dropout, drop, window_maxima
 from .window_layout import RANWindowLayout
 
 
@@ -71,25 +64,6 @@ class CellScanOutputs(NamedTuple):
     read_values: torch.Tensor  # (N, B, H, d) its value
     raw_cells: torch.Tensor  # (N, B, D) the raw cell ĉ the window writes
     cells: torch.Tensor  # (N, B, D) the cell c the window writes
-
-
-def step_major(keys: torch.Tensor, values: torch.Tensor, layout: RANWindowLayout):
-    """The window slots each scan step reads, (N, B, H, S, d) keys and values and their (N, B, S) mask.
-
-    A sequence that has run out of windows reads its first one with every slot masked (its results are never
-    used). One sequence needs no gather at all.
-    """
-    if layout.full_grid:  # every sequence has every step's window, packed step-major: a view
-        steps = (layout.num_steps, layout.batch_size)  # (`view`, not the Python `unflatten`: a per-call path)
-        return (
-            keys.view(*steps, *keys.shape[1:]),
-            values.view(*steps, *values.shape[1:]),
-            layout.slot_mask.view(*steps, -1),
-        )
-    has_window = layout.step_windows < keys.shape[0]  # (N, B)
-    windows = torch.where(has_window, layout.step_windows, 0)
-    step_mask = layout.slot_mask[windows] & has_window[..., None]  # (N, B, S)
-    return gather_rows(keys, windows), gather_rows(values, windows), step_mask
 
 
 def reference_cell_scan(
@@ -121,7 +95,7 @@ def reference_cell_scan(
         return CellScanOutputs(read_keys.to(keys.dtype), read_values.to(values.dtype), raw_cells, cells)
     # Step-major views of every sequence's windows. `unbind` (not indexing inside the loop) keeps the backward pass
     # linear in the number of steps.
-    step_keys, step_values, step_mask = step_major(keys, values, layout)
+    step_keys, step_values, step_mask = layout.step_major(keys, values)
     maxima = window_maxima(step_values, step_mask).unbind(0) if scan.cell_max_pool else None
     step_keys, step_values, step_mask = step_keys.unbind(0), step_values.unbind(0), step_mask.unbind(0)
     # Every window after a sequence's first has a cell residual; at step 0 only sequences continued from a cache.
@@ -179,7 +153,7 @@ def exportable_cell_scan(scan, weights, cell, previous_raw, keys, values, layout
     a Python loop would be unrolled for the example's number of windows. Inference only."""
     from torch._higher_order_ops.scan import scan as scan_operator
 
-    step_keys, step_values, step_mask = step_major(keys, values, layout)
+    step_keys, step_values, step_mask = layout.step_major(keys, values)
     # (N, B, 1): a row adds the cell residual of the window before from its second window on, or from its first
     # where it continues a cached sequence.
     later_step = torch.arange(step_mask.shape[0], device=cell.device)[:, None, None] > 0
@@ -205,100 +179,29 @@ def exportable_cell_scan(scan, weights, cell, previous_raw, keys, values, layout
     return CellScanOutputs(*outputs)
 
 
-def fused_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
-    """`reference_cell_scan`'s results from one autograd node with a hand-written backward (fused_scan.py), for a
-    SiLU layer whose modules are plain (`kernel_choice.fused_scan_unsupported`). It computes in float32 whatever the
-    inputs' dtype and autocast; under `torch.compile` as one custom op (scan_op.py)."""
-    return fused_scan(scan, weights, cell, previous_raw, *step_major(keys, values, layout), layout)
-
-
-def triton_cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
-    """`fused_cell_scan` with each window's steps in Triton kernels: two launches per window forward and two backward
-    (triton_scan.py), plus three per scan (a `write` at each end of the forward, a `write_grad` ending the
-    backward): in a training step, 4 per window and layer plus 3 per layer (tests/test_kernel_budget.py)."""
-    return fused_scan(scan, weights, cell, previous_raw, *step_major(keys, values, layout), layout, TRITON_KERNELS)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The layer-to-kernel adapter: the fused and Triton scans take tensors and plain weights, read here from `weights`
-# and the scan.
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def fused_scan(scan, weights, cell, previous_raw, step_keys, step_values, step_mask, layout, kernels=None):
-    """Run `FusedCellScan` for the scan `scan` with its own modules and the layer's `weights`, its steps computed by
-    `kernels` (a forward and a backward function with `scan_forward`'s and `scan_backward`'s signatures, such as the
-    Triton scan's) or by fused_scan.py's: the step-major slots (N, B, H, S, d) and their mask (N, B, S) as in the
-    reference scan. Returns what `reference_cell_scan` returns."""
-    num_heads = scan.num_heads
-    num_steps, batch_size = step_mask.shape[:2]
-    first_step_residual = False
-    if scan.use_cell_residual:
-        if layout.continued_rows == batch_size:
-            first_step_residual = True
-        elif layout.continued_rows > 0:
-            first_step_residual = layout.first_window[:, None] > 0  # (B, 1)
-    plan = ScanPlan(
-        num_steps=num_steps,
-        num_heads=num_heads,
-        head_dim=scan.head_dim,
-        eps=scan.eps,
-        cell_input_residual=scan.cell_input_residual,
-        use_cell_residual=scan.use_cell_residual,
-        qk_activation=scan.qk_activation,
-        output_activation=scan.output_activation,
-        first_step_residual=first_step_residual,
-        keep_for_backward=torch.is_grad_enabled(),
-        kernels=kernels,
-    )
-    # Float32 (float64 if the cell is) whatever the inputs and autocast say: the cell is a running state, written
-    # once per window from the one before, and its standardisations divide by a mean of squares.
-    compute_dtype = torch.float64 if cell.dtype == torch.float64 else torch.float32
-    visible = F.pad(step_mask, (1, 0), value=True)  # (N, B, 1 + S): the cell's own key is always visible
-    score_bias = torch.zeros(visible.shape, dtype=compute_dtype, device=cell.device)
-    score_bias = score_bias.masked_fill_(~visible, float("-inf"))
-    score_bias = score_bias[:, :, None, None].expand(-1, -1, num_heads, 1, -1).flatten(1, 2)  # (N, B H, 1, 1 + S)
-    attention_glu = None if weights.attention_glu is None else weights.attention_glu.proj
-    cell_glu, cell_norm = (scan.cell_glu.proj, scan.cell_norm) if scan.use_cell_residual else (None, None)
-    modules = (weights.input_norm, weights.qkv_proj, weights.o_proj, attention_glu, weights.attention_norm, cell_glu,
-               cell_norm)  # fmt: skip
-    # The 14 weights, read from the plain modules' parameter tables (`kernel_choice.fused_scan_unsupported` checked
-    # them: no subclass, no hook): `nn.Module.__getattr__` would be a Python call for each. (A list, not a generator,
-    # on this per-call path: a generator is re-entered for every item.)
-    pairs = [(None, None) if m is None else (m._parameters["weight"], m._parameters["bias"]) for m in modules]
-    plain = tuple([None if tensor is None else tensor.to(compute_dtype) for pair in pairs for tensor in pair])
-    dropout = draw_scan_dropout(scan, num_steps, batch_size, step_keys.shape[-2], compute_dtype, cell.device)
-    output_shift = None
-    if scan.cell_max_pool:  # the reference adds the maxima before `o_proj`: the same, by linearity
-        maxima = window_maxima(step_values, step_mask).flatten(-2).to(compute_dtype)  # (N, B, H d)
-        output_shift = torch.mm(maxima.flatten(0, 1), plain[4].t()).view(num_steps, batch_size, -1)
-    inputs = tuple([tensor.to(compute_dtype) for tensor in (cell, previous_raw, step_keys, step_values)])
-    # (the meta device, which checks shapes and counts kernels, has no autocast to switch off)
-    device = cell.device.type
-    with torch.autocast(device, enabled=False) if device != "meta" else nullcontext():
-        if torch.compiler.is_compiling():
-            # One opaque op for dynamo: the steps are not unrolled into the graph, whose shapes then follow the
-            # number of windows instead of being rebuilt for each one.
-            outputs = cell_scan_op(plan, *inputs, output_shift, score_bias, dropout, plain)
-        elif not plan.keep_for_backward:  # no graph to record: the steps without the autograd node around them
-            forward_steps = scan_forward if kernels is None else kernels[0]
-            outputs = forward_steps(plan, *inputs, output_shift, score_bias, dropout, plain)[0]
-        else:
-            outputs = FusedCellScan.apply(plan, *inputs, output_shift, score_bias, dropout, *plain)
-    # The cells keep the dtype of the cell read (float32 under autocast); the keys and values that of the tokens'.
-    dtypes = (step_keys.dtype, step_values.dtype, cell.dtype, cell.dtype)
-    return CellScanOutputs(*[output.to(dtype) for output, dtype in zip(outputs, dtypes)])
+@use_kernel_function("cell_scan")
+def cell_scan(scan, weights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
+    """The scan `config.scan_implementation` names among "auto", "reference", "fused" and "triton": the kernel
+    attached here gives the fused or Triton one where it runs; else the reference, or under `torch.export` its `scan`
+    operator form."""
+    if torch.compiler.is_exporting():
+        return exportable_cell_scan(scan, weights, cell, previous_raw, keys, values, layout)
+    return reference_cell_scan(scan, weights, cell, previous_raw, keys, values, layout)
 
 
 class RANScanInterface(GeneralInterface):
-    """The cell scans a RAN layer can run, by name (`config.scan_implementation`; "auto" is `kernel_choice.choose`'s)."""
+    """The cell scans a RAN layer can run, by name (`config.scan_implementation`; "auto" is `cell_scan`'s). "fused"
+    and "triton" are `cell_scan` too: its kernel runs them where they can run, and says why not once."""
 
     _global_mapping = {
         "reference": reference_cell_scan,
-        "fused": fused_cell_scan,
-        "triton": triton_cell_scan,
+        "fused": cell_scan,
+        "triton": cell_scan,
         "export": exportable_cell_scan,
     }
+
+
+CHOSEN_SCANS = ("auto", "reference", "fused", "triton")  # the names `cell_scan` runs, choosing
 
 
 ALL_SCAN_FUNCTIONS = RANScanInterface()
@@ -340,7 +243,7 @@ class RANCellScan(nn.Module):
     def write_cell(self, weights, attended: torch.Tensor, normed_cell: torch.Tensor, output_mask=None,
                    written_mask=None):  # fmt: skip
         """The raw cell ĉ of a window, (B, H * d) -> standardised (B, D); the masks are the scan's dropout
-        (scan_dropout.py), None where nothing is dropped.
+        (scan_inputs.py), None where nothing is dropped.
 
         Without `cell_input_residual` the cell is what its attention read from the window: the gated residual of
         the cell's own input would add a term that is the same for every text in the first window and drowns it.
@@ -354,7 +257,8 @@ class RANCellScan(nn.Module):
         return drop(standard_normalize(written, self.eps), written_mask)
 
     def forward(self, weights: CellScanWeights, cell, previous_raw, keys, values, layout) -> CellScanOutputs:
-        """Run the implementation `kernel_choice.choose` picks; see `reference_cell_scan` for the arguments.
+        """Run the implementation `config.scan_implementation` names (`cell_scan` for the built-in ones); see
+        `reference_cell_scan` for the arguments.
 
         A decoding step (`layout` is its `StepPositions`) takes one scan step for the window each row's token ends:
         keys and values (B, H, S, d) are that window's slots, rotated; it returns (B, ...) tensors (`step`)."""
@@ -367,15 +271,8 @@ class RANCellScan(nn.Module):
                 f"{sorted(ALL_SCAN_FUNCTIONS)}. Add one with `ran_hf.cell_scan.RANScanInterface.register(name, "
                 f"function)`."
             )
-        name = choose("scan", requested, self.config.hidden_act, self.modules_read(weights), cell)
-        try:
-            outputs = ALL_SCAN_FUNCTIONS[name](self, weights, cell, previous_raw, keys, values, layout)
-        except kernel_build_errors() as error:  # built on first use: a GPU they cannot be built for
-            if name != "triton":
-                raise
-            record_build_failure(error)  # from now on `choose` gives the fused scan, and says why
-            return self(weights, cell, previous_raw, keys, values, layout)
-        return CellScanOutputs(*outputs)
+        scan = cell_scan if requested in CHOSEN_SCANS else ALL_SCAN_FUNCTIONS[requested]
+        return CellScanOutputs(*scan(self, weights, cell, previous_raw, keys, values, layout))
 
     def step(self, weights: CellScanWeights, cell, previous_raw, keys, values, at: StepPositions) -> CellScanOutputs:
         """A decoding step's scan step (`cell_step`), for every row (the layer keeps it where the row's window ended).

@@ -26,7 +26,6 @@ from .building_blocks import (
     activation_function,
     apply_dropout,
     apply_interleaved_rotary,
-    plain_module,
     project_heads,
     rotate_pairs_complex,
 )
@@ -35,9 +34,8 @@ from .causal_memory import update_cache
 from .cell_scan import CellScanWeights, RANCellScan
 from .configuration_ran import RANConfig
 from .decode_step import StepPositions, next_tail, remember_cell
-from .kernel_choice import choose
+from .kernel_hub import use_kernel_function
 from .memory_review import RANMemoryReview
-from .triton_window_projection import JoinReadCells, triton_window_projection
 from .window_layout import RANWindowLayout
 
 
@@ -49,7 +47,7 @@ class WindowProjections(NamedTuple):
     value: torch.Tensor  # (K, H, S, d)
     new_kv: torch.Tensor | None  # (T, 2, H, d) the new tokens' un-rotated keys and values, with a cache; else None
     recalled: torch.Tensor | None  # (T, H * d) with `config.associative_memory`: what each token recalls; else None
-    joined: list | None  # from the Triton projection: keys and values again with slot 0 for the read cell; else None
+    joined: object | None  # from a kernel: keys and values again with slot 0 for the read cell (`.join`); else None
 
 
 class LayerOutputs(NamedTuple):
@@ -139,7 +137,7 @@ class RANWindowAttention(nn.Module):
 
         def join(key, value, cell_key, cell_value):
             if joined:
-                return JoinReadCells.apply(*joined, cell_key, cell_value)  # (K, H, 1 + S, d)
+                return joined.join(cell_key, cell_value)  # (K, H, 1 + S, d)
             key = torch.cat([cell_key[:, :, None], key], dim=2)  # (K, H, 1 + S, d)
             return key, torch.cat([cell_value[:, :, None], value], dim=2)  # (K, H, 1 + S, d)
 
@@ -258,6 +256,7 @@ class RANLayer(GradientCheckpointingLayer):
 
     # ---- phase 1 ---------------------------------------------------------------------------------------------------
 
+    @use_kernel_function("project_windows")
     def project_windows(
         self, normed_tokens: torch.Tensor, layout: RANWindowLayout, cache: RANCacheLayer | None, chunk_features=None
     ) -> WindowProjections:
@@ -274,14 +273,6 @@ class RANLayer(GradientCheckpointingLayer):
         rotations = (
             layout.rotary(self.head_dim, config.rope_theta, normed_tokens.device) if config.use_rotary else None
         )
-        fused = choose("window_projection", normed_tokens, config.hidden_act, cache is not None) == "triton"
-        if fused and not config.associative_memory:  # one kernel each way from the projections to the windows
-            # The kernel adds the bias and sums its gradient (a wrapped projection, LoRA or quantised, runs as it is).
-            bias = self.qkv_proj.bias if plain_module(self.qkv_proj, nn.Linear) else None
-            qkv = self.qkv_proj(normed_tokens) if bias is None else F.linear(normed_tokens, self.qkv_proj.weight)
-            qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim))
-            query, key, value, *joined = triton_window_projection(qkv, layout, rotations, self.qk_activation, bias)
-            return WindowProjections(query, key, value, None, None, joined)
         return self.project_windows_reference(normed_tokens, layout, cache, rotations, chunk_features)
 
     def project_windows_reference(

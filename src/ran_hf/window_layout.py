@@ -297,6 +297,25 @@ class RANWindowLayout:
             return self
         return dataclasses.replace(self, slot_mask=self.slot_is_source)
 
+    def step_major(self, keys: torch.Tensor, values: torch.Tensor):
+        """The window slots each cell-scan step reads: (K, H, S, d) window keys and values -> (N, B, H, S, d) and
+        their (N, B, S) mask.
+
+        A sequence that has run out of windows reads its first one with every slot masked (its results are never
+        used). One sequence needs no gather at all.
+        """
+        if self.full_grid:  # every sequence has every step's window, packed step-major: a view
+            steps = (self.num_steps, self.batch_size)  # (`view`, not the Python `unflatten`: a per-call path)
+            return (
+                keys.view(*steps, *keys.shape[1:]),
+                values.view(*steps, *values.shape[1:]),
+                self.slot_mask.view(*steps, -1),
+            )
+        has_window = self.step_windows < keys.shape[0]  # (N, B)
+        windows = torch.where(has_window, self.step_windows, 0)
+        step_mask = self.slot_mask[windows] & has_window[..., None]  # (N, B, S)
+        return gather_rows(keys, windows), gather_rows(values, windows), step_mask
+
     def sources(self, token_states: torch.Tensor, tail_states: torch.Tensor | None = None) -> torch.Tensor:
         """[new tokens; cached tail; an empty row]: what window slots and the next tail index into."""
         parts = [token_states]

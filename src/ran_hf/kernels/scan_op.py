@@ -14,8 +14,8 @@ Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slo
 import torch
 from torch import Tensor
 
+from ..scan_inputs import ScanDropout
 from .fused_scan import ScanPlan, scan_backward, scan_forward
-from .scan_dropout import ScanDropout
 
 
 # first_step_mode: how the first step joins the previous raw cell (`ScanPlan.first_step_residual`)

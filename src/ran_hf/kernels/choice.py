@@ -1,6 +1,7 @@
 """Which implementation each op runs, chosen here and nowhere else.
 
-Five ops have a fast path beside their plain PyTorch one:
+Five ops have a fast path beside their plain PyTorch one (the model's; the fast ones attach to it through
+ran_hf/kernel_hub.py, each from this folder's mapping, `ran_hf.kernels.KERNELS`):
 
     op                  implementations                       where the fast one runs
     "norm"              "triton" | "pytorch"                  CUDA (and meta), not compiled, D <= 16384
@@ -10,8 +11,8 @@ Five ops have a fast path beside their plain PyTorch one:
     "scan"              "triton" | "fused" | "reference"      `config.scan_implementation`, below
                         | "export" | a registered name
 
-Each Triton op also needs Triton installed and its kernels defined (`kernels_ready`, which imports Triton the first
-time it is asked, and only then: `import ran_hf` never imports it). The meta device stands in for CUDA: it runs no
+Each Triton op also needs Triton installed and importable (`triton_ready`, which imports Triton and the kernels'
+modules, `triton_ops/`, the first time it is asked, and only then: `import ran_hf` never imports it). The meta device stands in for CUDA: it runs no
 kernel, and counts the launches a GPU would make (scripts/benchmarks/benchmark_kernels.py). Under `torch.compile`
 the token-wise ops run their PyTorch form, which the compiler fuses itself.
 
@@ -28,25 +29,28 @@ The cell scan (`config.scan_implementation`):
   ("export").
 Every fallback says why, once. A name registered with `RANScanInterface.register` runs as it is.
 
-The modeling code asks `choose(op, ...)` at its one call site per op and runs what it is told. `CHOSEN` keeps the
-last choice per op (outside compiled code), so a test can list the path every op took. `TRITON` switches a Triton
-token-wise kernel off (`ran_hf.kernel_choice.TRITON["glu"] = False`); `FORCED` makes `choose` return a given
-implementation whatever the rule says (tests run the Triton kernels on CPU in Triton's interpreter that way).
+The kernels' choosers (token_ops.py, cell_scan.py) ask `choose(op, ...)` at every call of a decorated op and run
+what it says. `CHOSEN` keeps the last choice per op (outside compiled code), so a test can list the path every op
+took. `TRITON` switches a Triton token-wise kernel off (`ran_hf.kernels.choice.TRITON["glu"] = False`); `FORCED`
+makes `choose` return a given implementation whatever the rule says (tests run the Triton kernels on CPU in
+Triton's interpreter that way).
 """
+
+import functools
+import importlib.util
+import os
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
-from .triton_glu import kernels_ready as glu_kernels_ready
-from .triton_norm import kernels_ready as norm_kernels_ready
-from .triton_rotary import kernels_ready as rotary_kernels_ready
-from .triton_scan import triton_scan_unsupported
-from .triton_scan_kernels import SILU_ACTIVATIONS, TRITON_AVAILABLE
-from .triton_window_projection import kernels_ready as window_projection_kernels_ready
-
 
 logger = logging.get_logger(__name__)
+
+# Whether Triton is installed (optional: the reference and fused scans need none), asked without importing it.
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+# `hidden_act` names of SiLU, the one activation the fused and Triton kernels compute
+SILU_ACTIVATIONS = ("silu", "swish")
 
 TRITON_TOKEN_OPS = ("norm", "glu", "rotary", "window_projection")
 # Whether each Triton token-wise kernel may run. On by default: the Triton norm and rotary embedding took a BERT-base
@@ -54,13 +58,68 @@ TRITON_TOKEN_OPS = ("norm", "glu", "rotary", "window_projection")
 TRITON = dict.fromkeys(TRITON_TOKEN_OPS, True)
 FORCED: dict[str, str] = {}  # op -> implementation, whatever the rule says
 CHOSEN: dict[str, str] = {}  # op -> the implementation it last ran (not recorded inside compiled code)
-# Modules whose weights the fused scans read instead of calling the module, with the children whose weights they
-# read: anything else (a LoRA wrapper, a quantised linear, a subclass) is called by the reference scan only.
-# building_blocks.py adds its norm and its gated linear unit.
-PLAIN_WEIGHT_MODULES: dict = {nn.Linear: ()}
+# The children whose weights the fused scans read, with the module's own, instead of calling it; by the name the
+# module's class declares with `kernel_layer_name` (ran_hf/kernel_hub.py), or `nn.Linear`. Anything else (a LoRA
+# wrapper, a quantised linear, a subclass) is called by the reference scan only.
+PLAIN_WEIGHT_CHILDREN = {"RANCenteredRMSNorm": (), "RANGatedLinearUnit": ("proj",)}
+BUILD_FAILURES: list = []  # a scan kernel that could not be built here: the Triton scan is not tried again
 
 
 TRITON_DEVICES = ("cuda", "meta")  # the meta device counts the launches a GPU would make
+
+
+@functools.cache
+def triton_ready() -> bool:
+    """Whether the Triton kernels can run here: Triton imports, and with it `triton_ops`, whose modules define the
+    kernels. Imported here, once, when a rule first asks: a machine that runs no kernel never imports Triton."""
+    if not TRITON_AVAILABLE:
+        return False
+    try:
+        from . import triton_ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernel_build_errors() -> tuple:
+    """What a kernel that cannot be built for this GPU raises (too little shared memory, a compiler error): Triton's
+    exceptions where it imports (none elsewhere)."""
+    if not triton_ready():
+        return ()
+    from .triton_ops import KERNEL_BUILD_ERRORS
+
+    return KERNEL_BUILD_ERRORS
+
+
+def record_build_failure(error: Exception) -> None:
+    """A kernel could not be built for this GPU (`kernel_build_errors`): the Triton scan is not tried again here, and
+    `triton_scan_unsupported` says why."""
+    BUILD_FAILURES.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+
+
+def triton_scan_unsupported(cell: torch.Tensor) -> str | None:
+    """Why the Triton scan cannot run on this input, or None if it can."""
+    if not TRITON_AVAILABLE:
+        return "Triton is not installed"
+    if BUILD_FAILURES:
+        return f"its kernels could not be built on this device ({BUILD_FAILURES[0]})"
+    # The meta device runs no kernel at all: it checks shapes and counts launches (benchmark_kernels.py).
+    if cell.device.type not in TRITON_DEVICES and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"its kernels run on CUDA devices (the input is on {cell.device.type})"
+    if cell.dtype == torch.float64:
+        return "it computes in float32, and the input is float64"
+    if not triton_ready():
+        return "Triton cannot be imported"
+    return None
+
+
+def plain_module(module: nn.Module, name: str) -> bool:
+    """Whether a kernel may read `module`'s weights past its call: its class is the one `name` names itself
+    (`kernel_layer_name` on the class itself, not inherited: an adapter's wrapper or a quantised subclass is called),
+    or `nn.Linear` for "Linear", and it has no Accelerate hook (offloaded weights arrive only when it is called)."""
+    kind = type(module)
+    named = kind is nn.Linear if name == "Linear" else kind.__dict__.get("kernel_layer_name") == name
+    return named and "_hf_hook" not in module.__dict__
 
 
 def _on_a_triton_device(op: str, tensor: torch.Tensor) -> bool:
@@ -71,23 +130,23 @@ def _on_a_triton_device(op: str, tensor: torch.Tensor) -> bool:
 
 def _norm(hidden_states: torch.Tensor) -> str:
     fits = hidden_states.shape[-1] <= 16384  # a program holds whole rows
-    runs = _on_a_triton_device("norm", hidden_states) and fits and norm_kernels_ready()
+    runs = _on_a_triton_device("norm", hidden_states) and fits and triton_ready()
     return "triton" if runs else "pytorch"
 
 
 def _glu(projected: torch.Tensor) -> str:
-    return "triton" if _on_a_triton_device("glu", projected) and glu_kernels_ready() else "pytorch"
+    return "triton" if _on_a_triton_device("glu", projected) and triton_ready() else "pytorch"
 
 
 def _rotary(states: torch.Tensor) -> str:
     fits = states.dim() <= 4
-    return "triton" if _on_a_triton_device("rotary", states) and fits and rotary_kernels_ready() else "pytorch"
+    return "triton" if _on_a_triton_device("rotary", states) and fits and triton_ready() else "pytorch"
 
 
 def _window_projection(projected: torch.Tensor, hidden_act: str, cached: bool) -> str:
     # A continuation's slots also read the cache's tail, which the kernel does not.
     fits = hidden_act in SILU_ACTIVATIONS and not cached
-    runs = _on_a_triton_device("window_projection", projected) and fits and window_projection_kernels_ready()
+    runs = _on_a_triton_device("window_projection", projected) and fits and triton_ready()
     return "triton" if runs else "pytorch"
 
 
@@ -101,7 +160,12 @@ def fused_scan_unsupported(hidden_act: str, modules_read: dict) -> str | None:
     modules = [(name, module) for name, module in modules_read.items() if module is not None]
     while modules:
         name, module = modules.pop(0)
-        if type(module) not in PLAIN_WEIGHT_MODULES or module._forward_hooks or module._forward_pre_hooks:
+        children = (
+            ()
+            if type(module) is nn.Linear
+            else PLAIN_WEIGHT_CHILDREN.get(type(module).__dict__.get("kernel_layer_name"))
+        )
+        if children is None or module._forward_hooks or module._forward_pre_hooks:
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
             wrapped = f"`{name}` is wrapped ({kind}, or forward hooks)"
             return f"it reads plain weights, and {wrapped}: adapters would be skipped"
@@ -109,7 +173,7 @@ def fused_scan_unsupported(hidden_act: str, modules_read: dict) -> str | None:
             return (
                 f"it reads plain weights, and `{name}` has an Accelerate hook (offloaded weights arrive on its call)"
             )
-        for child in PLAIN_WEIGHT_MODULES[type(module)]:
+        for child in children:
             modules.append((f"{name}.{child}", module._modules[child]))
     return None
 

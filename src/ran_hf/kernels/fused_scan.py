@@ -1,6 +1,6 @@
 """The fused cell scan: the reference scan's maths as one autograd node, with a hand-written backward.
 
-`reference_cell_scan` (cell_scan.py) lets autograd record every small op of every window: about a hundred nodes per
+`reference_cell_scan` (ran_hf/cell_scan.py) lets autograd record every small op of every window: about a hundred nodes per
 window and layer, each a dispatch on the CPU and a kernel launch on a GPU. This scan computes the same steps with
 fewer, larger ops (one matmul for the queries, keys, values and the gated residual, one `baddbmm` for the scores of
 the cell and all slots, aten's own `silu`/`glu`/softmax backward kernels) and records one node for the whole scan.
@@ -9,9 +9,9 @@ reverse and leaves every weight gradient, and the gradients of the window keys a
 products over all steps once the loop is done.
 
 It computes what `reference_cell_scan` computes for a layer whose activation is SiLU, dropout included: both read
-the same masks, drawn before the scan (scan_dropout.py). It takes tensors and plain weights; `cell_scan.fused_scan`
-reads them from the layer's `CellScanWeights` and the scan's own modules, and `kernel_choice.choose` runs the reference
-instead where the activation is not SiLU or a module is wrapped (warning once). It computes in float32 (float64 for a
+the same masks, drawn before the scan (ran_hf/scan_inputs.py). It takes tensors and plain weights; `cell_scan.fused_scan`
+(in this folder) reads them from the layer's `CellScanWeights` and the scan's own modules, and `choice.choose` runs the
+reference instead where the activation is not SiLU or a module is wrapped (warning once). It computes in float32 (float64 for a
 float64 cell) whatever the inputs' dtype, autocast included. Double backward is not supported. Under `torch.compile`
 the same maths run as one custom op (scan_op.py).
 
@@ -25,24 +25,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from .scan_dropout import NO_DROPOUT, drop
-
-
-# `cell_max_pool`'s soft maximum: temperature 0.03 keeps it within 0.03 * ln(S) of the maximum of S values (swish
-# outputs, above -0.28), while its gradient is shared among values that near-tie, so that bfloat16 rounding cannot move
-# it from one token to another (the hard maximum's relative gradient error under autocast was 9%, this one's 1.2%).
-MAX_POOL_TEMPERATURE = 0.03
-_HIDDEN_VALUE = -1e4  # finite, so that a window with no readable slot gets finite (and then unused) gradients
-
-
-def window_maxima(step_values: torch.Tensor, step_mask: torch.Tensor) -> torch.Tensor:
-    """(N, B, H, d): per scan step, the feature-wise soft maximum (log-sum-exp) of the values of the window slots its
-    cell reads (`config.cell_max_pool`), computed in float32 at least and returned in the values' dtype; zeros where a
-    sequence has no window at that step. It does not depend on the cell: every step's is computed before the scan."""
-    values = step_values.to(torch.promote_types(step_values.dtype, torch.float32))
-    values = values.masked_fill(~step_mask[:, :, None, :, None], _HIDDEN_VALUE)  # (N, B, H, S, d)
-    maxima = MAX_POOL_TEMPERATURE * torch.logsumexp(values / MAX_POOL_TEMPERATURE, dim=-2)
-    return maxima.masked_fill(~step_mask.any(-1)[..., None, None], 0.0).to(step_values.dtype)
+from ..scan_inputs import NO_DROPOUT, drop
 
 
 @dataclass
@@ -60,7 +43,7 @@ class ScanPlan:
     first_step_residual: torch.Tensor | bool  # (B, 1) rows whose first step has a residual, or all / none of them
     keep_for_backward: bool  # whether the forward keeps what the backward reads (not under no_grad)
     # The functions that run the steps, forward and backward: this file's PyTorch ones, or the Triton scan's
-    # (triton_scan.py), which take and return the same. None: this file's.
+    # (triton_ops/scan.py), which take and return the same. None: this file's.
     kernels: tuple | None = None
 
     def has_residual(self, step: int):

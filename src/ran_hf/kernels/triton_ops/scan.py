@@ -1,6 +1,6 @@
 """The cell scan in Triton: two kernels per window forward, two backward, whatever the layer's width.
 
-`fused_scan.py` runs each window step as ~40 forward and ~56 backward PyTorch ops; on a GPU every one is a kernel
+`ran_hf.kernels.fused_scan` runs each window step as ~40 forward and ~56 backward PyTorch ops; on a GPU every one is a kernel
 launch of a few microseconds around very little arithmetic. Here a step is two launches each way, each a
 `torch.library.triton_op` (one op for `torch.compile`, export and a dispatch counter):
 
@@ -24,44 +24,18 @@ microseconds whatever it does, and the step's launches wait on each other.
 Weight gradients are sums over steps, taken after the loop by a few batched products, as in the fused scan.
 
 It computes what `FusedCellScan` computes (same inputs, outputs, dropout masks) in float32, the matrix products in
-IEEE float32 (`input_precision="ieee"`, no TF32). The kernels and their ops are in triton_scan_kernels.py, defined
-(and Triton imported) when the scan first runs; without Triton both modules import, and `TRITON_AVAILABLE` says
-whether it is installed.
+IEEE float32 (`input_precision="ieee"`, no TF32). The kernels and their ops are in scan_forward.py and
+scan_backward.py, their tiles in scan_tiles.py; `ran_hf.kernels.choice` imports them only where the scan runs
+(`triton_scan_unsupported` says where it cannot).
 
 Shapes: N scan steps, B batch, H heads, d head size, D hidden size, S window slots.
 """
 
-import os
-
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .triton_scan_kernels import TRITON_AVAILABLE, check_kernels, kernels_ready
-
-
-BUILD_FAILURES: list = []  # a kernel that could not be built here: the Triton scan is not tried again
-
-
-def triton_scan_unsupported(cell: torch.Tensor) -> str | None:
-    """Why the Triton scan cannot run on this input, or None if it can."""
-    if not TRITON_AVAILABLE:
-        return "Triton is not installed"
-    if BUILD_FAILURES:
-        return f"its kernels could not be built on this device ({BUILD_FAILURES[0]})"
-    # The meta device runs no kernel at all: it checks shapes and counts launches (benchmark_kernels.py).
-    if cell.device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"its kernels run on CUDA devices (the input is on {cell.device.type})"
-    if cell.dtype == torch.float64:
-        return "it computes in float32, and the input is float64"
-    if not kernels_ready():
-        return "Triton cannot be imported"
-    return None
-
-
-def record_build_failure(error: Exception) -> None:
-    """A kernel could not be built for this GPU (`kernel_build_errors`): the Triton scan is not tried again here, and
-    `triton_scan_unsupported` says why."""
-    BUILD_FAILURES.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+from .scan_backward import scan_attention_grad, scan_input_grad, scan_write_grad
+from .scan_forward import scan_output, scan_project, scan_write
 
 
 def launchers(like: torch.Tensor, *ops):
@@ -86,8 +60,6 @@ class _Absent:
 def triton_scan_forward(plan, cell, previous_raw, step_keys, step_values, output_shift, score_bias, dropout, weights):
     """`fused_scan.scan_forward` in Triton kernels: the same inputs and outputs; the state is what
     `triton_scan_backward` reads (None without `plan.keep_for_backward`)."""
-    check_kernels(kernels_ready(), "The Triton cell scan")
-    from .triton_scan_kernels import scan_output, scan_project, scan_write  # defined by `kernels_ready`
 
     num_steps, batch_size, num_heads, num_slots, head_dim = step_keys.shape
     hidden, eps = cell.shape[-1], plan.eps
@@ -185,7 +157,6 @@ def step_has_gate(plan, step: int) -> bool:
 
 def triton_scan_backward(plan, state, weights, grads):
     """`fused_scan.scan_backward` in Triton kernels: the same gradients, in the same order."""
-    from .triton_scan_kernels import scan_attention_grad, scan_input_grad, scan_write_grad  # as the forward's
 
     in_w, in_b, qkv_w, qkv_b, o_w, o_b, ag_w, ag_b, an_w, an_b, cg_w, cg_b, cn_w, cn_b = weights
     cell, dropout, rows = state["cell"], state["dropout"], state["rows"]
