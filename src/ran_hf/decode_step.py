@@ -115,12 +115,13 @@ def step_rotations(config, num_slots: int, dtype: torch.dtype, device: torch.dev
     """(1 + S, d / 2) the rotary embedding of the cell (position 0) and of every slot as complex numbers, made once per
     device and dtype: the window layout's float32 angles, as complex128 for float64 states."""
     real_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    head_dim, theta = config.head_dim, config.rope_parameters["rope_theta"]
     if torch.compiler.is_compiling():  # a constant of the graph
-        rotations = rotary_rotations(num_slots + 1, config.head_dim, config.rope_theta, device)
+        rotations = rotary_rotations(num_slots + 1, head_dim, theta, device)
         return torch.view_as_complex(rotations.to(real_dtype))
-    key = (num_slots, config.head_dim, config.rope_theta, real_dtype, device)
+    key = (num_slots, head_dim, theta, real_dtype, device)
     if key not in _ROTATIONS:
-        rotations = rotary_rotations(num_slots + 1, config.head_dim, config.rope_theta, device)
+        rotations = rotary_rotations(num_slots + 1, head_dim, theta, device)
         _ROTATIONS[key] = torch.view_as_complex(rotations.to(real_dtype))
     return _ROTATIONS[key]
 

@@ -271,7 +271,9 @@ class RANLayer(GradientCheckpointingLayer):
         """
         config = self.config
         rotations = (
-            layout.rotary(self.head_dim, config.rope_theta, normed_tokens.device) if config.use_rotary else None
+            layout.rotary(self.head_dim, config.rope_parameters["rope_theta"], normed_tokens.device)
+            if config.use_rotary
+            else None
         )
         return self.project_windows_reference(normed_tokens, layout, cache, rotations, chunk_features)
 

@@ -515,10 +515,12 @@ class RANModel(RANPreTrainedModel):
         general forward pass. The cache is checked once, when first handed over; the config only after an edit; a
         `cache_position`, where one is given, against the cache."""
         if not torch.compiler.is_compiling():
-            self.check_config()  # a field the model was built from, changed since, is named
             if kwargs.get("cache_position") is not None:  # Transformers' own; RAN's cache needs none
                 new_positions = (input_ids if input_ids is not None else inputs_embeds).shape[1]
                 check_cache_position(kwargs["cache_position"], past_key_values, new_positions)
+            if type(past_key_values) is not RANCache:
+                return None  # no step: the forward checks the config
+            self.check_config()  # a field the model was built from, changed since, is named
         if (
             type(past_key_values) is not RANCache
             or past_key_values.lengths is None
@@ -624,7 +626,8 @@ class RANModel(RANPreTrainedModel):
         if not torch.compiler.is_compiling():
             self.check_config()  # again, after Transformers' defaults merger set what a call passed (`is_causal`)
         check_exportable(past_key_values, use_cache)
-        if (past_key_values is not None or use_cache) and not self.config.is_causal:
+        is_causal = self.config.is_causal
+        if (past_key_values is not None or use_cache) and not is_causal:
             raise ValueError("`past_key_values`/`use_cache` need a causal model (`is_causal=True`).")
         if past_key_values is not None and getattr(past_key_values, "checked_by", None) is not self.checked_config:
             check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
@@ -682,7 +685,7 @@ class RANModel(RANPreTrainedModel):
         del embeddings, token_states  # the first layer reads its tokens, and the later ones need them no more
         cell = initial_cell  # None: the first layer starts from its own learned cell
         for layer in self.layers:
-            if self.config.is_causal and layer.layer_idx > 0:
+            if is_causal and layer.layer_idx > 0:
                 cell = None  # every later causal layer starts from its own learned cell: the cell below has read ahead
             layer_cache = past_key_values.layers[layer.layer_idx] if past_key_values is not None else None
             with checkpointing_off(layer, when=layer_cache is not None and self.training):
