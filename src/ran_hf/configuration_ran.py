@@ -1,7 +1,6 @@
 """Configuration of the Recurrent Attention Network (RAN). Every field is described in docs/configuration.md."""
 
 import copy
-import difflib
 import math
 import os
 from typing import Literal
@@ -47,6 +46,19 @@ def activation_name(value: str):
 
     if value not in ACT2FN:
         raise ValueError(f"must be the name of a Transformers activation ({', '.join(sorted(ACT2FN))}), got {value!r}")
+
+
+def misspells(name: str, field: str) -> bool:
+    """Whether `name` is `field` written otherwise (`windowsize`, `WindowSize`), cut short by at most three letters
+    (`cell_pool`) or with two neighbouring letters swapped (`is_casual`); not another model's name for a like field
+    (`layer_norm_epsilon`, which Transformers' tests set on every config)."""
+    short, long = sorted((name.replace("_", "").lower(), field.replace("_", "").lower()), key=len)
+    if short == long or (len(short) > 4 and len(long) - len(short) <= 3 and long.startswith(short)):
+        return True
+    differ = [i for i, (a, b) in enumerate(zip(short, long)) if a != b]
+    if len(short) != len(long) or len(short) <= 4 or len(differ) != 2 or differ[1] != differ[0] + 1:
+        return False
+    return short[differ[0]] == long[differ[1]] and short[differ[1]] == long[differ[0]]
 
 
 @strict
@@ -140,7 +152,7 @@ class RANConfig(PreTrainedConfig):
         if self.__dict__.get(name, self) is value:  # set to what it holds (Transformers sets `is_causal` per call)
             return
         if name not in self.__dataclass_fields__ and name not in self.__dict__ and not hasattr(type(self), name):
-            close = difflib.get_close_matches(name.lower(), self.__dataclass_fields__, n=1, cutoff=0.85)
+            close = [field for field in RAN_FIELDS if misspells(name, field)]
             if close and not name.startswith("_"):  # other new names pass: Transformers attaches its own
                 raise ValueError(f"`{name}` is not a field of RANConfig (did you mean {close[0]!r}?).")
         if name == "num_labels" and not (type(value) is int and value >= 1):  # as given, before it becomes id2label
