@@ -197,3 +197,21 @@ def test_the_exportable_scan_continues_a_cache_as_the_reference_does(options):
         model.config.scan_implementation = "reference"
         whole = model(ids).logits
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), whole, rtol=0, atol=1e-5)
+
+
+def test_a_ran_drafting_for_another_model_is_refused_before_either_model_runs():
+    """A RAN as another model's `assistant_model` drafted, the main model verified, and only then did the draft's
+    cache fail to drop the rejected tokens (`A RAN cache cannot be cropped`): now refused at the draft's first call."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    main = LlamaForCausalLM(
+        LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0)
+    ).eval()  # fmt: skip
+    draft = randomize_(RANForCausalLM(tiny_config(is_causal=True)))
+    forwards = []
+    for model in (main, draft):
+        model.register_forward_hook(lambda module, args, output: forwards.append(type(module).__name__))
+    with pytest.raises(ValueError, match=r"RANForCausalLM cannot draft for assisted generation.*cannot be cropped"):
+        main.generate(IDS[:1], assistant_model=draft, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert forwards == []
