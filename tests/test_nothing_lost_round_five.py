@@ -215,3 +215,26 @@ def test_a_ran_drafting_for_another_model_is_refused_before_either_model_runs():
     with pytest.raises(ValueError, match=r"RANForCausalLM cannot draft for assisted generation.*cannot be cropped"):
         main.generate(IDS[:1], assistant_model=draft, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert forwards == []
+
+
+def test_an_onnx_export_of_salient_cells_is_refused_before_tracing():
+    """`memory_salient_cells` failed in ONNX's converter after tracing (no function for a stable `aten.sort`)."""
+    from ran_hf import export_onnx
+
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True, memory_review_cells=1, memory_salient_cells=1)))
+    model.register_forward_pre_hook(lambda *_: pytest.fail("traced before refusing"))
+    with pytest.raises(NotImplementedError, match=r"`memory_salient_cells` cannot be exported to ONNX"):
+        export_onnx(model)
+
+
+def test_an_export_into_a_path_inside_a_file_is_refused_before_tracing(tmp_path):
+    """`model.safetensors/model.onnx` traced the model, then failed making the folder: `FileExistsError`."""
+    from ran_hf import export_onnx
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"weights")
+    model = randomize_(RANModel(tiny_config()))
+    model.register_forward_pre_hook(lambda *_: pytest.fail("traced before refusing"))
+    with pytest.raises(ValueError, match=r"cannot be written: .*model.safetensors is a file, not a folder"):
+        export_onnx(model, weights / "sub" / "model.onnx")
+    assert weights.read_bytes() == b"weights"
