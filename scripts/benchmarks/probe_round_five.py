@@ -1413,6 +1413,7 @@ def main(argv=None):
         results = [joined(r, before.get(r["name"])) for r in results]
         surfaces = sorted({r["surface"] for r in results})
         counts = {cls: sum(r["class"] == cls for r in results) for cls in CLASSES}
+        counts_now = {cls: sum(r["class_now"] == cls for r in results) for cls in CLASSES}
         by_surface = {
             s: {c: sum(r["class"] == c and r["surface"] == s for r in results) for c in CLASSES} for s in surfaces
         }
@@ -1422,7 +1423,7 @@ def main(argv=None):
         record = result_record(
             command,
             {**vars(args), "ran_hf": str(Path(sys.modules["ran_hf"].__file__).parent)},
-            {"counts": counts, "counts_by_surface": by_surface, "probes": results},
+            {"counts": counts, "counts_by_surface": by_surface, "counts_now": counts_now, "probes": results},
             device="cpu",
             dtype="float32",
             info=info,
