@@ -215,3 +215,44 @@ def test_a_compiled_step_past_its_caches_room_is_refused_not_written_over_the_la
         for _ in range(8):  # with room, the compiled steps give the eager ones' logits
             compiled_logits = step(token, past_key_values=reserved.past_key_values, use_cache=True).logits
             torch.testing.assert_close(compiled_logits, model(token, past_key_values=eager).logits, rtol=0, atol=1e-4)
+
+
+def test_a_ran_drafting_for_another_model_is_refused_before_either_model_runs():
+    """A RAN as another model's `assistant_model` drafted, the main model verified, and only then did the draft's
+    cache fail to drop the rejected tokens (`A RAN cache cannot be cropped`): now refused at the draft's first call."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    main = LlamaForCausalLM(
+        LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0)
+    ).eval()  # fmt: skip
+    draft = randomize_(RANForCausalLM(tiny_config(is_causal=True)))
+    forwards = []
+    for model in (main, draft):
+        model.register_forward_hook(lambda module, args, output: forwards.append(type(module).__name__))
+    with pytest.raises(ValueError, match=r"RANForCausalLM cannot draft for assisted generation.*cannot be cropped"):
+        main.generate(IDS[:1], assistant_model=draft, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert forwards == []
+
+
+def test_an_onnx_export_of_salient_cells_is_refused_before_tracing():
+    """`memory_salient_cells` failed in ONNX's converter after tracing (no function for a stable `aten.sort`)."""
+    from ran_hf import export_onnx
+
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True, memory_review_cells=1, memory_salient_cells=1)))
+    model.register_forward_pre_hook(lambda *_: pytest.fail("traced before refusing"))
+    with pytest.raises(NotImplementedError, match=r"`memory_salient_cells` cannot be exported to ONNX"):
+        export_onnx(model)
+
+
+def test_an_export_into_a_path_inside_a_file_is_refused_before_tracing(tmp_path):
+    """`model.safetensors/model.onnx` traced the model, then failed making the folder: `FileExistsError`."""
+    from ran_hf import export_onnx
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"weights")
+    model = randomize_(RANModel(tiny_config()))
+    model.register_forward_pre_hook(lambda *_: pytest.fail("traced before refusing"))
+    with pytest.raises(ValueError, match=r"cannot be written: .*model.safetensors is a file, not a folder"):
+        export_onnx(model, weights / "sub" / "model.onnx")
+    assert weights.read_bytes() == b"weights"

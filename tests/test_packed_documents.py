@@ -317,6 +317,8 @@ def offsets(*values):
         ),
         pytest.param({"position_ids": torch.arange(9)[None]}, "shape", id="positions-shape"),
         pytest.param({"position_ids": torch.zeros(1, 10)}, "integer", id="float-positions"),
+        pytest.param({"position_ids": torch.ones(1, 10, dtype=torch.bool)}, "integer", id="bool-positions"),
+        pytest.param({"cu_seq_lens_q": [0, 4, 12]}, r"length, 10 \(got \[0, 4, 12\]\)", id="offsets-as-a-list"),
         pytest.param(
             {"cu_seq_lens_q": offsets(0, 4, 10), "attention_mask": torch.tensor([[1] * 9 + [0]])},
             "padding",
@@ -329,6 +331,37 @@ def test_markers_that_do_not_fit_the_inputs_are_refused(inputs, message):
     never_embedded(model)
     with pytest.raises(ValueError, match=message):
         model(random_ids(10, 61, seed=3)[None], **inputs)
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        pytest.param({"cu_seq_lens_q": offsets(0, 5, 10)}, id="cu_seq_lens"),
+        pytest.param({"seq_idx": torch.tensor([[0] * 5 + [1] * 5])}, id="seq_idx"),
+    ],
+)
+def test_markers_that_mark_different_documents_are_refused(inputs):
+    """Several markers given must mark the same documents: they were read together, every boundary of either."""
+    model = randomize_(RANModel(tiny_config()), seed=13)
+    never_embedded(model)
+    positions = torch.cat([torch.arange(4), torch.arange(6)])[None]  # a restart at 4
+    with pytest.raises(ValueError, match=r"`position_ids` and `(cu_seq_lens_q|seq_idx)` mark different documents"):
+        model(random_ids(10, 61, seed=3)[None], position_ids=positions, **inputs)
+
+
+def test_positions_that_count_a_padding_hole_keep_one_document():
+    """`position_ids = arange(L)` with a masked hole: the positions after the hole count it, and the document goes
+    on, as without the positions (it was read as two documents)."""
+    model = randomize_(RANForCausalLM(tiny_config(is_causal=True)), seed=15)
+    ids = random_ids(9, 61, seed=4)[None]
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        counted = model(ids, attention_mask=mask, position_ids=torch.arange(9)[None]).logits
+        skipped = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        plain = model(ids, attention_mask=mask).logits
+    real = mask[0].bool()
+    assert_close(counted[:, real], plain[:, real], "positions that count the hole")
+    assert_close(skipped[:, real], plain[:, real], "positions that skip the hole")
 
 
 def test_offsets_for_several_rows_are_refused():

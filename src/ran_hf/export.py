@@ -64,6 +64,12 @@ def export_refusal(model: RANPreTrainedModel) -> str | None:
             "window after window in a Python loop, which an exported graph cannot hold for any number of windows. "
             "Export a model without it, or run the PyTorch model."
         )
+    if getattr(model.config, "memory_salient_cells", None):
+        return (
+            f"{type(model).__name__} with `memory_salient_cells` cannot be exported to ONNX: choosing the salient "
+            "cells sorts them stably (ties go to the older window), which ONNX's converter has no function for. "
+            "Export a model without it (`memory_review_cells` alone exports), or run the PyTorch model."
+        )
     return None
 
 

@@ -347,6 +347,17 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             config = config.with_causal(True)
         super().__init__(config)
 
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        # As another model's draft (`assistant_model=`), the RAN would draft tokens the main model then rejects, and
+        # its cache cannot drop them: refused at the draft's first call, before either model runs a forward.
+        if getattr(generation_config, "is_assistant", False):
+            raise ValueError(
+                f"{type(self).__name__} cannot draft for assisted generation (`assistant_model=`): the main model "
+                "rejects some drafted tokens, and a recurrent cache that has read them cannot be cropped back. "
+                "Generate with the main model alone, or draft with a model whose cache can be cropped."
+            )
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # RAN keeps a recurrent state, not per-token keys and values: forward() creates its own `RANCache`.

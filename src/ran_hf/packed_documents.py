@@ -76,9 +76,10 @@ def find_packed_documents(batch_shape: tuple, attention_mask, device, kwargs: di
     """The documents of packed rows (`PackedDocuments`), or None where every row holds one document at most: no
     boundary marker given (nothing read), or markers that mark no boundary after a row's first token (one host read).
 
-    A document starts at a row's first real token and at every real token where any marker says so: a position that
-    does not follow the one of the real token before it (`position_ids`: a restart), a new `seq_idx`, or an offset in
-    `cu_seq_lens_*`. Markers that disagree with the inputs' shape are refused before any work."""
+    A document starts at a row's first real token and at every real token where a marker says so: a position that
+    does not follow the one of the real token before it (`position_ids`: a restart; positions may count the padding
+    between the two tokens or not), a new `seq_idx`, or an offset in `cu_seq_lens_*`. Markers that disagree with the
+    inputs' shape, or with each other (several given that mark different documents), are refused before any work."""
     signals = boundary_signals(kwargs)
     if not signals:
         return None
@@ -94,14 +95,18 @@ def find_packed_documents(batch_shape: tuple, attention_mask, device, kwargs: di
     # The real token before each position in its row (-1: none), so that padding holes do not count as boundaries.
     at = torch.arange(length, device=device).expand(batch_size, length)
     before = F.pad(torch.where(real, at, -1).cummax(1).values[:, :-1], (1, 0), value=-1)  # (B, L)
-    starts = real & (before < 0)  # every row's first real token
-    checks = []  # flags read with the sizes: False names a bad marker
+    first = real & (before < 0)  # every row's first real token
+    marked = {}  # each marker's document starts (B, L)
+    checks = []  # (problem, flag, offsets to show or None), read with the sizes: a False flag names a bad marker
     for name in ("position_ids", "seq_idx"):
         if name in signals:
             values = per_token_marker(signals[name], name, batch_shape).to(device)
             previous = values.gather(1, before.clamp(min=0))
-            follows = previous + 1 if name == "position_ids" else previous
-            starts = starts | (real & (values != follows))
+            if name == "position_ids":  # the next position, or the next but for the padding in between
+                continues = (values == previous + 1) | (values == previous + at - before)
+            else:
+                continues = values == previous
+            marked[name] = first | (real & ~continues)
     lengths_names = [name for name in ("cu_seq_lens_q", "cu_seq_lens_k") if name in signals]
     if lengths_names:
         offsets = [cumulative_lengths(signals[name], name, batch_shape).to(device) for name in lengths_names]
@@ -111,25 +116,37 @@ def find_packed_documents(batch_shape: tuple, attention_mask, device, kwargs: di
                     f"`cu_seq_lens_q` {tuple(offsets[0].shape)} and `cu_seq_lens_k` {tuple(offsets[1].shape)} differ: "
                     "a RAN reads every document's tokens as both queries and keys; pass the same offsets."
                 )
-            checks.append(("`cu_seq_lens_q` and `cu_seq_lens_k` differ", (offsets[0] == offsets[1]).all()))
+            checks.append(("`cu_seq_lens_q` and `cu_seq_lens_k` differ", (offsets[0] == offsets[1]).all(), offsets[0]))
         offsets = offsets[0].long()
-        checks.append((f"`{lengths_names[0]}` must start at 0", offsets[0] == 0))
-        checks.append((f"`{lengths_names[0]}` must end at the row's length, {length}", offsets[-1] == length))
-        checks.append((f"`{lengths_names[0]}` must increase (no empty document)", (offsets.diff() > 0).all()))
-        checks.append(("`cu_seq_lens_*` cover every position: no padding may be masked", real.all()))
-        marked = torch.zeros(length, dtype=torch.bool, device=device)
-        marked[offsets[:-1].clamp(0, length - 1)] = True
-        starts = starts | (real & marked[None])
+        name = lengths_names[0]
+        checks.append((f"`{name}` must start at 0", offsets[0] == 0, offsets))
+        checks.append((f"`{name}` must end at the row's length, {length}", offsets[-1] == length, offsets))
+        checks.append((f"`{name}` must increase (no empty document)", (offsets.diff() > 0).all(), offsets))
+        checks.append(("`cu_seq_lens_*` cover every position: no padding may be masked", real.all(), offsets))
+        at_offset = torch.zeros(length, dtype=torch.bool, device=device)
+        at_offset[offsets[:-1].clamp(0, length - 1)] = True
+        marked[lengths_names[0]] = first | (real & at_offset[None])
+    names = list(marked)
+    starts = marked[names[0]]
+    for name in names[1:]:
+        checks.append(
+            (
+                f"`{names[0]}` and `{name}` mark different documents: give the markers of one packing (as "
+                "`DataCollatorWithFlattening` does), or one of them",
+                (starts == marked[name]).all(),
+                None,
+            )
+        )
     document = torch.cumsum(starts.flatten(), 0) - 1  # (B * L,) the document of each position
     num_documents = starts.sum()
     document_lengths = torch.zeros(batch_size * length + 1, dtype=torch.long, device=device)
     document_lengths = document_lengths.index_add_(0, document.clamp(min=0), real.flatten().long())
     one_a_row = num_documents == real.any(1).sum()
-    read = [one_a_row, num_documents, document_lengths.max(), real.sum()] + [flag for _, flag in checks]
+    read = [one_a_row, num_documents, document_lengths.max(), real.sum()] + [flag for _, flag, _ in checks]
     found = torch.stack([value.long() for value in read]).tolist()  # the one host read
-    for (problem, _), ok in zip(checks, found[4:]):
-        if not ok:
-            raise ValueError(f"Packed documents: {problem} (got {signals[lengths_names[0]].tolist()}).")
+    for (problem, _, shown), ok in zip(checks, found[4:]):
+        if not ok:  # the offsets are read again only to name them
+            raise ValueError(f"Packed documents: {problem}{'' if shown is None else f' (got {shown.tolist()})'}.")
     if found[0]:
         return None  # every row one document (or none): the ordinary path is already exact
     num_documents, longest, num_tokens = found[1:4]
@@ -152,7 +169,7 @@ def find_packed_documents(batch_shape: tuple, attention_mask, device, kwargs: di
 
 def per_token_marker(values, name: str, batch_shape: tuple) -> torch.Tensor:
     """`position_ids` or `seq_idx` as a (B, L) integer tensor, or a clear error."""
-    if not torch.is_tensor(values) or values.is_floating_point() or values.is_complex():
+    if not torch.is_tensor(values) or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
         raise ValueError(f"`{name}` must be an integer tensor of shape {batch_shape}, got {values!r:.60}.")
     if values.dim() == 1:
         values = values[None]

@@ -525,7 +525,7 @@ def check_file_output(
 ) -> None:
     """Refuse a file output `target` that would replace something other than a file of its kind: a name (as given,
     or its link's target) without `suffix`, a folder, or an existing non-empty file that `is_ours` does not
-    recognize as `what` (model weights, a config, anything else)."""
+    recognize as `what` (model weights, a config, anything else), or a path inside a file."""
     path = resolved(target)
     for name, shown in ((Path(target).name, ""), (path.name, f": it links to {path}")):
         if not name.endswith(suffix):
@@ -535,6 +535,11 @@ def check_file_output(
             )
     if path.is_dir():
         raise ValueError(f"{flag} {target} is a folder; name the {suffix} file to write.")
+    holder = next((parent for parent in path.parents if parent.exists()), None)  # the folder it would be made in
+    if holder is not None and not holder.is_dir():
+        raise ValueError(
+            f"{flag} {target} cannot be written: {holder} is a file, not a folder. Name a path in a folder."
+        )
     if path.is_file() and path.stat().st_size and not is_ours(path):
         raise ValueError(
             f"{flag} {target} already exists and is not {what}: writing there would replace it. Move it away, or "
