@@ -40,24 +40,20 @@ def standard_normalize_reference(
 ) -> torch.Tensor:
     """`standard_normalize` in PyTorch ops, wherever the kernel does not run."""
     input_dtype = hidden_states.dtype
-    autocast = autocast_on(hidden_states)
+    # (the meta device, which checks shapes and counts kernels, has no autocast state to ask)
+    autocast = hidden_states.device.type != "meta" and torch.is_autocast_enabled(hidden_states.device.type)
     hidden_states = hidden_states if input_dtype == torch.float64 else hidden_states.float()
     mean = hidden_states.mean(-1, keepdim=True)
     mean_square = hidden_states.pow(2).mean(-1, keepdim=True)
     normalized = (hidden_states - mean) * torch.rsqrt(mean_square + eps)
     normalized = normalized if autocast else normalized.to(input_dtype)
-    return normalized if dropout is None else apply_dropout(dropout, normalized)  # (a norm's inner one has none)
-
-
-def autocast_on(states: torch.Tensor) -> bool:
-    """Whether autocast is on for the device of `states`."""
-    # (the meta device, which checks shapes and counts kernels, has no autocast state to ask)
-    return states.device.type != "meta" and torch.is_autocast_enabled(states.device.type)
+    return apply_dropout(dropout, normalized) if dropout is not None and dropout.training else normalized
 
 
 def apply_dropout(dropout: nn.Dropout | None, states: torch.Tensor) -> torch.Tensor:
     """`dropout(states)` where a dropout module is given and training: in inference it is the identity, and not
-    calling it saves a module call per norm and branch of every step."""
+    calling it saves a module call per norm and branch of every step. (The hot paths ask `dropout.training`
+    before calling this: a Python call each.)"""
     return states if dropout is None or not dropout.training else dropout(states)
 
 
@@ -75,7 +71,9 @@ def activation_function(name: str):
 def unit_vectors(states: torch.Tensor) -> torch.Tensor:
     """L2-normalised along the last axis, in float32: in half precision the guard against a zero vector (padding)
     underflows to 0, and 0 / 0 is NaN."""
-    return F.normalize(states if states.dtype == torch.float64 else states.float(), dim=-1).to(states.dtype)
+    # (`F.normalize`'s maths, without its two Python wrappers)
+    wide = states if states.dtype == torch.float64 else states.float()
+    return (wide / torch.linalg.vector_norm(wide, dim=-1, keepdim=True).clamp_min(1e-12)).to(states.dtype)
 
 
 @use_kernel_forward("RANCenteredRMSNorm")
@@ -113,7 +111,7 @@ def centered_rms_norm_reference(
     normalized = weight * standard_normalize_reference(hidden_states, eps) + bias
     if then_standardize:
         return standard_normalize_reference(normalized, eps, dropout)
-    return apply_dropout(dropout, normalized)
+    return apply_dropout(dropout, normalized) if dropout is not None and dropout.training else normalized
 
 
 @use_kernel_forward("RANGatedLinearUnit")
@@ -169,7 +167,7 @@ def residual_branch(
         return None
     residual = residual if rows is None else gather_rows(residual, rows)
     residual = residual if activation is None else activation(residual)
-    return apply_dropout(dropout, residual)
+    return apply_dropout(dropout, residual) if dropout is not None and dropout.training else residual
 
 
 def gated_linear_unit_reference(
@@ -190,10 +188,10 @@ def gated_linear_unit_reference(
 def project_heads(qkv: torch.Tensor, num_heads: int, head_dim: int, act: nn.Module, qk_activation: bool):
     """A query/key/value projection's output (..., 3 H d) -> (..., 3, H, d) queries, keys and values; the values
     activated, and the queries and keys where `qk_activation` (`config.attention_qk_activation`)."""
-    qkv = qkv.unflatten(-1, (3, num_heads, head_dim))
+    qkv = torch.unflatten(qkv, -1, (3, num_heads, head_dim))  # (torch's own, not the Tensor methods' Python wrappers)
     if qk_activation:
         return act(qkv)
-    query_key, value = qkv.split([2, 1], dim=-3)
+    query_key, value = qkv.split_with_sizes([2, 1], dim=-3)
     return torch.cat([query_key, act(value)], dim=-3)
 
 
@@ -227,7 +225,9 @@ def rotate_pairs_complex(states: torch.Tensor, rotations: torch.Tensor) -> torch
     them, in four ops whatever the size, for a decoding step whose tensors are small. Not exportable to ONNX."""
     if torch.compiler.is_compiling():  # inductor generates no code for complex products: its fused real form
         return rotate_pairs_reference(states, torch.view_as_real(rotations))
-    pairs = torch.view_as_complex((states if states.dtype == torch.float64 else states.float()).unflatten(-1, (-1, 2)))
+    pairs = torch.view_as_complex(
+        torch.unflatten(states if states.dtype == torch.float64 else states.float(), -1, (-1, 2))
+    )
     return torch.view_as_real(pairs * rotations).flatten(-2).to(states.dtype)
 
 

@@ -352,7 +352,11 @@ def cache_transaction(forward):
         if type(cache) is not RANCache or "saved" in vars(cache) or torch.compiler.is_compiling():
             return forward(*args, **kwargs)
         owners = (cache, *cache.layers)
-        cache.saved = [{name: dict(v) if type(v) is dict else v for name, v in vars(o).items()} for o in owners]
+        cache.saved = list(map(dict, map(vars, owners)))  # (C calls only: a decoding step runs this too)
+        for saved in cache.saved:
+            for name, value in saved.items():
+                if type(value) is dict:  # the base layer's per-state dicts, written in place
+                    saved[name] = dict(value)
         try:
             return forward(*args, **kwargs)
         except BaseException:

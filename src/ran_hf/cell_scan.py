@@ -226,6 +226,7 @@ class RANCellScan(nn.Module):
         self.qk_activation = config.attention_qk_activation
         self.output_activation = config.memory_value_activation  # of what the cell writes
         self.cell_max_pool = config.cell_max_pool
+        self.hidden_act = config.hidden_act  # an architecture field: fixed once built
         self.act = activation_function(config.hidden_act)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_dropout = config.attention_probs_dropout_prob

@@ -37,6 +37,26 @@ def decodes_in_steps(config) -> bool:
     )
 
 
+class StepSettings(NamedTuple):
+    """The config's fields a step reads, read once after each edit of it (`RANPreTrainedModel.check_config`), not at
+    every step: a config read runs three Python calls through Transformers' `__getattribute__`."""
+
+    window_size: int
+    window_overlap: int
+    use_rotary: bool
+    head_dim: int
+    rope_theta: float
+    memory_review_cells: int | None
+    review_initial_cell: bool
+
+
+def step_settings(config) -> StepSettings:
+    return StepSettings(
+        config.window_size, config.window_overlap, config.use_rotary, config.head_dim,
+        config.rope_parameters["rope_theta"], config.memory_review_cells, config.review_initial_cell,
+    )  # fmt: skip
+
+
 class StepPositions(NamedTuple):
     """Where every row's new token sits, shared by all layers of a step: the layout a step hands the layer's modules."""
 
@@ -54,34 +74,39 @@ class StepPositions(NamedTuple):
     first_readable: torch.Tensor | None  # (B, 1) the first cached cell the token's memory review reads (None: 0)
     readable: torch.Tensor  # (B, 1) the cells it reads end before this one (0: it reads none)
     reads_cells: torch.Tensor  # (B, 1) whether the token reviews any cell
+    compiled: bool  # inside `torch.compile`: nothing is read to the host, and no step memo is kept
+    settings: StepSettings
 
 
-def step_positions(config, cache, dtype: torch.dtype, device: torch.device) -> StepPositions:
-    """Where the new tokens go, from the lengths the cache has read (on the device; on the host only to skip the
-    cell scan in a step where no row ends a window). `dtype`: the states', which attention's bias takes."""
-    window_size, overlap = config.window_size, config.window_overlap
+def step_positions(
+    settings: StepSettings, cache, lengths: list[int] | None, dtype: torch.dtype, device: torch.device
+) -> StepPositions:
+    """Where the new tokens go, from the lengths the cache has read (on the device; on the host, `lengths`, only to
+    skip the cell scan in a step where no row ends a window: None in a compiled step, which reads nothing to the
+    host). `dtype`: the states', which attention's bias takes."""
+    window_size, overlap = settings.window_size, settings.window_overlap
+    compiled = lengths is None
     past = cache.lengths  # (B,)
-    window, within = past // window_size, past % window_size
+    window, within = torch.div(past, window_size, rounding_mode="floor"), past % window_size
     slot = torch.minimum(past, within + overlap) if overlap else within  # (a first window has no enrichment)
     key_slot = slot + 1  # among the keys attention reads, after the read cell's; the rotary position of slot s too
     num_slots = cache.tail_slots
     reads = torch.arange(1 + num_slots, device=device) <= key_slot[:, None]  # (B, 1 + S): the cell, then the slots
     token_rotations = key_rotations = None
-    if config.use_rotary:
-        rotations = step_rotations(config, num_slots, dtype, device)
+    if settings.use_rotary:
+        rotations = step_rotations(settings, num_slots, dtype, device, compiled)
         token_rotations, key_rotations = rotations[key_slot][:, None, None], rotations[1:][:, None]
     ends_window = within == window_size - 1
     scan_runs, cells_read = True, None
-    if not torch.compiler.is_compiling():
-        lengths = cache.known_lengths()
-        scan_runs = any((length + 1) % window_size == 0 for length in lengths)
-        if config.memory_review_cells is None:
+    if not compiled:
+        scan_runs = window_size - 1 in [length % window_size for length in lengths]
+        if settings.memory_review_cells is None:
             cells_read = max(lengths) // window_size
     # Memory review: window w reads the cells of windows before it (the last `memory_review_cells`), after the
     # layer's starting cell where `review_initial_cell` puts it first. Unbounded, cached cell c is window c's; bounded,
     # the M cached cells are right-aligned, the last being window w - 1's.
-    initial = int(config.review_initial_cell)
-    bound = config.memory_review_cells
+    initial = int(settings.review_initial_cell)
+    bound = settings.memory_review_cells
     if bound is None:
         first_readable, readable = None, (window + initial)[:, None]
     else:
@@ -105,18 +130,22 @@ def step_positions(config, cache, dtype: torch.dtype, device: torch.device) -> S
         first_readable=first_readable,
         readable=readable,
         reads_cells=readable > 0,
+        compiled=compiled,
+        settings=settings,
     )
 
 
 _ROTATIONS: dict = {}
 
 
-def step_rotations(config, num_slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def step_rotations(
+    settings: StepSettings, num_slots: int, dtype: torch.dtype, device: torch.device, compiled: bool
+) -> torch.Tensor:
     """(1 + S, d / 2) the rotary embedding of the cell (position 0) and of every slot as complex numbers, made once per
     device and dtype: the window layout's float32 angles, as complex128 for float64 states."""
     real_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    head_dim, theta = config.head_dim, config.rope_parameters["rope_theta"]
-    if torch.compiler.is_compiling():  # a constant of the graph
+    head_dim, theta = settings.head_dim, settings.rope_theta
+    if compiled:  # a constant of the graph
         rotations = rotary_rotations(num_slots + 1, head_dim, theta, device)
         return torch.view_as_complex(rotations.to(real_dtype))
     key = (num_slots, head_dim, theta, real_dtype, device)
@@ -132,17 +161,17 @@ ROOM_EXHAUSTED = (
 )
 
 
-def remember_cell(projected, cell_states: torch.Tensor, at: StepPositions, bounded: bool) -> torch.Tensor | None:
+def remember_cell(projected, cell_states: torch.Tensor, at: StepPositions) -> torch.Tensor | None:
     """The cached cells after the windows that end here wrote theirs (`projected` (B, 2 D)): unbounded, into the
-    window's place; `bounded` (`memory_review_cells`), after the last M - 1 (right-aligned)."""
+    window's place; bounded (`memory_review_cells`), after the last M - 1 (right-aligned)."""
     ends = at.ends_window[:, None]
-    if bounded:
+    if at.settings.memory_review_cells is not None:
         shifted = torch.cat([cell_states[:, 1:], projected[:, None].to(cell_states.dtype)], dim=1)
         return torch.where(ends[..., None], shifted, cell_states)
     rows = at.rows
     place = at.window.clamp(max=cell_states.shape[1] - 1)
     written = torch.where(ends, projected.to(cell_states.dtype), cell_states[rows, place])
-    if torch.compiler.is_compiling():
+    if at.compiled:
         # A compiled graph cannot grow the room: a cell past it would overwrite the last one. Checked on the device
         # (no host read), where `generate()` reserved too little or a caller compiled steps without `reserve`.
         overflow = (at.ends_window & (at.window >= cell_states.shape[1])).any()
@@ -156,10 +185,11 @@ def remember_cell(projected, cell_states: torch.Tensor, at: StepPositions, bound
     return cell_states.index_put((rows, place), written)
 
 
-def next_tail(slots: torch.Tensor, at: StepPositions, overlap: int) -> torch.Tensor:
+def next_tail(slots: torch.Tensor, at: StepPositions) -> torch.Tensor:
     """(B, S, H, d) the window's slots with the new token -> the tail the next step reads: the same, or for a row
     whose window ended, the last `overlap` tokens of it (the next window's enrichment), zeros after."""
     ends = at.ends_window[:, None, None, None]
+    overlap = at.settings.window_overlap
     if overlap == 0:
         return slots.masked_fill(ends, 0)
     offsets = torch.arange(slots.shape[1], device=slots.device)

@@ -123,7 +123,7 @@ class RANMemoryReview(nn.Module):
         the cached cells it would copy the whole room each time. Between eager steps they stay the same until a window
         ends (`cache.step_review`), so there the starting cell is joined to the cached ones once, and each step reads
         them all in one product."""
-        compiling = torch.compiler.is_compiling()
+        compiling = at.compiled
         if cache.step_review is not None and not compiling:
             return cache.step_review
         cells = cache.cell_states

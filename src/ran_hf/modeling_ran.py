@@ -106,7 +106,8 @@ def check_language_model_labels(
             f"`labels` are scored at {scored}, but `logits_to_keep` keeps only some logits: pass "
             "`logits_to_keep=0` (the default) with `labels`."
         )
-    check_head_token_labels(head, labels, input_ids, inputs_embeds, head.config.vocab_size, "token id")
+    vocab_size = None if labels is None else head.config.vocab_size  # (a config read runs three Python calls)
+    check_head_token_labels(head, labels, input_ids, inputs_embeds, vocab_size, "token id")
 
 
 def check_prompt_after_cache(cache: RANCache, prompt_length: int) -> None:
@@ -155,7 +156,10 @@ class RANLanguageModelBase(RANPreTrainedModel):
     def __init__(self, config: RANConfig):
         super().__init__(config)
         self.model = RANModel(config, add_pooling_layer=False)
-        if config.cutoffs is not None:
+        self.uses_adaptive_softmax = (
+            config.cutoffs is not None
+        )  # (`cutoffs` is an architecture field: fixed once built)
+        if self.uses_adaptive_softmax:
             # The official adaptive LM: dropout, a swish output mapping, and the adaptive softmax, which reads the
             # adaptive embedding's clusters itself (always shared, whatever `tie_word_embeddings` says).
             self._tied_weights_keys = {}
@@ -173,7 +177,7 @@ class RANLanguageModelBase(RANPreTrainedModel):
             init.zeros_(self.decoder.bias)
 
     def get_output_embeddings(self):
-        return None if self.config.cutoffs is not None else self.decoder  # an adaptive softmax has no one matrix
+        return None if self.uses_adaptive_softmax else self.decoder  # an adaptive softmax has no one matrix
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         if self.config.cutoffs is not None:
@@ -458,7 +462,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
                 ends = documents.next_token_starts().to(kwargs["shift_labels"].device)
                 kwargs["shift_labels"] = kwargs["shift_labels"].masked_fill(ends, -100)
         hidden_states = outputs.last_hidden_state
-        if self.config.cutoffs is None:
+        if not self.uses_adaptive_softmax:
             logits = self.decoder(self.head(slice_logits_to_keep(hidden_states, logits_to_keep)))
         elif labels is None:  # float32 log-probabilities of every id
             kept = slice_logits_to_keep(hidden_states, logits_to_keep)
@@ -467,7 +471,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
             logits = None  # the adaptive softmax scores each label without building the whole distribution
 
         loss = None
-        if labels is not None and self.config.cutoffs is not None:
+        if labels is not None and self.uses_adaptive_softmax:
             loss = adaptive_lm_loss(
                 self.decoder,
                 self.model.embeddings.word_embeddings,

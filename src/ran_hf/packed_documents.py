@@ -64,7 +64,11 @@ class PackedDocuments:
 
 def boundary_signals(kwargs: dict) -> dict:
     """The boundary markers among a call's keyword arguments (those given, not None)."""
-    return {name: kwargs[name] for name in BOUNDARY_KWARGS if kwargs.get(name) is not None}
+    signals = {}
+    for name in BOUNDARY_KWARGS:  # (a loop, not a comprehension: every call of a model asks)
+        if kwargs.get(name) is not None:
+            signals[name] = kwargs[name]
+    return signals
 
 
 def without_boundaries(kwargs: dict) -> dict:

@@ -113,6 +113,7 @@ class RANWindowAttention(nn.Module):
         self.head_dim = config.head_dim
         self.attention_dropout = config.attention_probs_dropout_prob
         self.is_causal = False  # read by attention functions: causality is in the window mask, not their flag
+        self.causal_windows = config.is_causal  # what the window mask says (an architecture field: fixed once built)
 
     def forward(self, query, key, value, cell_key, cell_value, layout: RANWindowLayout, output_attentions: bool,
                 joined=None, chunk: int | None = None):  # fmt: skip
@@ -133,7 +134,7 @@ class RANWindowAttention(nn.Module):
                 self, query, key, value, layout.attention_bias, dropout=0.0, scaling=self.head_dim**-0.5
             )  # (B, 1, H, d)
             return attended.flatten(1), None
-        attention_mask = layout.window_attention_mask(self.config.is_causal, query.dtype)
+        attention_mask = layout.window_attention_mask(self.causal_windows, query.dtype)
 
         def join(key, value, cell_key, cell_value):
             if joined:
@@ -197,7 +198,9 @@ class RANLayer(GradientCheckpointingLayer):
         # The scan owns what only the cell uses (its GLU and norm with `use_cell_residual`). Built at this point, they
         # keep the parameter order, and so the initial weights a seed gives, they had as the layer's.
         self.cell_scan = RANCellScan(config)
-        if config.associative_memory:
+        # Architecture fields, fixed once built: read here once rather than from the config at every call.
+        self.hidden_act, self.uses_associative_memory = config.hidden_act, config.associative_memory
+        if self.uses_associative_memory:
             self.associative_memory = RANAssociativeMemory(config)
         self.reviews_memory = config.memory_review  # an architecture field: fixed once built
         if config.memory_review:
@@ -299,7 +302,7 @@ class RANLayer(GradientCheckpointingLayer):
         new_kv = new_kv if cache is not None else None
         del qkv, new_query
         recalled = None
-        if config.associative_memory:
+        if self.uses_associative_memory:
             recalled = self.associative_memory.recall(
                 query, key, value, normed_tokens, layout, cache, config.window_overlap
             )
@@ -448,10 +451,8 @@ class RANLayer(GradientCheckpointingLayer):
             ends = at.ends_window[:, None]
             cell, previous_raw = torch.where(ends, new_cell, cell), torch.where(ends, raw, previous_raw)
             if self.reviews_memory:
-                bounded = self.config.memory_review_cells is not None
-                cell_states = remember_cell(self.memory_review.project_cells(raw), cell_states, at, bounded)
-            overlap = self.config.window_overlap
-            tail_keys, tail_values = next_tail(keys, at, overlap), next_tail(values, at, overlap)
+                cell_states = remember_cell(self.memory_review.project_cells(raw), cell_states, at)
+            tail_keys, tail_values = next_tail(keys, at), next_tail(values, at)
 
         # 4. Memory review of the cached cells (the layer's starting cell first, where it reads it).
         if self.reviews_memory:
@@ -465,7 +466,7 @@ class RANLayer(GradientCheckpointingLayer):
         if cell_states is not None and cell_states is not cache.cell_states:
             cache.update_cell_states(cell_states)
         cache.update_tail(tail_keys, tail_values)  # (each update drops the step memos ...)
-        if not (at.scan_runs or torch.compiler.is_compiling()):  # (... which still hold)
+        if not (at.scan_runs or at.compiled):  # (... which still hold)
             cache.step_window, cache.step_review = (window_keys, window_values), review
         return LayerOutputs(token, None, None, None, None)
 
@@ -474,7 +475,7 @@ class RANLayer(GradientCheckpointingLayer):
         rotated), then the window's slots, rotated, the new token's written in. Kept in the cache between eager steps
         (`step_window`), where a step writes only its token's; built from the cached tail and cell where the cache has
         none (after a window ended, or any other update of the state) and in every compiled step, which cannot ask."""
-        if cache.step_window is not None and not torch.compiler.is_compiling():
+        if cache.step_window is not None and not at.compiled:
             window_keys, window_values = cache.step_window
             # In place, into the slot after each row's tail: no step reads it before the one that writes it, so a step
             # that fails and is run again leaves nothing behind.

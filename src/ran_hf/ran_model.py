@@ -29,7 +29,7 @@ from .associative_memory import RANAssociativeMemory
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, activation_function, apply_dropout
 from .cache_ran import RANCache, RANCacheLayer, cache_transaction
 from .configuration_ran import RANConfig
-from .decode_step import decodes_in_steps, step_positions
+from .decode_step import decodes_in_steps, step_positions, step_settings
 from .input_checks import (
     check_cache,
     check_cache_position,
@@ -241,6 +241,7 @@ class RANPreTrainedModel(PreTrainedModel):
         self._checked_key = None  # (config, its edit count) when last checked: unchanged since, nothing to check
         self.checked_config = None  # a token of that check, which the caches it checked carry
         self.decodes_in_steps = False  # whether one-token calls take the step branch, as last checked (decode_step.py)
+        self.step_settings = None  # what a step reads of the config, as last checked
 
     def built_fields(self) -> dict:
         """What this model's weights and modules were made from: the config's `architecture_fields`, and a
@@ -274,6 +275,7 @@ class RANPreTrainedModel(PreTrainedModel):
         if type(embeddings := self.get_input_embeddings()) is nn.Embedding:  # only the padding row's gradient reads it
             embeddings.padding_idx = config.pad_token_id
         self._checked_key, self.decodes_in_steps = checked, decodes_in_steps(config)
+        self.step_settings = step_settings(config)
         self.checked_config = object()  # what a cache this model checks is marked with (`RANCache.checked_by`)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -555,9 +557,10 @@ class RANModel(RANPreTrainedModel):
         do not change from step to step and without a host read. Returns the last layer's token states and the cache;
         a step computes no cells for the output (`cells`, `pooled_cell` and `last_cell` are None)."""
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)[:, 0]  # (B, D)
-        if not torch.compiler.is_compiling():
-            cache.reserve(max(cache.known_lengths()) + 1)  # room for a cell each row may write
-        at = step_positions(self.config, cache, embeddings.dtype, embeddings.device)  # the same in every layer
+        lengths = None if torch.compiler.is_compiling() else cache.known_lengths()  # (compiled: none read)
+        if lengths is not None:
+            cache.reserve(max(lengths) + 1)  # room for a cell each row may write
+        at = step_positions(self.step_settings, cache, lengths, embeddings.dtype, embeddings.device)  # every layer's
         states = embeddings
         if self.embeddings_shift_tokens:
             states = embeddings + self.embeddings.token_shift(cache.layers[0].last_token)

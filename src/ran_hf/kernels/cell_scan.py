@@ -21,8 +21,7 @@ from .scan_op import cell_scan_op
 
 def choose_cell_scan(scan, weights, cell, previous_raw, keys, values, layout):
     """The fused or Triton scan where `choice.choose` picks it for this scan module and these inputs, else None."""
-    config = scan.config
-    name = choose("scan", config.scan_implementation, config.hidden_act, scan.modules_read(weights), cell)
+    name = choose("scan", scan.config.scan_implementation, scan.hidden_act, scan.modules_read(weights), cell)
     return KERNEL_SCANS.get(name)
 
 

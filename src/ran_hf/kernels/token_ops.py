@@ -136,9 +136,8 @@ def triton_rotary(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor
 def choose_window_projection(layer, normed_tokens, layout, cache, chunk_features=None):
     """`RANLayer.project_windows`: one kernel each way from the projections to the windows' queries, keys and
     values; not with the associative memory, which reads the projections of the plain path."""
-    config = layer.config
-    fused = choose("window_projection", normed_tokens, config.hidden_act, cache is not None) == "triton"
-    return triton_window_projection if fused and not config.associative_memory else None
+    fused = choose("window_projection", normed_tokens, layer.hidden_act, cache is not None) == "triton"
+    return triton_window_projection if fused and not layer.uses_associative_memory else None
 
 
 def triton_window_projection(layer, normed_tokens, layout, cache, chunk_features=None) -> tuple:
