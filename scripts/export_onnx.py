@@ -43,10 +43,10 @@ def load_model(model_dir: str) -> ran_hf.RANPreTrainedModel:
 
 
 def check_output(model_dir: str, output: str) -> None:
-    """Refuse an --output that is not a `.onnx` file or an earlier graph (`ran_hf.export.check_onnx_output`, which
+    """Refuse an --output that is not a `.onnx` file or an earlier graph (`ran_hf.integrations.onnx_export.check_onnx_output`, which
     `ran_hf.export_onnx` checks too), or that is (links resolved) a file the model is read from: the export would
     overwrite the weights or config with the graph."""
-    from ran_hf.export import check_onnx_output
+    from ran_hf.integrations.onnx_export import check_onnx_output
 
     check_onnx_output(output, "--output")
     if not Path(model_dir).is_dir():
@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
         model = load_model(args.model_dir)
     except (OSError, ValueError) as error:
         parser.exit(1, f"error: {error}\n")
-    from ran_hf.export import export_refusal
+    from ran_hf.integrations.onnx_export import export_refusal
 
     refusal = export_refusal(model)  # a head or option the graph cannot hold: said at once, without a traceback
     if refusal:

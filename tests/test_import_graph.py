@@ -1,8 +1,7 @@
 """The package's modules import one way: read from their own source (every relative import, at the top or inside a
 function, `from .x`, `from .files.x`, `from ..x` alike), the graph of `ran_hf`'s modules, the flat modeling modules
 and those of the subpackages (`files`, `integrations`, `kernels` and its `triton_ops`), has no cycle: no lazy import
-hides one. A saved folder carries flat modules only, so no modeling module imports a subpackage: only the ONNX export,
-which no folder carries. The model reaches its kernels in one place, `kernel_hub`'s guarded import of the installed
+hides one. A saved folder carries flat modules only, so no modeling module imports a subpackage. The model reaches its kernels in one place, `kernel_hub`'s guarded import of the installed
 `ran_hf.kernels` (which a saved folder's copy makes too), and the kernels import only modeling modules that attach
 no kernel: importing either never needs the other half-imported."""
 
@@ -23,7 +22,7 @@ SOURCES.pop("")  # ran_hf's own __init__: registrations, no modeling code
 MODULES = sorted(SOURCES)
 FLAT = [module for module in MODULES if SOURCES[module].parent == PACKAGE]  # the modeling modules a folder carries
 # The flat modules that may import a subpackage: tools, not modeling code, which no saved folder carries.
-IMPORT_FILES = {"export"}
+IMPORT_FILES = set()
 
 
 def resolve(parts: list[str]) -> str | None:
@@ -58,7 +57,7 @@ def test_the_graph_reads_both_levels():
     # The resolution itself: a flat module's import of the subpackage and a sibling's, and the subpackage's modules.
     converter = GRAPH["integrations.convert_rannet"]
     assert "files.folders" in converter and "files.tf_checkpoint" in converter and "modeling_ran" in converter
-    assert "files.folders" in GRAPH["export"]
+    assert "files.folders" in GRAPH["integrations.onnx_export"]
     assert "configuration_ran" in GRAPH["modeling_ran"]
     assert {"files.data", "files.folders", "files.tf_checkpoint"} <= set(MODULES)
     # Two levels down, and back up: the Triton scan's kernels, and the kernels' reads of the model's scan inputs.

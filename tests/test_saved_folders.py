@@ -23,10 +23,10 @@ import ran_hf.kernels
 
 
 PACKAGE = Path(ran_hf.__file__).parent
-# Flat modules that are no model's code (the ONNX export): no saved folder carries them. The integrations (checkpoint
-# conversion, PEFT and sentence-transformers glue) and the file readers and writers sit in the `integrations` and
-# `files` subpackages, which no folder carries either.
-NOT_MODEL_CODE = {"__init__", "export"}
+# Flat modules that are no model's code (the package's registrations): no saved folder carries them. The integrations
+# (ONNX export, checkpoint conversion, PEFT and sentence-transformers glue) and the file readers and writers sit in the
+# `integrations` and `files` subpackages, which no folder carries either.
+NOT_MODEL_CODE = {"__init__"}
 SUBPACKAGE_CODE = {path.stem for folder in ("files", "integrations") for path in (PACKAGE / folder).glob("*.py")}
 # The fused and Triton implementations: a folder's code takes them from an installed `ran_hf`, and never ships them.
 KERNEL_CODE = {path.read_text() for path in (PACKAGE / "kernels").rglob("*.py")}

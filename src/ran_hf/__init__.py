@@ -57,7 +57,7 @@ _LAZY_NAMES = {
     "RANForPrefixLM": "prefix_lm",
     "prefix_lm_features": "prefix_lm",
     "ExtractiveQuestionAnsweringPipeline": "question_answering",
-    "export_onnx": "export",
+    "export_onnx": "integrations.onnx_export",
     "RAN_LORA_TARGET_MODULES": "integrations.lora",
     "RAN_NEW_HEAD_MODULES": "integrations.lora",
     "frozen_new_weights": "integrations.lora",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .files.folders import check_file_output, write_file
-from .modeling_ran import RANPreTrainedModel
+from ..files.folders import check_file_output, write_file
+from ..modeling_ran import RANPreTrainedModel
 
 
 INPUT_NAMES = ("input_ids", "attention_mask")
