@@ -96,6 +96,6 @@ class RANAssociativeMemory(nn.Module):
             start = query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
         read, states = self(query, key, value, betas, start, layout, overlap)
         if cache is not None:
-            finished_here = layout.finished_windows - layout.first_window
-            cache.update_binding(states, finished_here, start, layout.sources(new_betas, tail_betas)[layout.next_tail])
+            tail_betas = layout.sources(new_betas, tail_betas)[layout.next_tail]
+            cache.update_binding(layout.after_last_finished(states, start), tail_betas)
         return layout.from_windows(read.flatten(-2))

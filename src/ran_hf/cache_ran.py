@@ -2,8 +2,6 @@
 per each of the last `memory_review_cells` windows). Checks of a cache handed to a model: input_checks.py."""
 
 import copy
-import functools
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -21,17 +19,6 @@ CROP_REFUSED = (
 )
 STATE = ("cell", "previous_raw_cell", "cell_states", "salient_cell_states", "salient_windows", "last_token",
          "tail_keys", "tail_values", "binding_state", "tail_betas")  # fmt: skip
-
-
-def after_last_finished(steps: torch.Tensor, finished_here: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """(N, B, ...) per scan step -> (B, ...) each row's entry after its last window finished in this pass
-    (`finished_here` (B,) windows), or `start` for a row that finished none."""
-    if not steps.numel():
-        return start
-    last = (finished_here - 1).clamp(min=0)
-    rows = torch.arange(last.shape[0], device=last.device)
-    has_finished = (finished_here > 0).view(-1, *[1] * (start.dim() - 1))
-    return torch.where(has_finished, steps[last, rows], start)
 
 
 class RANCacheLayer(LinearAttentionCacheLayerMixin):
@@ -95,15 +82,13 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         self.step_window = self.step_review = None
         return recurrent_states
 
-    def update_cell(self, cells, raw_cells, finished_here: torch.Tensor, start: tuple) -> None:
-        """Keep each row's cell and raw cell after its last window finished in this pass (`finished_here` (B,) of the
-        pass's (N, B, D) `cells`); a row that finished none keeps the `start` (cell, raw cell) it read."""
-        self.update_recurrent_state(after_last_finished(cells, finished_here, start[0]))
-        self.previous_raw_cell = after_last_finished(raw_cells, finished_here, start[1])
+    def update_cell(self, cell: torch.Tensor, raw_cell: torch.Tensor) -> None:
+        """The cell the next window reads and the raw cell of the last finished window, (B, D) each."""
+        self.update_recurrent_state(cell)
+        self.previous_raw_cell = raw_cell
 
-    def update_binding(self, states, finished_here: torch.Tensor, start: torch.Tensor, tail_betas) -> None:
-        self.binding_state = after_last_finished(states, finished_here, start)
-        self.tail_betas = tail_betas
+    def update_binding(self, binding_state: torch.Tensor, tail_betas: torch.Tensor) -> None:
+        self.binding_state, self.tail_betas = binding_state, tail_betas
 
     def update_cell_states(self, cell_states: torch.Tensor) -> None:
         self.cell_states = cell_states
@@ -339,35 +324,4 @@ class RANCache(Cache):
         return total + sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors().values())
 
 
-def cache_transaction(forward):
-    """A forward handed a `RANCache` completes or leaves it as it was: its layers update the cache one after another,
-    and a failure in a later one (or in the loss, or an interrupt) would leave the earlier ones a step ahead. Every
-    update replaces a tensor (none is written into where a later step reads it), so a copy of the attributes (and of
-    the base layer's per-state dicts) restores it; a head's call covers its base model's."""
-    position = list(inspect.signature(forward).parameters).index("past_key_values")  # `self` included
-
-    @functools.wraps(forward)
-    def transaction(*args, **kwargs):
-        cache = kwargs.get("past_key_values", args[position] if len(args) > position else None)
-        if type(cache) is not RANCache or "saved" in vars(cache) or torch.compiler.is_compiling():
-            return forward(*args, **kwargs)
-        owners = (cache, *cache.layers)
-        cache.saved = list(map(dict, map(vars, owners)))  # (C calls only: a decoding step runs this too)
-        for saved in cache.saved:
-            for name, value in saved.items():
-                if type(value) is dict:  # the base layer's per-state dicts, written in place
-                    saved[name] = dict(value)
-        try:
-            return forward(*args, **kwargs)
-        except BaseException:
-            for owner, saved in zip(owners, cache.saved):
-                vars(owner).clear()
-                vars(owner).update(saved)
-            raise
-        finally:
-            vars(cache).pop("saved", None)
-
-    return transaction
-
-
-__all__ = ["RANCache", "RANCacheLayer", "cache_transaction"]
+__all__ = ["RANCache", "RANCacheLayer"]

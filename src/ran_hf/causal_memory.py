@@ -165,7 +165,7 @@ def update_cache(config: RANConfig, cache: RANCacheLayer, layout: RANWindowLayou
                  new_kv) -> None:  # fmt: skip
     """Keep what a causal layer's next pass needs: the cell after the last finished window and the unfinished tail
     of keys and values. (Memory review keeps the cells it may read again itself: `remember`.)"""
-    cache.update_cell(cells, raw_cells, layout.finished_windows - layout.first_window, start)
+    cache.update_cell(layout.after_last_finished(cells, start[0]), layout.after_last_finished(raw_cells, start[1]))
     tail = layout.sources(new_kv, cache.tail)[layout.next_tail]  # (B, P', 2, H, d)
     # Kept `window_size + window_overlap` slots wide, zeros after a row's last: the most any row can need and the
     # slot a decoding step writes its token into, so that it keeps the cache's shapes.

@@ -16,7 +16,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .adaptive_softmax import RANAdaptiveSoftmax, RANOutputMapping, adaptive_lm_loss
 from .building_blocks import RANCenteredRMSNorm, activation_function, apply_dropout
-from .cache_ran import RANCache, cache_transaction
+from .cache_ran import RANCache
 from .configuration_ran import RANConfig
 from .input_checks import (
     check_answer_positions,
@@ -35,7 +35,7 @@ from .outputs_ran import (
     RANTokenClassifierOutput,
 )
 from .packed_documents import PackedDocuments, boundary_signals
-from .ran_model import RANModel, RANPreTrainedModel, packed_documents_of
+from .ran_model import RANModel, RANPreTrainedModel, cache_transaction, packed_documents_of
 
 
 logger = logging.get_logger(__name__)

@@ -27,7 +27,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .adaptive_softmax import RANAdaptiveEmbedding, RANClusterBiases
 from .associative_memory import RANAssociativeMemory
 from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, activation_function, apply_dropout
-from .cache_ran import RANCache, RANCacheLayer, cache_transaction
+from .cache_ran import RANCache, RANCacheLayer
 from .configuration_ran import RANConfig
 from .decode_step import decodes_in_steps, step_positions, step_settings
 from .input_checks import (
@@ -357,6 +357,37 @@ def damaged_weights_error(files: list[str], error: Exception) -> OSError:
         f"{file} is damaged or cut short ({reason}): the model's weights cannot be read. A full disk or an "
         "interrupted save, copy or download leaves a file so; save, copy or download it again."
     )
+
+
+def cache_transaction(forward):
+    """A forward handed a `RANCache` completes or leaves it as it was: its layers update the cache one after another,
+    and a failure in a later one (or in the loss, or an interrupt) would leave the earlier ones a step ahead. Every
+    update replaces a tensor (none is written into where a later step reads it), so a copy of the attributes (and of
+    the base layer's per-state dicts) restores it; a head's call covers its base model's."""
+    position = list(inspect.signature(forward).parameters).index("past_key_values")  # `self` included
+
+    @functools.wraps(forward)
+    def transaction(*args, **kwargs):
+        cache = kwargs.get("past_key_values", args[position] if len(args) > position else None)
+        if type(cache) is not RANCache or "saved" in vars(cache) or torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        owners = (cache, *cache.layers)
+        cache.saved = list(map(dict, map(vars, owners)))  # (C calls only: a decoding step runs this too)
+        for saved in cache.saved:
+            for name, value in saved.items():
+                if type(value) is dict:  # the base layer's per-state dicts, written in place
+                    saved[name] = dict(value)
+        try:
+            return forward(*args, **kwargs)
+        except BaseException:
+            for owner, saved in zip(owners, cache.saved):
+                vars(owner).clear()
+                vars(owner).update(saved)
+            raise
+        finally:
+            vars(cache).pop("saved", None)
+
+    return transaction
 
 
 def decoding_step_first(forward):

@@ -440,6 +440,17 @@ class RANWindowLayout:
         the same number of windows: the scan's (N, B, ...) view of them is then a reshape, not a gather."""
         return self.real_tokens is None and self.window_sequence.shape[0] == self.num_steps * self.batch_size
 
+    def after_last_finished(self, steps: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """(N, B, ...) per scan step -> (B, ...) each row's entry after the last window it finished in this pass, or
+        `start` for a row that finished none: what a cache keeps of a causal pass."""
+        if not steps.numel():
+            return start
+        finished_here = self.finished_windows - self.first_window
+        last = (finished_here - 1).clamp(min=0)
+        rows = torch.arange(last.shape[0], device=last.device)
+        has_finished = (finished_here > 0).view(-1, *[1] * (start.dim() - 1))
+        return torch.where(has_finished, steps[last, rows], start)
+
     def per_sequence(self, step_states: torch.Tensor) -> torch.Tensor:
         """(N, B, F) per-step states -> (K, F) the state of every packed window."""
         if self.full_grid:
