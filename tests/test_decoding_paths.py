@@ -246,7 +246,15 @@ def test_a_forward_hook_acts_on_decoding_steps_as_on_the_full_forward(module_nam
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [{}, {"window_overlap": 2, "use_rotary": False}, {"memory_review_cells": 2}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"window_overlap": 2, "use_rotary": False},
+        {"memory_review_cells": 2},
+        {"associative_memory": True, "window_overlap": 2},
+    ],
+)
 def test_a_compiled_step_equals_the_full_forward(overrides):
     model = build(**overrides)
     ids = torch.randint(1, 61, (2, 19), generator=torch.Generator().manual_seed(4))
@@ -262,7 +270,7 @@ def test_a_compiled_step_equals_the_full_forward(overrides):
 def test_the_step_calls_its_submodules_as_modules():
     """No step reads a submodule's weights past its call: every module with parameters that the full forward calls
     is called in a step too (hooks, adapters and Accelerate's offload depend on it)."""
-    model = build(window_overlap=1, token_shift=True)
+    model = build(window_overlap=1, token_shift=True, associative_memory=True)
     ids = torch.randint(1, 61, (2, 9))
     called = {"full": set(), "step": set()}
     phase = ["full"]

@@ -26,6 +26,7 @@ from torch import nn
 from .building_blocks import gather_rows
 from .cache_ran import RANCacheLayer
 from .configuration_ran import RANConfig
+from .decode_step import StepPositions, next_tail
 from .window_layout import RANWindowLayout
 
 
@@ -58,10 +59,16 @@ class RANAssociativeMemory(nn.Module):
         """(T, D) normalised token states -> (T, H) their write strengths, in (0, 1)."""
         return torch.sigmoid(self.write_strength(normed_tokens).float())
 
-    def forward(self, query, key, value, betas, start_state, layout: RANWindowLayout, overlap: int):
+    def forward(self, query, key, value, betas, start_state, layout: RANWindowLayout | StepPositions, overlap: int):
         """query (K, H, Q, d), key and value (K, H, S, d) of every window slot, before rotary; betas (K, S, H);
-        start_state (B, H, d, d). Returns what the windows' queries read (K, Q, H, d), the state after each scan
-        step (N, B, H, d, d), and the one before each (the same, shifted)."""
+        start_state (B, H, d, d). Returns what the windows' queries read (K, Q, H, d) and the state after each scan
+        step (N, B, H, d, d).
+
+        A decoding step (`layout` is its `StepPositions`) hands each row's query (B, H, d), its window's slots
+        (B, S, H, d) and write strengths (B, S, H) with the new token's in: returns what the query reads (B, H * d)
+        and the state after the step (B, H, d, d), the window's own tokens written where it ends."""
+        if type(layout) is StepPositions:
+            return self.step(query, key, value, betas, start_state, layout, overlap)
         dtype = query.dtype
         keys = F.normalize(key.float(), dim=-1)
         writes = layout.own_slot_mask(overlap)[:, None, :] * betas.transpose(1, 2)  # (K, H, S): own tokens only
@@ -79,6 +86,33 @@ class RANAssociativeMemory(nn.Module):
         queries = F.normalize(query.float(), dim=-1)  # (K, H, Q, d)
         read = (queries @ read_state) * self.read_scale[:, None, None]  # (K, H, Q, d)
         return read.transpose(1, 2).to(dtype), after
+
+    def step(self, query, key, value, betas, state, at: StepPositions, overlap: int):
+        """`forward`'s step branch: the query reads the state after the windows before its own; where a row's window
+        ends, its own tokens (not the `overlap` enrichment tokens a later window starts with) are written."""
+        queries = F.normalize(query.float(), dim=-1)  # (B, H, d)
+        read = (queries[:, :, None] @ state)[:, :, 0] * self.read_scale[:, None]  # (B, H, d)
+        if at.scan_runs:
+            first_own = torch.where(at.window > 0, overlap, 0)[:, None]  # (B, 1)
+            own = at.visible & (torch.arange(at.visible.shape[1], device=state.device) >= first_own)  # (B, S)
+            writes = (betas * own[..., None]).transpose(1, 2)  # (B, H, S)
+            keys = F.normalize(key.float(), dim=-1).transpose(1, 2)  # (B, H, S, d)
+            written = delta_write(state, keys, value.float().transpose(1, 2), writes)
+            state = torch.where(at.ends_window[:, None, None, None], written, state)
+        return read.flatten(1).to(query.dtype), state
+
+    def recall_step(self, query, keys, values, normed, cache: RANCacheLayer, at: StepPositions, overlap: int):
+        """A decoding step's recall (B, H * d) for the token's query (B, H, d) before rotary, its window's slots
+        (B, S, H, d) and its normalised state (B, D); the cache keeps the state and the tail's write strengths."""
+        tail_betas = cache.tail_betas
+        if tail_betas.shape[1] < keys.shape[1]:  # a forward's tail, as wide as its longest row: the step's slots
+            tail_betas = F.pad(tail_betas, (0, 0, 0, keys.shape[1] - tail_betas.shape[1]))
+        betas = tail_betas.index_put((at.rows, at.slot), self.betas(normed))  # (B, S, H)
+        read, state = self(query, keys, values, betas, cache.binding_state, at, overlap)
+        if at.scan_runs:
+            betas = next_tail(betas[..., None], at)[..., 0]
+        cache.update_binding(state, betas)
+        return read
 
     def recall(self, query, key, value, normed_tokens, layout: RANWindowLayout, cache: RANCacheLayer | None, overlap):
         """(T, H * d): what every token reads from the memory of the windows before its own, given the layer's

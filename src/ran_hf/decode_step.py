@@ -26,11 +26,10 @@ from .building_blocks import rotary_rotations
 
 def decodes_in_steps(config) -> bool:
     """Whether a causal model's one-token calls against a cache take the step branch: not for an encoder, nor for the
-    options a step does not compute (the associative memory, salient cells) or record (attentions, hidden states),
-    which take the general forward pass."""
+    options a step does not compute (salient cells) or record (attentions, hidden states), which take the general
+    forward pass."""
     return bool(
         config.is_causal
-        and not config.associative_memory
         and config.memory_salient_cells is None
         and not config.output_attentions
         and not config.output_hidden_states

@@ -544,7 +544,7 @@ class RANModel(RANPreTrainedModel):
         """This call (`forward`'s arguments) as a decoding step (`decode_step`) where it is one, else None: one new
         real token per row (no attention mask: all are real) continuing an initialised `RANCache`, in inference, with
         nothing recorded on the way; its inputs are checked as the forward checks them (`check_step_inputs`).
-        Everything else, and the options a step does not compute (the associative memory, salient cells), takes the
+        Everything else, and the options a step does not compute (salient cells), takes the
         general forward pass. The cache is checked once, when first handed over; the config only after an edit; a
         `cache_position`, where one is given, against the cache."""
         if not torch.compiler.is_compiling():
