@@ -27,14 +27,14 @@ def test_a_decoding_step_runs_at_most_twice_the_python_calls_of_mamba2():
     assert ran <= 2 * mamba, f"RAN {ran:.0f} Python calls per decoding step, Mamba-2 {mamba:.0f}"
 
 
-def test_a_classifier_forward_runs_at_most_1_75_times_the_python_calls_of_llama():
-    """A sequence classifier's forward pass over 512 tokens (four windows, two layers) runs within 1.75 times the
+def test_a_classifier_forward_runs_at_most_1_65_times_the_python_calls_of_llama():
+    """A sequence classifier's forward pass over 512 tokens (four windows, two layers) runs within 1.65 times the
     Python calls of Llama's of the same width: the layout built once, no config work, no module called for nothing.
-    (A config read costs three Python calls through Transformers' `__getattribute__`, as Llama's do: about 55 reads,
-    165 of RAN's calls; a kernel-attachable op two more, for its dispatch and its chooser: 36.)"""
+    (A config read costs three Python calls through Transformers' `__getattribute__`, as Llama's do: about 45 reads,
+    135 of RAN's calls; a kernel-attachable op two more, for its dispatch and its chooser: 36.)"""
     args = benchmark_per_call.parse_args([])
     ran, llama = benchmark_per_call.classifier_calls("ran", args), benchmark_per_call.classifier_calls("llama", args)
-    assert ran <= 1.75 * llama, f"RAN {ran} Python calls per classifier forward, Llama {llama}"
+    assert ran <= 1.65 * llama, f"RAN {ran} Python calls per classifier forward, Llama {llama}"
 
 
 def test_a_decoding_step_reads_nothing_to_the_host():
