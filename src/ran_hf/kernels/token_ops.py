@@ -13,7 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .choice import choose, plain_module
+from .choice import CHOSEN, FORCED, TRITON_DEVICES, choose, plain_module
+
+
+# Each token-wise chooser first asks inline (a call would cost what the question saves): off a Triton device, with
+# nothing forced, `choose` answers "pytorch"; where `CHOSEN` records that answer already, nothing is left to ask.
 
 
 def autocast_on(states: torch.Tensor) -> bool:
@@ -31,6 +35,8 @@ def dropout_rate(dropout: nn.Dropout | None) -> float:
 
 def choose_standardize(hidden_states: torch.Tensor, eps: float, dropout: nn.Dropout | None = None):
     """`standard_normalize`: one kernel each way, not seven to nine ops (and dropout's two)."""
+    if hidden_states.device.type not in TRITON_DEVICES and not FORCED and CHOSEN.get("norm") == "pytorch":
+        return None
     return triton_standardize if choose("norm", hidden_states) == "triton" else None
 
 
@@ -43,6 +49,8 @@ def triton_standardize(hidden_states: torch.Tensor, eps: float, dropout: nn.Drop
 
 def choose_norm_forward(norm, hidden_states: torch.Tensor, dropout=None, then_standardize: bool = False):
     """`RANCenteredRMSNorm.forward`."""
+    if hidden_states.device.type not in TRITON_DEVICES and not FORCED and CHOSEN.get("norm") == "pytorch":
+        return None
     return triton_norm_forward if choose("norm", hidden_states) == "triton" else None
 
 
@@ -61,6 +69,8 @@ def triton_norm_forward(norm, hidden_states: torch.Tensor, dropout=None, then_st
 
 def choose_glu_forward(glu, hidden_states: torch.Tensor, *args, **kwargs):
     """`RANGatedLinearUnit.forward`."""
+    if hidden_states.device.type not in TRITON_DEVICES and not FORCED and CHOSEN.get("glu") == "pytorch":
+        return None
     return triton_glu_forward if choose("glu", hidden_states) == "triton" else None
 
 
@@ -121,6 +131,8 @@ def residual_branch(residual: torch.Tensor, activation, dropout: nn.Dropout | No
 
 def choose_rotary(states: torch.Tensor, rotations: torch.Tensor):
     """`apply_interleaved_rotary`: one kernel each way instead of about fifteen and twenty ops."""
+    if states.device.type not in TRITON_DEVICES and not FORCED and CHOSEN.get("rotary") == "pytorch":
+        return None
     return triton_rotary if choose("rotary", states) == "triton" else None
 
 
