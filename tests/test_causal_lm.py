@@ -178,6 +178,14 @@ def test_generate_sampling_embeddings_and_continuation():
     )
     assert torch.equal(continued, model.generate(ids, max_new_tokens=9, do_sample=False, pad_token_id=0))
 
+    # Continued from embeddings too: those of the whole text so far, with the cache of the call that read the prompt's.
+    greedy = {"do_sample": False, "pad_token_id": 0}
+    first = model.generate(inputs_embeds=embeds, max_new_tokens=4, return_dict_in_generate=True, **greedy)
+    text = torch.cat([embeds, model.get_input_embeddings()(first.sequences)], dim=1)
+    continued = model.generate(inputs_embeds=text, past_key_values=first.past_key_values, max_new_tokens=5, **greedy)
+    expected = model.generate(ids, max_new_tokens=9, **greedy)[:, 6:]
+    assert torch.equal(torch.cat([first.sequences, continued], dim=1), expected)
+
 
 def test_cache_memory_grows_only_by_one_cell_per_window():
     """After 512 and 16,384 tokens the caches differ exactly by the cells of the windows in between."""
