@@ -7,6 +7,9 @@ Two markers sort the suite (pyproject.toml registers them):
   that reads the data carries the marker.
 - `slow`: training loops, subprocess scripts and the Transformers conformance suite. Skipped unless `--run-slow` or
   `RUN_SLOW=1` (CI runs them), so that the default `pytest -n 2` stays within minutes.
+
+`--transformers-tests=<checkout>` points the conformance suite at a Transformers source checkout, whose
+`tests/generation/` (not in the sdist) it then runs for the generative classes (docs/architecture.md, "Tests").
 """
 
 import os
@@ -62,19 +65,43 @@ def data_available(*sets: str) -> bool:
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow (as RUN_SLOW=1 does)")
+    parser.addoption(
+        "--transformers-tests",
+        metavar="CHECKOUT",
+        help="a Transformers source checkout (of the installed version) whose tests/generation/ the conformance "
+        "suite runs for the generative classes; without it those tests skip, as the sdist lacks them",
+    )
 
 
 SLOW_TESTS_RUN = os.environ.get("RUN_SLOW", "").lower() in ("1", "true", "yes")
+TRANSFORMERS_CHECKOUT = None
 
 
 def pytest_configure(config):
-    global SLOW_TESTS_RUN
+    global SLOW_TESTS_RUN, TRANSFORMERS_CHECKOUT
     SLOW_TESTS_RUN = SLOW_TESTS_RUN or config.getoption("--run-slow")
+    if config.getoption("--transformers-tests"):
+        from transformers_sdist import TransformersCheckout
+
+        try:
+            TRANSFORMERS_CHECKOUT = TransformersCheckout(config.getoption("--transformers-tests"))
+        except ValueError as error:
+            raise pytest.UsageError(str(error)) from error
+
+
+def pytest_report_header(config):
+    if TRANSFORMERS_CHECKOUT is not None:
+        return TRANSFORMERS_CHECKOUT.describe()
 
 
 def slow_tests_run() -> bool:
     """Whether this session runs the tests marked slow (for modules that would do slow work at collection)."""
     return SLOW_TESTS_RUN
+
+
+def transformers_checkout():
+    """The `TransformersCheckout` given with `--transformers-tests`, or None."""
+    return TRANSFORMERS_CHECKOUT
 
 
 def pytest_collection_modifyitems(config, items):

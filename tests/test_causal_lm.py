@@ -146,6 +146,23 @@ def test_cached_decoding_of_a_left_padded_batch_equals_each_sequence_alone(overr
             assert (batched[row, total - len(sequence) :] - alone).abs().max() <= TOLERANCE
 
 
+@pytest.mark.parametrize("overrides", [{}, {"window_overlap": 1}, {"memory_review_cells": 2}])
+def test_padding_inside_a_continued_chunk_is_skipped(overrides):
+    """A row whose continuation (read against the cache, with the mask of the whole text) begins with padding after
+    real tokens: its last logits are those of the full forward, and of the row without the padding."""
+    model = causal_model(7, **overrides)
+    ids = torch.randint(1, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, 9:14] = 0  # row 1: 9 tokens, then 5 padding positions in the chunk that continues them
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits[:, -1]
+        first = model(ids[:, :9], attention_mask=mask[:, :9], use_cache=True)
+        continued = model(ids[:, 9:], attention_mask=mask, past_key_values=first.past_key_values).logits[:, -1]
+        without_padding = model(ids[1:, mask[1].bool()]).logits[0, -1]
+    assert (continued - full).abs().max() <= TOLERANCE
+    assert (continued[1] - without_padding).abs().max() <= TOLERANCE
+
+
 @pytest.mark.parametrize("generate_kwargs", [{"do_sample": False}, {"do_sample": False, "num_beams": 3}])
 def test_generate_with_cache_matches_generate_without(generate_kwargs):
     model = causal_model(4, window_overlap=1)
@@ -177,6 +194,14 @@ def test_generate_sampling_embeddings_and_continuation():
         first.sequences, past_key_values=first.past_key_values, max_new_tokens=5, do_sample=False, pad_token_id=0
     )
     assert torch.equal(continued, model.generate(ids, max_new_tokens=9, do_sample=False, pad_token_id=0))
+
+    # Continued from embeddings too: those of the whole text so far, with the cache of the call that read the prompt's.
+    greedy = {"do_sample": False, "pad_token_id": 0}
+    first = model.generate(inputs_embeds=embeds, max_new_tokens=4, return_dict_in_generate=True, **greedy)
+    text = torch.cat([embeds, model.get_input_embeddings()(first.sequences)], dim=1)
+    continued = model.generate(inputs_embeds=text, past_key_values=first.past_key_values, max_new_tokens=5, **greedy)
+    expected = model.generate(ids, max_new_tokens=9, **greedy)[:, 6:]
+    assert torch.equal(torch.cat([first.sequences, continued], dim=1), expected)
 
 
 def test_cache_memory_grows_only_by_one_cell_per_window():

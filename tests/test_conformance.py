@@ -5,24 +5,33 @@ causal mode and the causal LM. Subclasses run the whole mixin again with one opt
 (`cutoffs`), the associative memory, `token_shift` on the encoder, an `initial_cell` input, and the prefix LM. The
 common test modules come from the sdist of the installed Transformers version (see `transformers_sdist.py`).
 
+The generative classes (the causal LM with each of its options, the prefix LM) also run Transformers'
+`GenerationTesterMixin`, which the sdist lacks: `--transformers-tests=<checkout>` names a Transformers source checkout
+to take it from. Without one, each of their test classes has a single generation test, skipped with that reason. The
+generation tests that cannot apply to RAN skip with what it lacks (`GENERATION_SKIPS`, `PREFIX_LM_SKIPS`).
+
 Only the adaptive softmax skips two common tests here, for differences of its own. The tests of features RAN lacks
 (sliding windows, RoPE scaling, experts, a weight conversion mapping, a tensor-parallel plan, modules kept in float32)
 and those that need what a machine may lack (the `kernels` library, GPUs, DeepSpeed) skip themselves, saying so.
 """
 
 import copy
+import inspect
 import itertools
+import re
 import unittest
 from unittest import mock
 
 import pytest
 import torch
-from conftest import slow_tests_run
+from conftest import slow_tests_run, transformers_checkout
+from transformers import GenerationMixin
 from transformers.models.auto import modeling_auto
 from transformers.testing_utils import torch_device
 from transformers_sdist import SdistUnavailable, load_common_tests
 
 from ran_hf import (
+    RANCache,
     RANConfig,
     RANForCausalLM,
     RANForMaskedLM,
@@ -38,7 +47,7 @@ pytestmark = pytest.mark.slow  # Transformers' whole common test suite
 if not slow_tests_run():  # before the sdist is downloaded at collection
     pytest.skip("slow: run with --run-slow or RUN_SLOW=1 (CI does)", allow_module_level=True)
 try:
-    test_modeling_common, test_configuration_common = load_common_tests()
+    test_modeling_common, test_configuration_common = load_common_tests(transformers_checkout())
 except SdistUnavailable as error:  # no registry here: nothing to run, which is not a failure of RAN
     pytest.skip(f"Transformers' common tests are unavailable: {error}", allow_module_level=True)
 ModelTesterMixin = test_modeling_common.ModelTesterMixin
@@ -46,6 +55,8 @@ ConfigTester = test_configuration_common.ConfigTester
 floats_tensor = test_modeling_common.floats_tensor
 ids_tensor = test_modeling_common.ids_tensor
 random_attention_mask = test_modeling_common.random_attention_mask
+# Transformers' own with --transformers-tests, otherwise a stand-in whose one test skips, saying how to run them.
+GenerationTesterMixin = test_modeling_common.GenerationTesterMixin
 
 # Transformers' built-in task tables (model type -> class name) and the RAN class of each.
 TASK_TABLES = (
@@ -113,12 +124,13 @@ class RANModelTester:
         self.config_options = config_options or {}
         self.with_initial_cell = with_initial_cell
         self.source_length = source_length
+        self.use_cache = False  # (see `get_config`)
         # Window attention weights: every token over its window's read cell and slots (a merged tail included).
         min_window = 1 if is_causal or source_length is not None else min_window_size  # a prefix LM never merges
         self.key_length = 1 + window_size + min_window - 1
 
     def get_config(self) -> RANConfig:
-        return RANConfig(
+        config = RANConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_hidden_layers,
@@ -135,6 +147,12 @@ class RANModelTester:
             is_causal=self.is_causal,
             **self.config_options,
         )
+        if self.is_causal:
+            # A causal RAN caches when a call asks (`use_cache=True`, as `generate` does), not by default: RANConfig
+            # has no `use_cache` field, whose absence Transformers' generation tests take for a model without a
+            # cache. Transformers reads the field as the default of every call: False is RAN's own default.
+            config.use_cache = self.use_cache
+        return config
 
     def prepare_config_and_inputs(self):
         input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
@@ -241,6 +259,60 @@ class RANTesterMixin(ModelTesterMixin):
                 self.assertIsInstance(tuple_output, tuple)
                 torch.testing.assert_close(tuple_output, dict_output.to_tuple(), rtol=0, atol=1e-5)
 
+    # The generation tests (with --transformers-tests): their inputs, and what `generate` returns in RAN's shapes.
+    def prepare_config_and_inputs_for_generate(self, batch_size=2):
+        config, inputs = super().prepare_config_and_inputs_for_generate(batch_size)
+        config.bos_token_id = 1  # a text to start from when no prompt is given (`test_generate_without_input_ids`)
+        return config, inputs
+
+    def _check_attentions_for_generate(
+        self, batch_size, attentions, prompt_length, output_length, config, decoder_past_key_values
+    ):
+        # RAN's attention weights are per window: over a whole text every token has the `key_length` columns of its
+        # window (the cell and the window's slots); a decoding step's token reads the cell and its window's tokens so
+        # far, itself included, as many columns as the row furthest into its window needs (padding is no token: a
+        # row's window counts its real tokens, which the returned cache knows after the last step).
+        self.assertIsInstance(attentions, tuple)
+        self.assertEqual(len(attentions), output_length - prompt_length)
+        heads = config.num_attention_heads
+        for generated, step in enumerate(attentions):
+            if decoder_past_key_values is not None and generated > 0:
+                before = decoder_past_key_values.lengths - (len(attentions) - generated)  # tokens before this step's
+                shape = (batch_size, heads, 1, 2 + int((before % config.window_size).max()))
+            else:
+                shape = (batch_size, heads, prompt_length + generated, self.model_tester.key_length)
+            self.assertIsInstance(step, tuple)
+            self.assertListEqual([layer.shape for layer in step], [shape] * config.num_hidden_layers)
+
+    def _check_past_key_values_for_generate(self, batch_size, past_key_values, seq_length, config):
+        # A `RANCache`: per layer a recurrent state (the cell) and the open window's keys and values, not keys and
+        # values per token; it counts the positions it has read.
+        self.assertIsInstance(past_key_values, RANCache)
+        self.assertEqual(len(past_key_values), config.num_hidden_layers)
+        self.assertEqual(past_key_values.get_seq_length(), seq_length)  # positions, padding included
+        self.assertEqual(past_key_values.lengths.shape, (batch_size,))  # real tokens of each row
+        self.assertTrue(bool((past_key_values.lengths <= seq_length).all()))
+        slots = config.window_size + config.window_overlap  # the open window's tokens, after its enrichment ones
+        heads, head_dim = config.num_attention_heads, config.head_dim
+        finished = int(past_key_values.lengths.max()) // config.window_size
+        for layer in past_key_values.layers:
+            self.assertEqual(layer.cell.shape, (batch_size, config.hidden_size))
+            self.assertEqual(layer.tail_keys.shape, (batch_size, slots, heads, head_dim))
+            self.assertEqual(layer.tail_values.shape, (batch_size, slots, heads, head_dim))
+            if config.memory_review:  # memory review's key and value of each finished window's cell
+                self.assertEqual(layer.cell_states.shape[::2], (batch_size, 2 * config.hidden_size))
+                self.assertGreaterEqual(layer.cell_states.shape[1], finished)
+
+    def _check_caches_are_equal(self, cache1, cache2):
+        # Two `RANCache`s: the same rows at the same places, and the same state in every layer.
+        self.assertIsInstance(cache1, RANCache)
+        self.assertIsInstance(cache2, RANCache)
+        self.assertEqual(cache1.get_seq_length(), cache2.get_seq_length())
+        torch.testing.assert_close(cache1.lengths, cache2.lengths)
+        self.assertEqual(len(cache1), len(cache2))
+        for layer1, layer2 in zip(cache1.layers, cache2.layers):
+            torch.testing.assert_close(layer1.tensors(), layer2.tensors())
+
     # Tests that skip themselves with a reason about the tester ("does not support SDPA", "no `base_model_class`",
     # "does not have RoPE"): what RAN lacks is said here.
     def test_sdpa_can_dispatch_composite_models(self):
@@ -283,14 +355,11 @@ class RANModelTest(RANTesterMixin, unittest.TestCase):
         self.model_tester.create_and_check_for_token_classification(*self.model_tester.prepare_config_and_inputs())
 
 
-class RANCausalModelTest(RANTesterMixin, unittest.TestCase):
-    """The causal mode (`is_causal=True`): the bare model and the causal language model."""
+class RANCausalModelTest(RANTesterMixin, GenerationTesterMixin, unittest.TestCase):
+    """The causal mode (`is_causal=True`): the bare model and the causal language model, which generates."""
 
     all_model_classes = (RANModel, RANForCausalLM)
     model_tester_kwargs = {"is_causal": True}
-    # Transformers' `generate` tests (`tests/generation/test_utils.py`) are not part of its sdist; RAN's generation
-    # is tested in test_causal_lm.py.
-    all_generative_model_classes = ()
 
     def test_for_causal_lm(self):
         self.model_tester.create_and_check_for_causal_lm(*self.model_tester.prepare_config_and_inputs())
@@ -346,9 +415,130 @@ class RANInitialCellModelTest(RANModelTest):
     model_tester_kwargs = {"with_initial_cell": True}
 
 
-class RANPrefixLMModelTest(RANModelTest):
-    """The prefix LM (`AutoModelForSeq2SeqLM`): five source tokens read both ways, then the target."""
+class RANForPrefixLMWholeText(RANForPrefixLM, GenerationMixin):
+    """The prefix LM as Transformers' generation tests read a decoder-only model: its `generate` returns the target
+    only (as the encoder-decoders behind `AutoModelForSeq2SeqLM` do), where they expect the prompt, then what was
+    generated. Here the prompt goes back in front; all the rest is the prefix LM's own `generate`."""
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        output = super().generate(inputs, generation_config, **kwargs)
+        if prompt is None:
+            return output
+        sequences = output if torch.is_tensor(output) else output.sequences
+        whole = torch.cat([prompt.repeat_interleave(len(sequences) // len(prompt), dim=0), sequences], dim=1)
+        if torch.is_tensor(output):
+            return whole
+        output.sequences = whole
+        return output
+
+
+class RANPrefixLMModelTest(RANModelTest, GenerationTesterMixin):
+    """The prefix LM (`AutoModelForSeq2SeqLM`): five source tokens read both ways, then the target (its generation
+    tests read `RANForPrefixLMWholeText`)."""
 
     all_model_classes = (RANForPrefixLM,)
     model_tester_kwargs = {"source_length": 5}
-    all_generative_model_classes = ()  # as for the causal LM: its generation is tested in test_prefix_lm.py
+
+
+# Transformers' generation tests that cannot apply to RAN, each skipped with what RAN lacks. Set only on the tests the
+# mixin has (none without --transformers-tests); tests whose own skip already names the lack keep it (assisted decoding
+# of a stateful model, static caches, multi-token prediction, `position_ids`, graph breaks).
+NO_FLASH_ATTENTION = (
+    "RAN has no FlashAttention path: a token attends over its window's cell and slots in RAN's own attention "
+    "(eager or SDPA), not through Transformers' attention interface"
+)
+GENERATION_SKIPS = {
+    "test_custom_4d_attention_mask": "RAN takes a 2D padding mask only (a 4D one is refused, named): a token attends "
+    "over its window's cell and slots, so a mask over every key of the sequence has nowhere to go",
+    "test_eager_padding_matches_padding_free_with_position_ids": "RAN's forward has no `position_ids` parameter and no "
+    "attention-interface backend, which this test needs; it reads packed rows from `position_ids` given as keyword "
+    "arguments, through its window layout (tests/test_packed_documents.py compares them with the rows alone)",
+    "test_generate_with_quant_cache": "RAN's cache holds a recurrent state and one open window's keys and values, not "
+    "keys and values per token: a quantized key-value cache has nothing to quantize",
+    "test_recurrent_layers_mask_padding_on_continued_forward": "RANConfig has no `layer_types`, by which this test "
+    "finds recurrent layers (RAN's layers are all one kind: window attention around the recurrent cell); "
+    "tests/test_causal_lm.py checks the same case, padding inside a continued chunk",
+    "test_eager_matches_fa2_generate": NO_FLASH_ATTENTION,
+    "test_eager_matches_fa3_generate": NO_FLASH_ATTENTION,
+    "test_eager_matches_fa4_generate": NO_FLASH_ATTENTION,
+    "test_flash_attention_2_continue_generate_with_position_ids": NO_FLASH_ATTENTION,
+    **{
+        f"test_flash_attention_{version}_padding_matches_padding_free_with_position_ids{kwargs}": NO_FLASH_ATTENTION
+        for version in (2, 3, 4)
+        for kwargs in ("", "_and_fa_kwargs")
+    },
+}
+GENERATION_SKIPS["test_sdpa_padding_matches_padding_free_with_position_ids"] = GENERATION_SKIPS[
+    "test_eager_padding_matches_padding_free_with_position_ids"
+]
+NO_DRAFTS = (
+    "RAN refuses assisted and prompt-lookup decoding before any forward: rejected drafts would have to be cropped from "
+    "its cache, and a recurrent state that has read them cannot be"
+)
+NO_PREFIX_LM_CACHE = (
+    "RANForPrefixLM has no cache: every step reads the whole text again (source and target so far), so there are no "
+    "past key values to return, continue from or draft against"
+)
+PREFIX_LM_SKIPS = {
+    **dict.fromkeys(
+        (
+            "test_assisted_decoding_matches_greedy_search",
+            "test_assisted_decoding_sample",
+            "test_beam_search_generate_dict_outputs_use_cache",
+            "test_greedy_generate_dict_outputs_use_cache",
+            "test_generate_continue_from_past_key_values",
+            "test_generate_continue_from_inputs_embeds",
+            "test_past_key_values_format",
+            "test_prompt_lookup_decoding_matches_greedy_search",
+        ),
+        NO_PREFIX_LM_CACHE,
+    ),
+    **dict.fromkeys(
+        ("test_generate_from_inputs_embeds", "test_generate_from_random_inputs_embeds"),
+        "RANForPrefixLM generates from token ids only: without a cache every step reads the whole text again, and a "
+        "prompt given as `inputs_embeds` is not in the ids after the first step (refused, named)",
+    ),
+    "test_generate_without_input_ids": "RANForPrefixLM generates a target for a source and refuses a call without one, "
+    "naming it: it has no decoder start of its own to begin a text from",
+}
+
+
+def skip_generation_tests(test_class, reasons: dict[str, str]) -> None:
+    """Skip each named generation test of `test_class` (and each parameterised case of it) with its reason, and drop
+    the names that hold no test: `@pytest.mark.generate` above `@parameterized.expand` leaves the bare name a pytest
+    mark, which would pass without running anything (its cases are the test)."""
+    for name in dir(GenerationTesterMixin):
+        test = getattr(GenerationTesterMixin, name)
+        if isinstance(inspect.unwrap(test), pytest.MarkDecorator):
+            setattr(test_class, name, None)
+            continue
+        if not callable(test):  # (what `parameterized.expand` leaves of the name its cases replace)
+            continue
+        reason = reasons.get(name, reasons.get(re.sub(r"_\d+_\w+$", "", name)))  # `test_x_0_greedy`: a case of test_x
+        if reason is not None:
+            setattr(test_class, name, lambda self, *args, reason=reason: self.skipTest(reason))
+
+
+if hasattr(GenerationTesterMixin, "prepare_config_and_inputs_for_generate"):  # Transformers' own mixin
+    # (`test_prompt_lookup_decoding_matches_greedy_search` is decorated `@is_flaky` without its call, which makes it
+    # pass without running: what it would meet is the refusal below.)
+    CAUSAL_SKIPS = {**GENERATION_SKIPS, "test_prompt_lookup_decoding_matches_greedy_search": NO_DRAFTS}
+    for _class in (RANCausalModelTest, RANAdaptiveSoftmaxModelTest, RANAssociativeMemoryModelTest):
+        skip_generation_tests(_class, CAUSAL_SKIPS)
+    skip_generation_tests(RANPrefixLMModelTest, {**GENERATION_SKIPS, **PREFIX_LM_SKIPS})
+    RANPrefixLMModelTest.all_generative_model_classes = (RANForPrefixLMWholeText,)
+
+    def caching_by_default(test):
+        """`test` with the causal config asking every call for a cache (`use_cache=True`), as decoders' configs do."""
+
+        def run(self, *args):
+            self.model_tester.use_cache = True
+            test(self, *args)
+
+        return run
+
+    # These two first check that a plain forward returns a cache, and skip (as for a model without one) where not.
+    for _class in (RANCausalModelTest, RANAdaptiveSoftmaxModelTest, RANAssociativeMemoryModelTest):
+        for _name in ("test_generate_continue_from_past_key_values", "test_generate_continue_from_inputs_embeds"):
+            setattr(_class, _name, caching_by_default(getattr(GenerationTesterMixin, _name)))

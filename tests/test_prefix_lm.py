@@ -221,6 +221,26 @@ def test_generate_continues_the_source_as_the_full_forward_predicts():
     assert torch.equal(logits[:, 5:-1].argmax(-1), target)
 
 
+def test_generate_reads_the_initial_cell_it_is_given():
+    """`generate(initial_cell=...)` reaches every step's forward (it was dropped on the way to the model)."""
+    model = prefix_model(8, window_size=4, min_window_size=2)
+    source = torch.randint(2, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(8))
+    cell = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    common = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    common |= {"output_scores": True, "return_dict_in_generate": True}
+    scores = model.generate(source, initial_cell=cell, **common).scores
+    with torch.no_grad():
+        first = model(source, token_type_ids=torch.zeros_like(source), initial_cell=cell).logits[:, -1]
+    torch.testing.assert_close(scores[0], first)
+    assert not torch.allclose(model.generate(source, **common).scores[0], first)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"inputs_embeds": torch.zeros(1, 4, 16)}], ids=["nothing", "embeddings"])
+def test_generate_without_a_source_is_refused(kwargs):
+    with pytest.raises(ValueError, match="continues a source"):
+        prefix_model(0).generate(max_new_tokens=2, **kwargs)
+
+
 @pytest.mark.needs_data("wikitext-2", "conll2003")  # the WordPiece tokenizer's corpus
 def test_trainer_learns_targets_from_sources(wordpiece_tokenizer, tmp_path):
     """(source, target) pairs through `prefix_lm_features`, `DataCollatorForSeq2Seq` and `Trainer`: the loss falls

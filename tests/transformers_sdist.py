@@ -5,10 +5,17 @@ with pip into a cache directory outside the repository (`$RAN_HF_CACHE`, default
 and its test modules are imported as the package `transformers_sdist_tests`. Where the package registry cannot be
 reached, `SdistUnavailable` says so and `test_conformance.py` skips with that reason. The few modules they import that
 the sdist does not ship (generation and export mixins, the shared config kwargs) are replaced by small stand-ins.
+
+The sdist has no `tests/generation/`, so Transformers' generation tests (`GenerationTesterMixin`) come from a source
+checkout of Transformers when one is given (`pytest --transformers-tests=<checkout>`): its `tests/generation/` is
+imported from there in place of the stand-in, with the `tests.exporters` it imports. The checkout's version is read
+from its `src/transformers/__init__.py` and compared with the installed one.
 """
 
 import importlib
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +42,12 @@ CONFIG_COMMON_KWARGS = {
     "label2id": {"label": "0"},
     "problem_type": "regression",
 }
+
+
+NO_GENERATION_TESTS = (
+    "Transformers' generation tests are not in its sdist; pass --transformers-tests=<checkout of "
+    f"v{transformers.__version__}> to run them"
+)
 
 
 class SdistUnavailable(RuntimeError):
@@ -105,7 +118,10 @@ def _install_stand_ins() -> None:
         """Stand-in for `tests/exporters/test_export.py`: no export tests."""
 
     class GenerationTesterMixin:
-        """Stand-in for `tests/generation/test_utils.py`: no generation tests."""
+        """Stand-in for `tests/generation/test_utils.py`: one test, which says where the generation tests are."""
+
+        def test_transformers_generation_tests(self):
+            self.skipTest(NO_GENERATION_TESTS)
 
     stand_ins = {
         "utils": {},
@@ -119,13 +135,71 @@ def _install_stand_ins() -> None:
         _install_module(f"{PACKAGE}.{name}", **attributes)
 
 
-def load_common_tests():
-    """(test_modeling_common, test_configuration_common) modules of the installed Transformers version."""
+class TransformersCheckout:
+    """A Transformers source tree that holds the tests the sdist lacks (`tests/generation/`, `tests/exporters/`)."""
+
+    def __init__(self, path):
+        self.path = Path(path).expanduser().resolve()
+        self.tests_dir = self.path / "tests"
+        missing = [
+            name
+            for name in ("__init__.py", "generation/test_utils.py", "exporters/test_export.py")
+            if not (self.tests_dir / name).is_file()
+        ]
+        if missing:
+            raise ValueError(
+                f"--transformers-tests={path} is not a Transformers source checkout: tests/{', tests/'.join(missing)} "
+                "not found there"
+            )
+        init = self.path / "src" / "transformers" / "__init__.py"
+        text = init.read_text(encoding="utf-8") if init.is_file() else ""
+        found = re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE)
+        self.version = found.group(1) if found else None
+
+    @property
+    def matches_installed(self) -> bool:
+        return self.version == transformers.__version__
+
+    def describe(self) -> str:
+        """One line for the test report: where the generation tests come from, and whether the versions agree."""
+        if self.matches_installed:
+            return f"Transformers generation tests from {self.path} (version {self.version}, as installed)"
+        version = self.version or "unknown (no src/transformers/__init__.py)"
+        return (
+            f"Transformers generation tests from {self.path}: version {version}, NOT the installed "
+            f"{transformers.__version__}; they may test what the installed version does differently"
+        )
+
+    def install(self) -> None:
+        """Import the checkout's `tests` package (the name its generation tests import it by) and put its generation
+        tests where the common tests look for them. The export tests stay stand-ins for `ModelTesterMixin`; the
+        generation mixin brings its own (`ExportGenerateTesterMixin`) along."""
+        existing = sys.modules.get("tests")
+        if existing is not None and Path(getattr(existing, "__file__", "") or "").parent != self.tests_dir:
+            raise RuntimeError(
+                f"A module named `tests` is already imported ({existing!r}): the generation tests of {self.path} "
+                "import their own `tests` package under that name"
+            )
+        spec = importlib.util.spec_from_file_location(
+            "tests", self.tests_dir / "__init__.py", submodule_search_locations=[str(self.tests_dir)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["tests"] = package
+        spec.loader.exec_module(package)
+        for name in ("generation", "generation.test_utils"):
+            sys.modules[f"{PACKAGE}.{name}"] = importlib.import_module(f"tests.{name}")
+
+
+def load_common_tests(checkout: TransformersCheckout | None = None):
+    """(test_modeling_common, test_configuration_common) modules of the installed Transformers version, with the
+    generation tests of `checkout` when one is given (stand-ins otherwise)."""
     if PACKAGE not in sys.modules:
         tests_dir = sdist_tests_dir()
         package = _install_module(PACKAGE, __file__=str(tests_dir / "__init__.py"))
         package.__path__ = [str(tests_dir)]
         _install_stand_ins()
+        if checkout is not None:
+            checkout.install()
     return (
         importlib.import_module(f"{PACKAGE}.test_modeling_common"),
         importlib.import_module(f"{PACKAGE}.test_configuration_common"),

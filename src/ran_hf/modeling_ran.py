@@ -399,7 +399,7 @@ class RANForCausalLM(RANLanguageModelBase, GenerationMixin):
     ):
         continues = isinstance(past_key_values, RANCache) and past_key_values.is_initialized
         if continues and kwargs.get("is_first_iteration") and next_sequence_length is not None:
-            check_prompt_after_cache(past_key_values, input_ids.shape[1])
+            check_prompt_after_cache(past_key_values, (input_ids if inputs_embeds is None else inputs_embeds).shape[1])
         if next_sequence_length == 1 and continues and not kwargs.get("is_first_iteration"):
             # A decoding step, as Mamba's: the last token and the cache. `generate` extends the attention mask with
             # ones, so the new tokens are all real, and the cache knows where each row stands; without the mask the

@@ -231,7 +231,12 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
         Returns the generated tokens only, as every model behind `AutoModelForSeq2SeqLM` does (an encoder-decoder's
         output holds no source). With `return_dict_in_generate=True`, `sequences` holds them."""
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-        if input_ids is not None and not torch.is_tensor(input_ids):
+        if input_ids is None:  # (`inputs_embeds` alone: gone after the first step, which the next ones read again)
+            raise ValueError(
+                "RANForPrefixLM continues a source: pass its token ids (`input_ids`); every step reads the whole text "
+                "again by its ids, so it generates neither from nothing nor from `inputs_embeds` alone."
+            )
+        if not torch.is_tensor(input_ids):
             raise ValueError(
                 f"The source must be a tensor of token ids, got {type(input_ids).__name__}: pass "
                 '`torch.tensor(...)`, or call the tokenizer with `return_tensors="pt"`.'
@@ -256,10 +261,16 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
             "token_type_ids": token_type_ids,
             "logits_to_keep": 1,
         }
-        for name in ("output_attentions", "output_hidden_states"):
-            if kwargs.get(name) is not None:
-                model_inputs[name] = kwargs[name]
+        # All else `generate` passes on (`initial_cell`, ...) goes to the forward, as Transformers' own method does.
+        for name, value in kwargs.items():
+            if value is not None and name not in self._NOT_STEP_INPUTS:
+                model_inputs[name] = value
         return model_inputs
+
+    # What a step without a cache, reading the whole text again, does not take: a cache, the generation loop's own
+    # bookkeeping, positions (a window's, made by the model; given ones would mark packed documents), and labels.
+    _NOT_STEP_INPUTS = ("use_cache", "past_key_values", "next_sequence_length", "is_first_iteration", "position_ids",
+                        "labels")  # fmt: skip
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
         token_type_ids = model_kwargs.pop("token_type_ids", None)
