@@ -189,6 +189,7 @@ def train(model_name: str, task: str, pairs: int | None, train_length: int, cont
         "learning_rate": lr,
         "seed": seed,
         "command": command_line(__file__),  # the call that trained it (a file may gather several calls' runs)
+        "commit": machine_info()["git_sha"],
         "model_info": describe(model),
         "final_loss": round(statistics.fmean(losses[-args.log_every :]), 4),
         "diverged": not math.isfinite(losses[-1]),
