@@ -22,8 +22,10 @@ answers whose token is the argmax over the whole vocabulary, on `--eval_examples
     python scripts/benchmarks/benchmark_memory_tasks.py --task qa1 --extra_seeds 1
     python scripts/benchmarks/benchmark_memory_tasks.py --task mqar --grid 64x4 128x8 256x16 512x64
 
-Writes benchmarks/memory_tasks/<task>.{json,md,png} (`--output`). A run already in the output file with the same
-settings is kept, not run again: a stopped sweep resumes, and `--models` or `--extra_seeds` can be added later.
+Writes benchmarks/memory_tasks/<task>.{json,md,png} (MQAR: `mqar_<length>x<pairs>...`; `--output`). A run already in
+the output file with the same settings is kept, not run again: a stopped sweep resumes, and `--models` or
+`--extra_seeds` can be added by later calls (each run records the command and commit that trained it; the file's
+`command` and `settings` are the last call's).
 """
 
 import argparse
@@ -249,10 +251,15 @@ def best_runs(runs: list[dict], model: str, pairs, train_length: int) -> tuple[f
     return best, by_rate[best]
 
 
+def models_run(runs: list[dict], args) -> list[str]:
+    """This call's models, then those earlier calls left in the file."""
+    return [m for m in MODELS if m in args.models or any(r["model"] == m for r in runs)]
+
+
 def summary(runs: list[dict], args) -> list[dict]:
     rows = []
     for pairs, train_length, lengths in experiments(args):
-        for model in args.models:
+        for model in models_run(runs, args):
             lr, chosen = best_runs(runs, model, pairs, train_length)
             if lr is None:
                 continue
@@ -339,7 +346,7 @@ def plot(record: dict, args, path: Path) -> None:
     groups = experiments(args)
     figure, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.4), squeeze=False)
     for axis, (pairs, train_length, lengths) in zip(axes[0], groups):
-        for i, model in enumerate(args.models):
+        for i, model in enumerate(models_run(record["results"]["runs"], args)):
             rows = [r for r in record["results"]["summary"] if r["model"] == model and r["pairs"] == pairs
                     and r["train_length"] == train_length]  # fmt: skip
             if not rows:
@@ -406,8 +413,9 @@ def earlier_runs(args) -> list[dict]:
         return []
     old = json.loads(path.read_text())["settings"]
     same = ("task", "steps", "batch_size", "hidden_size", "num_layers", "num_heads", "train_length", "eval_examples",
-            "validation_examples")  # fmt: skip
-    if any(old.get(name) != getattr(args, name) for name in same):
+            "validation_examples", "grid")  # fmt: skip
+    now = {**vars(args), "grid": [list(g) for g in args.grid]}
+    if any(old.get(name) != now[name] for name in same):
         return []
     return json.loads(path.read_text())["results"]["runs"]
 
@@ -453,7 +461,8 @@ def parse_args(argv=None):
     parser.add_argument("--output", default=None, help="prefix of .json/.md/.png (benchmarks/memory_tasks/<task>)")
     args = parser.parse_args(argv)
     args.max_eval_length = {m: int(n) for m, n in (item.split("=") for item in args.max_eval_length)}
-    args.output = args.output or f"benchmarks/memory_tasks/{args.task}"
+    grid = "_".join(f"{length}x{pairs}" for length, pairs in args.grid)
+    args.output = args.output or f"benchmarks/memory_tasks/{args.task}" + (f"_{grid}" if args.task == "mqar" else "")
     if args.task != "mqar" and args.train_length < DEFAULT_STATE_SETTINGS[args.task].shortest():
         parser.error(f"--train_length is too short for {args.task}")
     return args
