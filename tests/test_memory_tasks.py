@@ -113,3 +113,25 @@ def test_the_models_compared_have_the_default_causal_rans_parameter_count():
     ran = size(build("ran", 103, args, context=64))
     for name in ("llama", "mamba2"):
         assert abs(size(build(name, 103, args, context=64)) - ran) <= 0.05 * ran, name
+
+
+@pytest.mark.slow  # a training loop, if a tiny one (3 s)
+def test_a_two_step_sweep_writes_its_result_files_and_resumes(tmp_path):
+    """The runner end to end at a toy size (2 steps, 64 tokens): a result file in the one format, each run with the
+    command that trained it, the best rate read at 4x; called again, it trains nothing."""
+    import json
+
+    from benchmark_memory_tasks import main
+    from benchmark_utils import check_result
+
+    argv = ["--task", "mqar", "--grid", "64x4", "--models", "llama", "--learning_rates", "1e-3", "1e-2", "--steps",
+            "2", "--batch_size", "2", "--eval_examples", "2", "--validation_examples", "2", "--log_every", "1",
+            "--output", str(tmp_path / "mqar"), "--checkpoints", str(tmp_path / "weights")]  # fmt: skip
+    record = main(argv)
+    check_result(record)
+    runs = record["results"]["runs"]
+    assert [r["learning_rate"] for r in runs] == [1e-3, 1e-2] and all("command" in r for r in runs)
+    (best,) = record["results"]["summary"]
+    assert set(best["accuracy_mean"]) == {"64", "256"}
+    assert (tmp_path / "mqar.md").exists() and (tmp_path / "mqar.png").exists()
+    assert main(argv)["results"]["runs"] == json.loads((tmp_path / "mqar.json").read_text())["results"]["runs"]
