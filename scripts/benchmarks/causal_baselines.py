@@ -123,10 +123,13 @@ def causal_baseline(
     head_dim: int | None = None,
     intermediate_size: int | None = None,
     expand: int = 2,
+    chunk_size: int = 64,
 ):
     """GPT-2, Llama, Mamba-2 or GLA of the given size, without dropout; `context` is the longest input a GPT-2 must
     take. Llama's `head_dim` (default hidden / heads) and `intermediate_size` (default `llama_inner_size`) and
-    Mamba-2's `expand` (inner width / hidden; `num_heads` is then inner width / 64) size them to match another model."""
+    Mamba-2's `expand` (inner width / hidden; `num_heads` is then inner width / 64) size them to match another model.
+    Mamba-2's `chunk_size` changes only how its scan is computed, not what: its torch path pads every sequence to a
+    multiple of it, so 64 (not Transformers' 256) keeps short sequences from costing 256 tokens (10x on CPU at 64)."""
     if name == "gpt2":
         config = GPT2Config(
             vocab_size=vocab_size, n_positions=context, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
@@ -148,8 +151,8 @@ def causal_baseline(
             raise ValueError(f"Mamba-2's heads are of size 64: expand x hidden ({inner}) must be a multiple of 64")
         config = Mamba2Config(
             vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_heads=inner // 64,
-            head_dim=64, state_size=64, n_groups=1, expand=expand, tie_word_embeddings=True, bos_token_id=None,
-            eos_token_id=None, pad_token_id=0,
+            head_dim=64, state_size=64, n_groups=1, expand=expand, chunk_size=chunk_size, tie_word_embeddings=True,
+            bos_token_id=None, eos_token_id=None, pad_token_id=0,
         )  # fmt: skip
         return Mamba2ForCausalLM(config)
     if name == "gla":
