@@ -191,7 +191,7 @@ def train(model_name: str, task: str, pairs: int | None, train_length: int, cont
         "learning_rate": lr,
         "seed": seed,
         "command": command_line(__file__),  # the call that trained it (a file may gather several calls' runs)
-        "commit": machine_info()["git_sha"],
+        "commit": args.commit,
         "model_info": describe(model),
         "final_loss": round(statistics.fmean(losses[-args.log_every :]), 4),
         "diverged": not math.isfinite(losses[-1]),
@@ -391,6 +391,7 @@ def description(args) -> str:
 
 def save(runs: list[dict], args, info: dict, command: str) -> dict:
     settings = vars(args).copy()
+    settings.pop("commit", None)  # the record says it
     settings["grid"] = [list(g) for g in args.grid]
     if args.task != "mqar":
         settings["generator"] = DEFAULT_STATE_SETTINGS[args.task].as_dict()
@@ -472,6 +473,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     info = machine_info()
+    args.commit = info["git_sha"]  # the revision this call started from, recorded with each run it trains
     print(machine_line(info), flush=True)
     command = command_line(__file__, argv)
     runs = earlier_runs(args)
