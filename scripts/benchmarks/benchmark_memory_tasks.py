@@ -333,8 +333,12 @@ def markdown(record: dict, args) -> str:
         f"Chance: {100 * chance(args):.1f}%. With two seeds, the cell holds their mean and, in brackets, each seed's "
         "figure. 'not run': that model was not read at that length (`--max_eval_length`).",
         "",
+        "The calls that trained these runs, with the revision each started from (the command above is the last call):",
+        "",
     ]
-    return "\n".join(lines)
+    calls = dict.fromkeys((r.get("command"), r.get("commit")) for r in results["runs"])
+    lines += [f"- `{command}` ({commit})" for command, commit in calls]
+    return "\n".join(lines) + "\n"
 
 
 def plot(record: dict, args, path: Path) -> None:
