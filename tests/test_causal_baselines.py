@@ -31,7 +31,7 @@ def test_gated_linear_attention_in_chunks_is_its_recurrence(length):
     assert torch.allclose(layer(x), recurrent_gla(layer, x), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "gla"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mamba2", "gla"])
 def test_baselines_are_causal(name):
     torch.manual_seed(0)
     model = causal_baseline(name, vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, context=20).eval()

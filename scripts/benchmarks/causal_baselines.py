@@ -2,19 +2,22 @@
 
     gpt2    Transformers' GPT-2: learned positions, full causal attention, GELU MLP of 4x width
     llama   Transformers' Llama: rotary positions, full causal attention, SwiGLU MLP of ~8/3x width (as many weights)
+    mamba2  Transformers' Mamba-2 (its torch path on CPU): gated state-space blocks, no separate MLP
     gla     gated linear attention (Yang et al., ICML 2024), written small: a recurrent memory of one (d_k x d_v)
             matrix per head, decayed by a data-dependent gate per key dimension and written with k^T v each token,
             computed in chunks (the recurrence unrolled into a masked matrix product within a chunk, the state carried
             across), then a SwiGLU MLP
 
 Every model takes `model(input_ids)` and returns an object with `.logits` (B, T, V), as the Transformers models do.
-`causal_baseline(name, vocab_size, hidden_size, num_layers, num_heads, context)` builds one without dropout.
+`causal_baseline(name, vocab_size, hidden_size, num_layers, num_heads, context)` builds one without dropout. Llama
+also takes `head_dim` and `intermediate_size`, and Mamba-2 `expand`, so that a benchmark can match another model's
+parameter count at the same width and depth (Mamba-2's heads are of size 64, its state 64 per head dimension).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM
 from transformers.modeling_outputs import CausalLMOutput
 
 
@@ -109,8 +112,24 @@ def llama_inner_size(hidden_size: int) -> int:
     return -(-8 * hidden_size // 3 // 4) * 4
 
 
-def causal_baseline(name: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, context: int):
-    """GPT-2, Llama or GLA of the given size, without dropout; `context` is the longest input a GPT-2 must take."""
+def causal_baseline(
+    name: str,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    context: int,
+    *,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    expand: int = 2,
+    chunk_size: int = 64,
+):
+    """GPT-2, Llama, Mamba-2 or GLA of the given size, without dropout; `context` is the longest input a GPT-2 must
+    take. Llama's `head_dim` (default hidden / heads) and `intermediate_size` (default `llama_inner_size`) and
+    Mamba-2's `expand` (inner width / hidden; `num_heads` is then inner width / 64) size them to match another model.
+    Mamba-2's `chunk_size` changes only how its scan is computed, not what: its torch path pads every sequence to a
+    multiple of it, so 64 (not Transformers' 256) keeps short sequences from costing 256 tokens (10x on CPU at 64)."""
     if name == "gpt2":
         config = GPT2Config(
             vocab_size=vocab_size, n_positions=context, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
@@ -119,12 +138,23 @@ def causal_baseline(name: str, vocab_size: int, hidden_size: int, num_layers: in
         return GPT2LMHeadModel(config)
     if name == "llama":
         config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=llama_inner_size(hidden_size),
+            vocab_size=vocab_size, hidden_size=hidden_size,
+            intermediate_size=intermediate_size or llama_inner_size(hidden_size), head_dim=head_dim,
             num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
             max_position_embeddings=context, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
             pad_token_id=None,
         )  # fmt: skip
         return LlamaForCausalLM(config)
+    if name == "mamba2":
+        inner = expand * hidden_size
+        if inner % 64:
+            raise ValueError(f"Mamba-2's heads are of size 64: expand x hidden ({inner}) must be a multiple of 64")
+        config = Mamba2Config(
+            vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_heads=inner // 64,
+            head_dim=64, state_size=64, n_groups=1, expand=expand, chunk_size=chunk_size, tie_word_embeddings=True,
+            bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+        return Mamba2ForCausalLM(config)
     if name == "gla":
         return GLAForCausalLM(vocab_size, hidden_size, num_layers, num_heads)
-    raise ValueError(f"no causal baseline {name!r}: choose gpt2, llama or gla")
+    raise ValueError(f"no causal baseline {name!r}: choose gpt2, llama, mamba2 or gla")

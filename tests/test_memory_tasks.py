@@ -1,0 +1,137 @@
+"""The memory benchmarks' generators (scripts/benchmarks/memory_tasks.py): every answer is right by construction
+(checked by replaying the facts read back from the tokens), sequences have the length asked for, facts are spread over
+all of it, and the same seed gives the same examples."""
+
+import pytest
+import torch
+from memory_tasks import (
+    BEFORE,
+    DEFAULT_STATE_SETTINGS,
+    DROP,
+    FIRST_FILLER,
+    FIRST_NAME,
+    FIRST_OBJECT,
+    FIRST_PLACE,
+    GET,
+    MOVE,
+    QUESTION_TOKENS,
+    WHERE,
+    WHERE_OBJECT,
+    StateTrackingSettings,
+    mqar_answer_batch,
+    state_tracking_batch,
+)
+
+
+def replay(row: list[int], story_end: int):
+    """Read the facts back from the tokens and replay them: each name's place, each object's place and the places
+    it has been, in order."""
+    person_at, holding, object_at, history = {}, {}, {}, {}
+    facts, i = [], 0
+    while i < story_end:  # a fact is three tokens that are not filler; facts may touch
+        if row[i] < FIRST_FILLER:
+            facts.append((i, row[i : i + 3]))
+            i += 3
+        else:
+            i += 1
+    for _, (subject, verb, thing) in facts:
+        assert FIRST_NAME <= subject < FIRST_OBJECT, "a fact starts with a name"
+        if verb == MOVE:
+            person_at[subject] = thing
+            if subject in holding:
+                object_at[holding[subject]] = thing
+                if history[holding[subject]][-1] != thing:
+                    history[holding[subject]].append(thing)
+        elif verb == GET:
+            assert subject not in holding and subject in person_at, "a person holds one object, and is somewhere"
+            assert object_at.get(thing, person_at[subject]) == person_at[subject], "picked up where it lies"
+            holding[subject], object_at[thing] = thing, person_at[subject]
+            history.setdefault(thing, [person_at[subject]])
+        else:
+            assert verb == DROP and holding.pop(subject) == thing
+    return facts, person_at, object_at, history
+
+
+@pytest.mark.parametrize("task", ["qa1", "qa2", "qa3"])
+@pytest.mark.parametrize("length", [512, 2048])
+def test_every_answer_follows_from_the_facts(task, length):
+    settings = DEFAULT_STATE_SETTINGS[task]
+    ids, positions, answers = state_tracking_batch(settings, seed=3, batch_size=16, length=length)
+    assert ids.shape == (16, length) and positions.shape == (settings.questions,)
+    assert positions[-1] == length - 1 and (ids[:, positions] == answers).all()
+    assert ((answers >= FIRST_PLACE) & (answers < FIRST_PLACE + settings.places)).all()
+    story_end = length - settings.questions * QUESTION_TOKENS[task]
+    for row, row_answers in zip(ids.tolist(), answers.tolist()):
+        facts, person_at, object_at, history = replay(row, story_end)
+        assert len(facts) == settings.facts
+        stretch = story_end // settings.facts  # fact i lies within the i-th stretch of filler
+        assert all(i * stretch <= start <= (i + 1) * stretch - 3 for i, (start, _) in enumerate(facts))
+        asked = []
+        for q, answer in enumerate(row_answers):
+            question = row[positions[q] - QUESTION_TOKENS[task] + 1 : positions[q]]
+            asked.append(question[1])
+            if task == "qa1":
+                assert question[0] == WHERE and person_at[question[1]] == answer
+            elif task == "qa2":
+                assert question[0] == WHERE_OBJECT and object_at[question[1]] == answer
+            else:
+                places = history[question[1]]
+                last_arrival = len(places) - 1 - places[::-1].index(question[2])
+                assert question[0] == BEFORE and last_arrival >= 1 and places[last_arrival - 1] == answer
+        assert len(set(asked)) == len(asked), "each question is about a different name or object"
+
+
+def test_same_seed_same_examples_and_lengths_checked():
+    settings = DEFAULT_STATE_SETTINGS["qa3"]
+    first = state_tracking_batch(settings, seed=7, batch_size=4, length=300)
+    again = state_tracking_batch(settings, seed=7, batch_size=4, length=300)
+    other = state_tracking_batch(settings, seed=8, batch_size=4, length=300)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], other[0])
+    with pytest.raises(ValueError, match="at least"):
+        state_tracking_batch(settings, seed=0, batch_size=1, length=settings.shortest() - 1)
+    with pytest.raises(ValueError, match="no state-tracking task"):
+        StateTrackingSettings("qa4")
+
+
+def test_mqar_answers_are_the_values_of_the_keys_asked():
+    ids, positions, answers = mqar_answer_batch(seed=0, batch_size=4, length=1024, pairs=16)
+    assert ids.shape == (4, 1024) and (ids[:, positions] == answers).all()
+    for row in range(4):
+        for position, answer in zip(positions.tolist(), answers[row].tolist()):
+            stored = (ids[row, :32] == ids[row, position - 1]).nonzero().item()  # the pairs open the sequence
+            assert ids[row, stored + 1] == answer
+    assert torch.equal(ids, mqar_answer_batch(seed=0, batch_size=4, length=1024, pairs=16)[0])
+
+
+def test_the_models_compared_have_the_default_causal_rans_parameter_count():
+    from argparse import Namespace
+
+    from benchmark_memory_tasks import build, size
+
+    args = Namespace(hidden_size=64, num_layers=2, num_heads=4)
+    ran = size(build("ran", 103, args, context=64))
+    for name in ("llama", "mamba2"):
+        assert abs(size(build(name, 103, args, context=64)) - ran) <= 0.05 * ran, name
+
+
+@pytest.mark.slow  # a training loop, if a tiny one (3 s)
+def test_a_two_step_sweep_writes_its_result_files_and_resumes(tmp_path):
+    """The runner end to end at a toy size (2 steps, 64 tokens): a result file in the one format, each run with the
+    command that trained it, the best rate read at 4x; called again, it trains nothing."""
+    import json
+
+    from benchmark_memory_tasks import main
+    from benchmark_utils import check_result
+
+    argv = ["--task", "mqar", "--grid", "64x4", "--models", "llama", "--learning_rates", "1e-3", "1e-2", "--steps",
+            "2", "--batch_size", "2", "--eval_examples", "2", "--validation_examples", "2", "--log_every", "1",
+            "--output", str(tmp_path / "mqar"), "--checkpoints", str(tmp_path / "weights")]  # fmt: skip
+    record = main(argv)
+    check_result(record)
+    runs = record["results"]["runs"]
+    assert [r["learning_rate"] for r in runs] == [1e-3, 1e-2] and all("command" in r for r in runs)
+    (best,) = record["results"]["summary"]
+    assert set(best["accuracy_mean"]) == {"64", "256"}
+    assert (tmp_path / "mqar.md").exists() and (tmp_path / "mqar.png").exists()
+    assert main(argv)["results"]["runs"] == json.loads((tmp_path / "mqar.json").read_text())["results"]["runs"]
