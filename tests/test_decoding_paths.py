@@ -287,3 +287,32 @@ def test_the_step_calls_its_submodules_as_modules():
     for handle in handles:
         handle.remove()
     assert called["full"] - called["step"] == set()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda layer: layer.update_recurrent_state(layer.cell.flip(-1)),
+        lambda layer: setattr(layer, "cell_states", layer.cell_states * 0.5),
+        lambda layer: layer.update_tail(layer.tail_keys * 0.5, layer.tail_values),
+    ],
+    ids=["cell", "cells", "tail"],
+)
+def test_what_eager_steps_keep_follows_any_edit_of_the_cache(edit):
+    """The window and cells a step keeps for the next (`step_window`, `step_review`) are used only while the cache
+    holds the state they came from: an edit between steps acts on the next step as on a cache that kept nothing."""
+    model = build(window_size=6)
+    ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = model(ids[:, :7], use_cache=True).past_key_values
+        model(ids[:, 7:8], past_key_values=cache)  # a step within the window: it keeps what the next one reads
+        assert all(layer.step_window is not None for layer in cache.layers)
+        fresh = RANCache(model.config)
+        fresh.__dict__.update({k: v for k, v in cache.__dict__.items() if k != "layers"})
+        for layer, fresh_layer in zip(cache.layers, fresh.layers):
+            edit(layer)
+            fresh_layer.__dict__.update({k: v for k, v in layer.__dict__.items() if not k.startswith("step_")})
+            fresh_layer.memo_of = None
+        torch.testing.assert_close(
+            model(ids[:, 8:9], past_key_values=cache).logits, model(ids[:, 8:9], past_key_values=fresh).logits
+        )

@@ -111,7 +111,7 @@ class RANAssociativeMemory(nn.Module):
         read, state = self(query, keys, values, betas, cache.binding_state, at, overlap)
         if at.scan_runs:
             betas = next_tail(betas[..., None], at)[..., 0]
-        cache.update_binding(state, betas)
+        cache.binding_state, cache.tail_betas = state, betas
         return read
 
     def recall(self, query, key, value, normed_tokens, layout: RANWindowLayout, cache: RANCacheLayer | None, overlap):
@@ -131,5 +131,5 @@ class RANAssociativeMemory(nn.Module):
         read, states = self(query, key, value, betas, start, layout, overlap)
         if cache is not None:
             tail_betas = layout.sources(new_betas, tail_betas)[layout.next_tail]
-            cache.update_binding(layout.after_last_finished(states, start), tail_betas)
+            cache.binding_state, cache.tail_betas = layout.after_last_finished(states, start), tail_betas
         return layout.from_windows(read.flatten(-2))

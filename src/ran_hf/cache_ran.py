@@ -36,9 +36,9 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         binding_state (B, H, d, d), tail_betas (B, P, H): with `associative_memory`, its state after the last finished
             window and the write strengths of the tail's tokens.
 
-    Eager decoding steps keep, beside it, two values derived from it that change only when a window ends
-    (`step_window`: the window as attention reads it; `step_review`: the cells memory review reads): every update of
-    the state drops them.
+    Eager decoding steps keep, beside it, two values derived from it (`step_window`: the window as attention reads it;
+    `step_review`: the cells memory review reads) and the state they were derived from (`memo_of`: the tail's keys,
+    the cell and the cells): a step uses them only while the cache still holds that state (`RANLayer.decode_token`).
     """
 
     is_compileable = True  # fixed shapes between passes: the tail's slots and the cells' room
@@ -49,7 +49,7 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         for name in STATE[1:]:
             setattr(self, name, None)
         self.cell_room = 0
-        self.step_window = self.step_review = None
+        self.step_window = self.step_review = self.memo_of = None
 
     @property
     def cell(self) -> torch.Tensor | None:
@@ -79,31 +79,11 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         """Set the cell the next window reads, (B, D)."""
         self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
         self.cell = recurrent_states
-        self.step_window = self.step_review = None
         return recurrent_states
-
-    def update_cell(self, cell: torch.Tensor, raw_cell: torch.Tensor) -> None:
-        """The cell the next window reads and the raw cell of the last finished window, (B, D) each."""
-        self.update_recurrent_state(cell)
-        self.previous_raw_cell = raw_cell
-
-    def update_binding(self, binding_state: torch.Tensor, tail_betas: torch.Tensor) -> None:
-        self.binding_state, self.tail_betas = binding_state, tail_betas
-
-    def update_cell_states(self, cell_states: torch.Tensor) -> None:
-        self.cell_states = cell_states
-        self.step_window = self.step_review = None
-
-    def update_salient(self, cell_states: torch.Tensor, windows: torch.Tensor) -> None:
-        self.salient_cell_states, self.salient_windows = cell_states, windows
 
     def update_tail(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         # Contiguous, whoever wrote it: a compiled step's graph is specialised on the strides it reads.
         self.tail_keys, self.tail_values = keys.contiguous(), values.contiguous()
-        self.step_window = self.step_review = None
-
-    def update_last_token(self, last_token: torch.Tensor) -> None:
-        self.last_token = last_token
 
     @property
     def tail(self) -> torch.Tensor | None:
@@ -114,7 +94,6 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         return {name: value for name in STATE if (value := getattr(self, name)) is not None}
 
     def _map(self, function) -> None:
-        self.step_window = self.step_review = None  # rebuilt by the next step, for the rows it has
         for name, tensor in self.tensors().items():
             setattr(self, name, function(tensor))
 
@@ -219,7 +198,7 @@ class RANCache(Cache):
             layer.cell_room = max(layer.cell_room, room)
             cells = layer.cell_states
             if cells is not None and cells.shape[1] < layer.cell_room:
-                layer.update_cell_states(F.pad(cells, (0, 0, 0, layer.cell_room - cells.shape[1])))
+                layer.cell_states = F.pad(cells, (0, 0, 0, layer.cell_room - cells.shape[1]))
 
     def make_room(self, finished_windows: int) -> None:
         """Before a forward after which rows have finished at most `finished_windows` windows."""

@@ -116,12 +116,12 @@ def remember(config: RANConfig, salience: Salience, cache: RANCacheLayer, layout
         kept = min(layout.most_finished_windows, cell_states.shape[1])
         finished = torch.arange(kept, device=cell_states.device)[None, :] < finished_windows[:, None]
         kept_cells = cell_states[:, :kept] * finished[..., None]
-        cache.update_cell_states(F.pad(kept_cells, (0, 0, 0, max(0, cache.cell_room - kept))))
+        cache.cell_states = F.pad(kept_cells, (0, 0, 0, max(0, cache.cell_room - kept)))
         return
     bound = config.memory_review_cells  # the last M windows', right-aligned; zeros for windows before the first
     window = finished_windows[:, None] - bound + torch.arange(bound, device=cell_states.device)  # (B, M)
     index = (window - first_cell[:, None]).clamp(min=0)[..., None].expand(-1, -1, cell_states.shape[-1])
-    cache.update_cell_states(cell_states.gather(1, index) * (window >= 0)[..., None])
+    cache.cell_states = cell_states.gather(1, index) * (window >= 0)[..., None]
     if pool is None:
         return
     # The salient cells the next window reads beyond its range, oldest first; slots not yet filled hold zeros and
@@ -135,7 +135,8 @@ def remember(config: RANConfig, salience: Salience, cache: RANCacheLayer, layout
     order = torch.where(keep, windows, torch.iinfo(windows.dtype).max).argsort(dim=-1, stable=True)[:, :kept]
     valid = keep.gather(1, order)
     chosen = all_cells.gather(1, order[..., None].expand(-1, -1, all_cells.shape[-1]))
-    cache.update_salient(chosen * valid[..., None], torch.where(valid, windows.gather(1, order), -1))
+    cache.salient_cell_states = chosen * valid[..., None]
+    cache.salient_windows = torch.where(valid, windows.gather(1, order), -1)
 
 
 def memory_to_read(config: RANConfig, salience: Salience, cells, initial_cell, layout: RANWindowLayout, cache=None):
@@ -165,7 +166,8 @@ def update_cache(config: RANConfig, cache: RANCacheLayer, layout: RANWindowLayou
                  new_kv) -> None:  # fmt: skip
     """Keep what a causal layer's next pass needs: the cell after the last finished window and the unfinished tail
     of keys and values. (Memory review keeps the cells it may read again itself: `remember`.)"""
-    cache.update_cell(layout.after_last_finished(cells, start[0]), layout.after_last_finished(raw_cells, start[1]))
+    cache.cell = layout.after_last_finished(cells, start[0])
+    cache.previous_raw_cell = layout.after_last_finished(raw_cells, start[1])
     tail = layout.sources(new_kv, cache.tail)[layout.next_tail]  # (B, P', 2, H, d)
     # Kept `window_size + window_overlap` slots wide, zeros after a row's last: the most any row can need and the
     # slot a decoding step writes its token into, so that it keeps the cache's shapes.

@@ -11,8 +11,9 @@ share: the positions (`step_positions`, once per step for all layers) and the ca
 
 Between eager steps the cache also keeps what stays the same until a window ends (`RANCacheLayer.step_window`,
 `step_review`): the window as attention reads it, rotated, with the read cell's key and value in slot 0, and the
-cells memory review reads with their score bias. A compiled step, which cannot ask whether they are there, builds
-them every time.
+cells memory review reads with their score bias. They hold while the cache holds the state they were built from
+(`memo_of`), so that nothing that updates the cache has to drop them. A compiled step, which cannot ask whether they
+are there, builds them every time.
 
 Shapes: B batch, H heads, d head size, D hidden size, S window slots (the tail plus the new token), C cached cells.
 """

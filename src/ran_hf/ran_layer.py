@@ -424,7 +424,16 @@ class RANLayer(GradientCheckpointingLayer):
         """One new token per row against the cache (decode_step.py): the three phases of `forward` for that token,
         through the same modules. states (B, D) -> the token states after the layer (B, D); the cache's state is
         updated (the head's `cache_transaction` restores it if a later layer fails)."""
-        # 1. The new token's query, key and value (rotated together: they share a position), and its window.
+        # 1. The new token's query, key and value (rotated together: they share a position), and its window. What
+        # the last eager step kept (`step_window`, `step_review`) holds while the cache holds the state it came from.
+        cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states
+        kept = cache.memo_of
+        if (
+            at.compiled
+            or kept is None
+            or not (kept[0] is cache.tail_keys and kept[1] is cell and kept[2] is cell_states)
+        ):
+            cache.step_window = cache.step_review = None
         normed = self.normalize_input(states)  # (B, D)
         qkv = self.project(normed)  # (B, 3, H, d)
         query, key, value = qkv.unbind(1)  # (B, H, d) each
@@ -447,7 +456,6 @@ class RANLayer(GradientCheckpointingLayer):
         # 3. Where a row's token ends its window, the cell scan's step for that window. Before memory review, which
         # does not read the window's own cell: a compiled step writes it into the room first, in place, and reviews the
         # room it wrote (a graph that read the room before writing it in place would copy all of it).
-        cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states
         tail_keys, tail_values = keys, values
         if at.scan_runs:
             _, _, raw, new_cell = self.cell_scan(
@@ -464,15 +472,13 @@ class RANLayer(GradientCheckpointingLayer):
             token = self.memory_review(token, None, self.initial_cell[None], at, cache)[0]
 
         # 5. The layer's state after the step; what stays until a window ends stays cached between eager steps.
-        review = None if at.scan_runs else cache.step_review
         if at.scan_runs:
-            cache.update_recurrent_state(cell)
-            cache.previous_raw_cell = previous_raw
-        if cell_states is not None and cell_states is not cache.cell_states:
-            cache.update_cell_states(cell_states)
-        cache.update_tail(tail_keys, tail_values)  # (each update drops the step memos ...)
-        if not (at.scan_runs or at.compiled):  # (... which still hold)
-            cache.step_window, cache.step_review = (window_keys, window_values), review
+            cache.cell, cache.previous_raw_cell = cell, previous_raw
+            if cell_states is not None:  # (None: a compiled step wrote the cached room in place)
+                cache.cell_states = cell_states
+        cache.update_tail(tail_keys, tail_values)
+        if not (at.scan_runs or at.compiled):
+            cache.step_window, cache.memo_of = (window_keys, window_values), (cache.tail_keys, cell, cell_states)
         return LayerOutputs(token, None, None, None, None)
 
     def step_window(self, cache: RANCacheLayer, keys, values, rotated_key, value, at: StepPositions):

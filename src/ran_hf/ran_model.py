@@ -96,7 +96,7 @@ class RANEmbeddings(nn.Module):
             last = torch.ones_like(first)
             last[:-1] = first[1:]
             kept = start.index_put((rows[last],), token_states[last])  # rows without new tokens keep theirs
-            cache.update_last_token(kept)
+            cache.last_token = kept
         return token_states + self.token_shift(previous)
 
 
@@ -580,7 +580,7 @@ class RANModel(RANPreTrainedModel):
             check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
             past_key_values.checked_by = self.checked_config
             for layer in past_key_values.layers:  # what another model's steps kept, this model computes anew
-                layer.step_window = layer.step_review = None
+                layer.memo_of = None
         return self.decode_step(input_ids, inputs_embeds, past_key_values)
 
     def decode_step(self, input_ids, inputs_embeds, cache: RANCache) -> RANModelOutput:
@@ -600,7 +600,7 @@ class RANModel(RANPreTrainedModel):
         if self.norm is not None:
             states = self.norm(states)
         if self.embeddings_shift_tokens:
-            cache.layers[0].update_last_token(embeddings)
+            cache.layers[0].last_token = embeddings
         cache.advance_one_token()
         return RANModelOutput(last_hidden_state=states[:, None], past_key_values=cache)
 
