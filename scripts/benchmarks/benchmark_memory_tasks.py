@@ -7,16 +7,16 @@ The tasks (memory_tasks.py): bAbI-style state tracking in filler (`qa1`: a name'
 go); and Zoology's multi-query associative recall (`mqar`) on its grid of (length, pairs), trained at each length and
 read at 1x and 4x it.
 
-The models, at one width and depth: the causal RAN exactly as `RANConfig(is_causal=True)` builds it with only its
-sizes set (vocabulary, hidden size, layers, heads; its defaults otherwise, dropout 0.1 and head size 64 included),
-or with the fields `--ran_config` sets (a JSON object of RANConfig fields, e.g. '{"hidden_dropout_prob": 0}');
-Llama with the same width, depth, heads and head size and an MLP sized to RAN's parameter count; Mamba-2
-(Transformers', its torch path) with the same width and depth and the inner width (`expand`) that comes closest to
-RAN's parameter count (the default RAN's, whatever `--ran_config` sets). Every model trains on the same batches (the data depend on the seed only) for the same steps,
-with AdamW, a linear warmup over the first 10% of the steps, then a cosine decay to a tenth; the loss is the
-cross-entropy of the answer tokens alone. Each model is swept over `--learning_rates` and read at the training
-length; its best rate is the one with the best accuracy on held-out validation examples at the training length, and
-only that rate's model is read at the longer lengths and run again with the `--extra_seeds`. Accuracy: the share of
+The models, at one width and depth: the causal RAN exactly as `RANConfig(is_causal=True)` builds it with only its sizes
+set (vocabulary, hidden size, layers, heads; its defaults otherwise, dropout 0.1 and head size 64 included), or with the
+fields `--ran_config` sets as well (a JSON object of RANConfig fields, e.g. '{"hidden_dropout_prob": 0}'); Llama with
+the same width, depth, heads and head size and an MLP sized to RAN's parameter count; Mamba-2 (Transformers', its torch
+path) with the same width and depth and the inner width (`expand`) that comes closest to RAN's parameter count (the
+default RAN's, whatever `--ran_config` sets). Every model trains on the same batches (the data depend on the seed only)
+for the same steps, with AdamW, a linear warmup over the first 10% of the steps, then a cosine decay to a tenth; the
+loss is the cross-entropy of the answer tokens alone. Each model is swept over `--learning_rates` and read at the
+training length; its best rate is the one with the best accuracy on held-out validation examples at the training length,
+and only that rate's model is read at the longer lengths and run again with the `--extra_seeds`. Accuracy: the share of
 answers whose token is the argmax over the whole vocabulary, on `--eval_examples` test examples at each length
 (validation and test examples are drawn from their own seeds, training batches from the run's seed and step).
 
@@ -26,7 +26,8 @@ answers whose token is the argmax over the whole vocabulary, on `--eval_examples
 Writes benchmarks/memory_tasks/<task>.{json,md,png} (MQAR: `mqar_<length>x<pairs>...`; `--output`). A run already in
 the output file with the same settings is kept, not run again: a stopped sweep resumes, and `--models` or
 `--extra_seeds` can be added by later calls (each run records the command and commit that trained it; the file's
-`command` and `settings` are the last call's).
+`command` and `settings` are the last call's). A call with other settings (`--ran_config` included) starts the file
+anew: give it its own `--output`.
 """
 
 import argparse
