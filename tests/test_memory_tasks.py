@@ -109,10 +109,35 @@ def test_the_models_compared_have_the_default_causal_rans_parameter_count():
 
     from benchmark_memory_tasks import build, size
 
-    args = Namespace(hidden_size=64, num_layers=2, num_heads=4)
+    args = Namespace(hidden_size=64, num_layers=2, num_heads=4, ran_config={})
     ran = size(build("ran", 103, args, context=64))
     for name in ("llama", "mamba2"):
         assert abs(size(build(name, 103, args, context=64)) - ran) <= 0.05 * ran, name
+
+
+def test_ran_config_sets_fields_on_the_ran_only_and_refuses_unknown_ones(capsys):
+    """`--ran_config` sets RANConfig fields on the RAN built (the baselines keep the default RAN's size), and a name
+    that is no RANConfig field, a field the benchmark sets itself or a value out of range stops the call first."""
+    from benchmark_memory_tasks import build, describe, parse_args, size
+
+    argv = ["--task", "mqar", "--grid", "64x4"]
+    no_dropout = '{"hidden_dropout_prob": 0, "attention_probs_dropout_prob": 0}'
+    args = parse_args([*argv, "--ran_config", no_dropout])
+    assert args.ran_config == {"hidden_dropout_prob": 0, "attention_probs_dropout_prob": 0}
+    ran = build("ran", 193, args, context=64)
+    assert ran.config.hidden_dropout_prob == 0 and ran.config.attention_probs_dropout_prob == 0
+    assert describe(ran, args.ran_config)["attention_probs_dropout_prob"] == 0
+    assert size(build("llama", 193, args, context=64)) == size(build("llama", 193, parse_args(argv), context=64))
+    assert parse_args(argv).ran_config == {} and build("ran", 193, parse_args(argv), 64).config.hidden_dropout_prob > 0
+    for wrong, message in [
+        ('{"hiden_dropout_prob": 0}', "hiden_dropout_prob is not a RANConfig field"),
+        ('{"hidden_size": 32}', "hidden_size set by the benchmark itself"),
+        ('{"hidden_dropout_prob": -1}', "hidden_dropout_prob"),
+        ("[0]", "must be a JSON object"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args([*argv, "--ran_config", wrong])
+        assert message in capsys.readouterr().err, wrong
 
 
 @pytest.mark.slow  # a training loop, if a tiny one (3 s)
@@ -135,3 +160,19 @@ def test_a_two_step_sweep_writes_its_result_files_and_resumes(tmp_path):
     assert set(best["accuracy_mean"]) == {"64", "256"}
     assert (tmp_path / "mqar.md").exists() and (tmp_path / "mqar.png").exists()
     assert main(argv)["results"]["runs"] == json.loads((tmp_path / "mqar.json").read_text())["results"]["runs"]
+
+
+def test_runs_with_other_ran_config_fields_are_not_taken_for_earlier_ones(tmp_path):
+    """A result file's runs are kept only by a call with the same `--ran_config`; a file written before the option
+    existed ran the default RAN."""
+    import json
+
+    from benchmark_memory_tasks import earlier_runs, parse_args
+
+    argv = ["--task", "mqar", "--grid", "64x4", "--output", str(tmp_path / "mqar")]
+    settings = {**vars(parse_args(argv)), "grid": [[64, 4]]}
+    for written in ({}, None):  # None: a file without the field
+        (tmp_path / "mqar.json").write_text(json.dumps({"settings": {**settings, "ran_config": written},
+                                                        "results": {"runs": [{"model": "ran"}]}}))  # fmt: skip
+        assert earlier_runs(parse_args(argv)) == [{"model": "ran"}]
+        assert earlier_runs(parse_args([*argv, "--ran_config", '{"hidden_dropout_prob": 0}'])) == []

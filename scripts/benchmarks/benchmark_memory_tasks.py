@@ -7,15 +7,16 @@ The tasks (memory_tasks.py): bAbI-style state tracking in filler (`qa1`: a name'
 go); and Zoology's multi-query associative recall (`mqar`) on its grid of (length, pairs), trained at each length and
 read at 1x and 4x it.
 
-The models, at one width and depth: the causal RAN exactly as `RANConfig(is_causal=True)` builds it with only its
-sizes set (vocabulary, hidden size, layers, heads; its defaults otherwise, dropout 0.1 and head size 64 included);
-Llama with the same width, depth, heads and head size and an MLP sized to RAN's parameter count; Mamba-2
-(Transformers', its torch path) with the same width and depth and the inner width (`expand`) that comes closest to
-RAN's parameter count. Every model trains on the same batches (the data depend on the seed only) for the same steps,
-with AdamW, a linear warmup over the first 10% of the steps, then a cosine decay to a tenth; the loss is the
-cross-entropy of the answer tokens alone. Each model is swept over `--learning_rates` and read at the training
-length; its best rate is the one with the best accuracy on held-out validation examples at the training length, and
-only that rate's model is read at the longer lengths and run again with the `--extra_seeds`. Accuracy: the share of
+The models, at one width and depth: the causal RAN exactly as `RANConfig(is_causal=True)` builds it with only its sizes
+set (vocabulary, hidden size, layers, heads; its defaults otherwise, dropout 0.1 and head size 64 included), or with the
+fields `--ran_config` sets as well (a JSON object of RANConfig fields, e.g. '{"hidden_dropout_prob": 0}'); Llama with
+the same width, depth, heads and head size and an MLP sized to RAN's parameter count; Mamba-2 (Transformers', its torch
+path) with the same width and depth and the inner width (`expand`) that comes closest to RAN's parameter count (the
+default RAN's, whatever `--ran_config` sets). Every model trains on the same batches (the data depend on the seed only)
+for the same steps, with AdamW, a linear warmup over the first 10% of the steps, then a cosine decay to a tenth; the
+loss is the cross-entropy of the answer tokens alone. Each model is swept over `--learning_rates` and read at the
+training length; its best rate is the one with the best accuracy on held-out validation examples at the training length,
+and only that rate's model is read at the longer lengths and run again with the `--extra_seeds`. Accuracy: the share of
 answers whose token is the argmax over the whole vocabulary, on `--eval_examples` test examples at each length
 (validation and test examples are drawn from their own seeds, training batches from the run's seed and step).
 
@@ -25,7 +26,8 @@ answers whose token is the argmax over the whole vocabulary, on `--eval_examples
 Writes benchmarks/memory_tasks/<task>.{json,md,png} (MQAR: `mqar_<length>x<pairs>...`; `--output`). A run already in
 the output file with the same settings is kept, not run again: a stopped sweep resumes, and `--models` or
 `--extra_seeds` can be added by later calls (each run records the command and commit that trained it; the file's
-`command` and `settings` are the last call's).
+`command` and `settings` are the last call's). A call with other settings (`--ran_config` included) starts the file
+anew: give it its own `--output`.
 """
 
 import argparse
@@ -70,21 +72,25 @@ TRAINING_SEED_STRIDE = 1_000_000
 # ---- models -----------------------------------------------------------------------------------------------------
 
 
-def build(name: str, vocab_size: int, args, context: int) -> torch.nn.Module:
-    """The model `name` at the benchmark's width and depth, matched to the default causal RAN's parameter count."""
-    from ran_hf import RANConfig, RANForCausalLM
+RAN_SIZE_FIELDS = ("is_causal", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")  # set here
 
-    ran = RANForCausalLM(
-        RANConfig(
-            is_causal=True,
-            vocab_size=vocab_size,
-            hidden_size=args.hidden_size,
-            num_hidden_layers=args.num_layers,
-            num_attention_heads=args.num_heads,
-        )
-    )
+
+def ran_config(vocab_size: int, args, overrides: dict | None = None):
+    """The causal RAN's config at the benchmark's sizes, its defaults otherwise but for `overrides`."""
+    from ran_hf import RANConfig
+
+    sizes = dict(zip(RAN_SIZE_FIELDS, (True, vocab_size, args.hidden_size, args.num_layers, args.num_heads)))
+    return RANConfig(**sizes, **(overrides or {}))
+
+
+def build(name: str, vocab_size: int, args, context: int) -> torch.nn.Module:
+    """The model `name` at the benchmark's width and depth, matched to the default causal RAN's parameter count; the
+    RAN itself with the fields of `args.ran_config` set."""
+    from ran_hf import RANForCausalLM
+
     if name == "ran":
-        return ran
+        return RANForCausalLM(ran_config(vocab_size, args, args.ran_config))
+    ran = RANForCausalLM(ran_config(vocab_size, args))  # the baselines' size follows the default RAN
     target = size(ran)
     sizes = (args.hidden_size, args.num_layers, args.num_heads)
     if name == "llama":  # parameters are linear in the MLP width: solve for it, with RAN's head size
@@ -109,9 +115,11 @@ def size(model: torch.nn.Module) -> int:
     return count_parameters(model, exclude=("embed", "lm_head"))
 
 
-def describe(model: torch.nn.Module) -> dict:
+def describe(model: torch.nn.Module, set_fields=()) -> dict:
+    """Its sizes and the config fields that say what it is, with `set_fields` (those `--ran_config` set)."""
     config = model.config
-    fields = {"ran": ("head_dim", "window_size", "min_window_size", "hidden_dropout_prob", "memory_review_cells")}
+    ran_fields = ("head_dim", "window_size", "min_window_size", "hidden_dropout_prob", "memory_review_cells")
+    fields = {"ran": tuple(dict.fromkeys((*ran_fields, *set_fields)))}
     fields["llama"] = ("head_dim", "intermediate_size")
     fields["mamba2"] = ("expand", "num_heads", "head_dim", "state_size", "chunk_size")
     return {
@@ -190,9 +198,10 @@ def train(model_name: str, task: str, pairs: int | None, train_length: int, cont
         "train_length": train_length,
         "learning_rate": lr,
         "seed": seed,
+        **({"ran_config": args.ran_config} if model_name == "ran" else {}),
         "command": command_line(__file__),  # the call that trained it (a file may gather several calls' runs)
         "commit": args.commit,
-        "model_info": describe(model),
+        "model_info": describe(model, args.ran_config if model_name == "ran" else ()),
         "final_loss": round(statistics.fmean(losses[-args.log_every :]), 4),
         "diverged": not math.isfinite(losses[-1]),
         "loss_history": history,
@@ -390,6 +399,7 @@ def description(args) -> str:
         f"best rate chosen on {args.validation_examples} validation examples at the training length; accuracy on "
         f"{args.eval_examples} test examples per length. Width {args.hidden_size}, {args.num_layers} layers, "
         f"{args.num_heads} heads; one CPU thread."
+        + (f" RAN with the RANConfig fields {json.dumps(args.ran_config)} set." if args.ran_config else "")
     )
 
 
@@ -418,8 +428,9 @@ def earlier_runs(args) -> list[dict]:
         return []
     old = json.loads(path.read_text())["settings"]
     same = ("task", "steps", "batch_size", "hidden_size", "num_layers", "num_heads", "train_length", "eval_examples",
-            "validation_examples", "grid")  # fmt: skip
+            "validation_examples", "grid", "ran_config")  # fmt: skip
     now = {**vars(args), "grid": [list(g) for g in args.grid]}
+    old = {**old, "ran_config": old.get("ran_config") or {}}  # files written before `--ran_config` ran the default
     if any(old.get(name) != now[name] for name in same):
         return []
     return json.loads(path.read_text())["results"]["runs"]
@@ -454,6 +465,13 @@ def parse_args(argv=None):
         default=[],
         help="model=length: read that model at no longer length (e.g. llama=8192)",
     )
+    parser.add_argument(
+        "--ran_config",
+        type=json.loads,
+        default={},
+        help="RANConfig fields to set on the RAN, as a JSON object (e.g. '{\"hidden_dropout_prob\": 0}'); the "
+        "baselines keep the default RAN's size",
+    )
     parser.add_argument("--eval_examples", type=POSITIVE, default=128)
     parser.add_argument("--validation_examples", type=POSITIVE, default=64)
     parser.add_argument("--eval_tokens", type=POSITIVE, default=16384, help="tokens per evaluation batch")
@@ -470,7 +488,32 @@ def parse_args(argv=None):
     args.output = args.output or f"benchmarks/memory_tasks/{args.task}" + (f"_{grid}" if args.task == "mqar" else "")
     if args.task != "mqar" and args.train_length < DEFAULT_STATE_SETTINGS[args.task].shortest():
         parser.error(f"--train_length is too short for {args.task}")
+    check_ran_config(parser, args)
     return args
+
+
+def check_ran_config(parser, args) -> None:
+    """Refuse, before any training, a `--ran_config` that is not an object of RANConfig fields with valid values, or
+    that sets a field this benchmark sets itself."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from ran_hf.configuration_ran import RAN_FIELDS
+
+    if not isinstance(args.ran_config, dict):
+        parser.error(f"--ran_config must be a JSON object of RANConfig fields, got {args.ran_config!r}")
+    fixed = [name for name in args.ran_config if name in RAN_SIZE_FIELDS]
+    if fixed:
+        parser.error(
+            f"--ran_config: {', '.join(fixed)} set by the benchmark itself (--hidden_size, --num_layers, ...)"
+        )
+    unknown = [name for name in args.ran_config if name not in RAN_FIELDS]
+    if unknown:
+        parser.error(f"--ran_config: {', '.join(unknown)} {'is not a' if len(unknown) == 1 else 'are not'} "
+                     f"RANConfig field{'s' * (len(unknown) > 1)} (docs/configuration.md lists them)")  # fmt: skip
+    try:
+        ran_config(mqar_vocab_size(), args, args.ran_config).validate_architecture()
+    except (ValueError, TypeError, StrictDataclassError) as error:
+        parser.error(f"--ran_config: {error}")
 
 
 def main(argv=None) -> dict:
