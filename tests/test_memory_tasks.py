@@ -176,3 +176,40 @@ def test_runs_with_other_ran_config_fields_are_not_taken_for_earlier_ones(tmp_pa
                                                         "results": {"runs": [{"model": "ran"}]}}))  # fmt: skip
         assert earlier_runs(parse_args(argv)) == [{"model": "ran"}]
         assert earlier_runs(parse_args([*argv, "--ran_config", '{"hidden_dropout_prob": 0}'])) == []
+
+
+def test_ran_train_windows_draw_a_window_per_step_and_read_at_the_configs(tmp_path, monkeypatch, capsys):
+    """`--ran_train_windows`: every training step of the RAN runs at a window size drawn from the list (the
+    baselines' steps are untouched), the trained model is read at its config's window, the run records the list,
+    a file trained without it is not taken for it, and a window the config refuses stops the call first."""
+    import json
+
+    import benchmark_memory_tasks
+    from benchmark_memory_tasks import earlier_runs, parse_args, train
+
+    argv = ["--task", "mqar", "--grid", "64x4", "--steps", "12", "--batch_size", "2", "--validation_examples", "2",
+            "--log_every", "6", "--output", str(tmp_path / "mqar")]  # fmt: skip
+    args = parse_args([*argv, "--ran_config", '{"min_window_size": 4}', "--ran_train_windows", "8", "32"])
+    args.commit = "test"
+    seen = []
+    answer_logits = benchmark_memory_tasks.answer_logits
+
+    def recording(model, ids, positions):
+        if model.training:
+            seen.append(getattr(model.config, "window_size", None))
+        return answer_logits(model, ids, positions)
+
+    monkeypatch.setattr(benchmark_memory_tasks, "answer_logits", recording)
+    model, run = train("ran", "mqar", 4, 64, 64, 1e-3, 0, args)
+    assert set(seen) == {8, 32} and len(seen) == 12  # both windows drawn, one per step
+    assert model.config.window_size == 256 and run["ran_train_windows"] == [8, 32]
+    seen.clear()
+    assert "ran_train_windows" not in train("llama", "mqar", 4, 64, 64, 1e-3, 0, args)[1]
+    assert set(seen) == {None}  # Llama's config has no window; nothing set on it
+    settings = {**vars(parse_args(argv)), "grid": [[64, 4]]}
+    (tmp_path / "mqar.json").write_text(json.dumps({"settings": settings, "results": {"runs": [{"model": "ran"}]}}))
+    assert earlier_runs(parse_args([*argv, "--ran_train_windows", "32"])) == []
+    assert earlier_runs(parse_args(argv)) == [{"model": "ran"}]
+    with pytest.raises(SystemExit):
+        parse_args([*argv, "--ran_train_windows", "8"])  # not above the default min_window_size (16)
+    assert "--ran_train_windows 8" in capsys.readouterr().err
