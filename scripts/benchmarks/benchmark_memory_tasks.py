@@ -183,7 +183,7 @@ def train(model_name: str, task: str, pairs: int | None, train_length: int, cont
     for step in range(args.steps):
         ids, positions, answers = make_batch(seed * TRAINING_SEED_STRIDE + step, args.batch_size, train_length)
         if windows:  # this step's window size, drawn from the step's own seed (the data's draws stay the same)
-            model.config.window_size = windows[random.Random(seed * TRAINING_SEED_STRIDE + step).randrange(len(windows))]
+            model.config.window_size = random.Random(seed * TRAINING_SEED_STRIDE + step).choice(windows)
         loss = F.cross_entropy(answer_logits(model, ids, positions).flatten(0, 1), answers.flatten())
         optimizer.zero_grad()
         loss.backward()
