@@ -59,7 +59,8 @@ class RANMemoryReview(nn.Module):
         self.reads_initial_cell = config.is_causal and config.review_initial_cell
         if config.review_salience:  # a learned prior of every cell, `salience . key`; zero at initialisation
             self.salience = nn.Parameter(torch.zeros(hidden_size))
-        if config.review_log_scaling:  # scores times `log_scale` * log(cells read): sharp however many (SSMax)
+        self.log_scaling = config.review_log_scaling  # scores times `log_scale` * log(cells read) (SSMax)
+        if self.log_scaling:  # a softmax as sharp over the many cells of a long document as over training's few
             self.log_scale = nn.Parameter(torch.ones(()))
         # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
         self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
@@ -265,7 +266,7 @@ class RANMemoryReview(nn.Module):
             scores = scores * self.scale
         else:
             scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
-        if hasattr(self, "log_scale"):  # the cells a token reads are those its bias leaves finite
+        if self.log_scaling:  # the cells a token reads are those its bias leaves finite
             cells_read = (score_bias != float("-inf")).sum(-1, keepdim=True).clamp(min=1)
             scores = scores * (self.log_scale * cells_read.to(scores.dtype).log())
         # With a salience, float32 from here on; without, in the scores' dtype (autocast's, where it is on).
