@@ -105,6 +105,11 @@ def memory_review(layer, outputs, cells, token_windows, initial_cell, config, ca
         scores = F.normalize(q_linear, dim=-1) @ F.normalize(k_linear, dim=-1).T * math.sqrt(q.shape[-1])
     else:
         scores = q @ act(k_linear).T / math.sqrt(q.shape[-1])  # (n, m)
+    if config.review_log_scaling:  # times log_scale * log(cells the token reads)
+        readable = torch.full((q.shape[0], 1), float(cells.shape[0]))
+        if causal:
+            readable = (torch.tensor(token_windows, dtype=torch.float)[:, None] + int(sink)).clamp(min=1)
+        scores = scores * review.log_scale * readable.log()
     if config.review_salience:  # every token's score of a cell includes its learned prior, salience . key
         keys = F.normalize(k_linear, dim=-1) if config.review_qk_norm else act(k_linear)
         scores = scores + keys @ review.salience

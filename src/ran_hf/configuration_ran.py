@@ -85,7 +85,7 @@ class RANConfig(PreTrainedConfig):
     architecture_fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                            "memory_review", "associative_memory", "use_cell_residual", "is_causal", "hidden_act",
                            "token_pooling", "layer_norm_eps", "tie_word_embeddings", "cutoffs", "div_val",
-                           "layer_design", *LAYER_DESIGN_FIELDS)  # fmt: skip
+                           "review_log_scaling", "layer_design", *LAYER_DESIGN_FIELDS)  # fmt: skip
 
     vocab_size: int = interval(1)(default=30522)
     hidden_size: int = interval(1)(default=768)
@@ -113,6 +113,7 @@ class RANConfig(PreTrainedConfig):
     memory_value_activation: bool | None = None
     cell_max_pool: bool | None = None
     review_salience: bool | None = None
+    review_log_scaling: bool = False
     token_shift: bool | None = None
     scan_implementation: str = "auto"
     hidden_act: str = activation_name(default="silu")

@@ -59,6 +59,9 @@ class RANMemoryReview(nn.Module):
         self.reads_initial_cell = config.is_causal and config.review_initial_cell
         if config.review_salience:  # a learned prior of every cell, `salience . key`; zero at initialisation
             self.salience = nn.Parameter(torch.zeros(hidden_size))
+        self.log_scaling = config.review_log_scaling  # scores times `log_scale` * log(cells read) (SSMax)
+        if self.log_scaling:  # a softmax as sharp over the many cells of a long document as over training's few
+            self.log_scale = nn.Parameter(torch.ones(()))
         # Cosine scores times sqrt(D) have the spread of ordinary attention scores at initialisation.
         self.scale = math.sqrt(hidden_size) if self.qk_norm else 1 / math.sqrt(hidden_size)
 
@@ -263,6 +266,9 @@ class RANMemoryReview(nn.Module):
             scores = scores * self.scale
         else:
             scores = (scoring_query @ key.transpose(1, 2)) * self.scale  # (B, l, C)
+        if self.log_scaling:  # the cells a token reads are those its bias leaves finite
+            cells_read = (score_bias != float("-inf")).sum(-1, keepdim=True).clamp(min=1)
+            scores = scores * (self.log_scale * cells_read.to(scores.dtype).log())
         # With a salience, float32 from here on; without, in the scores' dtype (autocast's, where it is on).
         scores = scores + (score_bias if hasattr(self, "salience") else score_bias.to(scores.dtype))
         probs = torch.softmax(scores, dim=-1) * reads_any

@@ -330,8 +330,11 @@ class RANPreTrainedModel(PreTrainedModel):
             # zero, far more). At initialisation that gradient was 100-1e8 times all the others together, so
             # clipping by the global norm left every other weight almost no update. Converted checkpoints load theirs.
             init.normal_(module.initial_cell, mean=0.0, std=self.config.initializer_range)
-        elif isinstance(module, RANMemoryReview) and hasattr(module, "salience"):
-            init.zeros_(module.salience)  # no cell is preferred before training says which are worth reading
+        elif isinstance(module, RANMemoryReview):
+            if hasattr(module, "salience"):
+                init.zeros_(module.salience)  # no cell is preferred before training says which are worth reading
+            if hasattr(module, "log_scale"):
+                init.ones_(module.log_scale)
         elif isinstance(module, RANTokenShift):
             init.zeros_(module.weight)
             init.zeros_(module.bias)
