@@ -42,6 +42,7 @@ VALUED = {
 NOT_WALKED = {
     "vocab_size", "hidden_size", "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range",
     "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "is_causal",
+    "training_window_sizes",  # read by training passes alone (tests/test_training_windows.py)
 }  # fmt: skip
 NEEDS = {  # what a value needs beside it to make a valid config
     "memory_salient_cells": {"memory_review_cells": 2, "review_salience": True},

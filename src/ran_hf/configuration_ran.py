@@ -103,6 +103,7 @@ class RANConfig(PreTrainedConfig):
     use_cell_residual: bool = True
     use_rotary: bool = True
     window_overlap: int = interval(0)(default=0)
+    training_window_sizes: list[int] | None = None
     is_causal: bool = False
     layer_design: Literal["official", "learnable_memory"] | None = None
     residual_stream: bool | None = None
@@ -173,12 +174,16 @@ class RANConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         window, cutoffs, theta = self.window_size, self.cutoffs or [], self.rope_theta
+        sizes = self.training_window_sizes
         eos_ids = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
         ids = {"pad_token_id": [self.pad_token_id], "bos_token_id": [self.bos_token_id], "eos_token_id": eos_ids}
         rules = [
             (self.min_window_size >= window, f"`min_window_size` ({self.min_window_size}) must be smaller than "),
             (self.window_overlap >= window, f"`window_overlap` ({self.window_overlap}) must be smaller than "),
             (self.head_dim % 2, f"`head_dim` must be even (rotary embedding rotates pairs), got {self.head_dim}"),
+            (sizes is not None and not (sizes and all(size > max(1, self.min_window_size, self.window_overlap)
+             for size in sizes)), f"`training_window_sizes` must be window sizes above `min_window_size` "
+             f"({self.min_window_size}) and `window_overlap` ({self.window_overlap}), got {self.training_window_sizes}"),
             (self.memory_review_cells is not None and not self.is_causal, "`memory_review_cells` bounds what a causal "
              "model's tokens review; the bidirectional encoder reviews every cell: set `is_causal=True` or None"),
             (self.memory_salient_cells is not None and self.memory_review_cells is None, "`memory_salient_cells` "

@@ -125,14 +125,16 @@ class RANWindowLayout:
         past_lengths: torch.Tensor | None = None,
         read_with_sizes: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        window_size: int | None = None,
     ) -> "RANWindowLayout":
         """Build the layout in five steps: count windows, pack them, place slots, pick queries, keep the cache tail.
 
         Every size that shapes a tensor is read to the host in one synchronisation (step 1); nothing else waits on
         the device. `read_with_sizes` (k,): values that the caller needs on the host (the inputs' value checks),
         read in the same synchronisation and kept as `read_values` (None when nothing is read: an export).
+        `window_size`: this pass's, where it is not the config's (`config.training_window_sizes`).
         """
-        window, overlap = config.window_size, config.window_overlap
+        window, overlap = window_size or config.window_size, config.window_overlap
         total_lengths = None
         # A prefix LM (`token_type_ids`) never merges a short tail either: whether it would depends on the target's
         # length, which a target token may not read.
