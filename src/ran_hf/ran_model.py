@@ -613,10 +613,10 @@ class RANModel(RANPreTrainedModel):
     def training_window_size(self, cache: RANCache | None) -> int | None:
         """This training pass's window size, drawn from `config.training_window_sizes` (torch's generator): a
         sequence of the training length then spans as many windows as longer ones do, so the cell and the memories
-        learn to carry what they will carry there. None (the config's) in inference and where a cache is carried,
-        whose windows must keep one size."""
+        learn to carry what they will carry there. None (the config's) where a cache is carried, whose windows must
+        keep one size; inference does not ask."""
         sizes = self.config.training_window_sizes
-        if not sizes or not self.training or cache is not None or torch.compiler.is_compiling():
+        if not sizes or cache is not None or torch.compiler.is_compiling():
             return None
         return sizes[int(torch.randint(len(sizes), ()))]
 
@@ -715,7 +715,7 @@ class RANModel(RANPreTrainedModel):
             past_lengths,
             None if input_checks is None else input_checks.values,
             token_type_ids=token_type_ids,
-            window_size=self.training_window_size(past_key_values),
+            window_size=self.training_window_size(past_key_values) if self.training else None,
         )
         if input_checks is not None:
             input_checks.judge(layout.read_values)  # a bad input is named before any token is embedded
