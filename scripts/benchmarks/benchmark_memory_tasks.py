@@ -12,9 +12,7 @@ set (vocabulary, hidden size, layers, heads; its defaults otherwise, dropout 0.1
 fields `--ran_config` sets as well (a JSON object of RANConfig fields, e.g. '{"hidden_dropout_prob": 0}'); Llama with
 the same width, depth, heads and head size and an MLP sized to RAN's parameter count; Mamba-2 (Transformers', its torch
 path) with the same width and depth and the inner width (`expand`) that comes closest to RAN's parameter count (the
-default RAN's, whatever `--ran_config` sets). `--ran_train_windows` trains the RAN with a window size drawn per step
-from a list, so that a sequence of the training length spans several windows and the memory learns what longer
-sequences need; it is read at its config's window size. Every model trains on the same batches (the data depend on the seed only)
+default RAN's, whatever `--ran_config` sets). Every model trains on the same batches (the data depend on the seed only)
 for the same steps, with AdamW, a linear warmup over the first 10% of the steps, then a cosine decay to a tenth; the
 loss is the cross-entropy of the answer tokens alone. Each model is swept over `--learning_rates` and read at the
 training length; its best rate is the one with the best accuracy on held-out validation examples at the training length,
@@ -35,7 +33,6 @@ anew: give it its own `--output`.
 import argparse
 import json
 import math
-import random
 import statistics
 import time
 from pathlib import Path
@@ -178,12 +175,8 @@ def train(model_name: str, task: str, pairs: int | None, train_length: int, cont
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: learning_rate_factor(done, args.steps))
     losses, history, start = [], [], time.perf_counter()
     model.train()
-    windows = args.ran_train_windows if model_name == "ran" else []
-    read_window = model.config.window_size if windows else None
     for step in range(args.steps):
         ids, positions, answers = make_batch(seed * TRAINING_SEED_STRIDE + step, args.batch_size, train_length)
-        if windows:  # this step's window size, drawn from the step's own seed (the data's draws stay the same)
-            model.config.window_size = random.Random(seed * TRAINING_SEED_STRIDE + step).choice(windows)
         loss = F.cross_entropy(answer_logits(model, ids, positions).flatten(0, 1), answers.flatten())
         optimizer.zero_grad()
         loss.backward()
@@ -196,8 +189,6 @@ def train(model_name: str, task: str, pairs: int | None, train_length: int, cont
         if (step + 1) % args.log_every == 0:
             history.append([step + 1, round(statistics.fmean(losses[-args.log_every :]), 4)])
             print(f"    step {step + 1}: loss {history[-1][1]:.3f}", flush=True)
-    if windows:
-        model.config.window_size = read_window  # read at the window the config sets
     train_seconds = time.perf_counter() - start
     validation = accuracy(model, make_batch, VALIDATION_SEED, args.validation_examples, train_length, args.eval_tokens)
     run = {
@@ -208,7 +199,6 @@ def train(model_name: str, task: str, pairs: int | None, train_length: int, cont
         "learning_rate": lr,
         "seed": seed,
         **({"ran_config": args.ran_config} if model_name == "ran" else {}),
-        **({"ran_train_windows": windows} if windows else {}),
         "command": command_line(__file__),  # the call that trained it (a file may gather several calls' runs)
         "commit": args.commit,
         "model_info": describe(model, args.ran_config if model_name == "ran" else ()),
@@ -410,11 +400,6 @@ def description(args) -> str:
         f"{args.eval_examples} test examples per length. Width {args.hidden_size}, {args.num_layers} layers, "
         f"{args.num_heads} heads; one CPU thread."
         + (f" RAN with the RANConfig fields {json.dumps(args.ran_config)} set." if args.ran_config else "")
-        + (
-            f" RAN trained with a window size drawn per step from {args.ran_train_windows}, read at its config's."
-            if args.ran_train_windows
-            else ""
-        )
     )
 
 
@@ -443,10 +428,9 @@ def earlier_runs(args) -> list[dict]:
         return []
     old = json.loads(path.read_text())["settings"]
     same = ("task", "steps", "batch_size", "hidden_size", "num_layers", "num_heads", "train_length", "eval_examples",
-            "validation_examples", "grid", "ran_config", "ran_train_windows")  # fmt: skip
+            "validation_examples", "grid", "ran_config")  # fmt: skip
     now = {**vars(args), "grid": [list(g) for g in args.grid]}
-    # Files written before `--ran_config` and `--ran_train_windows` ran the default.
-    old = {**old, "ran_config": old.get("ran_config") or {}, "ran_train_windows": old.get("ran_train_windows") or []}
+    old = {**old, "ran_config": old.get("ran_config") or {}}  # files written before `--ran_config` ran the default
     if any(old.get(name) != now[name] for name in same):
         return []
     return json.loads(path.read_text())["results"]["runs"]
@@ -487,14 +471,6 @@ def parse_args(argv=None):
         default={},
         help="RANConfig fields to set on the RAN, as a JSON object (e.g. '{\"hidden_dropout_prob\": 0}'); the "
         "baselines keep the default RAN's size",
-    )
-    parser.add_argument(
-        "--ran_train_windows",
-        nargs="*",
-        type=POSITIVE,
-        default=[],
-        help="train the RAN with a window size drawn per step from these (a sequence then spans several windows, "
-        "so its memory learns what longer sequences need); it is read at its config's window size",
     )
     parser.add_argument("--eval_examples", type=POSITIVE, default=128)
     parser.add_argument("--validation_examples", type=POSITIVE, default=64)
@@ -538,11 +514,6 @@ def check_ran_config(parser, args) -> None:
         ran_config(mqar_vocab_size(), args, args.ran_config).validate_architecture()
     except (ValueError, TypeError, StrictDataclassError) as error:
         parser.error(f"--ran_config: {error}")
-    for window in args.ran_train_windows:
-        try:
-            ran_config(mqar_vocab_size(), args, {**args.ran_config, "window_size": window}).validate_architecture()
-        except (ValueError, TypeError, StrictDataclassError) as error:
-            parser.error(f"--ran_train_windows {window}: {error}")
 
 
 def main(argv=None) -> dict:
