@@ -50,6 +50,8 @@ CASES = [
         [14, 6, 11],
         id="encoder-all-learnable-memory",
     ),
+    pytest.param({"is_causal": True, "review_log_scaling": True}, [17, 5, 12], id="causal-review-log-scaling"),
+    pytest.param({"review_log_scaling": True}, [14, 6, 11], id="encoder-review-log-scaling"),
 ]
 
 
