@@ -51,7 +51,7 @@ from benchmark_utils import (
     result_record,
     write_json_and_table,
 )
-from causal_baselines import causal_baseline
+from causal_baselines import causal_baseline, matched_llama
 from memory_tasks import (
     DEFAULT_STATE_SETTINGS,
     FIRST_PLACE,
@@ -93,14 +93,8 @@ def build(name: str, vocab_size: int, args, context: int) -> torch.nn.Module:
     ran = RANForCausalLM(ran_config(vocab_size, args))  # the baselines' size follows the default RAN
     target = size(ran)
     sizes = (args.hidden_size, args.num_layers, args.num_heads)
-    if name == "llama":  # parameters are linear in the MLP width: solve for it, with RAN's head size
-        head_dim = ran.config.head_dim
-
-        def llama(inner):
-            return causal_baseline("llama", vocab_size, *sizes, context, head_dim=head_dim, intermediate_size=inner)
-
-        base, step = size(llama(64)), size(llama(128)) - size(llama(64))
-        return llama(max(4, 64 + round((target - base) / step * 64)))
+    if name == "llama":  # with RAN's head size
+        return matched_llama(vocab_size, *sizes, context, head_dim=ran.config.head_dim, target=target, size=size)
     if name == "mamba2":
         options = [e for e in range(1, 33) if e * args.hidden_size % 64 == 0]
         expand = min(

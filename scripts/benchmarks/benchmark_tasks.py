@@ -17,13 +17,16 @@ Tasks (data from ../shared/data unless --data_dir says otherwise):
   eurlex         EURLEX-57K, a subset restricted to its most frequent labels (--eurlex_labels), micro-F1
   conll          CoNLL-2003 NER, RAN window 64 as in the paper, entity F1 on test (seqeval)
   lm             causal LM trained on WikiText-2 *valid* (the train split is not available here), perplexity on
-                 WikiText-2 test: our causal RAN against the official causal design
+                 WikiText-2 test: our causal RAN against the official causal design and a Llama of its size
   window_study   RAN on Hyperpartisan at several window sizes: accuracy and training seconds per epoch (Figure 5)
 
 Models: ran, its Table-4 ablations (ran-mean-pooling, ran-no-cell-residual, ran-no-memory-review, ran-no-rotary),
 ran-bpie (window_overlap > 0), bilstm, srnn, bpie-bisrnn (baseline_models.py), longformer, bert-512
 (Transformers' models, from scratch, BERT reading the first 512 tokens only); for lm: ran-causal,
-ran-causal-official and ran-causal-associative (ran-causal with `config.associative_memory`).
+ran-causal-official, ran-causal-associative (ran-causal with `config.associative_memory`), ran-causal-long-memory
+(the associative memory, trained at drawn window sizes: `training_window_sizes` of a quarter, half and all of the
+window) and llama (Transformers' Llama of RAN's width, depth, heads and head size, its MLP sized to RAN's parameter
+count; no dropout).
 
 Runs execute in `--workers` fresh processes and are appended to `<output_name>_runs.jsonl` as they finish; an
 interrupted benchmark resumes where it stopped (`--overwrite` starts afresh). The table is rebuilt from every run
@@ -31,6 +34,7 @@ recorded there (benchmark_tasks_report.py).
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -61,6 +65,7 @@ from baseline_models import (  # noqa: E402
 )
 from benchmark_tasks_report import write_report  # noqa: E402
 from benchmark_utils import command_line, machine_info  # noqa: E402
+from causal_baselines import matched_llama  # noqa: E402
 
 from ran_hf.cell_scan import RANScanInterface, reference_cell_scan  # noqa: E402
 
@@ -85,6 +90,8 @@ LANGUAGE_MODELS = {
     "ran-causal": {},
     "ran-causal-official": {"layer_design": "official", "scan_implementation": OFFICIAL_CAUSAL_SCAN},
     "ran-causal-associative": {"associative_memory": True},
+    "ran-causal-long-memory": {"associative_memory": True, "training_window_sizes": None},  # None: from the window
+    "llama": None,  # causal_baselines.py, matched to ran-causal
 }
 BERT_MAX_LENGTH = 512
 
@@ -469,8 +476,20 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
 
     tagging = task["problem_type"] == "token_classification"
     if task_name == "lm":
+        if name == "llama":
+            ran = build_model("ran-causal", task_name, task, args)
+            sizes = (task["vocab_size"], args.hidden_size, args.num_layers, args.num_heads, args.lm_block_size)
+            # Matched without the token embeddings and the output layer (RAN: `decoder`, its own; Llama: tied).
+            size = functools.partial(
+                count_parameters, exclude=("embed_tokens", "word_embeddings", "lm_head", "decoder")
+            )
+            return matched_llama(*sizes, head_dim=ran.config.head_dim, target=size(ran), size=size)
         official = name == "ran-causal-official"
-        config = ran_config(args, task, "ran", args.lm_window_size, is_causal=True, **LANGUAGE_MODELS[name])
+        fields = dict(LANGUAGE_MODELS[name])
+        if "training_window_sizes" in fields:
+            window = args.lm_window_size
+            fields["training_window_sizes"] = sorted({max(window // 4, 2), max(window // 2, 2), window})
+        config = ran_config(args, task, "ran", args.lm_window_size, is_causal=True, **fields)
         model = RANForCausalLM(config)
         if official:
             for layer in model.model.layers:

@@ -112,6 +112,28 @@ def llama_inner_size(hidden_size: int) -> int:
     return -(-8 * hidden_size // 3 // 4) * 4
 
 
+def matched_llama(
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    context: int,
+    *,
+    head_dim: int,
+    target: int,
+    size,
+) -> LlamaForCausalLM:
+    """Llama with the given width, depth, heads and head size whose MLP width brings `size(model)` (a parameter count)
+    closest to `target`: parameters are linear in the MLP width, so two builds solve for it."""
+
+    def llama(inner: int) -> LlamaForCausalLM:
+        sizes = (vocab_size, hidden_size, num_layers, num_heads, context)
+        return causal_baseline("llama", *sizes, head_dim=head_dim, intermediate_size=inner)
+
+    base, step = size(llama(64)), size(llama(128)) - size(llama(64))
+    return llama(max(4, 64 + round((target - base) / step * 64)))
+
+
 def causal_baseline(
     name: str,
     vocab_size: int,
