@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .building_blocks import gather_rows
+from .building_blocks import gather_rows, unit_vectors
 from .cache_ran import RANCacheLayer
 from .configuration_ran import RANConfig
 from .decode_step import StepPositions, next_tail
@@ -59,18 +59,38 @@ class RANAssociativeMemory(nn.Module):
         """(T, D) normalised token states -> (T, H) their write strengths, in (0, 1)."""
         return torch.sigmoid(self.write_strength(normed_tokens).float())
 
-    def forward(self, query, key, value, betas, start_state, layout: RANWindowLayout | StepPositions, overlap: int):
-        """query (K, H, Q, d), key and value (K, H, S, d) of every window slot, before rotary; betas (K, S, H);
-        start_state (B, H, d, d). Returns what the windows' queries read (K, Q, H, d) and the state after each scan
-        step (N, B, H, d, d).
+    def forward(self, query, key, value, normed_tokens, layout: RANWindowLayout | StepPositions, cache, overlap: int):
+        """What every token recalls from the memory of the windows before its own, (T, H * d), given the layer's
+        queries (K, H, Q, d), keys and values (K, H, S, d) before rotary and its normalised tokens (T, D); the cache
+        (None without one) keeps the memory after the last finished window and the tail's write strengths.
 
         A decoding step (`layout` is its `StepPositions`) hands each row's query (B, H, d), its window's slots
-        (B, S, H, d) and write strengths (B, S, H) with the new token's in: returns what the query reads (B, H * d)
-        and the state after the step (B, H, d, d), the window's own tokens written where it ends."""
+        (B, S, H, d) with the new token's in, and the token's normalised state (B, D): returns what the query
+        recalls (B, H * d), the window's own tokens written where it ends (`step`)."""
         if type(layout) is StepPositions:
-            return self.step(query, key, value, betas, start_state, layout, overlap)
+            return self.step(query, key, value, normed_tokens, cache, layout, overlap)
+        if torch.compiler.is_exporting():
+            raise NotImplementedError(
+                "`associative_memory` writes window after window in a Python loop, which an exported graph cannot "
+                "hold for any number of windows: export a model without it."
+            )
+        new_betas, tail_betas = self.betas(normed_tokens), None if cache is None else cache.tail_betas  # (T, H)
+        betas = gather_rows(layout.sources(new_betas, tail_betas), layout.window_slots)  # (K, S, H)
+        start = None if cache is None else cache.binding_state
+        if start is None:
+            start = query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
+        read, states = self.write_windows(query, key, value, betas, start, layout, overlap)
+        if cache is not None:
+            tail_betas = layout.sources(new_betas, tail_betas)[layout.next_tail]
+            cache.binding_state, cache.tail_betas = layout.after_last_finished(states, start), tail_betas
+        return layout.from_windows(read.flatten(-2))
+
+    def write_windows(self, query, key, value, betas, start_state, layout: RANWindowLayout, overlap: int):
+        """query (K, H, Q, d), key and value (K, H, S, d) of every window slot, before rotary; betas (K, S, H);
+        start_state (B, H, d, d). Returns what the windows' queries read (K, Q, H, d) and the state after each scan
+        step (N, B, H, d, d)."""
         dtype = query.dtype
-        keys = F.normalize(key.float(), dim=-1)
+        keys = unit_vectors(key.float())
         writes = layout.own_slot_mask(overlap)[:, None, :] * betas.transpose(1, 2)  # (K, H, S): own tokens only
         # Scan step j writes the window each sequence reads there; a sequence without one reads the empty row.
         keys, values, writes = (
@@ -83,53 +103,27 @@ class RANAssociativeMemory(nn.Module):
         after = torch.stack(after)  # (N, B, H, d, d)
         before = torch.cat([start_state.float()[None], after[:-1]])
         read_state = layout.per_sequence(before.flatten(2)).view(-1, self.num_heads, self.head_dim, self.head_dim)
-        queries = F.normalize(query.float(), dim=-1)  # (K, H, Q, d)
+        queries = unit_vectors(query.float())  # (K, H, Q, d)
         read = (queries @ read_state) * self.read_scale[:, None, None]  # (K, H, Q, d)
         return read.transpose(1, 2).to(dtype), after
 
-    def step(self, query, key, value, betas, state, at: StepPositions, overlap: int):
+    def step(self, query, keys, values, normed, cache: RANCacheLayer, at: StepPositions, overlap: int):
         """`forward`'s step branch: the query reads the state after the windows before its own; where a row's window
-        ends, its own tokens (not the `overlap` enrichment tokens a later window starts with) are written."""
-        queries = F.normalize(query.float(), dim=-1)  # (B, H, d)
-        read = (queries[:, :, None] @ state)[:, :, 0] * self.read_scale[:, None]  # (B, H, d)
+        ends, its own tokens (not the `overlap` enrichment tokens a later window starts with) are written. The cache
+        keeps the state and the tail's write strengths."""
+        tail_betas, state = cache.tail_betas, cache.binding_state
+        if tail_betas.shape[1] < keys.shape[1]:  # a forward's tail, as wide as its longest row: the step's slots
+            tail_betas = F.pad(tail_betas, (0, 0, 0, keys.shape[1] - tail_betas.shape[1]))
+        betas = tail_betas.index_put((at.rows, at.slot), self.betas(normed))  # (B, S, H)
+        read = (unit_vectors(query.float())[:, :, None] @ state)[:, :, 0] * self.read_scale[:, None]  # (B, H, d)
         if at.scan_runs:
             first_own = torch.where(at.window > 0, overlap, 0)[:, None]  # (B, 1)
             own = at.visible & (torch.arange(at.visible.shape[1], device=state.device) >= first_own)  # (B, S)
             writes = (betas * own[..., None]).transpose(1, 2)  # (B, H, S)
-            keys = F.normalize(key.float(), dim=-1).transpose(1, 2)  # (B, H, S, d)
-            written = delta_write(state, keys, value.float().transpose(1, 2), writes)
+            written = delta_write(
+                state, unit_vectors(keys.float()).transpose(1, 2), values.float().transpose(1, 2), writes
+            )
             state = torch.where(at.ends_window[:, None, None, None], written, state)
-        return read.flatten(1).to(query.dtype), state
-
-    def recall_step(self, query, keys, values, normed, cache: RANCacheLayer, at: StepPositions, overlap: int):
-        """A decoding step's recall (B, H * d) for the token's query (B, H, d) before rotary, its window's slots
-        (B, S, H, d) and its normalised state (B, D); the cache keeps the state and the tail's write strengths."""
-        tail_betas = cache.tail_betas
-        if tail_betas.shape[1] < keys.shape[1]:  # a forward's tail, as wide as its longest row: the step's slots
-            tail_betas = F.pad(tail_betas, (0, 0, 0, keys.shape[1] - tail_betas.shape[1]))
-        betas = tail_betas.index_put((at.rows, at.slot), self.betas(normed))  # (B, S, H)
-        read, state = self(query, keys, values, betas, cache.binding_state, at, overlap)
-        if at.scan_runs:
             betas = next_tail(betas[..., None], at)[..., 0]
         cache.binding_state, cache.tail_betas = state, betas
-        return read
-
-    def recall(self, query, key, value, normed_tokens, layout: RANWindowLayout, cache: RANCacheLayer | None, overlap):
-        """(T, H * d): what every token reads from the memory of the windows before its own, given the layer's
-        queries (K, H, Q, d), keys and values (K, H, S, d) before rotary and its normalised tokens (T, D); the cache
-        keeps the memory after the last finished window and the tail's write strengths."""
-        if torch.compiler.is_exporting():
-            raise NotImplementedError(
-                "`associative_memory` writes window after window in a Python loop, which an exported graph cannot "
-                "hold for any number of windows: export a model without it."
-            )
-        new_betas, tail_betas = self.betas(normed_tokens), None if cache is None else cache.tail_betas  # (T, H)
-        betas = gather_rows(layout.sources(new_betas, tail_betas), layout.window_slots)  # (K, S, H)
-        start = None if cache is None else cache.binding_state
-        if start is None:
-            start = query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
-        read, states = self(query, key, value, betas, start, layout, overlap)
-        if cache is not None:
-            tail_betas = layout.sources(new_betas, tail_betas)[layout.next_tail]
-            cache.binding_state, cache.tail_betas = layout.after_last_finished(states, start), tail_betas
-        return layout.from_windows(read.flatten(-2))
+        return read.flatten(1).to(query.dtype)

@@ -303,9 +303,7 @@ class RANLayer(GradientCheckpointingLayer):
         del qkv, new_query
         recalled = None
         if self.uses_associative_memory:
-            recalled = self.associative_memory.recall(
-                query, key, value, normed_tokens, layout, cache, config.window_overlap
-            )
+            recalled = self.associative_memory(query, key, value, normed_tokens, layout, cache, config.window_overlap)
         if rotations is not None:  # (S, d / 2, 2): slot s is position s + 1
             # In inference, rotated a chunk of windows at a time in place: the gathered slots are this pass's own.
             query_rotations = rotations[layout.query_slots][:, None]  # (K, 1, Q, d / 2, 2)
@@ -448,9 +446,7 @@ class RANLayer(GradientCheckpointingLayer):
         attended, _ = self.window_attention(query[:, :, None], window_keys, window_values, None, None, at, False)
         if self.uses_associative_memory:  # the memory of the windows before, read with the un-rotated query
             overlap = at.settings.window_overlap
-            attended = attended + self.associative_memory.recall_step(
-                qkv[:, 0], keys, values, normed, cache, at, overlap
-            )
+            attended = attended + self.associative_memory(qkv[:, 0], keys, values, normed, at, cache, overlap)
         token = self.token_tail(states, attended, normed)  # (B, D)
 
         # 3. Where a row's token ends its window, the cell scan's step for that window. Before memory review, which
