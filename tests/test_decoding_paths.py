@@ -246,6 +246,30 @@ def test_a_forward_hook_acts_on_decoding_steps_as_on_the_full_forward(module_nam
         assert (stepwise - full).abs().max() <= TOLERANCE  # ... of the steps as of the full forward
 
 
+def test_a_step_runs_the_attention_implementation_set_since_the_last_step():
+    """A step looks window attention's function up by the name the config held at its last check: an implementation
+    set between two steps runs in the next one, and gives its logits."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def counted_attention(*args, **kwargs):
+        calls.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register("ran_test_counted", counted_attention)
+    model = build(window_overlap=1)
+    ids = torch.randint(1, 61, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :5], use_cache=True).past_key_values
+        model.set_attn_implementation("ran_test_counted")
+        steps = [model(ids[:, position : position + 1], past_key_values=cache).logits for position in range(5, 9)]
+    assert len(calls) == 4 * model.config.num_hidden_layers  # every layer of every step
+    assert (torch.cat(steps, 1) - full[:, 5:]).abs().max() <= TOLERANCE
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",

@@ -222,9 +222,10 @@ def rotate_pairs_reference(states: torch.Tensor, rotations: torch.Tensor) -> tor
 
 def rotate_pairs_complex(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """`rotate_pairs_reference` with `rotations` as complex numbers, (..., d / 2) `cos + i sin`: the pair (x, y) times
-    them, in four ops whatever the size, for a decoding step whose tensors are small. Not exportable to ONNX."""
-    if torch.compiler.is_compiling():  # inductor generates no code for complex products: its fused real form
-        return rotate_pairs_reference(states, torch.view_as_real(rotations))
+    them, in four ops whatever the size, for a decoding step whose tensors are small. Not exportable to ONNX. Real
+    `rotations` (a compiled step's: inductor generates no code for complex products) take the reference's form."""
+    if not rotations.is_complex():
+        return rotate_pairs_reference(states, rotations)
     pairs = torch.view_as_complex(
         torch.unflatten(states if states.dtype == torch.float64 else states.float(), -1, (-1, 2))
     )

@@ -48,12 +48,14 @@ class StepSettings(NamedTuple):
     rope_theta: float
     memory_review_cells: int | None
     review_initial_cell: bool
+    attn_implementation: str  # window attention's function, looked up by this name in each step
 
 
 def step_settings(config) -> StepSettings:
     return StepSettings(
         config.window_size, config.window_overlap, config.use_rotary, config.head_dim,
         config.rope_parameters["rope_theta"], config.memory_review_cells, config.review_initial_cell,
+        config._attn_implementation,
     )  # fmt: skip
 
 
@@ -66,7 +68,10 @@ class StepPositions(NamedTuple):
     window: torch.Tensor  # (B,) the number of the token's window in its row
     visible: torch.Tensor  # (B, S) the slots the token reads: its tail and itself
     attention_bias: torch.Tensor  # (B, 1, 1, 1 + S) in the states' dtype: 0 for the keys the token reads, else -inf
-    token_rotations: torch.Tensor | None  # (B, 1, 1, d / 2) the token's rotary embedding, complex; None: no rotary
+    token_rotations: (
+        torch.Tensor | None
+    )  # (B, 1, 1, d / 2) the token's rotary embedding, complex (compiled: real pairs,
+    # (B, 1, 1, d / 2, 2)); None: no rotary
     key_rotations: torch.Tensor | None  # (S, 1, d / 2) every slot's (slot s: position s + 1)
     ends_window: torch.Tensor  # (B,) the token is the last of its window: the cell scan takes a step
     scan_runs: bool  # whether any row ends a window (always, compiled: the step cannot ask)
@@ -142,12 +147,12 @@ def step_rotations(
     settings: StepSettings, num_slots: int, dtype: torch.dtype, device: torch.device, compiled: bool
 ) -> torch.Tensor:
     """(1 + S, d / 2) the rotary embedding of the cell (position 0) and of every slot as complex numbers, made once per
-    device and dtype: the window layout's float32 angles, as complex128 for float64 states."""
+    device and dtype: the window layout's float32 angles, as complex128 for float64 states. Compiled, a constant of
+    the graph, as real pairs (1 + S, d / 2, 2): inductor generates no code for complex products."""
     real_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     head_dim, theta = settings.head_dim, settings.rope_theta
-    if compiled:  # a constant of the graph
-        rotations = rotary_rotations(num_slots + 1, head_dim, theta, device)
-        return torch.view_as_complex(rotations.to(real_dtype))
+    if compiled:
+        return rotary_rotations(num_slots + 1, head_dim, theta, device).to(real_dtype)
     key = (num_slots, head_dim, theta, real_dtype, device)
     if key not in _ROTATIONS:
         rotations = rotary_rotations(num_slots + 1, head_dim, theta, device)

@@ -128,12 +128,15 @@ class RANWindowAttention(nn.Module):
         A decoding step (`layout` is its `StepPositions`) hands one query per row (B, H, 1, d) and its window's keys
         and values (B, H, 1 + S, d), the read cell's in slot 0 already: returns (B, H * d) and None.
         """
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
-        if type(layout) is StepPositions:
+        if type(layout) is StepPositions:  # (the config's implementation, read once after each edit of it)
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+                layout.settings.attn_implementation, eager_window_attention
+            )
             attended, _ = attention(
                 self, query, key, value, layout.attention_bias, dropout=0.0, scaling=self.head_dim**-0.5
             )  # (B, 1, H, d)
             return attended.flatten(1), None
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_window_attention)
         attention_mask = layout.window_attention_mask(self.causal_windows, query.dtype)
 
         def join(key, value, cell_key, cell_value):
