@@ -77,7 +77,7 @@ print(json.dumps(report))
     assert report["ran_hf_modules"] == modules
     assert not report["triton_after_kernels"]
     assert report["triton_ops_after_a_cpu_forward"] == []
-    assert report["pipeline"] == "ran_hf.question_answering.ExtractiveQuestionAnsweringPipeline"
+    assert report["pipeline"] == "ran_hf.integrations.question_answering.ExtractiveQuestionAnsweringPipeline"
     assert report["model"] and report["mapping"]
     assert report["auto_class"] == "AutoModelForMaskedLM"
 

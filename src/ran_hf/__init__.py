@@ -2,7 +2,7 @@
 
 Importing the package registers `RANConfig` and every RAN model with the Auto classes, and marks them for remote
 code, so that `save_pretrained` writes a folder (or Hub repo) that loads with `trust_remote_code=True` anywhere. It
-also registers the `"extractive-question-answering"` pipeline (`ran_hf.question_answering`).
+also registers the `"extractive-question-answering"` pipeline (`ran_hf.integrations.question_answering`).
 
 Importing it costs little more than importing Transformers: only the configuration is imported at once. The models
 (and with them `transformers.modeling_utils`), the pipeline, the ONNX export, the PEFT and sentence-transformers
@@ -56,7 +56,7 @@ _LAZY_NAMES = {
     "RANForTokenClassification": "modeling_ran",
     "RANForPrefixLM": "prefix_lm",
     "prefix_lm_features": "prefix_lm",
-    "ExtractiveQuestionAnsweringPipeline": "question_answering",
+    "ExtractiveQuestionAnsweringPipeline": "integrations.question_answering",
     "export_onnx": "integrations.onnx_export",
     "RAN_LORA_TARGET_MODULES": "integrations.lora",
     "RAN_NEW_HEAD_MODULES": "integrations.lora",
@@ -94,9 +94,9 @@ def _register_pipeline(_module=None) -> None:
     pipelines = sys.modules.get("transformers.pipelines")
     if pipelines is None or QUESTION_ANSWERING_TASK in _registered_tasks:
         return
-    answering = sys.modules.get(f"{__name__}.question_answering")
+    answering = sys.modules.get(f"{__name__}.integrations.question_answering")
     if answering is None:
-        importlib.import_module(f"{__name__}.question_answering")  # registers once imported
+        importlib.import_module(f"{__name__}.integrations.question_answering")  # registers once imported
         return
     if not hasattr(answering, "ExtractiveQuestionAnsweringPipeline"):
         return  # being imported (it imported the pipelines): registers once imported
@@ -211,7 +211,7 @@ RANConfig.tasks_registered_here = frozenset({QUESTION_ANSWERING_TASK})
 _after_import = _AfterImport(
     {
         "transformers.pipelines": _register_pipeline,
-        f"{__name__}.question_answering": _register_pipeline,
+        f"{__name__}.integrations.question_answering": _register_pipeline,
         **{f"{__name__}.{module}": _register_models for module in MODEL_MODULES},
     }
 )

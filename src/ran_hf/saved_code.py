@@ -29,10 +29,14 @@ QUESTION_ANSWERING_PIPELINE = {
 }
 
 
-def _code_here(module: str) -> bool:
-    """Whether `module`.py is beside this file: always in the package; in a copy loaded from a saved folder, where
-    Transformers fetched that module."""
-    return Path(__file__).with_name(f"{module}.py").is_file()
+def _source(module: str) -> Path | None:
+    """The file of `module` that a saved folder ships: beside this one (the model's modules; in a copy loaded from a
+    saved folder, every module Transformers fetched) or in the package's `integrations/` (the pipeline, which has no
+    relative import and is copied flat). None where neither has it."""
+    for source in (Path(__file__).with_name(f"{module}.py"), Path(__file__).parent / "integrations" / f"{module}.py"):
+        if source.is_file():
+            return source
+    return None
 
 
 def kept_pipelines(config, pipelines: dict | None) -> dict:
@@ -43,7 +47,7 @@ def kept_pipelines(config, pipelines: dict | None) -> dict:
 
 def served_pipelines(config) -> dict:
     """The `custom_pipelines` a saved config names: they follow from its model, as its `auto_map` does."""
-    if "RANForQuestionAnswering" in (config.architectures or ()) and _code_here("question_answering"):
+    if "RANForQuestionAnswering" in (config.architectures or ()) and _source("question_answering"):
         return {QUESTION_ANSWERING_TASK: dict(QUESTION_ANSWERING_PIPELINE)}
     return {}
 
@@ -57,7 +61,6 @@ def save_code(config, save_directory: str | os.PathLike) -> None:
     named += [info["impl"] for info in served_pipelines(config).values()]
     with write_into(save_directory) as staging:  # safe_writes.py: a module's name linked elsewhere is not followed
         for module in sorted({reference.split("--")[-1].split(".")[0] for reference in named}):
-            if _code_here(module):  # a copy of this code loaded from a folder has only the modules it ran
-                source = Path(__file__).with_name(f"{module}.py")
+            if source := _source(module):  # a copy of this code loaded from a folder has only the modules it ran
                 for file in (source, *map(Path, get_relative_import_files(source))):
                     shutil.copyfile(file, staging / file.name)

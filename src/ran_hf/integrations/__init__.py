@@ -1,7 +1,8 @@
 """RAN with other libraries and formats: PEFT's LoRA (`lora`), sentence-transformers (`sentence_embeddings`), ONNX
-(`onnx_export`), the official `rannet` checkpoints (`convert_rannet`) and the renaming of weights saved under an older
-layout (`rename_cell_weights`).
+(`onnx_export`), the official `rannet` checkpoints (`convert_rannet`), the renaming of weights saved under an older
+layout (`rename_cell_weights`) and Transformers' pipelines: extractive question answering (`question_answering`).
 
-Not modeling code: a saved model folder never carries it, and no modeling module imports it. Nothing is imported
+Not modeling code: no modeling module imports it. A saved question-answering model's folder carries the pipeline's
+module beside its own (saved_code.py), which imports torch and Transformers alone. Nothing is imported
 here, so that importing one module (`from ran_hf.integrations.lora import ran_lora_config`) costs that module alone.
 """
