@@ -123,6 +123,16 @@ def target_checks(summary: dict) -> list[str]:
             f"{verdict(associative['mean'] <= plain['max'])} (token perplexity {associative['mean']:.1f} vs "
             f"{plain['mean']:.1f}, the plain model's seeds up to {plain['max']:.1f})."
         )
+    if "llama" in lm:
+        # Issue 62's bar: a causal RAN's perplexity at most 0.85 of a same-size Llama's, at equal budget.
+        llama = lm["llama"]
+        for name in (name for name in ("ran-causal", "ran-causal-long-memory") if name in lm):
+            ratio = lm[name]["mean"] / llama["mean"]
+            checks.append(
+                f"Language modelling, {name} at most 0.85 of Llama's perplexity: {verdict(ratio <= 0.85)} "
+                f"({lm[name]['mean']:.1f} vs {llama['mean']:.1f}: {ratio:.2f}; worst seed "
+                f"{lm[name]['max'] / llama['min']:.2f} of Llama's best)."
+            )
     return checks
 
 
