@@ -34,8 +34,8 @@ from .outputs_ran import (
     RANSequenceClassifierOutput,
     RANTokenClassifierOutput,
 )
-from .packed_documents import PackedDocuments, boundary_signals
-from .ran_model import RANModel, RANPreTrainedModel, cache_transaction, packed_documents_of
+from .packed_documents import PackedDocuments, boundary_signals, packed_documents_of
+from .ran_model import RANModel, RANPreTrainedModel, cache_transaction
 
 
 logger = logging.get_logger(__name__)

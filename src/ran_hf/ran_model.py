@@ -44,7 +44,7 @@ from .input_checks import (
 )
 from .memory_review import RANMemoryReview
 from .outputs_ran import RANModelOutput
-from .packed_documents import PackedDocuments, find_packed_documents, without_boundaries
+from .packed_documents import documents_apart
 from .ran_layer import RANLayer, RANWindowAttention
 from .safe_writes import hub_repo, write_into
 from .window_layout import RANWindowLayout
@@ -410,77 +410,6 @@ def decoding_step_first(forward):
         return step if step is not None else forward(self, **kwargs)
 
     return wrapper
-
-
-def documents_apart(forward):
-    """A call whose rows pack several documents (`position_ids` that restart, `seq_idx`, `cu_seq_lens_*`: what
-    `DataCollatorWithFlattening` passes) reads each document as if it were alone (packed_documents.py): the
-    documents are regrouped into a padded batch, one a row, the ordinary forward runs over it, and the per-token
-    outputs go back to the packed layout. A head that needs the documents first (for its labels) finds them and
-    passes them as `packed_documents`. Any other call goes on as it is, and pays nothing unless it passes a marker."""
-
-    @functools.wraps(forward)
-    def wrapper(self, *args, **kwargs):
-        documents = kwargs.pop("packed_documents", None)
-        if documents is None and not args:
-            documents = packed_documents_of(self, kwargs)
-        if documents is None:
-            return forward(self, *args, **kwargs)
-        check_packable(kwargs)
-        kwargs = without_boundaries(kwargs)
-        for name in ("input_ids", "inputs_embeds", "token_type_ids"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = documents.to_documents(kwargs[name])
-        kwargs["attention_mask"] = documents.attention_mask
-        kwargs["use_cache"] = False  # (the config may ask for a cache; a packed row cannot carry one)
-        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
-        outputs = outputs_to_packed(forward(self, **kwargs, return_dict=True), documents)
-        return outputs if return_dict is not False else outputs.to_tuple()
-
-    return wrapper
-
-
-def packed_documents_of(model: RANPreTrainedModel, kwargs: dict) -> PackedDocuments | None:
-    """The documents of the packed rows of a call with `kwargs` (`find_packed_documents`), or None."""
-    shape = input_batch_shape(kwargs.get("input_ids"), kwargs.get("inputs_embeds"), model.config.hidden_size)
-    device = (kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]).device
-    return find_packed_documents(shape, kwargs.get("attention_mask"), device, kwargs)
-
-
-def check_packable(kwargs: dict) -> None:
-    """Refuse, before any work, what a packed row cannot read exactly: a cache (one recurrent state per row, while a
-    row holds several documents) and a starting cell (one per row)."""
-    problems = []
-    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
-        problems.append(
-            "a cache (`past_key_values`/`use_cache=True`) carries one text per row: pass `use_cache=False` to train "
-            "on packed rows, and generate from documents as rows of a padded batch"
-        )
-    if kwargs.get("initial_cell") is not None:
-        problems.append(
-            "`initial_cell` gives one starting cell per row: pass the documents as rows of a padded batch, each with "
-            "its cell"
-        )
-    if problems:
-        raise ValueError(
-            "These inputs pack several documents in a row (`position_ids` that restart, `seq_idx` or `cu_seq_lens_*`), "
-            f"which RAN reads one by one; but {'; and '.join(problems)}."
-        )
-
-
-def outputs_to_packed(outputs: RANModelOutput, documents: PackedDocuments) -> RANModelOutput:
-    """`outputs` of the regrouped documents with every per-token output back in the packed layout: the token states,
-    the recorded hidden states and attention weights. The cells and pooled outputs keep one row per document."""
-    outputs.last_hidden_state = documents.to_packed(outputs.last_hidden_state)
-    if outputs.hidden_states is not None:
-        outputs.hidden_states = tuple(
-            None if states is None else documents.to_packed(states) for states in outputs.hidden_states
-        )
-    if outputs.attentions is not None:  # (B, H, L, S): tokens at dim 2
-        outputs.attentions = tuple(documents.to_packed(weights, token_dim=2) for weights in outputs.attentions)
-    if outputs.memory_attentions is not None:  # (B, L, N)
-        outputs.memory_attentions = tuple(documents.to_packed(weights) for weights in outputs.memory_attentions)
-    return outputs
 
 
 def memory_attentions_with_attentions(forward):
