@@ -1,7 +1,7 @@
 """A figure a page quotes from a result file agrees with the file, to the precision the page shows.
 
-The pages (README.md, docs/*.md, benchmarks/README.md) say where each checked figure comes from in an HTML comment
-beside it, which a rendered page does not show:
+The pages (README.md, docs/*.md, benchmarks/README.md and the README of each benchmarks/ folder) say where each
+checked figure comes from in an HTML comment beside it, which a rendered page does not show:
 
 * one figure: `61 s<!-- figure: benchmarks/commands/run_pipeline.json: only(d["results"]["wall_seconds"])["median"] -->`.
   The figure is the last number before the comment on its line; the expression gives the value it shows, from `d`,
@@ -33,7 +33,8 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md", *(ROOT / "docs").glob("*.md")])
+PAGES = sorted([ROOT / "README.md", *(ROOT / "benchmarks").glob("*/README.md"), ROOT / "benchmarks" / "README.md"])
+PAGES += sorted((ROOT / "docs").glob("*.md"))
 NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
 FIGURE = re.compile(r"<!-- figure: (?P<path>\S+\.json): (?P<expression>.+?) -->")
 TABLE = re.compile(r"^<!-- table:\n(?P<body>.*?)^-->\n", re.MULTILINE | re.DOTALL)
