@@ -7,7 +7,7 @@
 
 Per model: Python calls (`sys.setprofile`) of one decoding step inside greedy `generate()` (the difference between
 `--steps` + 2 and 2 new tokens, per step), and of one sequence-classifier forward at `--classifier_length` tokens
-(RAN and Llama); then milliseconds per new token after prompts of `--contexts` tokens, RAN also with its decoding
+(RAN and Llama); "ran-associative" (asked for by `--models`) is the causal RAN with `associative_memory`; then milliseconds per new token after prompts of `--contexts` tokens, RAN also with its decoding
 steps compiled by `generate()` ("ran-compiled": Transformers' compile path, inductor, asked for on a CPU with
 `CompileConfig._compile_all_devices`; the others eager): every model reads the prompt
 for real (RAN in chunks of `--prefill_chunk` through its cache, Mamba-2 in one pass, Llama in one pass up to
@@ -49,6 +49,7 @@ from ran_hf import RANCache, RANConfig, RANForCausalLM, RANForSequenceClassifica
 
 
 MODELS = ("ran", "ran-compiled", "llama", "mamba2")
+OPTIONAL_MODELS = ("ran-associative",)  # the causal RAN with `associative_memory`: only where asked for
 
 
 class StepClock(LogitsProcessor):
@@ -89,6 +90,7 @@ def build(name: str, args, classifier: bool = False):
             head_dim=width // heads, window_size=args.window_size, min_window_size=min(16, args.window_size // 4),
             is_causal=not classifier, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             memory_review_cells=None if classifier else args.memory_review_cells,  # (the encoder reviews all)
+            associative_memory=name == "ran-associative" and not classifier,
         )  # fmt: skip
         return (RANForSequenceClassification if classifier else RANForCausalLM)(config).eval()
     if name == "llama":
@@ -193,7 +195,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefill_chunk", type=POSITIVE, default=4096)
     parser.add_argument("--llama_max_context", type=POSITIVE, default=32768)
     parser.add_argument("--classifier_length", type=POSITIVE, default=512)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS + OPTIONAL_MODELS)
     parser.add_argument("--threads", type=POSITIVE, default=1)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/per_call/per_call_128.json"))
     return parser.parse_args(argv)
