@@ -46,6 +46,9 @@ CHECKED_AT_LEAST = {
     "docs/long-inputs.md": 56,  # the memory table: 14 rows of 4 figures
     "docs/memory.md": 20,  # the recall tables of the spread layout: RAN against its anchors
     "benchmarks/README.md": 6,  # the commands' times and the main job's metrics
+    "benchmarks/memory_tasks/README.md": 35,  # issue 62's lever, grid-point, QA1 and LM tables
+    "docs/architecture.md": 15,  # the memory tables: RAN beside its baselines, and the levers
+    "docs/generation.md": 56,  # the per-call tables and the associative memory's step
 }
 
 
