@@ -68,10 +68,8 @@ class StepPositions(NamedTuple):
     window: torch.Tensor  # (B,) the number of the token's window in its row
     visible: torch.Tensor  # (B, S) the slots the token reads: its tail and itself
     attention_bias: torch.Tensor  # (B, 1, 1, 1 + S) in the states' dtype: 0 for the keys the token reads, else -inf
-    token_rotations: (
-        torch.Tensor | None
-    )  # (B, 1, 1, d / 2) the token's rotary embedding, complex (compiled: real pairs,
-    # (B, 1, 1, d / 2, 2)); None: no rotary
+    # (B, 1, 1, d / 2) the token's rotary embedding, complex (compiled: real pairs, one more axis of 2); None: no rotary
+    token_rotations: torch.Tensor | None
     key_rotations: torch.Tensor | None  # (S, 1, d / 2) every slot's (slot s: position s + 1)
     ends_window: torch.Tensor  # (B,) the token is the last of its window: the cell scan takes a step
     scan_runs: bool  # whether any row ends a window (always, compiled: the step cannot ask)
