@@ -176,3 +176,27 @@ def test_runs_with_other_ran_config_fields_are_not_taken_for_earlier_ones(tmp_pa
                                                         "results": {"runs": [{"model": "ran"}]}}))  # fmt: skip
         assert earlier_runs(parse_args(argv)) == [{"model": "ran"}]
         assert earlier_runs(parse_args([*argv, "--ran_config", '{"hidden_dropout_prob": 0}'])) == []
+
+
+def test_a_length_curriculum_grows_from_its_start_to_the_training_length_in_half_the_steps(tmp_path):
+    """`--length_curriculum 128`: the first step trains at 128 tokens, lengths never shrink, are multiples of 8 and
+    reach the training length at half the steps; without it, every step trains at the training length. A file written
+    with another curriculum (or before the option existed) is not taken for this one's."""
+    import json
+
+    from benchmark_memory_tasks import curriculum_length, earlier_runs, parse_args
+
+    args = parse_args(["--task", "qa1", "--steps", "100", "--length_curriculum", "128"])
+    lengths = [curriculum_length(step, 512, args, shortest=60) for step in range(100)]
+    assert lengths[0] == 128 and lengths[50:] == [512] * 50 and lengths == sorted(lengths)
+    assert all(length % 8 == 0 for length in lengths) and len(set(lengths)) > 10
+    plain = parse_args(["--task", "qa1", "--steps", "100"])
+    assert {curriculum_length(step, 512, plain, shortest=60) for step in range(100)} == {512}
+    assert curriculum_length(0, 512, parse_args(["--length_curriculum", "8"]), shortest=60) == 60
+
+    argv = ["--task", "qa1", "--output", str(tmp_path / "qa1")]
+    settings = vars(parse_args(argv)) | {"grid": [list(g) for g in plain.grid]}
+    (tmp_path / "qa1.json").write_text(json.dumps({"settings": settings | {"length_curriculum": None},
+                                                   "results": {"runs": [{"model": "ran"}]}}))  # fmt: skip
+    assert earlier_runs(parse_args(argv)) == [{"model": "ran"}]
+    assert earlier_runs(parse_args([*argv, "--length_curriculum", "128"])) == []

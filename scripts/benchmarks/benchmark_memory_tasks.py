@@ -14,7 +14,8 @@ the same width, depth, heads and head size and an MLP sized to RAN's parameter c
 path) with the same width and depth and the inner width (`expand`) that comes closest to RAN's parameter count (the
 default RAN's, whatever `--ran_config` sets). Every model trains on the same batches (the data depend on the seed only)
 for the same steps, with AdamW, a linear warmup over the first 10% of the steps, then a cosine decay to a tenth; the
-loss is the cross-entropy of the answer tokens alone. Each model is swept over `--learning_rates` and read at the
+loss is the cross-entropy of the answer tokens alone (with `--length_curriculum`, on examples that grow from that
+length to the training length over the first half of the steps). Each model is swept over `--learning_rates` and read at the
 training length; its best rate is the one with the best accuracy on held-out validation examples at the training length,
 and only that rate's model is read at the longer lengths and run again with the `--extra_seeds`. Accuracy: the share of
 answers whose token is the argmax over the whole vocabulary, on `--eval_examples` test examples at each length
@@ -52,6 +53,7 @@ from benchmark_utils import (
     write_json_and_table,
 )
 from causal_baselines import causal_baseline, matched_llama
+from diagnose_recall import shortest_spread
 from memory_tasks import (
     DEFAULT_STATE_SETTINGS,
     FIRST_PLACE,
@@ -158,6 +160,17 @@ def learning_rate_factor(done: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def curriculum_length(step: int, train_length: int, args, shortest: int) -> int:
+    """The training length at `step`: `train_length`, or with `--length_curriculum START` a length that grows
+    linearly from START to `train_length` over the first half of the steps (in multiples of 8, never below the task's
+    shortest example), so that a model first learns the task within one window and then carries it across windows."""
+    start = args.length_curriculum
+    if start is None:
+        return train_length
+    grown = start + (train_length - start) * min(1.0, step / max(1, args.steps // 2))
+    return max(shortest, min(train_length, 8 * round(grown / 8)))
+
+
 def train(model_name: str, task: str, pairs: int | None, train_length: int, context: int, lr: float, seed: int,
           args) -> tuple[torch.nn.Module, dict]:  # fmt: skip
     """Train one model at one rate and seed; its run record holds its validation accuracy at the training length."""
@@ -167,10 +180,12 @@ def train(model_name: str, task: str, pairs: int | None, train_length: int, cont
     make_batch = batch_maker(task, pairs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: learning_rate_factor(done, args.steps))
+    shortest = shortest_spread(pairs) if task == "mqar" else DEFAULT_STATE_SETTINGS[task].shortest()
     losses, history, start = [], [], time.perf_counter()
     model.train()
     for step in range(args.steps):
-        ids, positions, answers = make_batch(seed * TRAINING_SEED_STRIDE + step, args.batch_size, train_length)
+        length = curriculum_length(step, train_length, args, shortest)
+        ids, positions, answers = make_batch(seed * TRAINING_SEED_STRIDE + step, args.batch_size, length)
         loss = F.cross_entropy(answer_logits(model, ids, positions).flatten(0, 1), answers.flatten())
         optimizer.zero_grad()
         loss.backward()
@@ -393,6 +408,12 @@ def description(args) -> str:
         f"best rate chosen on {args.validation_examples} validation examples at the training length; accuracy on "
         f"{args.eval_examples} test examples per length. Width {args.hidden_size}, {args.num_layers} layers, "
         f"{args.num_heads} heads; one CPU thread."
+        + (
+            f" Length curriculum: from {args.length_curriculum} tokens, growing linearly to the training length over "
+            "the first half of the steps."
+            if args.length_curriculum
+            else ""
+        )
         + (f" RAN with the RANConfig fields {json.dumps(args.ran_config)} set." if args.ran_config else "")
     )
 
@@ -422,9 +443,10 @@ def earlier_runs(args) -> list[dict]:
         return []
     old = json.loads(path.read_text())["settings"]
     same = ("task", "steps", "batch_size", "hidden_size", "num_layers", "num_heads", "train_length", "eval_examples",
-            "validation_examples", "grid", "ran_config")  # fmt: skip
+            "validation_examples", "grid", "ran_config", "length_curriculum")  # fmt: skip
     now = {**vars(args), "grid": [list(g) for g in args.grid]}
-    old = {**old, "ran_config": old.get("ran_config") or {}}  # files written before `--ran_config` ran the default
+    # Files written before `--ran_config` ran the default; before `--length_curriculum`, none.
+    old = {"length_curriculum": None, **old, "ran_config": old.get("ran_config") or {}}
     if any(old.get(name) != now[name] for name in same):
         return []
     return json.loads(path.read_text())["results"]["runs"]
@@ -445,6 +467,13 @@ def parse_args(argv=None):
     parser.add_argument("--num_heads", type=POSITIVE, default=4)
     parser.add_argument("--train_length", type=POSITIVE, default=512, help="state tracking's training length")
     parser.add_argument("--eval_lengths", nargs="+", type=POSITIVE, default=[512, 2048, 8192])
+    parser.add_argument(
+        "--length_curriculum",
+        type=POSITIVE,
+        default=None,
+        help="train every model from this length, growing linearly to the training length over the first half of "
+        "the steps (default: the training length throughout)",
+    )
     parser.add_argument(
         "--grid",
         nargs="+",
