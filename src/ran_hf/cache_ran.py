@@ -1,5 +1,5 @@
 """The recurrent cache of a causal RAN: constant-size state per layer, plus a key and value per finished window (or
-per each of the last `memory_review_cells` windows). Checks of a cache handed to a model: input_checks.py."""
+per each of the last `memory_review_cells`). A cache handed to a model is checked in input_checks.py."""
 
 import copy
 
@@ -13,36 +13,20 @@ from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 CACHE_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim", "window_size",
                       "min_window_size", "window_overlap", "memory_review_cells", "memory_salient_cells",
                       "associative_memory", "token_shift")  # fmt: skip
-CROP_REFUSED = (
-    "A RAN cache cannot be cropped: its cells have already read the tokens to remove. Keep a copy made before them "
-    "(`copy.deepcopy(cache)`) and continue that, or read the text again into a fresh cache."
-)
 STATE = ("cell", "previous_raw_cell", "cell_states", "salient_cell_states", "salient_windows", "last_token",
          "tail_keys", "tail_values", "binding_state", "tail_betas")  # fmt: skip
 
 
 class RANCacheLayer(LinearAttentionCacheLayerMixin):
-    """What one causal RAN layer needs to continue a sequence, as a recurrent layer of Transformers' cache API whose
-    recurrent state (`recurrent_states[0]`) is the cell. Per row of the batch:
-
-        cell (B, D): the cell the current window reads; previous_raw_cell (B, D): the last finished window's raw cell;
-        cell_states (B, C, 2 D): memory review's key and value of every finished window's raw cell, in a room that
-            doubles as it fills (`RANCache.cell_room`), or right-aligned, of the last `memory_review_cells` only;
-        salient_cell_states (B, S, 2 D), salient_windows (B, S): with `memory_salient_cells`, the most salient older
-            cells and their windows (-1: empty);
-        last_token (B, D): first layer, with `token_shift`: the last token's embedding;
-        tail_keys, tail_values (B, P, H, d): un-rotated keys and values of the open window's tokens after the
-            `window_overlap` enrichment tokens, zeros after a row's last (P = window_size + window_overlap);
-        binding_state (B, H, d, d), tail_betas (B, P, H): with `associative_memory`, its state after the last finished
-            window and the write strengths of the tail's tokens.
-
-    Eager decoding steps keep, beside it, two values derived from it (`step_window`: the window as attention reads it;
-    `step_review`: the cells memory review reads) and the state they were derived from (`memo_of`: the tail's keys,
-    the cell and the cells): a step uses them only while the cache still holds that state (`RANLayer.decode_token`).
-    """
-
-    is_compileable = True  # fixed shapes between passes: the tail's slots and the cells' room
-    is_sliding = False
+    """What one causal RAN layer needs to continue a sequence; its recurrent state (`recurrent_states[0]`) is the cell.
+    Per row: `cell` (B, D), the cell the open window reads; `previous_raw_cell` (B, D), the last finished window's;
+    `cell_states` (B, C, 2 D), memory review's key and value of each finished window's cell (in a room that doubles as
+    it fills, or the last `memory_review_cells`); with `memory_salient_cells`, `salient_cell_states` (B, S, 2 D) and
+    their `salient_windows` (B, S; -1: empty); with `token_shift`, first layer, `last_token` (B, D); `tail_keys`,
+    `tail_values` (B, window_size + window_overlap, H, d), the open window's un-rotated keys and values, zeros after a
+    row's last; with `associative_memory`, its `binding_state` (B, H, d, d) and the tail's write strengths
+    `tail_betas`. Eager decoding steps keep what they derive from it (`step_window`, `step_review`) with the state it
+    came from (`memo_of`), read while the cache still holds that state (`RANLayer.decode_token`)."""
 
     def __init__(self):
         super().__init__(number_of_states=1)  # no convolution state; the one recurrent state is the cell
@@ -62,21 +46,14 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         if cell is not None:
             self.device, self.dtype = cell.device, cell.dtype
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.cell is not None
-
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
         if conv_states is not None or state_idx != 0:
-            raise ValueError(
-                "A RAN cache layer holds one recurrent state (its cell, `state_idx=0`) and no conv state."
-            )
+            raise ValueError("A RAN cache layer holds one recurrent state (the cell, `state_idx=0`), no conv state.")
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         raise ValueError("A RAN layer has no convolution state: its recurrent state is the cell.")
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Set the cell the next window reads, (B, D)."""
         self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
         self.cell = recurrent_states
         return recurrent_states
@@ -97,38 +74,23 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
         for name, tensor in self.tensors().items():
             setattr(self, name, function(tensor))
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:  # (the rows' other changes: `RANCache._map_rows`)
         self._map(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda tensor: tensor[indices])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
 
     def reset(self) -> None:
         self.__init__()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(CROP_REFUSED)
+    def crop(self, tokens_to_remove: int) -> None:  # (`Cache.crop` calls it for every layer)
+        raise ValueError("A RAN cache cannot be cropped: its cells have already read the tokens to remove. Keep a "
+                         "copy made before them (`copy.deepcopy(cache)`) and continue it, or use a fresh cache.")  # fmt: skip
 
     def activate_past_recording(self) -> None:
         raise ValueError("A RAN cache cannot record past states to roll back to: its cells read every token.")
 
-    def offload(self) -> None:
-        self._map(lambda tensor: tensor.to("cpu", non_blocking=True))
-
-    def prefetch(self) -> None:
-        if self.device is not None:
-            self._map(lambda tensor: tensor.to(self.device, non_blocking=True))
-
 
 class RANCache(Cache):
-    """Recurrent state of a causal RAN, in Transformers' `Cache` API: `generate()` creates and reorders it as needed.
-
-    Per layer one cell, one raw cell and the keys/values of at most one window, plus memory review's key and value of
-    each finished window's cell (2 D numbers per window); with `memory_review_cells` (and `memory_salient_cells`) a
-    fixed number of them. Streaming a text chunk by chunk gives exactly the logits of one forward pass over all of it:
+    """Recurrent state of a causal RAN (`RANCacheLayer` per layer): `generate()` creates and reorders it as needed.
+    Streaming a text chunk by chunk gives exactly the logits of one forward pass over all of it:
 
     ```python
     >>> cache = None
@@ -137,11 +99,9 @@ class RANCache(Cache):
     ...     cache = outputs.past_key_values
     ```
 
-    Padding: pass the attention mask of the whole stream so far, or of the new chunk only; each row continues its own
-    windows. Row counts: `lengths` (B,) real tokens per row on the device, `host_lengths` the same on the host where
-    known without a read, `seen_positions` the padded positions read (what `generate` slices its inputs by);
-    compiled steps count on the device only (`compiled_positions`), read to the host when next asked for
-    (`host_counts_stale`).
+    Padding: pass the attention mask of the whole stream so far, or of the new chunk only. Counts: `lengths` (B,) real
+    tokens per row, `host_lengths` the same where known without a read, `seen_positions` the padded positions read
+    (what `generate` slices its inputs by); compiled steps count on the device (`compiled_positions`), read once later.
     """
 
     def __init__(self, config, max_cache_len: int | None = None):
@@ -150,9 +110,12 @@ class RANCache(Cache):
         self.window_size, self.memory_review_cells = config.window_size, config.memory_review_cells
         self.tail_slots = config.window_size + config.window_overlap  # the longest tail, plus a step's token
         self.reserved_tokens = max_cache_len or 0  # room for the cells of this many tokens (`reserve`)
+        self.checked_by = None  # the marker of the model that checked it last (`input_checks.check_cache`)
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
         self.lengths = self.host_lengths = self.compiled_positions = None
         self.seen_positions, self.host_counts_stale = 0, False
-        self.checked_by = None  # the marker of the model that checked it last (`input_checks.check_cache`)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self.host_counts_stale and not torch.compiler.is_compiling():  # compiled steps ran since: one read
@@ -161,15 +124,8 @@ class RANCache(Cache):
             self.host_lengths, self.host_counts_stale = None, False
         return self.seen_positions
 
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
 
     @property
     def is_initialized(self) -> bool:
@@ -180,9 +136,9 @@ class RANCache(Cache):
         return -1 if self.lengths is None else self.lengths.shape[0]
 
     def cell_room(self, finished_windows: int) -> int:
-        """How many cells memory review's cache holds for rows that finished at most `finished_windows` windows:
-        `memory_review_cells` when bounded; else room that doubles as it fills (at least for the reserved tokens), so
-        that decoding writes each new cell into place and a compiled step keeps its shapes."""
+        """The cells memory review's cache holds for `finished_windows`: `memory_review_cells`, or room that doubles as
+        it fills (at least the reserved tokens'), so that a step writes its cell in place and a compiled one keeps
+        its shapes."""
         if self.memory_review_cells is not None:
             return self.memory_review_cells
         needed = max(finished_windows, self.reserved_tokens // self.window_size, 1)
@@ -210,17 +166,14 @@ class RANCache(Cache):
             return torch.zeros(batch_size, dtype=torch.long, device=device)
         if self.lengths.shape[0] != batch_size:
             raise ValueError(
-                f"`past_key_values` holds {self.lengths.shape[0]} sequences, but the inputs have {batch_size} rows: a "
-                "cache continues the batch it was made with, one row per sequence. Continue it with inputs of "
-                f"{self.lengths.shape[0]} rows, pass `past_key_values=None` to start new texts, or pick the rows to "
-                "go on with first (`cache.batch_select_indices(rows)`, on a `copy.deepcopy(cache)` to keep the "
-                "original)."
+                f"`past_key_values` holds {self.lengths.shape[0]} sequences, but the inputs have {batch_size} rows: "
+                f"continue it with {self.lengths.shape[0]} rows, pass `past_key_values=None` to start new texts, or "
+                "pick the rows to go on with first (`cache.batch_select_indices(rows)`, on a `copy.deepcopy(cache)`)."
             )
         return self.lengths
 
     def advance(self, new_tokens: torch.Tensor, new_positions: int, host_lengths: list[int] | None = None) -> None:
-        """Count one forward pass: `new_tokens` (B,) real tokens over `new_positions` padded columns, and each row's
-        length after it where the pass read it to the host (`host_lengths`)."""
+        """Count a forward: `new_tokens` (B,) over `new_positions` padded columns; each row's length, if read."""
         self.seen_positions = self.get_seq_length() + new_positions
         if self.lengths is None:
             self.lengths, self.compiled_positions = new_tokens, new_tokens.new_zeros(())
@@ -249,40 +202,32 @@ class RANCache(Cache):
         if self.lengths is not None and beam_idx.device.type == "cpu":  # (a read waits for nothing on the CPU)
             rows = self.lengths.shape[0]
             if beam_idx.numel() and not (0 <= int(beam_idx.min()) and int(beam_idx.max()) < rows):
-                raise ValueError(
-                    f"`reorder_cache` was given rows {beam_idx.tolist()}, but the cache holds {rows} rows (0 to "
-                    f"{rows - 1}): pick rows that exist."
-                )
-        self._rows_changed(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
-        super().reorder_cache(beam_idx)
+                raise ValueError(f"`reorder_cache` was given rows {beam_idx.tolist()}, but the cache holds {rows} "
+                                 f"rows (0 to {rows - 1}): pick rows that exist.")  # fmt: skip
+        self._map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._rows_changed(lambda tensor: tensor[indices])
-        super().batch_select_indices(indices)
+        self._map_rows(lambda tensor: tensor[indices])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._rows_changed(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
-        super().batch_repeat_interleave(repeats)
+        self._map_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
 
-    def _rows_changed(self, function) -> None:
+    def _map_rows(self, function) -> None:
+        for layer in self.layers:
+            layer._map(function)
         if self.lengths is not None:
             self.lengths, self.host_lengths = function(self.lengths), None
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(CROP_REFUSED)
-
     def reset(self) -> None:
         super().reset()
-        self.lengths = self.host_lengths = self.compiled_positions = None
-        self.seen_positions, self.host_counts_stale = 0, False
+        self.reset_counts()
 
     def __deepcopy__(self, memo) -> "RANCache":
         # torch copies only graph leaves: a cache filled with gradients on would fail inside torch, unnamed.
         if any(tensor.grad_fn is not None for layer in self.layers for tensor in layer.tensors().values()):
             raise ValueError(
-                "This cache holds the autograd graph of the forward that filled it, which cannot be copied: fill it "
-                "under `torch.no_grad()`, or copy `cache.detach()` (which cuts backpropagation there; "
-                "docs/generation.md)."
+                "This cache holds the autograd graph of the forward that filled it, which cannot be copied: "
+                "fill it under `torch.no_grad()`, or copy `cache.detach()` (docs/generation.md)."
             )
         copied = self.__class__.__new__(self.__class__)
         memo[id(self)] = copied
@@ -291,16 +236,15 @@ class RANCache(Cache):
         return copied
 
     def detach(self) -> "RANCache":
-        """Cut backpropagation here, keeping the state: training on a stream in chunks then backpropagates through
-        one chunk at a time (truncated backpropagation through time). Returns the cache itself."""
+        """Cut backpropagation here, keeping the state (truncated backpropagation through time, chunk by chunk)."""
         for layer in self.layers:
             layer._map(torch.Tensor.detach)
         return self
 
     def nbytes(self) -> int:
         """Bytes held by all cached tensors."""
-        total = 0 if self.lengths is None else self.lengths.numel() * self.lengths.element_size()
-        return total + sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors().values())
+        tensors = [t for layer in self.layers for t in layer.tensors().values()] + [self.lengths] * self.is_initialized
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 __all__ = ["RANCache", "RANCacheLayer"]

@@ -376,7 +376,7 @@ class RANLayer(GradientCheckpointingLayer):
             initial_cell = apply_dropout(self.dropout, self.initial_cell[None].expand(layout.batch_size, -1))
         start_cell = initial_cell if cell is None else cell
         start_previous = torch.zeros_like(start_cell)
-        if cache is not None and cache.is_initialized:
+        if cache is not None and cache.cell is not None:
             start_cell, start_previous = cache.cell, cache.previous_raw_cell
         if layout.num_steps == 0:  # padding only: nothing to read, nothing to write
             return LayerOutputs(hidden_states, hidden_states.new_zeros(0, *start_cell.shape), start_cell, None, None)
