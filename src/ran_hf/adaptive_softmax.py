@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .building_blocks import apply_dropout
-from .input_checks import check_num_items_in_batch
+from .label_checks import check_num_items_in_batch
 
 
 def cluster_bounds(vocab_size: int, cutoffs: list[int], div_val: int) -> list[int]:

@@ -1,6 +1,6 @@
 """RAN's building blocks, shared by the layer and the cell scans: the official normalisation (`standard_normalize`,
 `RANCenteredRMSNorm`, langml's `LayerNormalization`), unit vectors, the gated linear unit, the interleaved rotary
-embedding and the row gather every layout uses.
+embedding, the row gather every layout uses and the token shift's projection.
 
 Each op is plain PyTorch here. On CUDA, where `ran_hf` is installed, the normalisations, the gated linear unit and the
 rotary embedding run as one Triton kernel each way: `use_kernel_forward` and `use_kernel_function` (kernel_hub.py)
@@ -237,3 +237,8 @@ def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     rows back with `index_add_`, where advanced indexing's sorts the indices first (on an H200, 12% of a training
     step's GPU time)."""
     return source.index_select(0, index.reshape(-1)).view(*index.shape, *source.shape[1:])
+
+
+class RANTokenShift(nn.Linear):
+    """The projection of a token's predecessor that `config.token_shift` adds to it; zero at initialisation, so that
+    a model starts as one without it."""

@@ -17,7 +17,8 @@ from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_ran import RANConfig
-from .input_checks import input_batch_shape, scored_token_loss
+from .input_checks import input_batch_shape
+from .label_checks import scored_token_loss
 from .modeling_ran import (
     HEAD_ARGS,
     RANLanguageModelBase,

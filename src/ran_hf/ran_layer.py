@@ -2,9 +2,9 @@
 
 A layer reads a sequence in windows. Each window attends over itself and a global perception cell; the cell written
 by window i is read by window i + 1, and at the end every token reviews the cells of all windows. `RANLayer.forward`
-reads as its phases: per-token projections for all windows at once, the cell scan (the one sequential step,
-cell_scan.py), and one batched attention call for the tokens of every window, then the memory review
-(memory_review.py; a causal layer's bookkeeping in causal_memory.py).
+reads as its phases: per-token projections for all windows at once, the cell scan (cell_scan.py), one batched
+attention call for every window's tokens, then the memory review (memory_review.py; causal bookkeeping:
+causal_memory.py). A decoding step is the same phases for one token (`decode_token`).
 
 Shapes: B batch, L padded length, T real tokens in the batch, K windows in the batch, N windows of the longest
 sequence, S slots of a window (enrichment tokens + the longest window), H heads, d head size, D hidden size.
@@ -422,9 +422,8 @@ class RANLayer(GradientCheckpointingLayer):
     # ---- a decoding step -------------------------------------------------------------------------------------------
 
     def decode_token(self, states: torch.Tensor, cache: RANCacheLayer, at: StepPositions) -> LayerOutputs:
-        """One new token per row against the cache (decode_step.py): the three phases of `forward` for that token,
-        through the same modules. states (B, D) -> the token states after the layer (B, D); the cache's state is
-        updated (the head's `cache_transaction` restores it if a later layer fails)."""
+        """One new token per row against the cache (decode_step.py): `forward`'s phases for that token, through the
+        same modules. states (B, D) -> the token states after the layer (B, D); the cache's state updated."""
         # 1. The new token's query, key and value (rotated together: they share a position), and its window. What
         # the last eager step kept (`step_window`, `step_review`) holds while the cache holds the state it came from.
         cell, previous_raw, cell_states = cache.cell, cache.previous_raw_cell, cache.cell_states

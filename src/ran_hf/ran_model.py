@@ -1,5 +1,5 @@
-"""The bare RAN model: embeddings, the RAN layers over one window layout, and the official pooler (`RANModel`), with
-the pretrained-model base every head shares (`RANPreTrainedModel`).
+"""The bare RAN model (`RANModel`): embeddings, the RAN layers over one window layout, and the official pooler. The
+base every model shares (`RANPreTrainedModel`) is in pretrained_ran.py.
 
 `RANModel` builds the window layout once per forward pass (window_layout.py), in the same host synchronisation as the
 inputs' value checks (input_checks.py), and runs the layers (ran_layer.py) over it. The heads are in modeling_ran.py.
@@ -7,29 +7,21 @@ inputs' value checks (input_checks.py), and runs the layers (ran_layer.py) over 
 
 import functools
 import inspect
-import os
-import pickle
-import re
 from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub.errors import StrictDataclassError
-from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import PreTrainedModel
-from transformers import initialization as init
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .adaptive_softmax import RANAdaptiveEmbedding, RANClusterBiases
-from .associative_memory import RANAssociativeMemory
-from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, activation_function, apply_dropout
+from .adaptive_softmax import RANAdaptiveEmbedding
+from .building_blocks import RANCenteredRMSNorm, RANGatedLinearUnit, RANTokenShift, activation_function, apply_dropout
 from .cache_ran import RANCache, RANCacheLayer
 from .configuration_ran import RANConfig
-from .decode_step import decodes_in_steps, step_positions, step_settings
+from .decode_step import step_positions
 from .input_checks import (
     check_cache,
     check_cache_position,
@@ -42,20 +34,14 @@ from .input_checks import (
     joined_checks,
     validate_ran_inputs,
 )
-from .memory_review import RANMemoryReview
 from .outputs_ran import RANModelOutput
 from .packed_documents import documents_apart
-from .ran_layer import RANLayer, RANWindowAttention
-from .safe_writes import hub_repo, write_into
+from .pretrained_ran import RANPreTrainedModel, cache_transaction
+from .ran_layer import RANLayer
 from .window_layout import RANWindowLayout
 
 
 logger = logging.get_logger(__name__)
-
-
-class RANTokenShift(nn.Linear):
-    """The projection of a token's predecessor that `config.token_shift` adds to it; zero at initialisation, so that
-    a model starts as one without it."""
 
 
 class RANEmbeddings(nn.Module):
@@ -130,267 +116,6 @@ def masked_mean(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over axis 1 of (B, X, D) where mask (B, X) is True; 0 for rows with nothing to pool."""
     total = (states * mask[..., None]).sum(1)
     return total / mask.sum(1, keepdim=True).clamp(min=1)
-
-
-# Weights saved while the cell's own GLU and norm were the layer's, `layers.N.cell_glu.*` and `layers.N.cell_norm.*`
-# (today `layers.N.cell_scan.cell_glu.*`): no public checkpoint has them, so they are not renamed on loading, which
-# would also make Transformers write them back on saving. Loading them is refused with the conversion to run.
-OLD_CELL_WEIGHT = re.compile(r"(^|\.)(layers\.\d+)\.(cell_glu|cell_norm)\.")
-CELL_WEIGHTS_CONVERSION = "python -m ran_hf.integrations.rename_cell_weights FOLDER"
-
-
-def todays_cell_weight_name(name: str) -> str:
-    """`name` with an old cell weight's name (`OLD_CELL_WEIGHT`) replaced by today's; any other name as it is."""
-    return OLD_CELL_WEIGHT.sub(r"\1\2.cell_scan.\3.", name, count=1)
-
-
-def check_no_old_cell_weights(names, source: str) -> None:
-    """Refuse weights `names` (read from `source`) that include old cell weight names, before any tensor is read:
-    without a renaming they would be dropped as unexpected and the cell's weights left at their initialisation."""
-    names = set(names)
-    old = sorted(name for name in names if OLD_CELL_WEIGHT.search(name))
-    if not old:
-        return
-    both = [name for name in old if todays_cell_weight_name(name) in names]
-    shown = ", ".join(old[:4]) + (f" and {len(old) - 4} more" if len(old) > 4 else "")
-    message = (
-        f"{source} holds the cell's weights under the names of an older RAN layout ({shown}); today's model names "
-        "them `layers.N.cell_scan.cell_glu.*` and `layers.N.cell_scan.cell_norm.*`, and does not rename on loading. "
-    )
-    if both:
-        message += (
-            f"It also holds today's name for {len(both)} of them (e.g. {todays_cell_weight_name(both[0])}), so which "
-            "weight is meant is unclear: remove one of each pair, then load."
-        )
-    else:
-        message += (
-            f"Convert the folder once with `{CELL_WEIGHTS_CONVERSION}` (a state dict with "
-            "`ran_hf.integrations.rename_cell_weights.renamed_cell_weights(state_dict)`), then load it."
-        )
-    raise ValueError(message)
-
-
-def checkpoint_weight_names(state_dict, checkpoint_files) -> list[str]:
-    """The weight names `from_pretrained` is about to load: a state dict's keys, or the headers of the weights files
-    (no tensor read). A file that does not open gives none here: loading names it (`damaged_weights_error`)."""
-    if state_dict is not None:
-        return list(state_dict)
-    names = []
-    for file in checkpoint_files or ():
-        try:
-            if str(file).endswith(".safetensors"):
-                with safe_open(file, framework="pt") as weights:
-                    names += weights.keys()
-            else:  # a pickled checkpoint: its storage mapped, not read (`meta`)
-                names += torch.load(file, map_location="meta", mmap=True, weights_only=True)
-        except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError):
-            continue
-    return names
-
-
-def changed_after_build(model_name: str, name: str, built, value) -> str:
-    """The error for a field the model was built from, set from `built` to `value` on its config."""
-    load = f"set it back, save the model and load it with `{model_name}.from_pretrained(folder, {name}={value!r}"
-    if name == "vocab_size":
-        fix = f"call `model.resize_token_embeddings({value!r})` instead: it keeps the trained rows and sets it"
-    elif name == "hidden_size":  # every weight's shape follows it: no trained weight carries over
-        fix = f"no trained weight fits it; build a new model from the config (`{model_name}(config)`) and train it"
-    elif name == "is_causal" and model_name in ("RANForCausalLM", "RANForPrefixLM"):
-        mode = "always runs causal" if model_name == "RANForCausalLM" else "never runs causal"
-        fix = f"{model_name} {mode}; for the other mode, load its folder with `RANModel.from_pretrained(folder, "
-        fix += f"is_causal={value!r})` or a head of that mode"
-    elif name in ("num_attention_heads", "head_dim", "cutoffs", "div_val", "num_labels"):  # some weights' shapes
-        fix = f"{load}, ignore_mismatched_sizes=True)`: the weights it reshapes start new (train them), the others "
-        fix += f"are kept; or build a new model from the config (`{model_name}(config)`)"
-    else:
-        fix = f"{load})`: the trained weights in modules built with it (weights it adds start new)"
-    return (
-        f"`{name}` was changed from {built!r} to {value!r} after the model was built, whose weights and modules were "
-        f"made for {built!r}: {fix}. To keep this model as it is, set `{name}` back to {built!r}."
-    )
-
-
-@auto_docstring
-class RANPreTrainedModel(PreTrainedModel):
-    config: RANConfig
-    config_class = RANConfig
-    base_model_prefix = "model"
-    main_input_name = "input_ids"
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["RANLayer"]
-    # Window attention runs through Transformers' attention functions: eager (returns weights) and SDPA (default).
-    # Flex attention is not claimed: on CPU it has no backward and its compiled forward crashed here. The memory
-    # review and the cell scan keep their own small matmuls: one key per window, or one query per step.
-    _supports_sdpa = True
-    # The cell scan runs window after window through the whole sequence: it cannot be split across ranks by length.
-    _supports_context_parallel = False
-    # Whether a head reads `token_type_ids` (the prefix LM's source and target); the others leave them out.
-    reads_token_types = False
-    # Transformers' output capture records these (`output_hidden_states`, `output_attentions`) from the modules that
-    # compute them, as for Llama: every layer's input and output token states (B, L, D), the window attention's
-    # weights where the implementation gives them, and the memory review's.
-    _can_record_outputs = {
-        "hidden_states": RANLayer,
-        "attentions": RANWindowAttention,
-        "memory_attentions": RANMemoryReview,  # its output's second item, as for attention modules
-    }
-
-    def post_init(self):
-        super().post_init()
-        self._built_from = self.built_fields()  # a forward or save after one of these changed is refused
-        self._checked_key = None  # (config, its edit count) when last checked: unchanged since, nothing to check
-        self.checked_config = None  # a token of that check, which the caches it checked carry
-        self.decodes_in_steps = False  # whether one-token calls take the step branch, as last checked (decode_step.py)
-        self.step_settings = None  # what a step reads of the config, as last checked
-
-    def built_fields(self) -> dict:
-        """What this model's weights and modules were made from: the config's `architecture_fields`, and a
-        classifier's number of scores."""
-        built = {name: getattr(self.config, name) for name in self.config.architecture_fields}
-        return built | ({"num_labels": self.num_labels} if hasattr(self, "num_labels") else {})
-
-    def check_config(self):
-        """After an edit of the config (its edit count changed; compiled code skips this): refuse to run or save if a
-        field the model was built from changed, naming the fix; validate the config; renew what modules hold a copy
-        of (dropout rates, the embedding's padding index), so that such an edit takes effect at once."""
-        config = self.config
-        checked = (id(config), config.__dict__.get("edits"))
-        if checked == self._checked_key:
-            return
-        for name, built in self._built_from.items():
-            if (value := getattr(config, name)) != built:
-                raise ValueError(changed_after_build(type(self).__name__, name, built, value))
-        try:
-            config.validate()
-        except StrictDataclassError as error:  # (its cause names the field or the rule)
-            message = f"The model's config was changed after the model was built and is not valid: {error.__cause__}"
-            raise ValueError(message) from error
-        for module in self.modules():
-            if type(module).__module__.rpartition(".")[0] != __name__.rpartition(".")[0]:
-                continue  # another library's modules keep their own rates (LoRA's dropout)
-            if isinstance(getattr(module, "dropout", None), nn.Dropout):
-                module.dropout.p = config.hidden_dropout_prob
-            if isinstance(getattr(module, "attention_dropout", None), (int, float)):
-                module.attention_dropout = config.attention_probs_dropout_prob
-        if type(embeddings := self.get_input_embeddings()) is nn.Embedding:  # only the padding row's gradient reads it
-            embeddings.padding_idx = config.pad_token_id
-        self._checked_key, self.decodes_in_steps = checked, decodes_in_steps(config)
-        self.step_settings = step_settings(config)
-        self.checked_config = object()  # what a cache this model checks is marked with (`RANCache.checked_by`)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """Transformers' `save_pretrained`. A path that is a file is refused (Transformers logs a line and saves
-        nothing)."""
-        if os.path.isfile(save_directory):
-            raise NotADirectoryError(
-                f"{save_directory} is a file: `save_pretrained` writes a folder (config, weights, code). Give the path "
-                "of a folder, new or existing."
-            )
-        self.check_config()
-        with write_into(save_directory) as staging:  # safe_writes.py: no link in the folder is written through
-            kwargs = hub_repo(save_directory, kwargs.get("push_to_hub", False), kwargs)
-            return super().save_pretrained(staging, *args, **kwargs)
-
-    def _apply(self, fn, *args, **kwargs):
-        # Cast or moved (`.to`, `.half()`), the model checks the caches it is handed again (`check_cache`).
-        self._checked_key = None
-        return super()._apply(fn, *args, **kwargs)
-
-    def resize_token_embeddings(self, *args, **kwargs):
-        embeddings = super().resize_token_embeddings(*args, **kwargs)
-        for module in self.modules():  # `vocab_size` now matches the resized embedding
-            if isinstance(module, RANPreTrainedModel):
-                module._built_from, module._checked_key = module.built_fields(), None
-        return embeddings
-
-    @staticmethod
-    def _load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs):
-        """Transformers' loading (`from_pretrained`, the Auto classes), with a damaged weights file named:
-        safetensors' own error ("incomplete metadata, file not fully covered" for a file that a full disk or an
-        interrupted copy cut short) does not say which file it read. Weights under old cell names are refused before
-        any is read (`check_no_old_cell_weights`)."""
-        source = "The state dict" if state_dict is not None else ", ".join(map(str, checkpoint_files or ())) or "It"
-        check_no_old_cell_weights(checkpoint_weight_names(state_dict, checkpoint_files), source)
-        try:
-            return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs)
-        except SafetensorError as error:
-            raise damaged_weights_error(checkpoint_files or [], error) from error
-
-    def load_state_dict(self, state_dict, *args, **kwargs):
-        # Old cell weight names would be "unexpected" to torch, and silently dropped with `strict=False`.
-        check_no_old_cell_weights(state_dict, "The state dict")
-        return super().load_state_dict(state_dict, *args, **kwargs)
-
-    @torch.no_grad()
-    def _init_weights(self, module: nn.Module):
-        super()._init_weights(module)
-        if isinstance(module, RANLayer) and hasattr(module, "initial_cell"):
-            # Not zero (what the official initialiser amounts to): the cell is standardised on reading, and a zero
-            # vector's standardisation has gradient 1 / sqrt(eps) ~ 3e3 (its memory-review key, a unit vector of
-            # zero, far more). At initialisation that gradient was 100-1e8 times all the others together, so
-            # clipping by the global norm left every other weight almost no update. Converted checkpoints load theirs.
-            init.normal_(module.initial_cell, mean=0.0, std=self.config.initializer_range)
-        elif isinstance(module, RANMemoryReview):
-            if hasattr(module, "salience"):
-                init.zeros_(module.salience)  # no cell is preferred before training says which are worth reading
-            if hasattr(module, "log_scale"):
-                init.ones_(module.log_scale)
-        elif isinstance(module, RANTokenShift):
-            init.zeros_(module.weight)
-            init.zeros_(module.bias)
-        elif isinstance(module, RANAssociativeMemory):
-            init.ones_(module.read_scale)  # a read that is there to be learned from (associative_memory.py)
-        elif isinstance(module, RANClusterBiases):
-            for bias in module:
-                init.zeros_(bias)
-
-
-def damaged_weights_error(files: list[str], error: Exception) -> OSError:
-    """An `OSError` naming the first of the safetensors `files` that does not open (or all of them, with `error`)."""
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as weights:
-                weights.keys()
-        except (SafetensorError, OSError) as problem:
-            reason = str(problem).removeprefix("Error while deserializing header: ")
-            break
-    else:
-        file, reason = ", ".join(map(str, files)) or "a weights file", str(error)
-    return OSError(
-        f"{file} is damaged or cut short ({reason}): the model's weights cannot be read. A full disk or an "
-        "interrupted save, copy or download leaves a file so; save, copy or download it again."
-    )
-
-
-def cache_transaction(forward):
-    """A forward handed a `RANCache` completes or leaves it as it was: its layers update the cache one after another,
-    and a failure in a later one (or in the loss, or an interrupt) would leave the earlier ones a step ahead. Every
-    update replaces a tensor (none is written into where a later step reads it), so a copy of the attributes (and of
-    the base layer's per-state dicts) restores it; a head's call covers its base model's."""
-    position = list(inspect.signature(forward).parameters).index("past_key_values")  # `self` included
-
-    @functools.wraps(forward)
-    def transaction(*args, **kwargs):
-        cache = kwargs.get("past_key_values", args[position] if len(args) > position else None)
-        if type(cache) is not RANCache or "saved" in vars(cache) or torch.compiler.is_compiling():
-            return forward(*args, **kwargs)
-        owners = (cache, *cache.layers)
-        cache.saved = list(map(dict, map(vars, owners)))  # (C calls only: a decoding step runs this too)
-        for saved in cache.saved:
-            for name, value in saved.items():
-                if type(value) is dict:  # the base layer's per-state dicts, written in place
-                    saved[name] = dict(value)
-        try:
-            return forward(*args, **kwargs)
-        except BaseException:
-            for owner, saved in zip(owners, cache.saved):
-                vars(owner).clear()
-                vars(owner).update(saved)
-            raise
-        finally:
-            vars(cache).pop("saved", None)
-
-    return transaction
 
 
 def decoding_step_first(forward):
