@@ -27,8 +27,8 @@ from train_tokenizer import SPECIAL_TOKENS, TokenizerArguments, build_tokenizer
 from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline, set_seed
 
 from ran_hf import RANConfig, RANForMaskedLM
-from ran_hf.files.data import read_lines
 from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
+from ran_hf.files.text_files import read_lines
 
 
 MIN_WINDOW_SIZE = 8

@@ -20,15 +20,9 @@ from datasets import Dataset, concatenate_datasets
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from ran_hf.files.data import (
-    check_columns,
-    check_texts,
-    load_records,
-    read_conll,
-    read_records,
-    split_before_whitespace,
-)
+from ran_hf.files.data import check_columns, check_texts, load_records, read_conll, read_records
 from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
+from ran_hf.files.text_files import split_before_whitespace
 
 
 logger = logging.getLogger(__name__)

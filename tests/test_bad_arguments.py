@@ -25,7 +25,7 @@ from ran_testing import CONFIG_ERROR
 from transformers import DynamicCache
 
 from ran_hf import RANCache, RANConfig, RANForCausalLM
-from ran_hf.files.data import split_before_whitespace
+from ran_hf.files.text_files import split_before_whitespace
 
 
 def tiny_causal_lm(**overrides) -> RANForCausalLM:

@@ -23,7 +23,8 @@ from train_tokenizer import TokenizerArguments, build_tokenizer
 from transformers import pipeline
 
 from ran_hf import RANConfig
-from ran_hf.files.data import ClassificationLabels, load_records, read_records
+from ran_hf.files.data import load_records, read_records
+from ran_hf.files.labels import ClassificationLabels
 from ran_hf.modeling_ran import RANForQuestionAnswering
 
 

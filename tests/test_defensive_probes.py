@@ -23,8 +23,9 @@ from ran_hf import (
     export_onnx,
     prefix_lm_features,
 )
-from ran_hf.files.data import ClassificationLabels, load_records, read_records
+from ran_hf.files.data import load_records, read_records
 from ran_hf.files.folders import write_folder
+from ran_hf.files.labels import ClassificationLabels
 from ran_hf.prefix_lm import truncated_ids
 
 

@@ -38,8 +38,9 @@ from training_utils import RANTrainingArguments
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from ran_hf import RANConfig, RANForSequenceClassification
-from ran_hf.files.data import ClassificationLabels, TagLabels, read_conll, read_records
+from ran_hf.files.data import read_conll, read_records
 from ran_hf.files.folders import releases_folder_locks
+from ran_hf.files.labels import ClassificationLabels, TagLabels
 
 
 ROOT = Path(__file__).resolve().parents[1]

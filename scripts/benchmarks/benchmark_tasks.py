@@ -293,7 +293,8 @@ def prepare_classification(name: str, args: BenchmarkArguments, tokenizer) -> di
 def prepare_conll(args: BenchmarkArguments, tokenizer) -> dict:
     from run_ner import align_tags
 
-    from ran_hf.files.data import TagLabels, read_conll
+    from ran_hf.files.data import read_conll
+    from ran_hf.files.labels import TagLabels
 
     data = Path(args.data_dir) / "conll2003"
     splits = {split: read_conll(data / f"{split}.txt") for split in ("train", "test")}

@@ -38,8 +38,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import ran_hf  # noqa: F401  (registers RAN with the Auto classes)
-from ran_hf.files.data import read_lines
 from ran_hf.files.folders import check_not_inputs
+from ran_hf.files.text_files import read_lines
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples

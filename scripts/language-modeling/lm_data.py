@@ -16,7 +16,7 @@ from tokenizers import processors
 from training_utils import ModelArguments
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening, PreTrainedTokenizerBase
 
-from ran_hf.files.data import split_before_whitespace
+from ran_hf.files.text_files import split_before_whitespace
 
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def check_held_out_split(documents: int, data_args) -> None:
     )
 
 
-# Long texts are tokenized in pieces (`ran_hf.files.data.split_before_whitespace`), and at most CALL_CHARACTERS
+# Long texts are tokenized in pieces (`ran_hf.files.text_files.split_before_whitespace`), and at most CALL_CHARACTERS
 # characters of them go to the tokenizer in one call: a fast tokenizer holds some 150 bytes per character of what it
 # reads at once.
 CALL_CHARACTERS = 1 << 18

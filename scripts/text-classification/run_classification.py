@@ -31,7 +31,7 @@ import torch
 from datasets import ClassLabel, List
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
 
-from ran_hf.files.data import ClassificationLabels, UnknownLabelsError
+from ran_hf.files.labels import ClassificationLabels, UnknownLabelsError
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples

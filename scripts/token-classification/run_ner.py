@@ -31,15 +31,8 @@ from transformers import (
     set_seed,
 )
 
-from ran_hf.files.data import (
-    TagLabels,
-    UnknownLabelsError,
-    check_text,
-    file_format,
-    jsonl_line,
-    load_records,
-    read_conll,
-)
+from ran_hf.files.data import check_text, file_format, jsonl_line, load_records, read_conll
+from ran_hf.files.labels import TagLabels, UnknownLabelsError
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: training_utils.py, shared by all examples

@@ -9,157 +9,35 @@ Formats, chosen by the file name:
   sentences, `-DOCSTART-` lines ignored: CoNLL-2003's four columns, or two.
 
 Two ways in. `load_records` reads a file with `datasets.load_dataset` into Arrow, memory-mapped from the `datasets`
-cache (EURLEX-57K's training split: a few seconds and a few hundred MiB the first time, a fraction of a second after;
-benchmarks/data_loading/data_loading_cpu.md), and `check_texts` checks its texts as a batched map. `read_records` /
-`iter_records` read record by record in Python, and stop after the first `limit` records. They are also the
-diagnosis: where Arrow fails, or a check finds a bad value, the file is read again this way up to the bad record, so
-that every error names the file and line, as Arrow's own errors do not.
+cache (benchmarks/data_loading/data_loading_cpu.md), and `check_texts` checks its texts as a batched map.
+`read_records` / `iter_records` read record by record in Python (the first `limit` records); they are also the
+diagnosis: where Arrow fails or a check finds a bad value, the file is read again this way up to the bad record, so
+that every error names the file and line.
 
-Every reader raises `ValueError` naming the file (and line) for an empty file, a malformed line, bytes that are not
-UTF-8, a `.gz` file that is not gzip or is cut short, a column name that a CSV header or a JSON object holds twice
-(which of the two is meant?), or (with `text_columns`) a text that is null, empty or blank, (with `label_columns`) a
-label that is no class name. Labels go through `ClassificationLabels.from_splits` / `TagLabels.from_splits`, which
-reject missing, mixed or unseen labels, and class names that differ only in the whitespace around them ("1" and
-" 1"); given the files, they name a bad label's file and line.
+Every reader raises `ValueError` naming the file (and line) for an empty file, a malformed line, text that is not
+UTF-8 or a cut `.gz` (text_files.py), a column name held twice, or (with `text_columns`) a text that is null, empty
+or blank, (with `label_columns`) a label that is no class name. A task's labels are checked across splits: labels.py.
 """
 
-import codecs
 import csv
-import gzip
-import io
 import itertools
 import json
 import logging
-import shlex
 import sys
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 from datasets import Dataset, Features, LargeList, List, Value, load_dataset
 from datasets.exceptions import DatasetGenerationError
 from pyarrow import ArrowException
 
+from .text_files import GZIP_ERRORS, read_lines
+
 
 logger = logging.getLogger(__name__)
 
 DOCSTART = "-DOCSTART-"
-
-
-def open_text(path: str | Path) -> io.TextIOBase:
-    """Open a UTF-8 text file for reading, transparently un-gzipping `*.gz`."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist or is not a file.")
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return path.open(encoding="utf-8", newline="")
-
-
-def read_lines(path: str | Path) -> Iterator[str]:
-    """The lines of a UTF-8 text file (un-gzipping `*.gz`), line endings kept, a leading byte-order mark dropped.
-
-    Lines are decoded one at a time, so bytes that are not UTF-8 are reported with their line, which a text stream
-    (decoding blocks of several kilobytes) cannot do. A `*.gz` file that is not gzip, or that ends before its end
-    marker (a half-written or cut download), is an error naming the file and the last line read.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist or is not a file.")
-    with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as handle:
-        for line_number, raw in enumerate(gzip_lines(handle, path), start=1):
-            # UTF-16 or UTF-32 text: its byte-order mark is no UTF-8, and without one, ASCII text is (with zero bytes)
-            wide = wide_encoding(raw) if line_number == 1 else None
-            if wide is not None:
-                encoding, evidence = wide
-                raise ValueError(
-                    f"{path} is {encoding} text ({evidence}), not UTF-8. Convert it: {conversion(path, encoding)}."
-                )
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ValueError(
-                    f"{path}, line {line_number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at column "
-                    f"{error.start + 1}). Convert the file to UTF-8, e.g. {conversion(path, single_byte_guess(raw))} "
-                    f"if it is Western European text (a guess from its bytes; `file -i {shlex.quote(str(path))}` "
-                    "names most encodings)."
-                ) from None
-            if line_number == 1 and line.startswith("\ufeff"):
-                line = line[1:]
-            yield line
-
-
-# Byte-order marks of the encodings whose text a UTF-8 reader cannot read, UTF-32's first (UTF-32-LE's starts with
-# UTF-16-LE's).
-BYTE_ORDER_MARKS = (
-    (codecs.BOM_UTF32_LE, "UTF-32LE"),
-    (codecs.BOM_UTF32_BE, "UTF-32BE"),
-    (codecs.BOM_UTF16_LE, "UTF-16LE"),
-    (codecs.BOM_UTF16_BE, "UTF-16BE"),
-)
-
-
-def wide_encoding(start: bytes) -> tuple[str, str] | None:
-    """The UTF-16 or UTF-32 encoding that the first line of a file shows, and how: by its byte-order mark (named
-    without the byte order, which iconv then reads from the mark and drops) or, without one, by zero bytes beside each
-    character of ASCII text. None for text in a byte-wide encoding (UTF-8 among them)."""
-    for mark, name in BYTE_ORDER_MARKS:
-        if start.startswith(mark):
-            return name[:-2], f"its byte-order mark is {name}'s"
-    start = start[:4096]
-    if len(start) < 4 or start.count(0) < len(start) // 3:
-        return None
-    for width, order in ((4, "LE"), (4, "BE"), (2, "LE"), (2, "BE")):
-        # the bytes of each character but its lowest: zero for ASCII text
-        high = [
-            start[index : index + width][1:] if order == "LE" else start[index : index + width][:-1]
-            for index in range(0, len(start) - width + 1, width)
-        ]
-        if sum(not any(part) for part in high) >= 0.9 * len(high):
-            return f"UTF-{8 * width}{order}", "no byte-order mark, but zero bytes beside each ASCII character"
-    return None
-
-
-def single_byte_guess(raw: bytes) -> str:
-    """Windows' Western European encoding for bytes that are not UTF-8, unless they hold a byte it leaves undefined
-    (then ISO-8859-1, which defines every byte): the likeliest of the encodings a byte alone cannot tell apart."""
-    undefined = {0x81, 0x8D, 0x8F, 0x90, 0x9D}
-    return "ISO-8859-1" if undefined & set(raw) else "CP1252"
-
-
-def conversion(path: Path, encoding: str) -> str:
-    """The shell command that writes a UTF-8 copy of `path`, read as `encoding`, beside it."""
-    path = Path(path)
-    if path.suffix == ".gz":
-        target = path.with_name(path.name[: -len(".gz")])
-        target = target.with_name(f"{target.stem}.utf8{target.suffix}.gz")
-        return (
-            f"`gunzip -c {shlex.quote(str(path))} | iconv -f {encoding} -t UTF-8 | gzip > {shlex.quote(str(target))}`"
-        )
-    target = path.with_name(f"{path.stem}.utf8{path.suffix}")
-    return f"`iconv -f {encoding} -t UTF-8 {shlex.quote(str(path))} > {shlex.quote(str(target))}`"
-
-
-# What reading a gzip file that is cut short (EOFError), not gzip, or damaged raises.
-GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
-
-
-def gzip_lines(handle, path: Path) -> Iterator[bytes]:
-    """The lines of an open binary file; for a gzip file, a damaged or cut stream is a `ValueError` naming `path`."""
-    lines_read = 0
-    try:
-        for raw in handle:
-            lines_read += 1
-            yield raw
-    except GZIP_ERRORS as error:
-        read = f"after line {lines_read}" if lines_read else "before its first line"
-        raise ValueError(
-            f"{path}: the gzip stream is damaged or cut short {read} ({error}): a half-written file or an interrupted "
-            "download? Check it with `gzip -t`, and write or download it again."
-        ) from None
 
 
 def file_format(path: str | Path) -> str:
@@ -483,25 +361,6 @@ def check_texts(
         )
 
 
-def split_before_whitespace(text: str, characters: int = 1 << 16) -> list[str]:
-    """`text` in pieces of at most `characters` characters, each cut just before a whitespace character.
-
-    Reading a long text in pieces bounds what a tokenizer holds: a fast tokenizer keeps some 150 bytes per character
-    of a text it reads in one call (a 20 MB line took 3.6 GB). Pre-tokenizers split words at whitespace (WordPiece's,
-    and byte-level BPE's, which starts a word with the space before it), so the pieces' tokens, one piece after
-    another, are the whole text's. A run of `characters` characters without whitespace is cut where it reaches the
-    limit."""
-    pieces, start = [], 0
-    while len(text) - start > characters:
-        end = start + characters
-        cut = max(text.rfind(space, start + 1, end + 1) for space in " \t\n\r")
-        end = cut if cut > start else end
-        pieces.append(text[start:end])
-        start = end
-    pieces.append(text[start:])
-    return pieces
-
-
 def read_conll(path: str | Path, with_lines: bool = False) -> list[dict]:
     """Sentences of a CoNLL file as `{"tokens": [...], "ner_tags": [...]}` (the first column and the last), the layout
     of the Hub's `conll2003`; `with_lines` adds `"line"`, the line (1-based) of the sentence's first token, for
@@ -631,203 +490,5 @@ def label_name(value, source: str, column: str) -> str:
     )
 
 
-class UnknownLabelsError(ValueError):
-    """Labels of the data outside a fixed set of classes (a trained model's, or a Hub `ClassLabel`'s)."""
-
-
-@dataclass(frozen=True)
-class ClassificationLabels:
-    """The classes of a document classification task and whether a document may carry several of them."""
-
-    names: tuple[str, ...]
-    multi_label: bool
-
-    @classmethod
-    def from_splits(
-        cls,
-        splits: Mapping[str, Sequence],
-        column: str,
-        names: Sequence[str] | None = None,
-        names_from: str = "the dataset's ClassLabel feature",
-        paths: Mapping[str, str | Path | None] | None = None,
-    ) -> "ClassificationLabels":
-        """Infer the task from the label values of every split (`{"train": [...], "validation": [...]}`).
-
-        All values must be of one kind: single labels (str / int / bool) or lists of them (multi-label). Single-label
-        classes are those of the training split (or of the first split, without one) and the other splits may only
-        use those; multi-label classes are the union over the splits, so that labels seen only in evaluation count as
-        misses, and the training split must use at least one. `names` (a Hub `ClassLabel` feature's, or a trained
-        model's) fixes the classes and their order instead: every label must be one of them (`names_from` says whose
-        they are in the error), and a split may use only some.
-
-        `paths` (`{"train": file, ...}`, the files the splits were read from) lets an error name a file, and a bad
-        label its line: the file is read again, record by record (`iter_records`), up to that label. The split's
-        index alone may blame another record: Arrow reads a column of ints and one float (NaN, say) as floats.
-        """
-        paths = {split: path for split, path in (paths or {}).items() if path is not None}
-        kinds = {}  # "single" / "multi" -> the first example of that kind
-        for split, values in splits.items():
-            for index, value in enumerate(values):
-                source = f"{split} example {index + 1}"
-                try:
-                    kind = label_kind(value, source, column)
-                except ValueError:
-                    if split in paths:  # the file's reader names the first bad label, with its line
-                        for _ in iter_records(paths[split], label_columns=[column]):
-                            pass
-                    raise
-                kinds.setdefault(kind, source)
-                if len(kinds) > 1:
-                    raise ValueError(
-                        f"Column {column!r} mixes single labels ({kinds['single']}) and lists of labels "
-                        f"({kinds['multi']}): use one or the other throughout."
-                    )
-        if not kinds:
-            raise ValueError(f"No labels found in column {column!r}.")
-        multi_label = "multi" in kinds
-
-        if names is not None:
-            names = tuple(str(name) for name in names)
-            found = {
-                label_name(item, split, column)
-                for split, values in splits.items()
-                for value in values
-                for item in (value if multi_label else [value])
-            }
-            unknown = found - set(names)
-            if unknown:
-                raise UnknownLabelsError(
-                    f"Column {column!r} holds labels that {names_from} does not have: {sort_names(unknown)[:10]}"
-                    f"{' ...' if len(unknown) > 10 else ''} (its classes: {list(names[:10])}"
-                    f"{' ...' if len(names) > 10 else ''})."
-                )
-            return cls(names, multi_label)
-        reference = "train" if "train" in splits else next(iter(splits))
-        if multi_label:
-            if not any(len(row) for row in splits[reference]):
-                where = paths.get(reference, f"The {reference} split")
-                raise ValueError(
-                    f"{where}: column {column!r} holds only empty lists of labels ({len(splits[reference]):,} "
-                    "examples): a multi-label classifier learns its classes from the labels, and there is none. "
-                    "Check --label_column_name and the file."
-                )
-            found = {label_name(item, split, column) for values in splits.values() for row in values for item in row}
-            check_distinct_names(found, column)
-            return cls(tuple(sort_names(found)), True)
-        known = {label_name(value, reference, column) for value in splits[reference]}
-        check_distinct_names(known, column)
-        for split, values in splits.items():
-            unseen = {label_name(value, split, column) for value in values} - known
-            if unseen:
-                raise ValueError(
-                    f"The {split} split has labels the {reference} split never uses: {sort_names(unseen)[:10]} "
-                    f"(known: {sort_names(known)[:10]}{' ...' if len(known) > 10 else ''}). Check "
-                    "--label_column_name and the files."
-                )
-        if len(known) < 2:
-            raise ValueError(f"Column {column!r} of the {reference} split holds a single class {sorted(known)}.")
-        return cls(tuple(sort_names(known)), False)
-
-    @cached_property
-    def label2id(self) -> dict[str, int]:
-        return {name: index for index, name in enumerate(self.names)}
-
-    def encode(self, value) -> int | list[int]:
-        """The class id of one example's label (single-label), or the sorted ids of its labels (multi-label)."""
-        label2id = self.label2id
-        if self.multi_label:
-            return sorted({label2id[label_name(item, "label", "label")] for item in value})
-        return label2id[label_name(value, "label", "label")]
-
-
-def check_distinct_names(names: Iterable[str], column: str) -> None:
-    """Class names that differ only in whitespace around them (`"1"` and `" 1"`, from a CSV written with ", " between
-    its fields) would be two classes of one label: refused, naming both."""
-    seen = {}
-    for name in sort_names(names):
-        first = seen.setdefault(name.strip(), name)
-        if first != name:
-            raise ValueError(
-                f"Column {column!r} holds the labels {first!r} and {name!r}, which differ only in the whitespace "
-                "around them, so they would be two classes. Strip the labels in the file (a CSV written with ', ' "
-                "between its fields?), or rename one of them."
-            )
-
-
-def sort_names(names: Iterable[str]) -> list[str]:
-    """Numeric names in numeric order ("2" before "10"), then the rest alphabetically."""
-    return sorted(names, key=lambda name: (0, int(name), "") if name.lstrip("-").isdigit() else (1, 0, name))
-
-
-@dataclass(frozen=True)
-class TagLabels:
-    """The tag set of a token classification task ("O" first, then the others in alphabetical order)."""
-
-    names: tuple[str, ...]
-
-    @classmethod
-    def from_splits(
-        cls,
-        splits: Mapping[str, Sequence[Sequence[str]]],
-        names: Sequence[str] | None = None,
-        names_from: str = "the dataset's ClassLabel feature",
-        where: Callable[[str, int], str] | None = None,
-    ):
-        """Tags of every sentence of every split; tags outside the training split's set are an error. `names` (a
-        trained model's, say) fixes the tags and their order instead; tags outside them are an error. With `where`
-        (`where(split, index)` names sentence `index` of `split`: its file and line, say), the error also names the
-        first sentence holding such a tag."""
-
-        def first(split_names, bad) -> str:  # searched only for the error
-            if where is None:
-                return ""
-            for split in split_names:
-                for index, sentence in enumerate(splits[split]):
-                    if not bad.isdisjoint(sentence):
-                        tag = next(tag for tag in sentence if tag in bad)
-                        return f" The first, {tag!r}, is in {where(split, index)}."
-            return ""
-
-        if names is not None:
-            unknown = {tag for sentences in splits.values() for sentence in sentences for tag in sentence} - set(names)
-            if unknown:
-                raise UnknownLabelsError(
-                    f"The data has tags that {names_from} does not have: {sorted(unknown)[:10]} (its tags: "
-                    f"{list(names[:20])}{' ...' if len(names) > 20 else ''}).{first(splits, unknown)}"
-                )
-            return cls(tuple(names))
-        reference = "train" if "train" in splits else next(iter(splits))
-        known = {tag for sentence in splits[reference] for tag in sentence}
-        for split, sentences in splits.items():
-            unseen = {tag for sentence in sentences for tag in sentence} - known
-            if unseen:
-                raise ValueError(
-                    f"The {split} split has tags the {reference} split never uses: {sorted(unseen)[:10]}."
-                    f"{first([split], unseen)} Check the tag column and the files."
-                )
-        ordered = (["O"] if "O" in known else []) + sorted(known - {"O"})
-        return cls(tuple(ordered))
-
-    @cached_property
-    def label2id(self) -> dict[str, int]:
-        return {name: index for index, name in enumerate(self.names)}
-
-
-__all__ = [
-    "ClassificationLabels",
-    "TagLabels",
-    "UnknownLabelsError",
-    "check_columns",
-    "check_text",
-    "check_texts",
-    "file_format",
-    "iter_records",
-    "jsonl_line",
-    "label_kind",
-    "load_records",
-    "open_text",
-    "read_conll",
-    "read_lines",
-    "read_records",
-    "split_before_whitespace",
-]
+__all__ = ["check_columns", "check_text", "check_texts", "file_format", "iter_records", "jsonl_line", "label_kind"]
+__all__ += ["load_records", "read_conll", "read_records"]
