@@ -46,6 +46,12 @@ _TRAINING_SCOPES = {
 _TRAINING_NAME = re.compile(r"^layer_with_weights-(\d+)/(.+)/\.ATTRIBUTES/VARIABLE_VALUE$")
 
 
+def _training_parts(name: str) -> tuple[int, str] | None:
+    """(layer number, attribute path) of a variable of `rannet`'s pretraining checkpoints; None for another name."""
+    match = _TRAINING_NAME.match(name)
+    return None if match is None else (int(match.group(1)), match.group(2))
+
+
 def official_variable_name(name: str, num_layers: int) -> str | None:
     """The official (`RanNet.variable_mapping`) name of a checkpoint variable; None for a name it cannot map.
 
@@ -55,10 +61,9 @@ def official_variable_name(name: str, num_layers: int) -> str | None:
     """
     if name.startswith(PREFIX + "/"):
         return name
-    match = _TRAINING_NAME.match(name)
-    if match is None:
+    if (parts := _training_parts(name)) is None:
         return None
-    index, path = int(match.group(1)), match.group(2)
+    index, path = parts
     mlm_hidden = {
         "layer_with_weights-0/kernel": "dense/kernel",
         "layer_with_weights-0/bias": "dense/bias",
@@ -114,10 +119,9 @@ def adaptive_variable_name(name: str, num_layers: int) -> str | None:
     """`official_variable_name` for a `RanNetForAdaptiveLM` checkpoint."""
     if name.startswith(PREFIX + "/"):
         return name
-    match = _TRAINING_NAME.match(name)
-    if match is None:
+    if (parts := _training_parts(name)) is None:
         return None
-    index, path = int(match.group(1)), match.group(2)
+    index, path = parts
     if index == 0:
         return f"{PREFIX}/adaptive-embedding/{path}" if _ADAPTIVE_EMBEDDING_WEIGHT.match(path) else None
     if index == num_layers + 2:
