@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ran_testing import CONFIG_ERROR, randomize_, tiny_config
 
 from ran_hf import RANCache, RANConfig, RANForCausalLM
-from ran_hf.associative_memory import delta_write
+from ran_hf.associative_memory import delta_write, unit_lower_inverse
 
 
 def token_by_token(state, keys, values, betas):
@@ -27,6 +27,15 @@ def test_the_chunked_write_equals_the_delta_rule_token_by_token():
     betas = torch.rand(2, 3, 7, generator=generator, dtype=torch.float64)
     betas[..., 2] = 0  # a slot that writes nothing
     torch.testing.assert_close(delta_write(state, keys, values, betas), token_by_token(state, keys, values, betas))
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 16, 37])
+def test_the_matmul_inverse_an_export_runs_is_the_triangular_inverse(size):
+    """Under `torch.export` the chunked write inverts I + A in matmuls (ONNX has no triangular solve): the inverse of
+    unit lower-triangular matrices of any size, powers of two or not."""
+    generator = torch.Generator().manual_seed(size)
+    matrix = torch.eye(size, dtype=torch.float64) + torch.randn(3, size, size, generator=generator).double().tril(-1)
+    torch.testing.assert_close(unit_lower_inverse(matrix), torch.linalg.inv(matrix))
 
 
 def test_a_stored_binding_is_recalled_exactly():

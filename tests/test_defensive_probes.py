@@ -278,11 +278,14 @@ def test_a_prefix_lm_with_a_causal_only_option_names_the_prefix_lm(overrides):
     assert config.is_causal
 
 
-def test_the_exporter_refuses_the_associative_memory_at_once(tmp_path):
+SALIENT_CELLS = {"is_causal": True, "memory_review_cells": 2, "memory_salient_cells": 1}
+
+
+def test_the_exporter_refuses_salient_cells_at_once(tmp_path):
     """`export_onnx` traced the model for seconds, then raised a TorchExportError whose reason was buried in its
     "Exception summary"."""
-    model = RANForCausalLM(RANConfig(**TINY, min_window_size=2, is_causal=True, associative_memory=True))
-    with pytest.raises(NotImplementedError, match=r"`associative_memory=True` cannot be exported to ONNX"):
+    model = RANForCausalLM(RANConfig(**TINY, min_window_size=2, **SALIENT_CELLS))
+    with pytest.raises(NotImplementedError, match=r"`memory_salient_cells` cannot be exported to ONNX"):
         export_onnx(model, tmp_path / "model.onnx")
     assert not list(tmp_path.iterdir())
 
@@ -295,7 +298,7 @@ def test_the_export_script_refuses_what_cannot_be_exported_without_a_traceback(t
     if head == "prefix":
         model = RANForPrefixLM(RANConfig(**TINY, min_window_size=2))
     else:
-        model = RANForCausalLM(RANConfig(**TINY, min_window_size=2, is_causal=True, associative_memory=True))
+        model = RANForCausalLM(RANConfig(**TINY, min_window_size=2, **SALIENT_CELLS))
     model.save_pretrained(tmp_path / "model")
     with pytest.raises(SystemExit) as exit_info:
         export_script.main(["--model_dir", str(tmp_path / "model"), "--output", str(tmp_path / "model.onnx")])

@@ -16,7 +16,9 @@ state before it, so streaming equals one pass.
 
 A window's tokens are written at once in the delta rule's chunked form (DeltaNet, Yang et al. 2024): with
 A = strictly-lower(diag(beta) K K^T), U = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta) K,
-S' = S + K^T (U - W S), which equals the token-by-token rule (`tests/test_associative_memory.py`).
+S' = S + K^T (U - W S), which equals the token-by-token rule (`tests/test_associative_memory.py`). Under
+`torch.export` (ONNX), which has no triangular solve and no loop over a variable number of windows, the inverse is
+built from matmuls (`unit_lower_inverse`) and the windows are written by one `scan` operator.
 """
 
 import torch
@@ -30,15 +32,31 @@ from .decode_step import StepPositions, next_tail
 from .window_layout import RANWindowLayout
 
 
+def unit_lower_inverse(matrix: torch.Tensor) -> torch.Tensor:
+    """The inverse of unit lower-triangular matrices (..., Q, Q) in matmuls alone: the inverse of the block diagonal
+    of blocks of b, X, gives that of blocks of 2 b as X - X E X, where E holds the matrix's entries below the smaller
+    blocks inside the larger ones (exact, since E X E = 0): block forward substitution, log2(Q) steps."""
+    rows = torch.arange(matrix.shape[-1], device=matrix.device)
+    inverse = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device).expand_as(matrix)
+    block = 1
+    while block < matrix.shape[-1]:
+        joined = (rows[:, None] // (2 * block) == rows // (2 * block)) & (rows[:, None] // block != rows // block)
+        inverse = inverse - inverse @ (matrix * joined) @ inverse
+        block *= 2
+    return inverse
+
+
 def delta_write(state: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, betas: torch.Tensor) -> torch.Tensor:
     """The state after writing one window: state (B, H, d, d); keys and values (B, H, Q, d) (keys of unit length);
     betas (B, H, Q), 0 for a slot that writes nothing."""
     scaled_keys, scaled_values = betas[..., None] * keys, betas[..., None] * values
     mixing = torch.tril(scaled_keys @ keys.transpose(-1, -2), diagonal=-1)  # (B, H, Q, Q)
-    identity = torch.eye(mixing.shape[-1], dtype=mixing.dtype, device=mixing.device)
-    solved = torch.linalg.solve_triangular(
-        identity + mixing, torch.cat([scaled_keys, scaled_values], dim=-1), upper=False, unitriangular=True
-    )
+    unit_lower = torch.eye(mixing.shape[-1], dtype=mixing.dtype, device=mixing.device) + mixing
+    scaled = torch.cat([scaled_keys, scaled_values], dim=-1)
+    if torch.compiler.is_exporting():
+        solved = unit_lower_inverse(unit_lower) @ scaled
+    else:
+        solved = torch.linalg.solve_triangular(unit_lower, scaled, upper=False, unitriangular=True)
     erase, write = solved.split([keys.shape[-1], values.shape[-1]], dim=-1)  # W and U
     return state + keys.transpose(-1, -2) @ (write - erase @ state)
 
@@ -69,11 +87,6 @@ class RANAssociativeMemory(nn.Module):
         recalls (B, H * d), the window's own tokens written where it ends (`step`)."""
         if type(layout) is StepPositions:
             return self.step(query, key, value, normed_tokens, cache, layout, overlap)
-        if torch.compiler.is_exporting():
-            raise NotImplementedError(
-                "`associative_memory` writes window after window in a Python loop, which an exported graph cannot "
-                "hold for any number of windows: export a model without it."
-            )
         new_betas, tail_betas = self.betas(normed_tokens), None if cache is None else cache.tail_betas  # (T, H)
         betas = gather_rows(layout.sources(new_betas, tail_betas), layout.window_slots)  # (K, S, H)
         start = None if cache is None else cache.binding_state
@@ -96,11 +109,20 @@ class RANAssociativeMemory(nn.Module):
         keys, values, writes = (
             F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, 1)) for tensor in (keys, value.float(), writes)
         )
-        state, after = start_state.float(), []
-        for windows in layout.step_windows:  # (B,) window index, or K for none
-            state = delta_write(state, keys[windows], values[windows], writes[windows])
-            after.append(state)
-        after = torch.stack(after)  # (N, B, H, d, d)
+        if torch.compiler.is_exporting():  # one `scan` operator: a loop would be unrolled for the example's windows
+            from torch._higher_order_ops.scan import scan as scan_operator
+
+            def write(state, windows):
+                written = delta_write(state, keys[windows], values[windows], writes[windows])
+                return written, written.clone()  # (the outputs may not alias the carried state)
+
+            after = scan_operator(write, start_state.float(), [layout.step_windows])[1]
+        else:
+            state, after = start_state.float(), []
+            for windows in layout.step_windows:  # (B,) window index, or K for none
+                state = delta_write(state, keys[windows], values[windows], writes[windows])
+                after.append(state)
+            after = torch.stack(after)  # (N, B, H, d, d)
         before = torch.cat([start_state.float()[None], after[:-1]])
         read_state = layout.per_sequence(before.flatten(2)).view(-1, self.num_heads, self.head_dim, self.head_dim)
         queries = unit_vectors(query.float())  # (K, H, Q, d)

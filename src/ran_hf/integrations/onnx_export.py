@@ -58,12 +58,6 @@ def export_refusal(model: RANPreTrainedModel) -> str | None:
     and so does an option the graph cannot hold."""
     if getattr(model, "onnx_export_refusal", None):
         return model.onnx_export_refusal
-    if getattr(model.config, "associative_memory", False):
-        return (
-            f"{type(model).__name__} with `associative_memory=True` cannot be exported to ONNX: the memory writes "
-            "window after window in a Python loop, which an exported graph cannot hold for any number of windows. "
-            "Export a model without it, or run the PyTorch model."
-        )
     if getattr(model.config, "memory_salient_cells", None):
         return (
             f"{type(model).__name__} with `memory_salient_cells` cannot be exported to ONNX: choosing the salient "
