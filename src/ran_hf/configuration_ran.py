@@ -5,8 +5,9 @@ import math
 import os
 from typing import Literal
 
-from huggingface_hub.dataclasses import as_validated_field, strict
+from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.utils.type_validators import activation_fn_key, interval, positive_int_field
 
 from .safe_writes import hub_repo, write_into
 from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
@@ -14,65 +15,39 @@ from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_
 
 # The layer's two designs, as the values they give nine fields (docs/memory.md): "official" is the paper's layer,
 # "learnable_memory" the causal layer whose memory learns what later windows need. A field set on its own wins.
-_OFF_IN_OFFICIAL = ("residual_stream", "review_qk_norm", "cell_max_pool", "review_salience", "token_shift")
 _ON_IN_OFFICIAL = ("cell_input_residual", "review_initial_cell", "attention_qk_activation", "memory_value_activation")
+LAYER_DESIGN_FIELDS = ("residual_stream", "review_qk_norm", "cell_max_pool", "review_salience", "token_shift",
+                       *_ON_IN_OFFICIAL)  # fmt: skip
 LAYER_DESIGNS = {
-    "official": {**dict.fromkeys(_OFF_IN_OFFICIAL, False), **dict.fromkeys(_ON_IN_OFFICIAL, True)},
-    "learnable_memory": {**dict.fromkeys(_OFF_IN_OFFICIAL, True), **dict.fromkeys(_ON_IN_OFFICIAL, False)},
+    "official": {name: name in _ON_IN_OFFICIAL for name in LAYER_DESIGN_FIELDS},
+    "learnable_memory": {
+        name: name not in _ON_IN_OFFICIAL or name == "review_initial_cell" for name in LAYER_DESIGN_FIELDS
+    },
 }
-LAYER_DESIGNS["learnable_memory"]["review_initial_cell"] = True
-LAYER_DESIGN_FIELDS = tuple(LAYER_DESIGNS["official"])
 _PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
 
 
-def interval(low: float, high: float = math.inf, open_low: bool = False, open_high: bool = False):
-    """A finite number in [low, high] (or open at either end); None passes (an optional field left unset)."""
-
-    @as_validated_field
-    def check(value):
-        if value is None:
-            return
-        inside = (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
-        if not (math.isfinite(value) and inside):
-            raise ValueError(f"must be finite and in {'[('[open_low]}{low}, {high}{'])'[open_high]}, got {value}")
-
-    return check
-
-
-@as_validated_field
-def activation_name(value: str):
-    from transformers.activations import ACT2FN  # here, not at import: it costs about as much as Transformers
-
-    if value not in ACT2FN:
-        raise ValueError(f"must be the name of a Transformers activation ({', '.join(sorted(ACT2FN))}), got {value!r}")
-
-
 def misspells(name: str, field: str) -> bool:
-    """Whether `name` is `field` written otherwise (`windowsize`, `WindowSize`), cut short by at most three letters
-    (`cell_pool`) or with two neighbouring letters swapped (`is_casual`); not another model's name for a like field
+    """Whether `name` is `field` written otherwise (`windowsize`), cut short by at most three letters (`cell_pool`) or
+    with two neighbouring letters swapped (`is_casual`); not another model's name for a like field
     (`layer_norm_epsilon`, which Transformers' tests set on every config)."""
     short, long = sorted((name.replace("_", "").lower(), field.replace("_", "").lower()), key=len)
-    if short == long or (len(short) > 4 and len(long) - len(short) <= 3 and long.startswith(short)):
-        return True
-    differ = [i for i, (a, b) in enumerate(zip(short, long)) if a != b]
-    if len(short) != len(long) or len(short) <= 4 or len(differ) != 2 or differ[1] != differ[0] + 1:
-        return False
-    return short[differ[0]] == long[differ[1]] and short[differ[1]] == long[differ[0]]
+    swaps = {long[:i] + long[i + 1] + long[i] + long[i + 2 :] for i in range(len(long) - 1)}
+    return short == long or (
+        len(short) > 4 and (long.startswith(short) and len(long) - len(short) <= 3 or short in swaps)
+    )
 
 
 @strict
 class RANConfig(PreTrainedConfig):
     r"""
-    Configuration of a [`RANModel`]: the Recurrent Attention Network of Li et al. (ACL 2023), which reads a document in
+    Configuration of a [`RANModel`], the Recurrent Attention Network of Li et al. (ACL 2023): it reads a document in
     windows and carries a global perception cell from window to window. Defaults follow the official "V3 EN base"
-    model. docs/configuration.md describes every field; a field is checked when set, and the rules between fields
-    (`validate_architecture`) when the config is made, saved or run. A field set on a built model takes effect at once
-    or is refused, naming the fix, when the model next runs or saves (`architecture_fields`).
+    model; docs/configuration.md describes every field. A field is checked when set, the rules between fields when the
+    config is made, saved or run; set on a built model, an `architecture_fields` field is refused when it next runs.
 
     ```python
-    >>> from ran_hf import RANConfig, RANModel
-
     >>> model = RANModel(RANConfig(hidden_size=256, num_attention_heads=4, window_size=128, min_window_size=8))
     ```
     """
@@ -80,29 +55,29 @@ class RANConfig(PreTrainedConfig):
     model_type = "ran"
     keys_to_ignore_at_inference = ["past_key_values", "cells", "last_cell"]
     tasks_registered_here = frozenset()  # pipeline tasks `import ran_hf` registered: left out of `custom_pipelines`
-    # What a built model's weights or modules were made from: set on its config, they are refused when it runs or saves.
     max_parameters = 10**11  # a larger config is refused (raise it on the class for a model this large)
+    # What a built model's weights or modules were made from: set on its config, they are refused when it runs or saves.
     architecture_fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                            "memory_review", "associative_memory", "use_cell_residual", "is_causal", "hidden_act",
                            "token_pooling", "layer_norm_eps", "tie_word_embeddings", "cutoffs", "div_val",
                            "review_log_scaling", "layer_design", *LAYER_DESIGN_FIELDS)  # fmt: skip
 
-    vocab_size: int = interval(1)(default=30522)
-    hidden_size: int = interval(1)(default=768)
-    num_hidden_layers: int = interval(1)(default=2)
-    num_attention_heads: int = interval(1)(default=12)
-    head_dim: int = interval(2)(default=64)
-    window_size: int = interval(2)(default=256)
-    min_window_size: int = interval(1)(default=16)
+    vocab_size: int = positive_int_field(default=30522)
+    hidden_size: int = positive_int_field(default=768)
+    num_hidden_layers: int = positive_int_field(default=2)
+    num_attention_heads: int = positive_int_field(default=12)
+    head_dim: int = interval(min=2)(default=64)
+    window_size: int = interval(min=2)(default=256)
+    min_window_size: int = positive_int_field(default=16)
     cell_pooling: Literal["last", "mean", "max"] = "last"
     token_pooling: Literal["max", "mean"] = "max"
     memory_review: bool = True
-    memory_review_cells: int | None = interval(1)(default=None)
-    memory_salient_cells: int | None = interval(1)(default=None)
+    memory_review_cells: int | None = positive_int_field(default=None)
+    memory_salient_cells: int | None = positive_int_field(default=None)
     associative_memory: bool = False
     use_cell_residual: bool = True
     use_rotary: bool = True
-    window_overlap: int = interval(0)(default=0)
+    window_overlap: int = interval(min=0)(default=0)
     training_window_sizes: list[int] | None = None
     is_causal: bool = False
     layer_design: Literal["official", "learnable_memory"] | None = None
@@ -117,18 +92,18 @@ class RANConfig(PreTrainedConfig):
     review_log_scaling: bool = False
     token_shift: bool | None = None
     scan_implementation: str = "auto"
-    hidden_act: str = activation_name(default="silu")
-    hidden_dropout_prob: float | int = interval(0, 1, open_high=True)(default=0.1)
-    attention_probs_dropout_prob: float | int = interval(0, 1, open_high=True)(default=0.1)
-    layer_norm_eps: float | int = interval(0, open_low=True)(default=1e-7)
+    hidden_act: str = activation_fn_key(default="silu")
+    hidden_dropout_prob: float | int = interval(min=0, max=1, exclude_max=True)(default=0.1)
+    attention_probs_dropout_prob: float | int = interval(min=0, max=1, exclude_max=True)(default=0.1)
+    layer_norm_eps: float | int = interval(min=0, max=1, exclude_min=True)(default=1e-7)
     rope_parameters: dict | None = None
-    initializer_range: float | int = interval(0)(default=0.02)
+    initializer_range: float | int = interval(min=0, max=1)(default=0.02)
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool | None = None
     cutoffs: list[int] | None = None
-    div_val: int = interval(1)(default=1)
+    div_val: int = positive_int_field(default=1)
 
     def __post_init__(self, **kwargs):
         # The design, resolved once into plain fields; those left None (`_from_design`, not saved) follow `is_causal`
@@ -146,9 +121,8 @@ class RANConfig(PreTrainedConfig):
     def _follow_design(self):
         if "layer_design" in self._from_design or self.layer_design is None:
             self.__dict__["layer_design"] = "learnable_memory" if self.is_causal else "official"
-        for name in self._from_design:
-            if name != "layer_design":
-                self.__dict__[name] = LAYER_DESIGNS[self.layer_design][name]
+        design = LAYER_DESIGNS[self.layer_design]
+        self.__dict__.update({name: design[name] for name in self._from_design if name != "layer_design"})
 
     def __setattr__(self, name, value):
         if self.__dict__.get(name, self) is value:  # set to what it holds (Transformers sets `is_causal` per call)
@@ -175,8 +149,6 @@ class RANConfig(PreTrainedConfig):
     def validate_architecture(self):
         window, cutoffs, theta = self.window_size, self.cutoffs or [], self.rope_theta
         sizes = self.training_window_sizes
-        eos_ids = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        ids = {"pad_token_id": [self.pad_token_id], "bos_token_id": [self.bos_token_id], "eos_token_id": eos_ids}
         rules = [
             (self.min_window_size >= window, f"`min_window_size` ({self.min_window_size}) must be smaller than "),
             (self.window_overlap >= window, f"`window_overlap` ({self.window_overlap}) must be smaller than "),
@@ -206,8 +178,6 @@ class RANConfig(PreTrainedConfig):
             (self.problem_type not in (None, *_PROBLEM_TYPES), f"`problem_type` must be one of {_PROBLEM_TYPES} or "
              f"None (from the labels), got {self.problem_type!r}"),
         ]  # fmt: skip
-        rules += [(token is not None and not 0 <= token < self.vocab_size, f"`{name}` ({token}) is outside the "
-                   f"vocabulary [0, {self.vocab_size - 1}]") for name, tokens in ids.items() for token in tokens]  # fmt: skip
         if (size := self.estimated_parameters()) > self.max_parameters:
             largest = max(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"), key=self._share)
             rules.append((True, f"This config describes about {size:.2g} parameters, mostly through `{largest}="
@@ -215,6 +185,15 @@ class RANConfig(PreTrainedConfig):
                           " if a model this large is meant, raise it (`RANConfig.max_parameters = ...`)"))  # fmt: skip
         if broken := [message for failed, message in rules if failed]:
             raise ValueError(broken[0] + (f"`window_size` ({window})." if broken[0].endswith("than ") else "."))
+
+    def validate_token_ids(self):
+        """Transformers only warns (configs on the Hub store `pad_token_id=-1`); a RAN's embedding would fail later."""
+        eos_ids = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        for name, token in [("pad_token_id", self.pad_token_id), ("bos_token_id", self.bos_token_id)] + [
+            ("eos_token_id", token) for token in eos_ids
+        ]:
+            if token is not None and not 0 <= token < self.vocab_size:
+                raise ValueError(f"`{name}` ({token}) is outside the vocabulary [0, {self.vocab_size - 1}].")
 
     def estimated_parameters(self, **sizes) -> int:
         """About how many parameters (within a few percent) a `RANModel` of this config holds, task heads aside;
