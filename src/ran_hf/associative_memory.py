@@ -9,7 +9,10 @@ chance; docs/memory.md). This memory keeps bindings apart. Window w writes, toke
     S <- S - beta_t k_t (k_t^T S) + beta_t k_t v_t^T          (S: head_dim x head_dim per head)
 
 with k_t the token's unit-length window-attention key (before rotary), v_t its value and beta_t in (0, 1) a learned
-write strength (a token that carries nothing worth keeping writes little). A token of window w reads q^T S with
+write strength (a token that carries nothing worth keeping writes little). With `associative_key_conv` = c, k_t is
+first mixed with the c - 1 keys before it in its window by a per-channel causal convolution (the short convolution
+of Mamba and Gated DeltaNet), so that a token can bind a value to what came a few tokens before it ("name MOVE
+place": the place under its name). It starts as the identity. A token of window w reads q^T S with
 its unit-length query, S as after window w - 1: its own window it reads through the window attention. The state is
 the same size at any length, so the cache stays flat, and a window's write depends only on its own tokens and the
 state before it, so streaming equals one pass.
@@ -72,6 +75,17 @@ class RANAssociativeMemory(nn.Module):
         # What the memory adds to the window attention's output, per head: it starts at 1 (a read that is there to
         # be learned from), and training scales it.
         self.read_scale = nn.Parameter(torch.ones(config.num_attention_heads))
+        if config.associative_key_conv is not None:  # (c, H, 1, d): tap j weighs the key j slots before
+            self.key_conv = nn.Parameter(torch.zeros(config.associative_key_conv, self.num_heads, 1, self.head_dim))
+
+    def written_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """(..., H, S, d) a window's slot keys -> the unit-length keys the memory writes, after the key convolution
+        (causal within the window: a slot mixes itself and the slots before it)."""
+        keys = keys.float()
+        if hasattr(self, "key_conv"):
+            slots = keys.shape[-2]
+            keys = sum(tap * F.pad(keys, (0, 0, lag, 0))[..., :slots, :] for lag, tap in enumerate(self.key_conv))
+        return unit_vectors(keys)
 
     def betas(self, normed_tokens: torch.Tensor) -> torch.Tensor:
         """(T, D) normalised token states -> (T, H) their write strengths, in (0, 1)."""
@@ -103,7 +117,7 @@ class RANAssociativeMemory(nn.Module):
         start_state (B, H, d, d). Returns what the windows' queries read (K, Q, H, d) and the state after each scan
         step (N, B, H, d, d)."""
         dtype = query.dtype
-        keys = unit_vectors(key.float())
+        keys = self.written_keys(key)
         writes = layout.own_slot_mask(overlap)[:, None, :] * betas.transpose(1, 2)  # (K, H, S): own tokens only
         # Scan step j writes the window each sequence reads there; a sequence without one reads the empty row.
         keys, values, writes = (
@@ -143,7 +157,7 @@ class RANAssociativeMemory(nn.Module):
             own = at.visible & (torch.arange(at.visible.shape[1], device=state.device) >= first_own)  # (B, S)
             writes = (betas * own[..., None]).transpose(1, 2)  # (B, H, S)
             written = delta_write(
-                state, unit_vectors(keys.float()).transpose(1, 2), values.float().transpose(1, 2), writes
+                state, self.written_keys(keys.transpose(1, 2)), values.float().transpose(1, 2), writes
             )
             state = torch.where(at.ends_window[:, None, None, None], written, state)
             betas = next_tail(betas[..., None], at)[..., 0]

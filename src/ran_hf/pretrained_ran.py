@@ -255,6 +255,9 @@ class RANPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
         elif isinstance(module, RANAssociativeMemory):
             init.ones_(module.read_scale)  # a read that is there to be learned from (associative_memory.py)
+            if hasattr(module, "key_conv"):  # the identity: each key as it is, until training mixes in its neighbours
+                init.zeros_(module.key_conv)
+                init.ones_(module.key_conv[0])
         elif isinstance(module, RANClusterBiases):
             for bias in module:
                 init.zeros_(bias)
