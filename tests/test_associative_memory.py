@@ -52,7 +52,9 @@ def memory_model(seed=0, **overrides):
     return randomize_(RANForCausalLM(tiny_config(**fields)), seed=seed).eval()
 
 
-@pytest.mark.parametrize("overrides", [{}, {"window_overlap": 1}, {"memory_review": False}], ids=str)
+@pytest.mark.parametrize(
+    "overrides", [{}, {"window_overlap": 1}, {"memory_review": False}, {"associative_key_conv": 3}], ids=str
+)
 def test_no_token_reads_a_later_one(overrides):
     model = memory_model(**overrides)
     ids = torch.randint(1, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
@@ -78,7 +80,11 @@ def test_later_windows_read_the_memory():
     assert (reading[:, window:] - silent[:, window:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("overrides", [{}, {"window_overlap": 2}, {"memory_review_cells": 1}], ids=str)
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"window_overlap": 2}, {"memory_review_cells": 1}, {"window_overlap": 2, "associative_key_conv": 4}],
+    ids=str,
+)
 def test_streaming_equals_one_pass_and_the_cache_stays_flat(overrides):
     model = memory_model(3, **overrides)
     ids = torch.randint(1, model.config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(3))
@@ -94,8 +100,9 @@ def test_streaming_equals_one_pass_and_the_cache_stays_flat(overrides):
     assert len(set(sizes)) == 1  # (B, H, d, d) whatever the length
 
 
-def test_a_left_padded_batch_reads_as_each_sequence_alone():
-    model = memory_model(4, window_overlap=1)
+@pytest.mark.parametrize("overrides", [{}, {"associative_key_conv": 3}], ids=str)
+def test_a_left_padded_batch_reads_as_each_sequence_alone(overrides):
+    model = memory_model(4, window_overlap=1, **overrides)
     lengths, total = [17, 9], 17
     ids = torch.zeros(2, total, dtype=torch.long)
     mask = torch.zeros(2, total, dtype=torch.long)
@@ -116,6 +123,39 @@ def test_gradients_reach_the_write_strengths_and_the_memory_trains():
     model(ids, labels=ids).loss.backward()
     memory = model.model.layers[0].associative_memory
     assert memory.write_strength.weight.grad.abs().sum() > 0 and memory.read_scale.grad.abs().sum() > 0
+
+
+def test_the_key_convolution_is_a_causal_convolution_within_the_window():
+    """Each written key mixes itself and the `associative_key_conv` - 1 slots before it in its window, per channel,
+    as torch's grouped conv1d with left padding computes it."""
+    model = memory_model(6, associative_key_conv=3)
+    memory = model.model.layers[0].associative_memory
+    heads, head_dim = memory.num_heads, memory.head_dim
+    keys = torch.randn(2, heads, 7, head_dim, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        taps = memory.key_conv  # (c, H, 1, d); tap j weighs the key j slots before
+        channels = keys.permute(0, 1, 3, 2).reshape(2, heads * head_dim, 7)
+        weight = taps.flip(0).permute(1, 3, 2, 0).reshape(heads * head_dim, 1, 3)
+        expected = F.conv1d(F.pad(channels, (2, 0)), weight, groups=heads * head_dim)
+        expected = F.normalize(expected.reshape(2, heads, head_dim, 7).transpose(-1, -2), dim=-1)
+        torch.testing.assert_close(memory.written_keys(keys), expected, atol=1e-6, rtol=0)
+
+
+def test_the_key_convolution_starts_as_the_identity_and_trains():
+    """At initialisation a model with the convolution computes what the same weights compute without it; its taps
+    then get gradients, the earlier slots' included."""
+    torch.manual_seed(7)
+    convolved = RANForCausalLM(tiny_config(is_causal=True, associative_memory=True, associative_key_conv=3))
+    plain = RANForCausalLM(tiny_config(is_causal=True, associative_memory=True))
+    plain.load_state_dict({k: v for k, v in convolved.state_dict().items() if "key_conv" not in k})
+    ids = torch.randint(1, plain.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        torch.testing.assert_close(convolved.eval()(ids).logits, plain.eval()(ids).logits, atol=1e-6, rtol=0)
+    convolved.train()(ids, labels=ids).loss.backward()
+    taps = convolved.model.layers[0].associative_memory.key_conv.grad
+    assert taps[1:].abs().sum() > 0
+    with pytest.raises(CONFIG_ERROR, match="`associative_key_conv` convolves the keys of the associative memory"):
+        tiny_config(is_causal=True, associative_key_conv=3)
 
 
 def test_the_encoder_refuses_it_and_a_cache_of_a_model_without_it_is_refused():

@@ -33,6 +33,7 @@ VALUED = {
     "layer_norm_eps": [1e-3],
     "cutoffs": [[20, 40]],
     "div_val": [2],  # (with `cutoffs`)
+    "associative_key_conv": [3],  # (with `associative_memory`)
     "num_hidden_layers": [1, 3],
     "num_attention_heads": [1, 4],
     "head_dim": [4, 6],
@@ -47,6 +48,7 @@ NOT_WALKED = {
 NEEDS = {  # what a value needs beside it to make a valid config
     "memory_salient_cells": {"memory_review_cells": 2, "review_salience": True},
     "div_val": {"cutoffs": [20, 40]},
+    "associative_key_conv": {"associative_memory": True},
     "layer_design": {},
 }
 BASES = {

@@ -43,7 +43,9 @@ def exported(tmp_path_factory):
         "sequence-classification": RANForSequenceClassification(tiny_config(num_labels=3)),
         "causal-lm": RANForCausalLM(tiny_config(is_causal=True)),
         # Its windows written by a `scan` operator, the chunked write's inverse built from matmuls.
-        "causal-lm-associative-memory": RANForCausalLM(tiny_config(is_causal=True, associative_memory=True)),
+        "causal-lm-associative-memory": RANForCausalLM(
+            tiny_config(is_causal=True, associative_memory=True, associative_key_conv=3)
+        ),
     }
     sessions = {}
     for name, model in models.items():
