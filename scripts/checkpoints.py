@@ -18,7 +18,9 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ran_hf.files.folders import MODEL_FILES, check_not_inputs, contents, lock_folder, recover_interrupted, set_aside
+from ran_hf.files.folder_locks import lock_folder
+from ran_hf.files.paths import MODEL_FILES, check_not_inputs, contents
+from ran_hf.files.recovery import recover_interrupted, set_aside
 
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ RESUME_LATEST = ("latest", "true")
 CHECKPOINT_PATTERN = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 # What a run writes at the top of its output folder besides checkpoints: a new final save replaces all of it, so that
 # the folder never shows one run's model with another run's metrics or card: a saved model's files
-# (`ran_hf.files.folders.MODEL_FILES`: weights, adapter, config, tokenizer, the model's code, its card, the
+# (`ran_hf.files.paths.MODEL_FILES`: weights, adapter, config, tokenizer, the model's code, its card, the
 # sentence-transformers files of `--sentence_transformers_pooling`), and what Trainer writes beside them.
 RUN_FILES = MODEL_FILES | {"training_args.bin", "trainer_state.json", "predict_results.txt", "predictions.txt"}
 # A LoRA run (`--lora_r`) saves the adapter (and the head modules it trains in full), not the model.
@@ -283,13 +285,13 @@ def prepare_output_dir(training_args: transformers.TrainingArguments, *arguments
 
     First, an `--output_dir` that is, holds or lies inside something the run reads (the model, tokenizer or data
     named in `arguments`, the script's other argument dataclasses) is refused
-    (`ran_hf.files.folders.check_not_inputs`). The process that saves then takes the lock on the folder for the whole
-    run (`ran_hf.files.folders.lock_folder`: a second run into it is refused, naming this one) and cleans up what a
+    (`ran_hf.files.paths.check_not_inputs`). The process that saves then takes the lock on the folder for the whole
+    run (`ran_hf.files.folder_locks.lock_folder`: a second run into it is refused, naming this one) and cleans up what a
     killed save left (`recover_interrupted`). Then a training run into a folder that already holds something (a
     finished run's model and metrics, or the checkpoints of another run) is refused unless it continues the run in that
     folder (`--resume_from_checkpoint` naming one of its checkpoints, or `latest` finding one) or
     `--overwrite_output_dir` is given. When overwriting, the old checkpoints are set aside now
-    (`ran_hf.files.folders.set_aside`, beside the folder, where `latest` never looks) and deleted once the final save
+    (`ran_hf.files.recovery.set_aside`, beside the folder, where `latest` never looks) and deleted once the final save
     is complete. They come back only if this run fails with an error before its first checkpoint; after that
     (`RANTrainer._save_checkpoint` retires them), or after a kill, never: a later `latest` continues this run. The old
     model, metrics and card are replaced by the final save (`RANTrainer.save_model`), never merged with the new run's.

@@ -19,7 +19,7 @@ import torch
 from argument_checks import in_range
 
 import ran_hf
-from ran_hf.files.folders import check_not_inputs
+from ran_hf.files.paths import check_not_inputs
 
 
 def load_model(model_dir: str) -> ran_hf.RANPreTrainedModel:

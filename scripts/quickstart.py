@@ -27,7 +27,9 @@ from train_tokenizer import SPECIAL_TOKENS, TokenizerArguments, build_tokenizer
 from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline, set_seed
 
 from ran_hf import RANConfig, RANForMaskedLM
-from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
+from ran_hf.files.folder_locks import lock_folder, releases_folder_locks
+from ran_hf.files.folders import write_folder
+from ran_hf.files.paths import check_not_inputs, contents
 from ran_hf.files.text_files import read_lines
 
 

@@ -21,7 +21,8 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ran_hf import RANConfig
-from ran_hf.files.folders import discard_set_aside, retire_set_aside, write_folder
+from ran_hf.files.folders import write_folder
+from ran_hf.files.recovery import discard_set_aside, retire_set_aside
 from ran_hf.integrations.sentence_embeddings import write_sentence_transformers_config
 
 

@@ -21,7 +21,9 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from ran_hf.files.data import check_columns, check_texts, load_records, read_conll, read_records
-from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
+from ran_hf.files.folder_locks import lock_folder, releases_folder_locks
+from ran_hf.files.folders import write_folder
+from ran_hf.files.paths import check_not_inputs, contents
 from ran_hf.files.text_files import split_before_whitespace
 
 

@@ -22,18 +22,21 @@ import train_tokenizer
 from safetensors.torch import load_file
 
 from ran_hf import RANConfig, RANForSequenceClassification, convert_rannet_checkpoint
-from ran_hf.files.folders import FolderInUseError, lock_folder, recover_interrupted, write_folder
+from ran_hf.files.folder_locks import FolderInUseError, lock_folder
+from ran_hf.files.folders import write_folder
+from ran_hf.files.recovery import recover_interrupted
 
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ROOT / "src" / "ran_hf" / "files" / "folders.py"
-# Takes the lock on argv[2] and holds it; loads folders.py alone (the ran_hf package would import torch: seconds).
+FILES = ROOT / "src" / "ran_hf" / "files"
+# Takes the lock on argv[2] and holds it; loads ran_hf/files (argv[1]) alone, as a package of its own: the ran_hf
+# package would import torch (seconds).
 HOLD_LOCK = """
-import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("folders", sys.argv[1])
-folders = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(folders)
-folders.lock_folder(sys.argv[2])
+import importlib, importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("files", sys.argv[1] + "/__init__.py", submodule_search_locations=[sys.argv[1]])
+sys.modules["files"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sys.modules["files"])
+importlib.import_module("files.folder_locks").lock_folder(sys.argv[2])
 print("locked", flush=True)
 time.sleep(60)
 """
@@ -311,7 +314,7 @@ def test_a_second_run_into_a_locked_folder_is_refused_naming_the_holder(tokenize
     is refused at once, naming the first; once the first is gone (killed), its stale lock is taken over."""
     output_dir = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_LOCK, str(FOLDERS), str(output_dir)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLD_LOCK, str(FILES), str(output_dir)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -596,29 +599,29 @@ def test_retired_entries_are_never_put_back_and_go_with_the_next_save(tmp_path):
     """The folder writer's side of it: what `set_aside` moved away stays away after a kill (`recover_interrupted`
     names it and leaves it), is put back by the process itself when it fails before it `retire_set_aside`s, and is
     deleted by the next completed save's `discard_set_aside`."""
-    from ran_hf.files import folders
+    from ran_hf.files import recovery
 
     target = tmp_path / "run"
     for name in ("checkpoint-4", "checkpoint-5"):
         (target / name).mkdir(parents=True)
         (target / name / "trainer_state.json").write_text(name)
-    folders.set_aside(target, ["checkpoint-4", "checkpoint-5"])
-    folders.restore_set_aside(target)  # failed before writing anything of its own: put back
+    recovery.set_aside(target, ["checkpoint-4", "checkpoint-5"])
+    recovery.restore_set_aside(target)  # failed before writing anything of its own: put back
     assert sorted(files_of(target)) == ["checkpoint-4/trainer_state.json", "checkpoint-5/trainer_state.json"]
     assert [path.name for path in tmp_path.iterdir()] == ["run"]
 
-    folders.set_aside(target, ["checkpoint-4", "checkpoint-5"])
-    folders.retire_set_aside(target)
+    recovery.set_aside(target, ["checkpoint-4", "checkpoint-5"])
+    recovery.retire_set_aside(target)
     (target / "checkpoint-1").mkdir()
-    folders.restore_set_aside(target)  # failed after writing: the old entries stay retired
+    recovery.restore_set_aside(target)  # failed after writing: the old entries stay retired
     assert [path.name for path in target.iterdir()] == ["checkpoint-1"]
     rename_to_a_finished_process(target)
     (retired,) = [path for path in tmp_path.iterdir() if path.name != "run"]
     assert retired.name.startswith(".run.retired-")
-    notes = folders.recover_interrupted(target, carry_over=lambda name: True)
+    notes = recovery.recover_interrupted(target, carry_over=lambda name: True)
     assert [path.name for path in target.iterdir()] == ["checkpoint-1"]
     assert any(str(retired) in note and "checkpoint-4, checkpoint-5" in note for note in notes), notes
-    folders.discard_set_aside(target)  # the next completed save
+    recovery.discard_set_aside(target)  # the next completed save
     assert [path.name for path in tmp_path.iterdir()] == ["run"]
 
 

@@ -27,7 +27,9 @@ from ran_hf import (
     RANForTokenClassification,
     RANModel,
 )
-from ran_hf.files.folders import keeps_user_files, recover_interrupted, write_folder
+from ran_hf.files.folders import write_folder
+from ran_hf.files.paths import keeps_user_files
+from ran_hf.files.recovery import recover_interrupted
 from ran_hf.integrations.sentence_embeddings import write_sentence_transformers_config
 from ran_hf.safe_writes import WriteStoppedError, write_into
 

@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from ran_hf import RANConfig, RANForSequenceClassification
 from ran_hf.files.data import read_conll, read_records
-from ran_hf.files.folders import releases_folder_locks
+from ran_hf.files.folder_locks import releases_folder_locks
 from ran_hf.files.labels import ClassificationLabels, TagLabels
 
 

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import ran_hf  # noqa: F401  (registers RAN with the Auto classes)
-from ran_hf.files.folders import check_not_inputs
+from ran_hf.files.paths import check_not_inputs
 from ran_hf.files.text_files import read_lines
 
 

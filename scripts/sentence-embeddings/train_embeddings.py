@@ -46,7 +46,9 @@ from transformers import AutoTokenizer, BertConfig, BertModel, set_seed
 
 from ran_hf import RANConfig, RANModel
 from ran_hf.files.data import load_records
-from ran_hf.files.folders import check_not_inputs, contents, lock_folder, releases_folder_locks, write_folder
+from ran_hf.files.folder_locks import lock_folder, releases_folder_locks
+from ran_hf.files.folders import write_folder
+from ran_hf.files.paths import check_not_inputs, contents
 from ran_hf.integrations.sentence_embeddings import SENTENCE_POOLINGS, ran_sentence_transformer
 
 

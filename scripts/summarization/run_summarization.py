@@ -59,7 +59,7 @@ from training_utils import (  # noqa: E402
 
 from ran_hf import prefix_lm_features  # noqa: E402
 from ran_hf.files.data import iter_records  # noqa: E402
-from ran_hf.files.folders import releases_folder_locks  # noqa: E402
+from ran_hf.files.folder_locks import releases_folder_locks  # noqa: E402
 
 
 logger = logging.getLogger(__name__)

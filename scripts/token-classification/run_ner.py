@@ -53,7 +53,7 @@ from training_utils import (  # noqa: E402
     trained_labels,
 )
 
-from ran_hf.files.folders import releases_folder_locks  # noqa: E402
+from ran_hf.files.folder_locks import releases_folder_locks  # noqa: E402
 
 
 logger = logging.getLogger(__name__)

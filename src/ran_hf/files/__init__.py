@@ -1,6 +1,7 @@
-"""Reading and writing the files around a model: training data (`data`), output folders (`folders`) and TensorFlow
-checkpoints (`tf_checkpoint`), for the scripts, the converter (`ran_hf.integrations.convert_rannet`) and `export_onnx`.
+"""Reading and writing the files around a model: training data (`data`, `labels`, `text_files`), output folders
+(`folders`, with `folder_locks`, `recovery` and `paths`) and TensorFlow checkpoints (`tf_checkpoint`), for the
+scripts, the converter (`ran_hf.integrations.convert_rannet`) and `export_onnx`.
 
 Not modeling code: a saved model folder never carries it. Nothing is imported here, so that importing one module
-(`from ran_hf.files.folders import write_folder`) costs that module alone.
+(`from ran_hf.files.folders import write_folder`) costs that module and those it imports alone.
 """

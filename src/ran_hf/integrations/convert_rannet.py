@@ -47,15 +47,10 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging
 
 from ..configuration_ran import RANConfig
-from ..files.folders import (
-    check_not_inputs,
-    contents,
-    keeps_user_files,
-    lock_folder,
-    recover_interrupted,
-    releases_folder_locks,
-    write_folder,
-)
+from ..files.folder_locks import lock_folder, releases_folder_locks
+from ..files.folders import write_folder
+from ..files.paths import check_not_inputs, contents, keeps_user_files
+from ..files.recovery import recover_interrupted
 from ..modeling_ran import RANForCausalLM, RANForMaskedLM
 from .rannet_checkpoint import PREFIX, convert_variables, read_checkpoint
 
@@ -281,7 +276,7 @@ def convert_rannet_checkpoint(
     Everything is read and checked before anything is written; the folder is written next to `output_dir` under a
     temporary name and moved into place at the end, so a failed conversion leaves no partial folder (and what a killed
     one left beside `output_dir` is cleaned up by the next run). An existing, non-empty `output_dir` is replaced only
-    with `overwrite=True`, and then only a saved model's files go (`ran_hf.files.folders.keeps_user_files`): your notes
+    with `overwrite=True`, and then only a saved model's files go (`ran_hf.files.paths.keeps_user_files`): your notes
     and other files there stay. An `output_dir` that is `rannet_dir`, contains it or lies inside it is always refused.
 
     Args:
