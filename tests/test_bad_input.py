@@ -381,13 +381,11 @@ def test_sequence_loss_of_a_batch_of_padding_only(make_config, fields, labels):
 
 CONFIG_ERRORS = [
     pytest.param(
-        {"window_size": 0},
-        r"(?s)field 'window_size'.*Value must be greater or equal to 2, got 0\.",
-        id="window-size-zero",
+        {"window_size": 0}, r"(?s)field 'window_size'.*must be finite and in \[2, inf\], got 0", id="window-size-zero"
     ),
     pytest.param(
         {"window_size": -4},
-        r"(?s)field 'window_size'.*Value must be greater or equal to 2, got -4\.",
+        r"(?s)field 'window_size'.*must be finite and in \[2, inf\], got -4",
         id="window-size-negative",
     ),
     pytest.param({"window_size": 2.5}, r"(?s)field 'window_size'.*TypeError", id="window-size-float"),
@@ -407,7 +405,7 @@ CONFIG_ERRORS = [
     pytest.param({"review_initial_cell": "no"}, r"(?s)field 'review_initial_cell'.*TypeError", id="sink-not-bool"),
     pytest.param(
         {"window_overlap": -1},
-        r"(?s)field 'window_overlap'.*Value must be greater or equal to 0, got -1\.",
+        r"(?s)field 'window_overlap'.*must be finite and in \[0, inf\], got -1",
         id="negative-overlap",
     ),
     pytest.param({"window_overlap": 1.5}, r"(?s)field 'window_overlap'.*TypeError", id="float-overlap"),
@@ -419,7 +417,7 @@ CONFIG_ERRORS = [
     ),
     pytest.param(
         {"is_causal": True, "memory_review_cells": 0},
-        r"(?s)field 'memory_review_cells'.*Value must be a positive integer, got 0",
+        r"(?s)field 'memory_review_cells'.*must be finite and in \[1, inf\], got 0",
         id="bound-zero",
     ),
     pytest.param(
@@ -433,7 +431,7 @@ CONFIG_ERRORS = [
     ),
     pytest.param(
         {"is_causal": True, "memory_review_cells": 4, "memory_salient_cells": 0},
-        r"(?s)field 'memory_salient_cells'.*Value must be a positive integer, got 0",
+        r"(?s)field 'memory_salient_cells'.*must be finite and in \[1, inf\], got 0",
         id="salient-zero",
     ),
     pytest.param(
@@ -454,12 +452,12 @@ def test_config_rejects_ill_defined_windows(make_config, overrides, message):
 CONFIG_TYPE_ERRORS = [
     pytest.param(
         {"layer_norm_eps": float("nan")},
-        r"(?s)field 'layer_norm_eps'.*Value must be greater than 0 and smaller or equal to 1, got nan\.",
+        r"(?s)field 'layer_norm_eps'.*must be finite and in \(0, inf\], got nan",
         id="eps-nan",
     ),
     pytest.param(
         {"layer_norm_eps": float("inf")},
-        r"(?s)field 'layer_norm_eps'.*Value must be greater than 0 and smaller or equal to 1, got inf\.",
+        r"(?s)field 'layer_norm_eps'.*must be finite and in \(0, inf\], got inf",
         id="eps-inf",
     ),
     pytest.param({"layer_norm_eps": None}, r"(?s)field 'layer_norm_eps'.*TypeError", id="eps-none"),
@@ -476,12 +474,12 @@ CONFIG_TYPE_ERRORS = [
     ),
     pytest.param(
         {"hidden_dropout_prob": float("nan")},
-        r"(?s)field 'hidden_dropout_prob'.*Value must be greater or equal to 0 and smaller than 1, got nan\.",
+        r"(?s)field 'hidden_dropout_prob'.*must be finite and in \[0, 1\), got nan",
         id="dropout-nan",
     ),
     pytest.param(
         {"initializer_range": -0.02},
-        r"(?s)field 'initializer_range'.*Value must be greater or equal to 0 and smaller or equal to 1, got -0\.02\.",
+        r"(?s)field 'initializer_range'.*must be finite and in \[0, inf\], got -0\.02",
         id="negative-init",
     ),
     pytest.param({"initializer_range": True}, r"(?s)field 'initializer_range'.*TypeError", id="init-bool"),
@@ -489,7 +487,7 @@ CONFIG_TYPE_ERRORS = [
     pytest.param({"num_hidden_layers": "2"}, r"(?s)field 'num_hidden_layers'.*TypeError", id="layers-string"),
     pytest.param(
         {"hidden_act": "swishy"},
-        r"(?s)field 'hidden_act'.*Value must be one of \[.*'silu'.*\], got swishy\.",
+        r"(?s)field 'hidden_act'.*must be the name of a Transformers activation \(gelu, gelu_10, gelu_accurate, gelu_fast, gelu_new, gelu_python, gelu_python_tanh, gelu_pytorch_tanh, hardswish, laplace, leaky_relu, linear, mish, prelu, quick_gelu, relu, relu2, relu6, sigmoid, silu, sqrtsoftplus, swish, tanh, xielu\), got 'swishy'",
         id="unknown-act",
     ),
     pytest.param({"hidden_act": None}, r"(?s)field 'hidden_act'.*TypeError", id="act-none"),

@@ -5,9 +5,8 @@ import math
 import os
 from typing import Literal
 
-from huggingface_hub.dataclasses import strict
+from huggingface_hub.dataclasses import as_validated_field, strict
 from transformers import PreTrainedConfig
-from transformers.utils.type_validators import activation_fn_key, interval, positive_int_field
 
 from .safe_writes import hub_repo, write_into
 from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
@@ -26,6 +25,30 @@ LAYER_DESIGNS = {
 }
 _PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
+
+
+# Our own field validators: Transformers' (`transformers.utils.type_validators`) import its tokenizer, video and
+# activation modules, which take seconds and load triton and torch.onnx; and its `interval` accepts inf.
+def interval(low: float, high: float = math.inf, open_low: bool = False, open_high: bool = False):
+    """A finite number in [low, high] (or open at either end); None passes (an optional field left unset)."""
+
+    @as_validated_field
+    def check(value):
+        if value is None:
+            return
+        inside = (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
+        if not (math.isfinite(value) and inside):
+            raise ValueError(f"must be finite and in {'[('[open_low]}{low}, {high}{'])'[open_high]}, got {value}")
+
+    return check
+
+
+@as_validated_field
+def activation_name(value: str):
+    from transformers.activations import ACT2FN  # here, not at import: it costs about as much as Transformers
+
+    if value not in ACT2FN:
+        raise ValueError(f"must be the name of a Transformers activation ({', '.join(sorted(ACT2FN))}), got {value!r}")
 
 
 def misspells(name: str, field: str) -> bool:
@@ -62,23 +85,23 @@ class RANConfig(PreTrainedConfig):
                            "is_causal", "hidden_act", "token_pooling", "layer_norm_eps", "tie_word_embeddings", "cutoffs",
                            "div_val", "review_log_scaling", "layer_design", *LAYER_DESIGN_FIELDS)  # fmt: skip
 
-    vocab_size: int = positive_int_field(default=30522)
-    hidden_size: int = positive_int_field(default=768)
-    num_hidden_layers: int = positive_int_field(default=2)
-    num_attention_heads: int = positive_int_field(default=12)
-    head_dim: int = interval(min=2)(default=64)
-    window_size: int = interval(min=2)(default=256)
-    min_window_size: int = positive_int_field(default=16)
+    vocab_size: int = interval(1)(default=30522)
+    hidden_size: int = interval(1)(default=768)
+    num_hidden_layers: int = interval(1)(default=2)
+    num_attention_heads: int = interval(1)(default=12)
+    head_dim: int = interval(2)(default=64)
+    window_size: int = interval(2)(default=256)
+    min_window_size: int = interval(1)(default=16)
     cell_pooling: Literal["last", "mean", "max"] = "last"
     token_pooling: Literal["max", "mean"] = "max"
     memory_review: bool = True
-    memory_review_cells: int | None = positive_int_field(default=None)
-    memory_salient_cells: int | None = positive_int_field(default=None)
+    memory_review_cells: int | None = interval(1)(default=None)
+    memory_salient_cells: int | None = interval(1)(default=None)
     associative_memory: bool = False
-    associative_key_conv: int | None = positive_int_field(default=None)
+    associative_key_conv: int | None = interval(1)(default=None)
     use_cell_residual: bool = True
     use_rotary: bool = True
-    window_overlap: int = interval(min=0)(default=0)
+    window_overlap: int = interval(0)(default=0)
     training_window_sizes: list[int] | None = None
     is_causal: bool = False
     layer_design: Literal["official", "learnable_memory"] | None = None
@@ -93,18 +116,18 @@ class RANConfig(PreTrainedConfig):
     review_log_scaling: bool = False
     token_shift: bool | None = None
     scan_implementation: str = "auto"
-    hidden_act: str = activation_fn_key(default="silu")
-    hidden_dropout_prob: float | int = interval(min=0, max=1, exclude_max=True)(default=0.1)
-    attention_probs_dropout_prob: float | int = interval(min=0, max=1, exclude_max=True)(default=0.1)
-    layer_norm_eps: float | int = interval(min=0, max=1, exclude_min=True)(default=1e-7)
+    hidden_act: str = activation_name(default="silu")
+    hidden_dropout_prob: float | int = interval(0, 1, open_high=True)(default=0.1)
+    attention_probs_dropout_prob: float | int = interval(0, 1, open_high=True)(default=0.1)
+    layer_norm_eps: float | int = interval(0, open_low=True)(default=1e-7)
     rope_parameters: dict | None = None
-    initializer_range: float | int = interval(min=0, max=1)(default=0.02)
+    initializer_range: float | int = interval(0)(default=0.02)
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool | None = None
     cutoffs: list[int] | None = None
-    div_val: int = positive_int_field(default=1)
+    div_val: int = interval(1)(default=1)
 
     def __post_init__(self, **kwargs):
         # The design, resolved once into plain fields; those left None (`_from_design`, not saved) follow `is_causal`
