@@ -71,6 +71,8 @@ class RANConfig(PreTrainedConfig):
     config is made, saved or run; set on a built model, an `architecture_fields` field is refused when it next runs.
 
     ```python
+    >>> from ran_hf import RANConfig, RANModel
+
     >>> model = RANModel(RANConfig(hidden_size=256, num_attention_heads=4, window_size=128, min_window_size=8))
     ```
     """
