@@ -31,7 +31,7 @@ def test_a_classifier_forward_runs_at_most_1_65_times_the_python_calls_of_llama(
     """A sequence classifier's forward pass over 512 tokens (four windows, two layers) runs within 1.65 times the
     Python calls of Llama's of the same width: the layout built once, no config work, no module called for nothing.
     (A config read costs three Python calls through Transformers' `__getattribute__`, as Llama's do: about 45 reads,
-    135 of RAN's calls; a kernel-attachable op two more, for its dispatch and its chooser: 36.)"""
+    135 of RAN's calls; a kernel-attachable op one more, for its dispatch: 18.)"""
     args = benchmark_per_call.parse_args([])
     ran, llama = benchmark_per_call.classifier_calls("ran", args), benchmark_per_call.classifier_calls("llama", args)
     assert ran <= 1.65 * llama, f"RAN {ran} Python calls per classifier forward, Llama {llama}"

@@ -150,7 +150,7 @@ class KernelCounter(TorchDispatchMode):
             while frame is not None and frame.f_code not in forward:
                 code = frame.f_code  # neither torch's Python wrappers, this script's modes, autograd functions nor
                 # the dispatch of an op with a kernel attached (the kernel or the plain op it runs names the part)
-                skipped = TORCH_FILES in code.co_filename or code.co_filename.endswith("kernel_hub.py")
+                skipped = TORCH_FILES in code.co_filename or code.co_name == "kernel_or_plain"
                 if not skipped and code.co_name not in ("__torch_function__", "forward"):
                     called = code.co_name
                 frame = frame.f_back

@@ -181,10 +181,10 @@ class RANCache(Cache):
             self.lengths = self.lengths + new_tokens
         self.host_lengths = host_lengths
 
-    def advance_one_token(self) -> None:
+    def advance_one_token(self, compiling: bool) -> None:
         """Count a decoding step's token per row; compiled, on the device only, so that no step reads a number."""
         self.lengths = self.lengths + 1
-        if torch.compiler.is_compiling():
+        if compiling:
             self.compiled_positions = self.compiled_positions + 1
             self.host_lengths, self.host_counts_stale = None, True
         else:

@@ -283,7 +283,9 @@ def validate_ran_inputs(
     return shape, InputChecks(torch.stack([check.long() for check in checks]), judge)
 
 
-def check_step_inputs(config: RANConfig, input_ids, inputs_embeds, shape: tuple, weights_dtype) -> None:
+def check_step_inputs(
+    config: RANConfig, input_ids, inputs_embeds, shape: tuple, weights_dtype, compiling: bool
+) -> None:
     """A decoding step's token ids or embeddings (of `input_batch_shape` `shape`), checked as a forward checks them
     (`validate_ran_inputs`, whose words name a bad value): read on the CPU, where a read waits for nothing; asserted
     on the device elsewhere and when compiled, so that no step waits for the device (a bad value then fails the call
@@ -291,7 +293,7 @@ def check_step_inputs(config: RANConfig, input_ids, inputs_embeds, shape: tuple,
     if inputs_embeds is not None:
         check_embeds_dtype(inputs_embeds, weights_dtype)
     tensor = input_ids if input_ids is not None else inputs_embeds
-    if torch.compiler.is_compiling():
+    if compiling:
         validate_ran_inputs(config, input_ids, None, inputs_embeds, 0, shape)  # (asserted on the device)
         return
     if tensor.device.type != "cpu":

@@ -5,10 +5,10 @@ package.
 
 `@use_kernel_forward("RANCenteredRMSNorm")` on a module class and `@use_kernel_function("apply_interleaved_rotary")`
 on a function look their name up in that mapping once, when the module is imported. Where the package's kernels are
-there, every call asks the kernel's chooser, which gives the fast implementation where it runs (its rules, and the
-reason of every fallback, logged once, are in `ran_hf.kernels.choice`) or None, and the plain one runs. Where they are
-not (a saved folder loaded with `trust_remote_code=True` on a machine without `ran_hf`), the plain implementation is
-left as it is. The modeling code calls the op and never asks which implementation ran
+there, the mapping's entry wraps the plain op: each call runs the fast implementation where it can run (the rules,
+and the reason of every fallback, logged once, are in `ran_hf.kernels.choice`), the plain one elsewhere. Where they
+are not (a saved folder loaded with `trust_remote_code=True` on a machine without `ran_hf`), the plain implementation
+is left as it is. The modeling code calls the op and never asks which implementation ran
 (`ran_hf.kernels.choice.CHOSEN` says).
 """
 
@@ -33,20 +33,12 @@ except ModuleNotFoundError as error:
 
 def use_kernel_function(name: str):
     """Attach the kernel `name` of the mapping to the decorated function (or method): each call runs the
-    implementation the kernel's chooser gives for its arguments, the decorated one where it gives None. Without the
-    kernel, the function as it is."""
+    implementation the kernel chooses for its arguments, the decorated one where none can run. Without the kernel,
+    the function as it is."""
 
     def attach(plain):
-        choose = KERNELS.get(name)
-        if choose is None:
-            return plain
-
-        @functools.wraps(plain)
-        def dispatch(*args, **kwargs):
-            kernel = choose(*args, **kwargs)
-            return plain(*args, **kwargs) if kernel is None else kernel(*args, **kwargs)
-
-        return dispatch
+        with_kernel = KERNELS.get(name)
+        return plain if with_kernel is None else functools.wraps(plain)(with_kernel(plain))
 
     return attach
 

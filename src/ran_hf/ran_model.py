@@ -204,7 +204,8 @@ class RANModel(RANPreTrainedModel):
         Everything else, and the options a step does not compute (salient cells), takes the
         general forward pass. The cache is checked once, when first handed over; the config only after an edit; a
         `cache_position`, where one is given, against the cache."""
-        if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()  # asked once a step: each ask is two Python calls
+        if not compiling:
             if kwargs.get("cache_position") is not None:  # Transformers' own; RAN's cache needs none
                 new_positions = (input_ids if input_ids is not None else inputs_embeds).shape[1]
                 check_cache_position(kwargs["cache_position"], past_key_values, new_positions)
@@ -232,20 +233,20 @@ class RANModel(RANPreTrainedModel):
             return None
         if shape[0] != past_key_values.lengths.shape[0]:
             past_key_values.past_lengths(shape[0], None)  # as many rows as the cache, or a clear error
-        check_step_inputs(self.config, input_ids, inputs_embeds, shape, self.embeddings.norm.weight.dtype)
+        check_step_inputs(self.config, input_ids, inputs_embeds, shape, self.embeddings.norm.weight.dtype, compiling)
         if past_key_values.checked_by is not self.checked_config:  # handed over: checked once
             check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
             past_key_values.checked_by = self.checked_config
             for layer in past_key_values.layers:  # what another model's steps kept, this model computes anew
                 layer.memo_of = None
-        return self.decode_step(input_ids, inputs_embeds, past_key_values)
+        return self.decode_step(input_ids, inputs_embeds, past_key_values, compiling)
 
-    def decode_step(self, input_ids, inputs_embeds, cache: RANCache) -> RANModelOutput:
+    def decode_step(self, input_ids, inputs_embeds, cache: RANCache, compiling: bool) -> RANModelOutput:
         """One new token per row against `cache`: every layer's step branch (`RANLayer.decode_token`), in shapes that
         do not change from step to step and without a host read. Returns the last layer's token states and the cache;
         a step computes no cells for the output (`cells`, `pooled_cell` and `last_cell` are None)."""
         embeddings = self.embeddings(input_ids=input_ids, inputs_embeds=inputs_embeds)[:, 0]  # (B, D)
-        lengths = None if torch.compiler.is_compiling() else cache.known_lengths()  # (compiled: none read)
+        lengths = None if compiling else cache.known_lengths()  # (compiled: none read)
         if lengths is not None:
             cache.reserve(max(lengths) + 1)  # room for a cell each row may write
         at = step_positions(self.step_settings, cache, lengths, embeddings.dtype, embeddings.device)  # every layer's
@@ -258,7 +259,7 @@ class RANModel(RANPreTrainedModel):
             states = self.norm(states)
         if self.embeddings_shift_tokens:
             cache.layers[0].last_token = embeddings
-        cache.advance_one_token()
+        cache.advance_one_token(compiling)
         return RANModelOutput(last_hidden_state=states[:, None], past_key_values=cache)
 
     def set_input_embeddings(self, value):

@@ -15,22 +15,24 @@ Importing this package imports neither Triton nor any modeling module.
 
 from .cell_scan import choose_cell_scan
 from .token_ops import (
-    choose_glu_forward,
-    choose_norm_forward,
-    choose_rotary,
-    choose_standardize,
     choose_window_projection,
+    chosen_by,
+    token_op,
+    triton_glu_forward,
+    triton_norm_forward,
+    triton_rotary,
+    triton_standardize,
 )
 
 
 # The name a decorator of the model gives (`use_kernel_forward` on a module class, `use_kernel_function` on a function
-# or method) -> the kernel's chooser, with the decorated callable's signature: the implementation to run for those
-# arguments, or None for the plain one.
+# or method) -> what attaches the kernel to the plain op: given the plain op, the op that runs (of the same
+# signature), which takes the fast implementation where it can run and the plain op elsewhere.
 KERNELS = {
-    "standard_normalize": choose_standardize,
-    "RANCenteredRMSNorm": choose_norm_forward,
-    "RANGatedLinearUnit": choose_glu_forward,
-    "apply_interleaved_rotary": choose_rotary,
-    "project_windows": choose_window_projection,
-    "cell_scan": choose_cell_scan,
+    "standard_normalize": token_op("norm", triton_standardize),
+    "RANCenteredRMSNorm": token_op("norm", triton_norm_forward, states_at=1),
+    "RANGatedLinearUnit": token_op("glu", triton_glu_forward, states_at=1),
+    "apply_interleaved_rotary": token_op("rotary", triton_rotary),
+    "project_windows": chosen_by(choose_window_projection),
+    "cell_scan": chosen_by(choose_cell_scan),
 }

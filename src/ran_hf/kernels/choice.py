@@ -29,7 +29,7 @@ The cell scan (`config.scan_implementation`):
   ("export").
 Every fallback says why, once. A name registered with `RANScanInterface.register` runs as it is.
 
-The kernels' choosers (token_ops.py, cell_scan.py) ask `choose(op, ...)` at every call of a decorated op and run
+The kernels' entries (token_ops.py, cell_scan.py) ask `choose(op, ...)` at every call of a decorated op and run
 what it says. `CHOSEN` keeps the last choice per op (outside compiled code), so a test can list the path every op
 took. `TRITON` switches a Triton token-wise kernel off (`ran_hf.kernels.choice.TRITON["glu"] = False`); `FORCED`
 makes `choose` return a given implementation whatever the rule says (tests run the Triton kernels on CPU in

@@ -2,12 +2,14 @@
 and the gated linear unit of ran_hf/building_blocks.py, its rotary embedding, and the layer's window projection
 (`RANLayer.project_windows`).
 
-Each op has a chooser with the signature of the op it is attached to, which gives the implementation to run for
-those arguments where `choice.choose` says "triton", else None (the plain op runs); and that implementation, with the
-same signature, which launches the kernels of `triton_ops/` (imported there, on the first launch: only where Triton
-imports). A kernel reads a module's weights past its call only where `choice.plain_module` allows it, and calls the
+Each op has an entry of the mapping (`token_op`, or `chosen_by` a chooser of the op's signature), which wraps the
+plain op in one that runs the Triton implementation where `choice.choose` says "triton" and the plain op elsewhere;
+and that implementation, with the same signature, which launches the kernels of `triton_ops/` (imported there, on
+the first launch: only where Triton imports). A kernel reads a module's weights past its call only where `choice.plain_module` allows it, and calls the
 module otherwise (a LoRA or quantised projection runs as it is).
 """
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +18,38 @@ from torch import nn
 from .choice import CHOSEN, FORCED, TRITON_DEVICES, choose, plain_module
 
 
-# Each token-wise chooser first asks inline (a call would cost what the question saves): off a Triton device, with
-# nothing forced, `choose` answers "pytorch"; where `CHOSEN` records that answer already, nothing is left to ask.
+def token_op(op: str, kernel, states_at: int = 0):
+    """The mapping's entry for the token-wise op `op`: given the plain op, the op that runs `kernel` (of the same
+    signature) where `choice.choose(op, states)` says "triton" and the plain op elsewhere; `states_at`, where its input
+    tensor stands among its arguments. One Python call per op, not two: the question is asked inline first (off a
+    Triton device, with nothing forced, `choose` answers "pytorch"; where `CHOSEN` records that answer already,
+    nothing is left to ask)."""
+
+    def attach(plain):
+        states_name = list(inspect.signature(plain).parameters)[states_at]
+
+        def kernel_or_plain(*args, **kwargs):
+            states = args[states_at] if len(args) > states_at else kwargs[states_name]
+            if states.device.type not in TRITON_DEVICES and not FORCED and CHOSEN.get(op) == "pytorch":
+                return plain(*args, **kwargs)
+            return (kernel if choose(op, states) == "triton" else plain)(*args, **kwargs)
+
+        return kernel_or_plain
+
+    return attach
+
+
+def chosen_by(chooser):
+    """The mapping's entry for an op whose `chooser` (of the op's signature) gives the implementation to run for its
+    arguments, or None for the plain op."""
+
+    def attach(plain):
+        def kernel_or_plain(*args, **kwargs):
+            return (chooser(*args, **kwargs) or plain)(*args, **kwargs)
+
+        return kernel_or_plain
+
+    return attach
 
 
 def autocast_on(states: torch.Tensor) -> bool:
@@ -33,28 +65,16 @@ def dropout_rate(dropout: nn.Dropout | None) -> float:
 # ---- the normalisations --------------------------------------------------------------------------------------------
 
 
-def choose_standardize(hidden_states: torch.Tensor, eps: float, dropout: nn.Dropout | None = None):
-    """`standard_normalize`: one kernel each way, not seven to nine ops (and dropout's two)."""
-    if hidden_states.device.type not in TRITON_DEVICES and not FORCED and CHOSEN.get("norm") == "pytorch":
-        return None
-    return triton_standardize if choose("norm", hidden_states) == "triton" else None
-
-
 def triton_standardize(hidden_states: torch.Tensor, eps: float, dropout: nn.Dropout | None = None) -> torch.Tensor:
+    """`standard_normalize` in one kernel each way, not seven to nine ops (and dropout's two)."""
     from .triton_ops.norm import TritonNorm
 
     out_dtype = torch.float32 if autocast_on(hidden_states) else hidden_states.dtype
     return TritonNorm.apply(hidden_states, None, None, eps, out_dtype, dropout_rate(dropout))
 
 
-def choose_norm_forward(norm, hidden_states: torch.Tensor, dropout=None, then_standardize: bool = False):
-    """`RANCenteredRMSNorm.forward`."""
-    if hidden_states.device.type not in TRITON_DEVICES and not FORCED and CHOSEN.get("norm") == "pytorch":
-        return None
-    return triton_norm_forward if choose("norm", hidden_states) == "triton" else None
-
-
 def triton_norm_forward(norm, hidden_states: torch.Tensor, dropout=None, then_standardize: bool = False):
+    """`RANCenteredRMSNorm.forward` in one kernel each way."""
     from .triton_ops.norm import TritonNorm
 
     autocast = hidden_states.device.type == "cuda" and torch.is_autocast_enabled("cuda")
@@ -65,13 +85,6 @@ def triton_norm_forward(norm, hidden_states: torch.Tensor, dropout=None, then_st
 
 
 # ---- the gated linear unit -----------------------------------------------------------------------------------------
-
-
-def choose_glu_forward(glu, hidden_states: torch.Tensor, *args, **kwargs):
-    """`RANGatedLinearUnit.forward`."""
-    if hidden_states.device.type not in TRITON_DEVICES and not FORCED and CHOSEN.get("glu") == "pytorch":
-        return None
-    return triton_glu_forward if choose("glu", hidden_states) == "triton" else None
 
 
 def triton_glu_forward(
@@ -129,14 +142,8 @@ def residual_branch(residual: torch.Tensor, activation, dropout: nn.Dropout | No
 # ---- the rotary embedding ------------------------------------------------------------------------------------------
 
 
-def choose_rotary(states: torch.Tensor, rotations: torch.Tensor):
-    """`apply_interleaved_rotary`: one kernel each way instead of about fifteen and twenty ops."""
-    if states.device.type not in TRITON_DEVICES and not FORCED and CHOSEN.get("rotary") == "pytorch":
-        return None
-    return triton_rotary if choose("rotary", states) == "triton" else None
-
-
 def triton_rotary(states: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """`apply_interleaved_rotary` in one kernel each way instead of about fifteen and twenty ops."""
     from .triton_ops.rotary import triton_rotate_pairs
 
     return triton_rotate_pairs(states, rotations)
