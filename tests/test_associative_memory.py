@@ -1,5 +1,5 @@
 """The causal layer's associative memory (`config.associative_memory`): the chunked delta rule equals the
-token-by-token rule, tokens read only earlier windows, the cache stays flat and streaming equals one pass, and the
+token-by-token rule (with `associative_decay`, the gated rule), tokens read only earlier windows, the cache stays flat and streaming equals one pass, and the
 encoder refuses it."""
 
 import pytest
@@ -11,22 +11,41 @@ from ran_hf import RANCache, RANConfig, RANForCausalLM
 from ran_hf.associative_memory import delta_write, unit_lower_inverse
 
 
-def token_by_token(state, keys, values, betas):
+def token_by_token(state, keys, values, betas, log_decays=None):
+    """S <- a_t (S - beta_t k_t (k_t^T S)) + beta_t k_t v_t^T, one token after another (a_t = 1 without decays)."""
     for t in range(keys.shape[-2]):
         key, value, beta = keys[..., t, :], values[..., t, :], betas[..., t]
+        if log_decays is not None:
+            state = log_decays[..., t, None, None].exp() * state
         erased = state - beta[..., None, None] * key[..., :, None] * (key[..., None, :] @ state)
         state = erased + beta[..., None, None] * key[..., :, None] * value[..., None, :]
     return state
 
 
-def test_the_chunked_write_equals_the_delta_rule_token_by_token():
+@pytest.mark.parametrize("decays", [False, True], ids=["delta-rule", "gated"])
+def test_the_chunked_write_equals_the_delta_rule_token_by_token(decays):
     generator = torch.Generator().manual_seed(0)
     state = torch.randn(2, 3, 8, 8, generator=generator, dtype=torch.float64)
     keys = F.normalize(torch.randn(2, 3, 7, 8, generator=generator, dtype=torch.float64), dim=-1)
     values = torch.randn(2, 3, 7, 8, generator=generator, dtype=torch.float64)
     betas = torch.rand(2, 3, 7, generator=generator, dtype=torch.float64)
     betas[..., 2] = 0  # a slot that writes nothing
-    torch.testing.assert_close(delta_write(state, keys, values, betas), token_by_token(state, keys, values, betas))
+    log_decays = -3 * torch.rand(2, 3, 7, generator=generator, dtype=torch.float64) if decays else None
+    torch.testing.assert_close(
+        delta_write(state, keys, values, betas, log_decays), token_by_token(state, keys, values, betas, log_decays)
+    )
+
+
+def test_a_log_decay_of_zero_is_the_delta_rule_and_the_export_form_agrees():
+    """Decays of 1 change nothing; under `torch.export` (matmul inverse) the gated write is the same."""
+    generator = torch.Generator().manual_seed(3)
+    state = torch.randn(1, 2, 4, 4, generator=generator, dtype=torch.float64)
+    keys = F.normalize(torch.randn(1, 2, 5, 4, generator=generator, dtype=torch.float64), dim=-1)
+    values = torch.randn(1, 2, 5, 4, generator=generator, dtype=torch.float64)
+    betas = torch.rand(1, 2, 5, generator=generator, dtype=torch.float64)
+    torch.testing.assert_close(
+        delta_write(state, keys, values, betas, torch.zeros_like(betas)), delta_write(state, keys, values, betas)
+    )
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 16, 37])
@@ -53,7 +72,9 @@ def memory_model(seed=0, **overrides):
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"window_overlap": 1}, {"memory_review": False}, {"associative_key_conv": 3}], ids=str
+    "overrides",
+    [{}, {"window_overlap": 1}, {"memory_review": False}, {"associative_key_conv": 3}, {"associative_decay": True}],
+    ids=str,
 )
 def test_no_token_reads_a_later_one(overrides):
     model = memory_model(**overrides)
@@ -82,7 +103,13 @@ def test_later_windows_read_the_memory():
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"window_overlap": 2}, {"memory_review_cells": 1}, {"window_overlap": 2, "associative_key_conv": 4}],
+    [
+        {},
+        {"window_overlap": 2},
+        {"memory_review_cells": 1},
+        {"window_overlap": 2, "associative_key_conv": 4},
+        {"window_overlap": 2, "associative_decay": True},
+    ],
     ids=str,
 )
 def test_streaming_equals_one_pass_and_the_cache_stays_flat(overrides):
@@ -100,7 +127,7 @@ def test_streaming_equals_one_pass_and_the_cache_stays_flat(overrides):
     assert len(set(sizes)) == 1  # (B, H, d, d) whatever the length
 
 
-@pytest.mark.parametrize("overrides", [{}, {"associative_key_conv": 3}], ids=str)
+@pytest.mark.parametrize("overrides", [{}, {"associative_key_conv": 3}, {"associative_decay": True}], ids=str)
 def test_a_left_padded_batch_reads_as_each_sequence_alone(overrides):
     model = memory_model(4, window_overlap=1, **overrides)
     lengths, total = [17, 9], 17
@@ -156,6 +183,21 @@ def test_the_key_convolution_starts_as_the_identity_and_trains():
     assert taps[1:].abs().sum() > 0
     with pytest.raises(CONFIG_ERROR, match="`associative_key_conv` convolves the keys of the associative memory"):
         tiny_config(is_causal=True, associative_key_conv=3)
+
+
+def test_the_decay_starts_slow_in_some_heads_fast_in_others_and_trains():
+    """Each head's decay rate per token starts between 1e-4 and 1e-2 (softplus of its bias), whatever the token; the
+    decay's weights then get gradients; without the memory the field is refused."""
+    torch.manual_seed(9)
+    model = RANForCausalLM(tiny_config(is_causal=True, associative_memory=True, associative_decay=True))
+    memory = model.model.layers[0].associative_memory
+    rates = F.softplus(memory.decay_bias.detach().double())
+    torch.testing.assert_close(rates, torch.logspace(-4, -2, memory.num_heads, dtype=torch.float64))
+    ids = torch.randint(1, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
+    model.train()(ids, labels=ids).loss.backward()
+    assert memory.decay.weight.grad.abs().sum() > 0 and memory.decay_bias.grad.abs().sum() > 0
+    with pytest.raises(CONFIG_ERROR, match="`associative_decay` decays the associative memory"):
+        tiny_config(is_causal=True, associative_decay=True)
 
 
 def test_the_encoder_refuses_it_and_a_cache_of_a_model_without_it_is_refused():

@@ -49,6 +49,7 @@ NEEDS = {  # what a value needs beside it to make a valid config
     "memory_salient_cells": {"memory_review_cells": 2, "review_salience": True},
     "div_val": {"cutoffs": [20, 40]},
     "associative_key_conv": {"associative_memory": True},
+    "associative_decay": {"associative_memory": True},
     "layer_design": {},
 }
 BASES = {

@@ -44,7 +44,7 @@ def exported(tmp_path_factory):
         "causal-lm": RANForCausalLM(tiny_config(is_causal=True)),
         # Its windows written by a `scan` operator, the chunked write's inverse built from matmuls.
         "causal-lm-associative-memory": RANForCausalLM(
-            tiny_config(is_causal=True, associative_memory=True, associative_key_conv=3)
+            tiny_config(is_causal=True, associative_memory=True, associative_key_conv=3, associative_decay=True)
         ),
     }
     sessions = {}

@@ -12,9 +12,9 @@ from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 # in any of them is another model's state (`input_checks.check_cache`).
 CACHE_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim", "window_size",
                       "min_window_size", "window_overlap", "memory_review_cells", "memory_salient_cells",
-                      "associative_memory", "token_shift")  # fmt: skip
+                      "associative_memory", "associative_decay", "token_shift")  # fmt: skip
 STATE = ("cell", "previous_raw_cell", "cell_states", "salient_cell_states", "salient_windows", "last_token",
-         "tail_keys", "tail_values", "binding_state", "tail_betas")  # fmt: skip
+         "tail_keys", "tail_values", "binding_state", "tail_gates")  # fmt: skip
 
 
 class RANCacheLayer(LinearAttentionCacheLayerMixin):
@@ -24,8 +24,8 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
     it fills, or the last `memory_review_cells`); with `memory_salient_cells`, `salient_cell_states` (B, S, 2 D) and
     their `salient_windows` (B, S; -1: empty); with `token_shift`, first layer, `last_token` (B, D); `tail_keys`,
     `tail_values` (B, window_size + window_overlap, H, d), the open window's un-rotated keys and values, zeros after a
-    row's last; with `associative_memory`, its `binding_state` (B, H, d, d) and the tail's write strengths
-    `tail_betas`. Eager decoding steps keep what they derive from it (`step_window`, `step_review`) with the state it
+    row's last; with `associative_memory`, its `binding_state` (B, H, d, d) and the tail's write gates
+    `tail_gates` (B, window_size + window_overlap, H, G). Eager decoding steps keep what they derive from it (`step_window`, `step_review`) with the state it
     came from (`memo_of`), read while the cache still holds that state (`RANLayer.decode_token`)."""
 
     def __init__(self):

@@ -83,7 +83,7 @@ class RANConfig(PreTrainedConfig):
     max_parameters = 10**11  # a larger config is refused (raise it on the class for a model this large)
     # What a built model's weights or modules were made from: set on its config, they are refused when it runs or saves.
     architecture_fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                           "memory_review", "associative_memory", "associative_key_conv", "use_cell_residual",
+                           "memory_review", "associative_memory", "associative_key_conv", "associative_decay", "use_cell_residual",
                            "is_causal", "hidden_act", "token_pooling", "layer_norm_eps", "tie_word_embeddings", "cutoffs",
                            "div_val", "review_log_scaling", "layer_design", *LAYER_DESIGN_FIELDS)  # fmt: skip
 
@@ -101,6 +101,7 @@ class RANConfig(PreTrainedConfig):
     memory_salient_cells: int | None = interval(1)(default=None)
     associative_memory: bool = False
     associative_key_conv: int | None = interval(1)(default=None)
+    associative_decay: bool = False
     use_cell_residual: bool = True
     use_rotary: bool = True
     window_overlap: int = interval(0)(default=0)
@@ -192,6 +193,8 @@ class RANConfig(PreTrainedConfig):
              "and `cutoffs` belong to the causal LM (`RANForCausalLM`, `run_clm.py`, `is_causal=True`): leave them out"),
             (self.associative_key_conv is not None and not self.associative_memory, "`associative_key_conv` "
              "convolves the keys of the associative memory, which this config turns off: set `associative_memory`"),
+            (self.associative_decay and not self.associative_memory, "`associative_decay` decays the associative "
+             "memory, which this config turns off: set `associative_memory`"),
             (self.is_encoder_decoder, "`is_encoder_decoder=True` describes a decoder reading an encoder's output; a "
              "RAN is one stack (`RANForPrefixLM` reads source and target as one text): leave it False"),
             (not (type(theta) in (int, float) and 0 < theta < math.inf), f"`rope_theta` must be finite and > 0, got "
@@ -233,7 +236,7 @@ class RANConfig(PreTrainedConfig):
             embedding = sum((high - low + width) * dim for low, high, dim in zip(bounds, bounds[1:], dims))
         layer = 4 * heads * head_dim * width + 4 * width * width + 3 * heads * head_dim + 12 * width
         layer += (6 * width * width + 9 * width) * self.memory_review + heads * (
-            width + 2 + head_dim * (self.associative_key_conv or 0)
+            (width + 1) * (1 + self.associative_decay) + 1 + head_dim * (self.associative_key_conv or 0)
         ) * self.associative_memory
         return embedding + depth * layer + 4 * width * width  # and the pooler
 

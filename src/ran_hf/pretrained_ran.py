@@ -258,6 +258,9 @@ class RANPreTrainedModel(PreTrainedModel):
             if hasattr(module, "key_conv"):  # the identity: each key as it is, until training mixes in its neighbours
                 init.zeros_(module.key_conv)
                 init.ones_(module.key_conv[0])
+            if module.decays:  # heads from 1e-4 to 1e-2 per token: some keep a fact long, some forget soon
+                rates = torch.logspace(-4, -2, module.num_heads, dtype=torch.float64)
+                init.copy_(module.decay_bias, torch.log(torch.expm1(rates)))  # softplus^-1
         elif isinstance(module, RANClusterBiases):
             for bias in module:
                 init.zeros_(bias)
