@@ -200,3 +200,28 @@ def test_a_length_curriculum_grows_from_its_start_to_the_training_length_in_half
                                                    "results": {"runs": [{"model": "ran"}]}}))  # fmt: skip
     assert earlier_runs(parse_args(argv)) == [{"model": "ran"}]
     assert earlier_runs(parse_args([*argv, "--length_curriculum", "128"])) == []
+
+
+def test_a_trained_ran_is_read_again_at_other_window_sizes(tmp_path):
+    """`read_at_window_sizes.py` end to end at a toy size: it finds the RAN's weights of a result file, reads them at
+    each window size on the benchmark's test examples (at the trained window, the benchmark's own figures), and
+    writes its result files in the one format; a file whose weights are gone is refused, naming the folder."""
+    from benchmark_memory_tasks import main as train
+    from benchmark_utils import check_result
+    from read_at_window_sizes import main as read_again
+
+    weights = tmp_path / "weights"
+    train(["--task", "mqar", "--grid", "64x4", "--models", "ran", "--learning_rates", "1e-3", "--steps", "2",
+           "--batch_size", "2", "--eval_examples", "4", "--validation_examples", "2", "--log_every", "1",
+           "--ran_config", '{"window_size": 32, "min_window_size": 4}', "--output", str(tmp_path / "mqar"),
+           "--checkpoints", str(weights)])  # fmt: skip
+    argv = ["--results", str(tmp_path / "mqar.json"), "--checkpoints", str(weights), "--window_sizes", "16", "32",
+            "--lengths", "64", "256"]  # fmt: skip
+    record = read_again(argv)
+    check_result(record)
+    (run,) = record["results"]["runs"]
+    assert set(run["accuracy_by_window"]) == {"16", "32"}
+    assert run["accuracy_by_window"]["32"] == run["accuracy"]  # the benchmark read at 32, on the same examples
+    assert (tmp_path / "mqar_windows.md").exists() and (tmp_path / "mqar_windows.png").exists()
+    with pytest.raises(SystemExit, match="no RAN weights"):
+        read_again([*argv[:2], "--checkpoints", str(tmp_path / "elsewhere"), *argv[4:]])
