@@ -1,6 +1,6 @@
 """The causal layer's associative memory (`config.associative_memory`): the chunked delta rule equals the
-token-by-token rule (with `associative_decay`, the gated rule), tokens read only earlier windows, the cache stays flat and streaming equals one pass, and the
-encoder refuses it."""
+token-by-token rule (with `associative_decay`, the gated rule), tokens read only earlier windows, the cache stays flat
+and streaming equals one pass, and the encoder refuses it."""
 
 import pytest
 import torch
@@ -36,15 +36,21 @@ def test_the_chunked_write_equals_the_delta_rule_token_by_token(decays):
     )
 
 
-def test_a_log_decay_of_zero_is_the_delta_rule_and_the_export_form_agrees():
-    """Decays of 1 change nothing; under `torch.export` (matmul inverse) the gated write is the same."""
+def test_a_log_decay_of_zero_is_the_delta_rule_and_the_export_form_agrees(monkeypatch):
+    """Decays of 1 change nothing; the form an export runs (the matmul inverse instead of the triangular solve) gives
+    the gated write the token-by-token rule gives."""
     generator = torch.Generator().manual_seed(3)
     state = torch.randn(1, 2, 4, 4, generator=generator, dtype=torch.float64)
     keys = F.normalize(torch.randn(1, 2, 5, 4, generator=generator, dtype=torch.float64), dim=-1)
     values = torch.randn(1, 2, 5, 4, generator=generator, dtype=torch.float64)
     betas = torch.rand(1, 2, 5, generator=generator, dtype=torch.float64)
+    log_decays = -2 * torch.rand(1, 2, 5, generator=generator, dtype=torch.float64)
     torch.testing.assert_close(
         delta_write(state, keys, values, betas, torch.zeros_like(betas)), delta_write(state, keys, values, betas)
+    )
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    torch.testing.assert_close(
+        delta_write(state, keys, values, betas, log_decays), token_by_token(state, keys, values, betas, log_decays)
     )
 
 

@@ -13,7 +13,10 @@ write strength (a token that carries nothing worth keeping writes little). With 
 first mixed with the c - 1 keys before it in its window by a per-channel causal convolution (the short convolution
 of Mamba and Gated DeltaNet), so that a token can bind a value to what came a few tokens before it ("name MOVE
 place": the place under its name). It starts as the identity. With `associative_decay`, a token also decays the
-state before it writes (Gated DeltaNet's gate, Yang et al. 2025): S <- a_t (S - beta_t k_t (k_t^T S)) + beta_t k_t v_t^T,
+state before it writes (Gated DeltaNet's gate, Yang et al. 2025):
+
+    S <- a_t (S - beta_t k_t (k_t^T S)) + beta_t k_t v_t^T
+
 with a_t = exp(-softplus(.)) in (0, 1) learned per token and head, so that the memory can forget what no later key
 will overwrite; the heads start at decay rates from 1e-4 to 1e-2 per token, some keeping a fact over tens of
 thousands of tokens, some over hundreds. A token of window w reads q^T S with
@@ -89,7 +92,8 @@ class RANAssociativeMemory(nn.Module):
         self.write_strength = nn.Linear(config.hidden_size, config.num_attention_heads)  # beta_t = sigmoid(.)
         self.decays = config.associative_decay
         if self.decays:
-            # log a_t = -softplus(decay(x) + decay_bias): the bias, the memory's own, sets each head's rate (`_init_weights`)
+            # log a_t = -softplus(decay(x) + decay_bias); the bias, the memory's own parameter, sets each head's rate
+            # (`_init_weights`)
             self.decay = nn.Linear(config.hidden_size, config.num_attention_heads, bias=False)
             self.decay_bias = nn.Parameter(torch.zeros(config.num_attention_heads))
         # What the memory adds to the window attention's output, per head: it starts at 1 (a read that is there to

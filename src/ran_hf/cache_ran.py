@@ -25,8 +25,9 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
     their `salient_windows` (B, S; -1: empty); with `token_shift`, first layer, `last_token` (B, D); `tail_keys`,
     `tail_values` (B, window_size + window_overlap, H, d), the open window's un-rotated keys and values, zeros after a
     row's last; with `associative_memory`, its `binding_state` (B, H, d, d) and the tail's write gates
-    `tail_gates` (B, window_size + window_overlap, H, G). Eager decoding steps keep what they derive from it (`step_window`, `step_review`) with the state it
-    came from (`memo_of`), read while the cache still holds that state (`RANLayer.decode_token`)."""
+    `tail_gates` (B, window_size + window_overlap, H, G). Eager decoding steps keep what they derive from it
+    (`step_window`, `step_review`) with the state it came from (`memo_of`), read while the cache still holds that state
+    (`RANLayer.decode_token`)."""
 
     def __init__(self):
         super().__init__(number_of_states=1)  # no convolution state; the one recurrent state is the cell

@@ -83,9 +83,10 @@ class RANConfig(PreTrainedConfig):
     max_parameters = 10**11  # a larger config is refused (raise it on the class for a model this large)
     # What a built model's weights or modules were made from: set on its config, they are refused when it runs or saves.
     architecture_fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                           "memory_review", "associative_memory", "associative_key_conv", "associative_decay", "use_cell_residual",
-                           "is_causal", "hidden_act", "token_pooling", "layer_norm_eps", "tie_word_embeddings", "cutoffs",
-                           "div_val", "review_log_scaling", "layer_design", *LAYER_DESIGN_FIELDS)  # fmt: skip
+                           "memory_review", "associative_memory", "associative_key_conv", "associative_decay",
+                           "use_cell_residual", "is_causal", "hidden_act", "token_pooling", "layer_norm_eps",
+                           "tie_word_embeddings", "cutoffs", "div_val", "review_log_scaling", "layer_design",
+                           *LAYER_DESIGN_FIELDS)  # fmt: skip
 
     vocab_size: int = interval(1)(default=30522)
     hidden_size: int = interval(1)(default=768)

@@ -5,8 +5,8 @@ and the gated linear unit of ran_hf/building_blocks.py, its rotary embedding, an
 Each op has an entry of the mapping (`token_op`, or `chosen_by` a chooser of the op's signature), which wraps the
 plain op in one that runs the Triton implementation where `choice.choose` says "triton" and the plain op elsewhere;
 and that implementation, with the same signature, which launches the kernels of `triton_ops/` (imported there, on
-the first launch: only where Triton imports). A kernel reads a module's weights past its call only where `choice.plain_module` allows it, and calls the
-module otherwise (a LoRA or quantised projection runs as it is).
+the first launch: only where Triton imports). A kernel reads a module's weights past its call only where
+`choice.plain_module` allows it, and calls the module otherwise (a LoRA or quantised projection runs as it is).
 """
 
 import inspect
