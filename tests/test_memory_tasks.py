@@ -204,14 +204,14 @@ def test_a_length_curriculum_grows_from_its_start_to_the_training_length_in_half
 
 def test_a_trained_ran_is_read_again_at_other_window_sizes(tmp_path):
     """`read_at_window_sizes.py` end to end at a toy size: it finds the RAN's weights of a result file, reads them at
-    each window size on the benchmark's test examples (at the trained window, the benchmark's own figures), and
-    writes its result files in the one format; a file whose weights are gone is refused, naming the folder."""
+    each window size on the benchmark's test and validation examples (at the trained window, the benchmark's own
+    figures), names the window validation chooses, and writes its result files in the one format; a file whose weights are gone is refused, naming the folder."""
     from benchmark_memory_tasks import main as train
     from benchmark_utils import check_result
     from read_at_window_sizes import main as read_again
 
     weights = tmp_path / "weights"
-    train(["--task", "mqar", "--grid", "64x4", "--models", "ran", "--learning_rates", "1e-3", "--steps", "2",
+    trained = train(["--task", "mqar", "--grid", "64x4", "--models", "ran", "--learning_rates", "1e-3", "--steps", "2",
            "--batch_size", "2", "--eval_examples", "4", "--validation_examples", "2", "--log_every", "1",
            "--ran_config", '{"window_size": 32, "min_window_size": 4}', "--output", str(tmp_path / "mqar"),
            "--checkpoints", str(weights)])  # fmt: skip
@@ -219,9 +219,12 @@ def test_a_trained_ran_is_read_again_at_other_window_sizes(tmp_path):
             "--lengths", "64", "256"]  # fmt: skip
     record = read_again(argv)
     check_result(record)
-    (run,) = record["results"]["runs"]
+    (run,), (source_run,) = record["results"]["runs"], trained["results"]["runs"]
     assert set(run["accuracy_by_window"]) == {"16", "32"}
     assert run["accuracy_by_window"]["32"] == run["accuracy"]  # the benchmark read at 32, on the same examples
+    validation = run["validation_by_window"]
+    assert validation["32"] == source_run["validation_accuracy"]  # and validated at 32 on the same examples
+    assert validation[run["chosen_window"]] == max(validation.values())
     assert (tmp_path / "mqar_windows.md").exists() and (tmp_path / "mqar_windows.png").exists()
     with pytest.raises(SystemExit, match="no RAN weights"):
         read_again([*argv[:2], "--checkpoints", str(tmp_path / "elsewhere"), *argv[4:]])
