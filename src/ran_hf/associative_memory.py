@@ -1,46 +1,48 @@
 """An associative memory for the causal layer (`config.associative_memory`): a matrix per head into which every
-finished window binds its tokens' keys to their values by the delta rule, and which every later token reads with
-its query.
+token binds its key to its value by the delta rule, and which it then reads with its query.
 
 A cell is one vector per window: it can carry one salient thing, and memory review weighs whole cells, so "which
 value went with this key" is lost once several bindings share a window (multi-query associative recall stays at
-chance; docs/memory.md). This memory keeps bindings apart. Window w writes, token after token,
+chance; docs/memory.md). This memory keeps bindings apart. Token t writes
 
     S <- S - beta_t k_t (k_t^T S) + beta_t k_t v_t^T          (S: head_dim x head_dim per head)
 
 with k_t the token's unit-length window-attention key (before rotary), v_t its value and beta_t in (0, 1) a learned
-write strength (a token that carries nothing worth keeping writes little). With `associative_key_conv` = c, k_t is
-first mixed with the c - 1 keys before it in its window by a per-channel causal convolution (the short convolution
-of Mamba and Gated DeltaNet), so that a token can bind a value to what came a few tokens before it ("name MOVE
-place": the place under its name). It starts as the identity. With `associative_decay`, a token also decays the
-state before it writes (Gated DeltaNet's gate, Yang et al. 2025):
+write strength (a token that carries nothing worth keeping writes little), and reads q_t^T S with its unit-length
+query, S as after its own write: the memory holds every token before it, its own window's included. (Read only from
+earlier windows, it left the binding of facts within a window to the window attention, which at small sizes does not
+learn it: benchmarks/memory_tasks/README.md.) With `associative_key_conv` = c, k_t is first mixed with the c - 1 keys
+before it in its window by a per-channel causal convolution (the short convolution of Mamba and Gated DeltaNet), so
+that a token can bind a value to what came a few tokens before it ("name MOVE place": the place under its name). It
+starts as the identity. With `associative_decay`, a token also decays the state before it writes (Gated DeltaNet's
+gate, Yang et al. 2025):
 
     S <- a_t (S - beta_t k_t (k_t^T S)) + beta_t k_t v_t^T
 
 with a_t = exp(-softplus(.)) in (0, 1) learned per token and head, so that the memory can forget what no later key
 will overwrite; the heads start at decay rates from 1e-4 to 1e-2 per token, some keeping a fact over tens of
-thousands of tokens, some over hundreds. A token of window w reads q^T S with
-its unit-length query, S as after window w - 1: its own window it reads through the window attention. The state is
-the same size at any length, so the cache stays flat, and a window's write depends only on its own tokens and the
-state before it, so streaming equals one pass.
+thousands of tokens, some over hundreds. The state is the same size at any length, so the cache stays flat, and a
+token's write depends only on its window and the state before it, so streaming equals one pass.
 
-A window's tokens are written at once in the delta rule's chunked form (DeltaNet, Yang et al. 2024): with
-A = strictly-lower(diag(beta) K K^T), U = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta) K,
-S' = S + K^T (U - W S), which equals the token-by-token rule (`tests/test_associative_memory.py`). With decays, g the
-running sum of the window's log a_t and gamma = exp(g): A's entry (i, j) is scaled by gamma_i / gamma_j,
-W = (I + A)^-1 diag(beta gamma) K, and S' = gamma_Q S + (diag(gamma_Q / gamma) K)^T (U - W S). Under
-`torch.export` (ONNX), which has no triangular solve and no loop over a variable number of windows, the inverse is
-built from matmuls (`unit_lower_inverse`) and the windows are written by one `scan` operator.
+A forward writes a window's new tokens at once in the delta rule's chunked form (DeltaNet, Yang et al. 2024): with
+A = strictly-lower(diag(beta) K K^T), U = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta) K, the state after
+the window is S' = S + K^T (U - W S) and token i reads q_i^T S + sum over j <= i of (q_i . k_j) (U - W S)_j, which
+equals the token-by-token rule (`tests/test_associative_memory.py`); a decoding step writes its token by that rule.
+With decays, g the running sum of the window's log a_t and gamma = exp(g): A's entry (i, j) is scaled by
+gamma_i / gamma_j, W = (I + A)^-1 diag(beta gamma) K, S' = gamma_Q S + (diag(gamma_Q / gamma) K)^T (U - W S), and
+the read's terms by gamma_i and gamma_i / gamma_j. Under `torch.export` (ONNX), which has no triangular solve and no
+loop over a variable number of windows, the inverse is built from matmuls (`unit_lower_inverse`) and the windows are
+written by one `scan` operator.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .building_blocks import gather_rows, unit_vectors
+from .building_blocks import unit_vectors
 from .cache_ran import RANCacheLayer
 from .configuration_ran import RANConfig
-from .decode_step import StepPositions, next_tail
+from .decode_step import StepPositions
 from .window_layout import RANWindowLayout
 
 
@@ -58,10 +60,11 @@ def unit_lower_inverse(matrix: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def delta_write(state, keys, values, betas, log_decays=None) -> torch.Tensor:
-    """The state after writing one window: state (B, H, d, d); keys and values (B, H, Q, d) (keys of unit length);
-    betas (B, H, Q), 0 for a slot that writes nothing; log_decays (B, H, Q), each slot's log a_t (0 for a slot that
-    writes nothing), or None: no decay."""
+def delta_write(state, keys, values, betas, log_decays=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state after writing one window, and the slots' corrected values U - W S (B, H, Q, d), from which
+    `read_after_writes` reads the state after each slot: state (B, H, d, d); keys and values (B, H, Q, d) (keys of
+    unit length); betas (B, H, Q), 0 for a slot that writes nothing; log_decays (B, H, Q), each slot's log a_t (0 for
+    a slot that writes nothing), or None: no decay."""
     scaled_keys, scaled_values = betas[..., None] * keys, betas[..., None] * values
     mixing = scaled_keys @ keys.transpose(-1, -2)  # (B, H, Q, Q)
     if log_decays is not None:
@@ -76,10 +79,24 @@ def delta_write(state, keys, values, betas, log_decays=None) -> torch.Tensor:
     else:
         solved = torch.linalg.solve_triangular(unit_lower, scaled, upper=False, unitriangular=True)
     erase, write = solved.split([keys.shape[-1], values.shape[-1]], dim=-1)  # W and U
+    corrected = write - erase @ state
     if log_decays is None:
-        return state + keys.transpose(-1, -2) @ (write - erase @ state)
+        return state + keys.transpose(-1, -2) @ corrected, corrected
     to_end = (running[..., -1:] - running).exp()[..., None]  # gamma_Q / gamma_i
-    return running[..., -1, None, None].exp() * state + (keys * to_end).transpose(-1, -2) @ (write - erase @ state)
+    return running[..., -1, None, None].exp() * state + (keys * to_end).transpose(-1, -2) @ corrected, corrected
+
+
+def read_after_writes(queries, state, keys, corrected, log_decays=None) -> torch.Tensor:
+    """What each slot's query (B, H, Q, d) reads from the state after the window's writes up to its own slot,
+    S_i = gamma_i S + sum over j <= i of (gamma_i / gamma_j) k_j (U - W S)_j^T, without forming S_i: `state` is the
+    state before the window, `keys`, `corrected` and `log_decays` as `delta_write` took and returned them."""
+    scores = queries @ keys.transpose(-1, -2)  # (B, H, Q, Q)
+    from_state = queries @ state
+    if log_decays is not None:
+        running = log_decays.cumsum(-1)
+        scores = scores * torch.tril(running[..., :, None] - running[..., None, :]).exp()
+        from_state = from_state * running.exp()[..., None]
+    return from_state + torch.tril(scores) @ corrected
 
 
 class RANAssociativeMemory(nn.Module):
@@ -99,14 +116,15 @@ class RANAssociativeMemory(nn.Module):
         # What the memory adds to the window attention's output, per head: it starts at 1 (a read that is there to
         # be learned from), and training scales it.
         self.read_scale = nn.Parameter(torch.ones(config.num_attention_heads))
-        if config.associative_key_conv is not None:  # (c, H, 1, d): tap j weighs the key j slots before
+        self.key_conv_width = config.associative_key_conv
+        if self.key_conv_width is not None:  # (c, H, 1, d): tap j weighs the key j slots before
             self.key_conv = nn.Parameter(torch.zeros(config.associative_key_conv, self.num_heads, 1, self.head_dim))
 
     def written_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """(..., H, S, d) a window's slot keys -> the unit-length keys the memory writes, after the key convolution
         (causal within the window: a slot mixes itself and the slots before it)."""
         keys = keys.float()
-        if hasattr(self, "key_conv"):
+        if self.key_conv_width is not None:
             slots = keys.shape[-2]
             keys = sum(tap * F.pad(keys, (0, 0, lag, 0))[..., :slots, :] for lag, tap in enumerate(self.key_conv))
         return unit_vectors(keys)
@@ -120,80 +138,84 @@ class RANAssociativeMemory(nn.Module):
         log_decays = -F.softplus((self.decay(normed_tokens) + self.decay_bias).float())
         return torch.stack([betas, log_decays], dim=-1)
 
-    def write(self, state, keys, values, gates) -> torch.Tensor:
+    def write(self, state, keys, values, gates) -> tuple[torch.Tensor, torch.Tensor]:
         """`delta_write` with the write gates (B, H, Q, G) of `write_gates`, 0 for a slot that writes nothing."""
         return delta_write(state, keys, values, gates[..., 0], gates[..., 1] if self.decays else None)
 
-    def forward(self, query, key, value, normed_tokens, layout: RANWindowLayout | StepPositions, cache, overlap: int):
-        """What every token recalls from the memory of the windows before its own, (T, H * d), given the layer's
-        queries (K, H, Q, d), keys and values (K, H, S, d) before rotary and its normalised tokens (T, D); the cache
-        (None without one) keeps the memory after the last finished window and the tail's write strengths.
+    def forward(self, query, key, value, normed_tokens, layout: RANWindowLayout | StepPositions, cache):
+        """What every new token recalls from the memory after its own write, (T, H * d), given the layer's queries
+        (K, H, Q, d), keys and values (K, H, S, d) of every window slot before rotary and its normalised tokens
+        (T, D); the cache (None without one) keeps the memory after the last token read.
 
         A decoding step (`layout` is its `StepPositions`) hands each row's query (B, H, d), its window's slots
         (B, S, H, d) with the new token's in, and the token's normalised state (B, D): returns what the query
-        recalls (B, H * d), the window's own tokens written where it ends (`step`)."""
+        recalls (B, H * d) (`step`)."""
         if type(layout) is StepPositions:
-            return self.step(query, key, value, normed_tokens, cache, layout, overlap)
-        new_gates, tail_gates = self.write_gates(normed_tokens), None if cache is None else cache.tail_gates
-        gates = gather_rows(layout.sources(new_gates, tail_gates), layout.window_slots)  # (K, S, H, G)
+            return self.step(query, key, value, normed_tokens, cache, layout)
+        # The tokens that write are the windows' query slots: new tokens, not the enrichment or cached tail that
+        # earlier windows or calls wrote. Their keys are convolved with the slots before them, whoever wrote those.
+        slots = layout.query_slots[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim)  # (K, H, Q, d)
+        keys, values = self.written_keys(key).gather(2, slots), value.float().gather(2, slots)
+        gates = layout.gather_sources(self.write_gates(normed_tokens), layout.query_index)  # (K, Q, H, G); 0: none
         start = None if cache is None else cache.binding_state
         if start is None:
             start = query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
-        read, states = self.write_windows(query, key, value, gates, start, layout, overlap)
-        if cache is not None:
-            tail_gates = layout.sources(new_gates, tail_gates)[layout.next_tail]
-            cache.binding_state, cache.tail_gates = layout.after_last_finished(states, start), tail_gates
+        read, states = self.write_windows(query, keys, values, gates.transpose(1, 2), start, layout)
+        if cache is not None:  # the state after each row's last window here, finished or not
+            last, rows = (layout.num_windows - 1).clamp(min=0), torch.arange(layout.batch_size, device=start.device)
+            written = (layout.num_windows > 0)[:, None, None, None]
+            cache.binding_state = torch.where(written, states[last, rows], start) if states.numel() else start
         return layout.from_windows(read.flatten(-2))
 
-    def write_windows(self, query, key, value, gates, start_state, layout: RANWindowLayout, overlap: int):
-        """query (K, H, Q, d), key and value (K, H, S, d) of every window slot, before rotary; gates (K, S, H, G);
-        start_state (B, H, d, d). Returns what the windows' queries read (K, Q, H, d) and the state after each scan
-        step (N, B, H, d, d)."""
+    def write_windows(self, query, keys, values, gates, start_state, layout: RANWindowLayout):
+        """query (K, H, Q, d) before rotary; keys (unit length) and values (K, H, Q, d) the windows' new tokens
+        write, gates (K, H, Q, G) theirs; start_state (B, H, d, d). Returns what the windows' queries read after
+        their own writes (K, Q, H, d) and the state after each scan step (N, B, H, d, d)."""
         dtype = query.dtype
-        keys = self.written_keys(key)
-        # (K, H, S, G): own tokens only (the overlap's were written by the window before; a log decay of 0 keeps all)
-        writes = layout.own_slot_mask(overlap)[:, None, :, None] * gates.transpose(1, 2)
-        # Scan step j writes the window each sequence reads there; a sequence without one reads the empty row.
-        keys, values, writes = (
-            F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, 1)) for tensor in (keys, value.float(), writes)
-        )
+        # Scan step j writes the window each sequence reads there; a sequence without one writes the empty row.
+        padded = [F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, 1)) for tensor in (keys, values, gates)]
         if torch.compiler.is_exporting():  # one `scan` operator: a loop would be unrolled for the example's windows
             from torch._higher_order_ops.scan import scan as scan_operator
 
             def write_window(state, windows):
-                written = self.write(state, keys[windows], values[windows], writes[windows])
-                return written, written.clone()  # (the outputs may not alias the carried state)
+                written, corrected = self.write(state, *(tensor[windows] for tensor in padded))
+                return written, (written.clone(), corrected)  # (the outputs may not alias the carried state)
 
-            after = scan_operator(write_window, start_state.float(), [layout.step_windows])[1]
+            after, corrected = scan_operator(write_window, start_state.float(), [layout.step_windows])[1]
         else:
-            state, after = start_state.float(), []
+            state, after, corrected = start_state.float(), [], []
             for windows in layout.step_windows:  # (B,) window index, or K for none
-                state = self.write(state, keys[windows], values[windows], writes[windows])
+                state, step_corrected = self.write(state, *(tensor[windows] for tensor in padded))
                 after.append(state)
-            after = torch.stack(after)  # (N, B, H, d, d)
-        before = torch.cat([start_state.float()[None], after[:-1]])
-        read_state = layout.per_sequence(before.flatten(2)).view(-1, self.num_heads, self.head_dim, self.head_dim)
-        queries = unit_vectors(query.float())  # (K, H, Q, d)
-        read = (queries @ read_state) * self.read_scale[:, None, None]  # (K, H, Q, d)
-        return read.transpose(1, 2).to(dtype), after
+                corrected.append(step_corrected)
+            after, corrected = torch.stack(after), torch.stack(corrected)  # (N, B, H, d, d), (N, B, H, Q, d)
+        shape = (-1, self.num_heads, self.head_dim, self.head_dim)
+        before = layout.per_sequence(torch.cat([start_state.float()[None], after[:-1]]).flatten(2)).view(shape)
+        corrected = layout.per_sequence(corrected.flatten(2)).view(keys.shape)
+        log_decays = gates[..., 1] if self.decays else None
+        read = read_after_writes(unit_vectors(query.float()), before, keys, corrected, log_decays)
+        return (read * self.read_scale[:, None, None]).transpose(1, 2).to(dtype), after
 
-    def step(self, query, keys, values, normed, cache: RANCacheLayer, at: StepPositions, overlap: int):
-        """`forward`'s step branch: the query reads the state after the windows before its own; where a row's window
-        ends, its own tokens (not the `overlap` enrichment tokens a later window starts with) are written. The cache
-        keeps the state and the tail's write gates."""
-        tail_gates, state = cache.tail_gates, cache.binding_state
-        if tail_gates.shape[1] < keys.shape[1]:  # a forward's tail, as wide as its longest row: the step's slots
-            tail_gates = F.pad(tail_gates, (0, 0, 0, 0, 0, keys.shape[1] - tail_gates.shape[1]))
-        gates = tail_gates.index_put((at.rows, at.slot), self.write_gates(normed))  # (B, S, H, G)
-        read = (unit_vectors(query.float())[:, :, None] @ state)[:, :, 0] * self.read_scale[:, None]  # (B, H, d)
-        if at.scan_runs:
-            first_own = torch.where(at.window > 0, overlap, 0)[:, None]  # (B, 1)
-            own = at.visible & (torch.arange(at.visible.shape[1], device=state.device) >= first_own)  # (B, S)
-            writes = (gates * own[..., None, None]).transpose(1, 2)  # (B, H, S, G)
-            written = self.write(
-                state, self.written_keys(keys.transpose(1, 2)), values.float().transpose(1, 2), writes
-            )
-            state = torch.where(at.ends_window[:, None, None, None], written, state)
-            gates = next_tail(gates, at)
-        cache.binding_state, cache.tail_gates = state, gates
-        return read.flatten(1).to(query.dtype)
+    def step(self, query, keys, values, normed, cache: RANCacheLayer, at: StepPositions):
+        """`forward`'s step branch: the new token writes its key and value by the token-by-token rule, then its query
+        reads the state. The cache keeps the state."""
+        dtype = query.dtype
+        key = keys[at.rows, at.slot] if self.key_conv_width is None else self.convolved_key(keys, at)
+        query, key = unit_vectors(torch.stack([query.float(), key.float()]))  # (B, H, d) each
+        value = values[at.rows, at.slot].float()  # (B, H, d)
+        gates = self.write_gates(normed)  # (B, H, G)
+        state = cache.binding_state
+        if self.decays:
+            state = gates[..., 1, None, None].exp() * state
+        recalled = (key[:, :, None] @ state)[:, :, 0]  # what the key reads now: the delta rule replaces it
+        state = state + (gates[..., 0, None] * key)[..., :, None] * (value - recalled)[..., None, :]
+        cache.binding_state = state
+        read = (query[:, :, None] @ state)[:, :, 0] * self.read_scale[:, None]  # (B, H, d)
+        return read.flatten(1).to(dtype)
+
+    def convolved_key(self, keys: torch.Tensor, at: StepPositions) -> torch.Tensor:
+        """The new token's key (B, H, d) from its window's slots (B, S, H, d), convolved with the slots before it as
+        `written_keys` convolves a window's."""
+        lags = at.slot[:, None] - torch.arange(self.key_conv_width, device=keys.device)  # (B, c)
+        earlier = keys[at.rows[:, None], lags.clamp(min=0)] * (lags >= 0)[..., None, None]  # (B, c, H, d)
+        return (earlier.float() * self.key_conv[:, :, 0]).sum(1)

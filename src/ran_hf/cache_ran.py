@@ -14,7 +14,7 @@ CACHE_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads",
                       "min_window_size", "window_overlap", "memory_review_cells", "memory_salient_cells",
                       "associative_memory", "associative_decay", "token_shift")  # fmt: skip
 STATE = ("cell", "previous_raw_cell", "cell_states", "salient_cell_states", "salient_windows", "last_token",
-         "tail_keys", "tail_values", "binding_state", "tail_gates")  # fmt: skip
+         "tail_keys", "tail_values", "binding_state")  # fmt: skip
 
 
 class RANCacheLayer(LinearAttentionCacheLayerMixin):
@@ -24,10 +24,9 @@ class RANCacheLayer(LinearAttentionCacheLayerMixin):
     it fills, or the last `memory_review_cells`); with `memory_salient_cells`, `salient_cell_states` (B, S, 2 D) and
     their `salient_windows` (B, S; -1: empty); with `token_shift`, first layer, `last_token` (B, D); `tail_keys`,
     `tail_values` (B, window_size + window_overlap, H, d), the open window's un-rotated keys and values, zeros after a
-    row's last; with `associative_memory`, its `binding_state` (B, H, d, d) and the tail's write gates
-    `tail_gates` (B, window_size + window_overlap, H, G). Eager decoding steps keep what they derive from it
-    (`step_window`, `step_review`) with the state it came from (`memo_of`), read while the cache still holds that state
-    (`RANLayer.decode_token`)."""
+    row's last; with `associative_memory`, its `binding_state` (B, H, d, d) after the last token read. Eager decoding
+    steps keep what they derive from it (`step_window`, `step_review`) with the state it came from (`memo_of`), read
+    while the cache still holds that state (`RANLayer.decode_token`)."""
 
     def __init__(self):
         super().__init__(number_of_states=1)  # no convolution state; the one recurrent state is the cell

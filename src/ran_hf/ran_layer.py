@@ -294,7 +294,6 @@ class RANLayer(GradientCheckpointingLayer):
         """`project_windows` without its kernel, wherever that does not run; `rotations` (S, d / 2, 2) are the window
         slots' (None without the rotary embedding). The rotary embedding stays its own op (`apply_interleaved_rotary`),
         with its own choice of kernel."""
-        config = self.config
         qkv = in_row_chunks(self.project, rows_per_chunk(normed_tokens, chunk_features), normed_tokens)  # (T, 3, H, d)
         # (T, 1, H, d), (T, 2, H, d): views, gathered without a copy
         new_query, new_kv = qkv.split_with_sizes([1, 2], dim=1)
@@ -306,7 +305,7 @@ class RANLayer(GradientCheckpointingLayer):
         del qkv, new_query
         recalled = None
         if self.uses_associative_memory:
-            recalled = self.associative_memory(query, key, value, normed_tokens, layout, cache, config.window_overlap)
+            recalled = self.associative_memory(query, key, value, normed_tokens, layout, cache)
         if rotations is not None:  # (S, d / 2, 2): slot s is position s + 1
             # In inference, rotated a chunk of windows at a time in place: the gathered slots are this pass's own.
             query_rotations = rotations[layout.query_slots][:, None]  # (K, 1, Q, d / 2, 2)
@@ -404,7 +403,7 @@ class RANLayer(GradientCheckpointingLayer):
         rows = layout.output_slot if joined else None
         del query, key, value, joined  # read by the attention only: not kept alive through the rest of the layer
         attended = attended.flatten(0, 1) if rows is not None else layout.from_windows(attended)
-        if recalled is not None:  # the associative memory of the windows before, read with the same queries
+        if recalled is not None:  # the associative memory, read with the same queries
             attended = attended + recalled
         token_states = self.per_token_tail(token_states, attended, normed_tokens, rows, chunk_features)  # (T, D)
         del attended, normed_tokens
@@ -446,9 +445,8 @@ class RANLayer(GradientCheckpointingLayer):
 
         # 2. Token attention over the read cell (slot 0, not rotated) and the window's visible slots.
         attended, _ = self.window_attention(query[:, :, None], window_keys, window_values, None, None, at, False)
-        if self.uses_associative_memory:  # the memory of the windows before, read with the un-rotated query
-            overlap = at.settings.window_overlap
-            attended = attended + self.associative_memory(qkv[:, 0], keys, values, normed, at, cache, overlap)
+        if self.uses_associative_memory:  # the memory after the token's own write, read with the un-rotated query
+            attended = attended + self.associative_memory(qkv[:, 0], keys, values, normed, at, cache)
         token = self.token_tail(states, attended, normed)  # (B, D)
 
         # 3. Where a row's token ends its window, the cell scan's step for that window. Before memory review, which
