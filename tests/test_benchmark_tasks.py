@@ -91,7 +91,9 @@ def test_official_causal_design_carries_nothing_across_windows():
     assert first_window_influence("ran-causal") > 1e-4
 
 
-@pytest.mark.parametrize("name", ["ran-causal", "ran-causal-official", "ran-causal-associative"])
+@pytest.mark.parametrize(
+    "name", ["ran-causal", "ran-causal-official", "ran-causal-associative", "ran-causal-key-conv"]
+)
 def test_every_causal_design_get_finite_gradients(name):
     """The official design's cell reads nothing but itself; it must still train (no overflow in its norms)."""
     args = BenchmarkArguments(hidden_size=32, num_heads=2, lm_window_size=8, dropout=0.0)

@@ -23,9 +23,9 @@ Tasks (data from ../shared/data unless --data_dir says otherwise):
 Models: ran, its Table-4 ablations (ran-mean-pooling, ran-no-cell-residual, ran-no-memory-review, ran-no-rotary),
 ran-bpie (window_overlap > 0), bilstm, srnn, bpie-bisrnn (baseline_models.py), longformer, bert-512
 (Transformers' models, from scratch, BERT reading the first 512 tokens only); for lm: ran-causal,
-ran-causal-official, ran-causal-associative (ran-causal with `config.associative_memory`), ran-causal-long-memory
-(the associative memory, trained at drawn window sizes: `training_window_sizes` of a quarter, half and all of the
-window) and llama (Transformers' Llama of RAN's width, depth, heads and head size, its MLP sized to RAN's parameter
+ran-causal-official, ran-causal-associative (ran-causal with `config.associative_memory`), ran-causal-key-conv (the
+same with `associative_key_conv=4`), ran-causal-long-memory (the associative memory, trained at drawn window sizes:
+`training_window_sizes` of a quarter, half and all of the window) and llama (Transformers' Llama of RAN's width, depth, heads and head size, its MLP sized to RAN's parameter
 count; no dropout).
 
 Runs execute in `--workers` fresh processes and are appended to `<output_name>_runs.jsonl` as they finish; an
@@ -90,6 +90,7 @@ LANGUAGE_MODELS = {
     "ran-causal": {},
     "ran-causal-official": {"layer_design": "official", "scan_implementation": OFFICIAL_CAUSAL_SCAN},
     "ran-causal-associative": {"associative_memory": True},
+    "ran-causal-key-conv": {"associative_memory": True, "associative_key_conv": 4},
     "ran-causal-long-memory": {"associative_memory": True, "training_window_sizes": None},  # None: from the window
     "llama": None,  # causal_baselines.py, matched to ran-causal
 }
