@@ -53,8 +53,37 @@ def window_bounds(n, window, min_window):
     return bounds
 
 
-def window_attention(layer, cell, tokens, config, causal):
-    """One window: the cell at position 0, tokens at 1..w. Returns (raw cell, token outputs, cell key, cell value)."""
+class AssociativeRecall:
+    """The causal layer's associative memory, token by token: each of a window's own tokens writes its key (mixed
+    with the keys before it in its window by the key convolution, unit length) to its value by the delta rule, after
+    the decay, then reads the state with its unit-length query. One per layer, carried from window to window."""
+
+    def __init__(self, memory):
+        self.memory, self.state = memory, 0.0
+
+    def __call__(self, q, k, v, x, enrichment):
+        """q, k, v (w, H, d) of the window's tokens (no cell, before rotary), x (w, D) their normalised inputs; the
+        first `enrichment` tokens were written by the window before. Returns the reads (w, H, d)."""
+        memory = self.memory
+        if memory.key_conv_width:  # tap j weighs the key j slots before, within the window
+            k = sum(tap[:, 0] * F.pad(k, (0, 0, 0, 0, lag, 0))[: len(k)] for lag, tap in enumerate(memory.key_conv))
+        k, q = F.normalize(k, dim=-1), F.normalize(q, dim=-1)
+        betas = torch.sigmoid(linear(x, memory.write_strength))  # (w, H)
+        if memory.decays:
+            decays = torch.exp(-F.softplus(x @ memory.decay.weight.T + memory.decay_bias))
+        reads = torch.zeros_like(q)
+        for t in range(enrichment, len(k)):
+            if memory.decays:
+                self.state = decays[t][:, None, None] * self.state
+            recalled = torch.einsum("hd,hde->he", k[t], self.state) if torch.is_tensor(self.state) else 0
+            self.state = self.state + betas[t][:, None, None] * k[t][:, :, None] * (v[t] - recalled)[:, None, :]
+            reads[t] = torch.einsum("hd,hde->he", q[t], self.state) * memory.read_scale[:, None]
+        return reads
+
+
+def window_attention(layer, cell, tokens, config, causal, recall=None, enrichment=0):
+    """One window: the cell at position 0, tokens at 1..w. Returns (raw cell, token outputs, cell key, cell value).
+    `recall`: the layer's `AssociativeRecall`, whose reads join the tokens' attended values."""
     eps, heads, d = config.layer_norm_eps, config.num_attention_heads, config.head_dim
     act = F.silu if config.hidden_act == "silu" else getattr(F, config.hidden_act)
     x = layer_norm(torch.cat([cell[None], tokens]), layer.input_norm, eps)  # (1 + w, D)
@@ -62,6 +91,7 @@ def window_attention(layer, cell, tokens, config, causal):
     if config.attention_qk_activation:
         q, k = act(q), act(k)
     v = act(v)
+    recalled = None if recall is None else recall(q[1:], k[1:], v[1:], x[1:], enrichment)
     positions = torch.arange(x.shape[0])
     if config.use_rotary:
         q, k = rotate(q, positions, config.rope_theta), rotate(k, positions, config.rope_theta)
@@ -71,6 +101,8 @@ def window_attention(layer, cell, tokens, config, causal):
         allowed[0] = True  # the cell is written after its window: it reads all of it
         scores = scores.masked_fill(~allowed, float("-inf"))
     attended = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # (1 + w, H, d)
+    if recalled is not None:
+        attended[1:] = attended[1:] + recalled
     if config.cell_max_pool:  # the cell also reads a soft maximum of its tokens' values, feature by feature
         temperature = 0.03
         attended[0] = attended[0] + temperature * torch.logsumexp(v[1:] / temperature, dim=0)
@@ -149,9 +181,11 @@ def reference_forward(model, input_ids):
             cell = layer.initial_cell
         initial_cell = cell
         outputs, raw_cells, previous_raw = [], [], None
+        recall = AssociativeRecall(layer.associative_memory) if config.associative_memory else None
         for i, (start, end) in enumerate(bounds):
             enrichment = overlap if i > 0 else 0
-            raw, token_out, _, _ = window_attention(layer, cell, hidden[start - enrichment : end], config, causal)
+            window = hidden[start - enrichment : end]
+            raw, token_out, _, _ = window_attention(layer, cell, window, config, causal, recall, enrichment)
             outputs.append(token_out[enrichment:])
             raw_cells.append(raw)
             if previous_raw is None or not config.use_cell_residual:

@@ -90,7 +90,7 @@ def memory_model(seed=0, **overrides):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"window_overlap": 1}, {"memory_review": False}, {"associative_key_conv": 3}, {"associative_decay": True}],
+    [{}, {"associative_key_conv": 0}, {"window_overlap": 1}, {"memory_review": False}, {"associative_decay": True}],
     ids=str,
 )
 def test_no_token_reads_a_later_one(overrides):
@@ -122,6 +122,7 @@ def test_every_token_reads_the_memory_its_own_window_included():
     "overrides",
     [
         {},
+        {"associative_key_conv": 0},
         {"window_overlap": 2},
         {"memory_review_cells": 1},
         {"window_overlap": 2, "associative_key_conv": 4},
@@ -190,7 +191,7 @@ def test_the_key_convolution_starts_as_the_identity_and_trains():
     then get gradients, the earlier slots' included."""
     torch.manual_seed(7)
     convolved = RANForCausalLM(tiny_config(is_causal=True, associative_memory=True, associative_key_conv=3))
-    plain = RANForCausalLM(tiny_config(is_causal=True, associative_memory=True))
+    plain = RANForCausalLM(tiny_config(is_causal=True, associative_memory=True, associative_key_conv=0))
     plain.load_state_dict({k: v for k, v in convolved.state_dict().items() if "key_conv" not in k})
     ids = torch.randint(1, plain.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
@@ -199,7 +200,7 @@ def test_the_key_convolution_starts_as_the_identity_and_trains():
     taps = convolved.model.layers[0].associative_memory.key_conv.grad
     assert taps[1:].abs().sum() > 0
     with pytest.raises(CONFIG_ERROR, match="`associative_key_conv` convolves the keys of the associative memory"):
-        tiny_config(is_causal=True, associative_key_conv=3)
+        tiny_config(is_causal=True, associative_memory=False, associative_key_conv=3)
 
 
 def test_the_decay_starts_slow_in_some_heads_fast_in_others_and_trains():
@@ -214,13 +215,13 @@ def test_the_decay_starts_slow_in_some_heads_fast_in_others_and_trains():
     model.train()(ids, labels=ids).loss.backward()
     assert memory.decay.weight.grad.abs().sum() > 0 and memory.decay_bias.grad.abs().sum() > 0
     with pytest.raises(CONFIG_ERROR, match="`associative_decay` decays the associative memory"):
-        tiny_config(is_causal=True, associative_decay=True)
+        tiny_config(is_causal=True, associative_memory=False, associative_decay=True)
 
 
 def test_the_encoder_refuses_it_and_a_cache_of_a_model_without_it_is_refused():
     with pytest.raises(CONFIG_ERROR, match="`associative_memory` and `cutoffs` belong to the causal LM"):
         RANConfig(associative_memory=True)
-    plain = RANForCausalLM(tiny_config(is_causal=True)).eval()
+    plain = RANForCausalLM(tiny_config(is_causal=True, associative_memory=False)).eval()
     cache = plain(torch.ones(1, 5, dtype=torch.long), use_cache=True).past_key_values
     with pytest.raises(CONFIG_ERROR, match="associative_memory"):
         memory_model()(torch.ones(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)

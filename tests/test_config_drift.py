@@ -53,7 +53,7 @@ PROBES = [
     pytest.param(encoder, "hidden_act", "gelu", id="hidden_act"),
     pytest.param(lambda: causal_lm(cutoffs=[20, 40], div_val=2), "cutoffs", [10, 40], id="cutoffs"),
     pytest.param(lambda: causal_lm(cutoffs=[20, 40], div_val=2), "div_val", 1, id="div_val"),
-    pytest.param(causal_lm, "associative_memory", True, id="associative_memory"),
+    pytest.param(causal_lm, "associative_memory", False, id="associative_memory"),
     pytest.param(causal_lm, "layer_design", "official", id="layer_design"),
     pytest.param(causal_lm, "is_causal", False, id="is_causal-off"),
     pytest.param(encoder, "is_causal", True, id="is_causal-on-encoder"),

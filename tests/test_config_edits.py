@@ -343,7 +343,7 @@ def test_vocab_size_advises_resizing_the_embeddings():
         pytest.param(classifier, "token_pooling", "mean", id="token_pooling"),
         pytest.param(encoder, "memory_review", False, id="memory_review"),
         pytest.param(encoder, "use_cell_residual", False, id="use_cell_residual"),
-        pytest.param(causal_lm, "associative_memory", True, id="associative_memory"),
+        pytest.param(causal_lm, "associative_memory", False, id="associative_memory"),
         pytest.param(causal_lm, "token_shift", False, id="design-field"),
         pytest.param(causal_lm, "layer_design", "official", id="layer_design"),
         pytest.param(causal_lm, "tie_word_embeddings", True, id="tie_word_embeddings"),

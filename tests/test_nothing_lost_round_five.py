@@ -3,7 +3,7 @@ input now gets an error naming it and the fix, before any work, or an exact resu
 
 import pytest
 import torch
-from ran_testing import randomize_, tiny_config
+from ran_testing import CONFIG_ERROR, randomize_, tiny_config
 
 from ran_hf import (
     RANCache,
@@ -119,7 +119,10 @@ def test_a_causal_models_folder_does_not_load_as_a_masked_lm(tmp_path):
         ValueError, match=r"RANForMaskedLM fills a mask from the words on both sides.*AutoModelForCausalLM"
     ):
         AutoModelForMaskedLM.from_pretrained(tmp_path)
-    encoder = AutoModelForMaskedLM.from_pretrained(tmp_path, is_causal=False)  # asked for: it reads both ways
+    with pytest.raises(CONFIG_ERROR, match="`associative_memory` and `cutoffs` belong to the causal LM"):
+        AutoModelForMaskedLM.from_pretrained(tmp_path, is_causal=False)  # the causal memory cannot read both ways
+    # asked for, without the causal memory (and so without its key convolution): it reads both ways
+    encoder = AutoModelForMaskedLM.from_pretrained(tmp_path, is_causal=False, associative_memory=False)
     assert not encoder.config.is_causal
 
 

@@ -32,6 +32,12 @@ CASES = [
     pytest.param({"window_size": 3, "min_window_size": 1}, [10, 2], id="window-3-no-merge"),
     pytest.param({"num_attention_heads": 3, "head_dim": 6}, [19], id="heads-3-dim-6"),
     pytest.param({"is_causal": True}, [17, 5, 12], id="causal"),
+    pytest.param({"is_causal": True, "associative_memory": False}, [17, 5, 12], id="causal-no-associative-memory"),
+    pytest.param(
+        {"is_causal": True, "associative_decay": True, "associative_key_conv": 2, "window_overlap": 1},
+        [17, 5, 12],
+        id="causal-associative-decay-overlap",
+    ),
     pytest.param({"is_causal": True, "window_overlap": 2, "num_hidden_layers": 3}, [18, 9], id="causal-overlap"),
     pytest.param(
         {"is_causal": True, "residual_stream": False, "cell_input_residual": True, "review_initial_cell": True},

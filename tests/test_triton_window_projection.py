@@ -24,7 +24,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = {
     "encoder-padding-merged-tail": ({}, [13, 6, 2]),
     "enrichment-overlap": ({"window_overlap": 3}, [14, 9]),
-    "causal-learnable-memory": ({"is_causal": True, "window_overlap": 2}, [12, 7]),
+    "causal-learnable-memory": ({"is_causal": True, "window_overlap": 2, "associative_memory": False}, [12, 7]),
     "no-rotary": ({"use_rotary": False, "window_overlap": 1}, [11, 4]),
     "wide-heads-past-one-block": (
         {"hidden_size": 24, "num_attention_heads": 3, "head_dim": 2 * triton_window_projection.BLOCK_PAIRS // 3 + 2},

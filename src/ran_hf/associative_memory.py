@@ -46,6 +46,11 @@ from .decode_step import StepPositions
 from .window_layout import RANWindowLayout
 
 
+def wide(tensor: torch.Tensor) -> torch.Tensor:
+    """The memory computes in float32, or float64 where the model runs in it."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def unit_lower_inverse(matrix: torch.Tensor) -> torch.Tensor:
     """The inverse of unit lower-triangular matrices (..., Q, Q) in matmuls alone: the inverse of the block diagonal
     of blocks of b, X, gives that of blocks of 2 b as X - X E X, where E holds the matrix's entries below the smaller
@@ -116,14 +121,14 @@ class RANAssociativeMemory(nn.Module):
         # What the memory adds to the window attention's output, per head: it starts at 1 (a read that is there to
         # be learned from), and training scales it.
         self.read_scale = nn.Parameter(torch.ones(config.num_attention_heads))
-        self.key_conv_width = config.associative_key_conv
+        self.key_conv_width = config.associative_key_conv or None  # 0: no convolution
         if self.key_conv_width is not None:  # (c, H, 1, d): tap j weighs the key j slots before
             self.key_conv = nn.Parameter(torch.zeros(config.associative_key_conv, self.num_heads, 1, self.head_dim))
 
     def written_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """(..., H, S, d) a window's slot keys -> the unit-length keys the memory writes, after the key convolution
         (causal within the window: a slot mixes itself and the slots before it)."""
-        keys = keys.float()
+        keys = wide(keys)
         if self.key_conv_width is not None:
             slots = keys.shape[-2]
             keys = sum(tap * F.pad(keys, (0, 0, lag, 0))[..., :slots, :] for lag, tap in enumerate(self.key_conv))
@@ -132,10 +137,10 @@ class RANAssociativeMemory(nn.Module):
     def write_gates(self, normed_tokens: torch.Tensor) -> torch.Tensor:
         """(..., D) normalised token states -> (..., H, G) their write strengths, in (0, 1), and with
         `associative_decay` their log decays (G = 2), <= 0."""
-        betas = torch.sigmoid(self.write_strength(normed_tokens).float())
+        betas = torch.sigmoid(wide(self.write_strength(normed_tokens)))
         if not self.decays:
             return betas[..., None]
-        log_decays = -F.softplus((self.decay(normed_tokens) + self.decay_bias).float())
+        log_decays = -F.softplus(wide(self.decay(normed_tokens) + self.decay_bias))
         return torch.stack([betas, log_decays], dim=-1)
 
     def write(self, state, keys, values, gates) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,11 +160,11 @@ class RANAssociativeMemory(nn.Module):
         # The tokens that write are the windows' query slots: new tokens, not the enrichment or cached tail that
         # earlier windows or calls wrote. Their keys are convolved with the slots before them, whoever wrote those.
         slots = layout.query_slots[:, None, :, None].expand(-1, self.num_heads, -1, self.head_dim)  # (K, H, Q, d)
-        keys, values = self.written_keys(key).gather(2, slots), value.float().gather(2, slots)
+        keys, values = self.written_keys(key).gather(2, slots), wide(value).gather(2, slots)
         gates = layout.gather_sources(self.write_gates(normed_tokens), layout.query_index)  # (K, Q, H, G); 0: none
         start = None if cache is None else cache.binding_state
         if start is None:
-            start = query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim, dtype=torch.float)
+            start = wide(query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim))
         read, states = self.write_windows(query, keys, values, gates.transpose(1, 2), start, layout)
         if cache is not None:  # the state after each row's last window here, finished or not
             last, rows = (layout.num_windows - 1).clamp(min=0), torch.arange(layout.batch_size, device=start.device)
@@ -181,19 +186,19 @@ class RANAssociativeMemory(nn.Module):
                 written, corrected = self.write(state, *(tensor[windows] for tensor in padded))
                 return written, (written.clone(), corrected)  # (the outputs may not alias the carried state)
 
-            after, corrected = scan_operator(write_window, start_state.float(), [layout.step_windows])[1]
+            after, corrected = scan_operator(write_window, wide(start_state), [layout.step_windows])[1]
         else:
-            state, after, corrected = start_state.float(), [], []
+            state, after, corrected = wide(start_state), [], []
             for windows in layout.step_windows:  # (B,) window index, or K for none
                 state, step_corrected = self.write(state, *(tensor[windows] for tensor in padded))
                 after.append(state)
                 corrected.append(step_corrected)
             after, corrected = torch.stack(after), torch.stack(corrected)  # (N, B, H, d, d), (N, B, H, Q, d)
         shape = (-1, self.num_heads, self.head_dim, self.head_dim)
-        before = layout.per_sequence(torch.cat([start_state.float()[None], after[:-1]]).flatten(2)).view(shape)
+        before = layout.per_sequence(torch.cat([wide(start_state)[None], after[:-1]]).flatten(2)).view(shape)
         corrected = layout.per_sequence(corrected.flatten(2)).view(keys.shape)
         log_decays = gates[..., 1] if self.decays else None
-        read = read_after_writes(unit_vectors(query.float()), before, keys, corrected, log_decays)
+        read = read_after_writes(unit_vectors(wide(query)), before, keys, corrected, log_decays)
         return (read * self.read_scale[:, None, None]).transpose(1, 2).to(dtype), after
 
     def step(self, query, keys, values, normed, cache: RANCacheLayer, at: StepPositions):
@@ -201,8 +206,8 @@ class RANAssociativeMemory(nn.Module):
         reads the state. The cache keeps the state."""
         dtype = query.dtype
         key = keys[at.rows, at.slot] if self.key_conv_width is None else self.convolved_key(keys, at)
-        query, key = unit_vectors(torch.stack([query.float(), key.float()]))  # (B, H, d) each
-        value = values[at.rows, at.slot].float()  # (B, H, d)
+        query, key = unit_vectors(torch.stack([wide(query), wide(key)]))  # (B, H, d) each
+        value = wide(values[at.rows, at.slot])  # (B, H, d)
         gates = self.write_gates(normed)  # (B, H, G)
         state = cache.binding_state
         if self.decays:
@@ -218,4 +223,4 @@ class RANAssociativeMemory(nn.Module):
         `written_keys` convolves a window's."""
         lags = at.slot[:, None] - torch.arange(self.key_conv_width, device=keys.device)  # (B, c)
         earlier = keys[at.rows[:, None], lags.clamp(min=0)] * (lags >= 0)[..., None, None]  # (B, c, H, d)
-        return (earlier.float() * self.key_conv[:, :, 0]).sum(1)
+        return (wide(earlier) * self.key_conv[:, :, 0]).sum(1)

@@ -23,6 +23,10 @@ LAYER_DESIGNS = {
         name: name not in _ON_IN_OFFICIAL or name == "review_initial_cell" for name in LAYER_DESIGN_FIELDS
     },
 }
+# Fields left None follow the design (`to_dict` writes what they resolved to): the design fields, and the causal
+# learnable-memory layer's associative memory with its key convolution (docs/memory.md).
+FOLLOWING_FIELDS = ("layer_design", *LAYER_DESIGN_FIELDS, "associative_memory", "associative_key_conv")
+MEMORY_KEY_CONV = 4
 _PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
 
@@ -82,11 +86,12 @@ class RANConfig(PreTrainedConfig):
     tasks_registered_here = frozenset()  # pipeline tasks `import ran_hf` registered: left out of `custom_pipelines`
     max_parameters = 10**11  # a larger config is refused (raise it on the class for a model this large)
     # What a built model's weights or modules were made from: set on its config, they are refused when it runs or saves.
-    architecture_fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                           "memory_review", "associative_memory", "associative_key_conv", "associative_decay",
-                           "use_cell_residual", "is_causal", "hidden_act", "token_pooling", "layer_norm_eps",
-                           "tie_word_embeddings", "cutoffs", "div_val", "review_log_scaling", "layer_design",
-                           *LAYER_DESIGN_FIELDS)  # fmt: skip
+    # (`is_causal` and `layer_design` first: an edit of either is named, not the fields that follow it)
+    architecture_fields = ("is_causal", "layer_design", "vocab_size", "hidden_size", "num_hidden_layers",
+                           "num_attention_heads", "head_dim", "memory_review", "associative_memory",
+                           "associative_key_conv", "associative_decay", "use_cell_residual", "hidden_act",
+                           "token_pooling", "layer_norm_eps", "tie_word_embeddings", "cutoffs", "div_val",
+                           "review_log_scaling", *LAYER_DESIGN_FIELDS)  # fmt: skip
 
     vocab_size: int = interval(1)(default=30522)
     hidden_size: int = interval(1)(default=768)
@@ -100,8 +105,8 @@ class RANConfig(PreTrainedConfig):
     memory_review: bool = True
     memory_review_cells: int | None = interval(1)(default=None)
     memory_salient_cells: int | None = interval(1)(default=None)
-    associative_memory: bool = False
-    associative_key_conv: int | None = interval(1)(default=None)
+    associative_memory: bool | None = None
+    associative_key_conv: int | None = interval(0)(default=None)
     associative_decay: bool = False
     use_cell_residual: bool = True
     use_rotary: bool = True
@@ -139,7 +144,7 @@ class RANConfig(PreTrainedConfig):
         given = {name: getattr(self, name) for name in LAYER_DESIGN_FIELDS if getattr(self, name) is not None}
         if self.layer_design is None and len(given) == len(LAYER_DESIGN_FIELDS):  # a saved config names its design
             self.layer_design = next((design for design, values in LAYER_DESIGNS.items() if values == given), None)
-        self._from_design = [name for name in ("layer_design", *LAYER_DESIGN_FIELDS) if getattr(self, name) is None]
+        self._from_design = [name for name in FOLLOWING_FIELDS if getattr(self, name) is None]
         self._follow_design()
         self.tie_word_embeddings = not self.is_causal if self.tie_word_embeddings is None else self.tie_word_embeddings
         self.auto_map = dict(REMOTE_CODE_AUTO_MAP)  # every saved folder names every head's code
@@ -150,7 +155,11 @@ class RANConfig(PreTrainedConfig):
         if "layer_design" in self._from_design or self.layer_design is None:
             self.__dict__["layer_design"] = "learnable_memory" if self.is_causal else "official"
         design = LAYER_DESIGNS[self.layer_design]
-        self.__dict__.update({name: design[name] for name in self._from_design if name != "layer_design"})
+        self.__dict__.update({name: design[name] for name in self._from_design if name in design})
+        if "associative_memory" in self._from_design:  # the learnable-memory design's, causal only
+            self.__dict__["associative_memory"] = self.is_causal and self.layer_design == "learnable_memory"
+        if "associative_key_conv" in self._from_design:  # the memory's; 0: none
+            self.__dict__["associative_key_conv"] = MEMORY_KEY_CONV if self.associative_memory else 0
 
     def __setattr__(self, name, value):
         if self.__dict__.get(name, self) is value:  # set to what it holds (Transformers sets `is_causal` per call)
@@ -165,11 +174,7 @@ class RANConfig(PreTrainedConfig):
             raise ValueError("`per_layer_config` is not supported: every RAN layer is built from the config's fields.")
         super().__setattr__(name, value)
         self.__dict__["edits"] = self.__dict__.get("edits", 0) + 1  # a model checks its config again after an edit
-        if self.__dict__.get("_from_design") is not None and name in (
-            "is_causal",
-            "layer_design",
-            *LAYER_DESIGN_FIELDS,
-        ):
+        if self.__dict__.get("_from_design") is not None and name in ("is_causal", *FOLLOWING_FIELDS):
             # Set by hand, a design field no longer follows the design; set to None, it follows it again.
             self._from_design = [field for field in self._from_design if field != name] + [name] * (value is None)
             self._follow_design()
@@ -192,8 +197,9 @@ class RANConfig(PreTrainedConfig):
              "cells by `review_salience`, which this config turns off"),
             (not self.is_causal and (self.associative_memory or self.cutoffs is not None), "`associative_memory` "
              "and `cutoffs` belong to the causal LM (`RANForCausalLM`, `run_clm.py`, `is_causal=True`): leave them out"),
-            (self.associative_key_conv is not None and not self.associative_memory, "`associative_key_conv` "
-             "convolves the keys of the associative memory, which this config turns off: set `associative_memory`"),
+            (self.associative_key_conv and not self.associative_memory, "`associative_key_conv` "
+             "convolves the keys of the associative memory, which this config turns off: set `associative_memory`, or "
+             "`associative_key_conv=0`"),
             (self.associative_decay and not self.associative_memory, "`associative_decay` decays the associative "
              "memory, which this config turns off: set `associative_memory`"),
             (self.is_encoder_decoder, "`is_encoder_decoder=True` describes a decoder reading an encoder's output; a "
@@ -249,9 +255,15 @@ class RANConfig(PreTrainedConfig):
     def from_dict(cls, config_dict: dict, **kwargs):
         # Fields given to `from_pretrained` are fields of the config made, checked with the others; a config naming
         # its design but not the fields added later (`cell_max_pool`, ...) was saved before they existed.
-        config_dict = config_dict | {name: kwargs.pop(name) for name in cls.__dataclass_fields__ if name in kwargs}
+        given = {name: kwargs.pop(name) for name in cls.__dataclass_fields__ if name in kwargs}
+        if "associative_memory" in given:  # the memory's convolution follows it, unless given too
+            given = {"associative_key_conv": None} | given
+        config_dict = config_dict | given
         if "residual_stream" in config_dict:
-            config_dict = dict.fromkeys(("cell_max_pool", "review_salience", "token_shift"), False) | config_dict
+            added = ("cell_max_pool", "review_salience", "token_shift", "associative_memory")
+            config_dict = dict.fromkeys(added, False) | config_dict
+        if "residual_stream" in config_dict and config_dict.get("associative_key_conv", 0) is None:
+            config_dict["associative_key_conv"] = 0  # saved when None meant no convolution
         return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:

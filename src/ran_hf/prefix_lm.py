@@ -7,6 +7,8 @@ each token from the ones before it (the labels are shifted, as Transformers' cau
 continues a source with its target. docs/seq2seq.md explains the choice and where it departs from `rannet`.
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin
@@ -141,23 +143,27 @@ class RANForPrefixLM(RANLanguageModelBase, GenerationMixin):
     )
 
     def __init__(self, config: RANConfig):
+        handed = config
+        if config.is_causal:  # a copy, whose fields left to the design take the encoder's
+            config = copy.deepcopy(config)
+            config.is_causal = False
         causal_only = [
             f"`{name}={getattr(config, name)!r}`"
             for name, unset in (("cutoffs", None), ("associative_memory", False))
             if getattr(config, name, unset) != unset
         ]
-        if causal_only:  # checked here: after `is_causal=False` below, the config's error would ask for is_causal=True
+        if causal_only:  # checked before the config's rules, whose error would ask for is_causal=True
             raise ValueError(
                 f"RANForPrefixLM reads its source both ways (`is_causal=False`), and {' and '.join(causal_only)} "
                 f"{'belong' if len(causal_only) > 1 else 'belongs'} to the causal LM (RANForCausalLM) only. Build the "
                 "prefix LM from a config without it."
             )
-        if config.is_causal:
+        if config is not handed:
             logger.warning(
                 "RANForPrefixLM reads its source both ways: it runs on a copy of the config with `is_causal=False` "
                 "(the config handed to it is unchanged; fields left to the layer design take the encoder's)."
             )
-            config = config.with_causal(False)
+            config.validate()
         super().__init__(config)
 
     @can_return_tuple
