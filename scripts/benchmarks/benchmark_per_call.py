@@ -7,7 +7,9 @@
 
 Per model: Python calls (`sys.setprofile`) of one decoding step inside greedy `generate()` (the difference between
 `--steps` + 2 and 2 new tokens, per step), and of one sequence-classifier forward at `--classifier_length` tokens
-(RAN and Llama); "ran-associative" (asked for by `--models`) is the causal RAN with `associative_memory`; then milliseconds per new token after prompts of `--contexts` tokens, RAN also with its decoding
+(RAN and Llama); "ran" is the default causal RAN (its associative memory on), "ran-no-memory" (asked for by
+`--models`) the same without the memory, as "ran" was before it; then milliseconds per new token after prompts of
+`--contexts` tokens, RAN also with its decoding
 steps compiled by `generate()` ("ran-compiled": Transformers' compile path, inductor, asked for on a CPU with
 `CompileConfig._compile_all_devices`; the others eager): every model reads the prompt
 for real (RAN in chunks of `--prefill_chunk` through its cache, Mamba-2 in one pass, Llama in one pass up to
@@ -49,7 +51,7 @@ from ran_hf import RANCache, RANConfig, RANForCausalLM, RANForSequenceClassifica
 
 
 MODELS = ("ran", "ran-compiled", "llama", "mamba2")
-OPTIONAL_MODELS = ("ran-associative",)  # the causal RAN with `associative_memory`: only where asked for
+OPTIONAL_MODELS = ("ran-no-memory",)  # the causal RAN without its associative memory: only where asked for
 
 
 class StepClock(LogitsProcessor):
@@ -90,7 +92,7 @@ def build(name: str, args, classifier: bool = False):
             head_dim=width // heads, window_size=args.window_size, min_window_size=min(16, args.window_size // 4),
             is_causal=not classifier, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             memory_review_cells=None if classifier else args.memory_review_cells,  # (the encoder reviews all)
-            associative_memory=name == "ran-associative" and not classifier,
+            associative_memory=False if name == "ran-no-memory" else None,  # (None: the design's)
         )  # fmt: skip
         return (RANForSequenceClassification if classifier else RANForCausalLM)(config).eval()
     if name == "llama":

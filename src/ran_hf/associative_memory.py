@@ -137,7 +137,8 @@ class RANAssociativeMemory(nn.Module):
     def write_gates(self, normed_tokens: torch.Tensor) -> torch.Tensor:
         """(..., D) normalised token states -> (..., H, G) their write strengths, in (0, 1), and with
         `associative_decay` their log decays (G = 2), <= 0."""
-        betas = torch.sigmoid(wide(self.write_strength(normed_tokens)))
+        strengths = self.write_strength(normed_tokens)  # (the type promotions inline: a step calls this per token)
+        betas = torch.sigmoid(strengths.to(torch.promote_types(strengths.dtype, torch.float32)))
         if not self.decays:
             return betas[..., None]
         log_decays = -F.softplus(wide(self.decay(normed_tokens) + self.decay_bias))
@@ -204,10 +205,10 @@ class RANAssociativeMemory(nn.Module):
     def step(self, query, keys, values, normed, cache: RANCacheLayer, at: StepPositions):
         """`forward`'s step branch: the new token writes its key and value by the token-by-token rule, then its query
         reads the state. The cache keeps the state."""
-        dtype = query.dtype
+        dtype, computed = query.dtype, torch.promote_types(query.dtype, torch.float32)
         key = keys[at.rows, at.slot] if self.key_conv_width is None else self.convolved_key(keys, at)
-        query, key = unit_vectors(torch.stack([wide(query), wide(key)]))  # (B, H, d) each
-        value = wide(values[at.rows, at.slot])  # (B, H, d)
+        query, key = unit_vectors(torch.stack([query.to(computed), key.to(computed)])).unbind(0)  # (B, H, d) each
+        value = values[at.rows, at.slot].to(computed)  # (B, H, d)
         gates = self.write_gates(normed)  # (B, H, G)
         state = cache.binding_state
         if self.decays:
@@ -223,4 +224,4 @@ class RANAssociativeMemory(nn.Module):
         `written_keys` convolves a window's."""
         lags = at.slot[:, None] - torch.arange(self.key_conv_width, device=keys.device)  # (B, c)
         earlier = keys[at.rows[:, None], lags.clamp(min=0)] * (lags >= 0)[..., None, None]  # (B, c, H, d)
-        return (wide(earlier) * self.key_conv[:, :, 0]).sum(1)
+        return (earlier.to(torch.promote_types(earlier.dtype, torch.float32)) * self.key_conv[:, :, 0]).sum(1)
