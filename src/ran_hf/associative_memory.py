@@ -35,6 +35,8 @@ loop over a variable number of windows, the inverse is built from matmuls (`unit
 written by one `scan` operator.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,14 @@ from .cache_ran import RANCacheLayer
 from .configuration_ran import RANConfig
 from .decode_step import StepPositions
 from .window_layout import RANWindowLayout
+
+
+def without_autocast(device: torch.device):
+    """The memory's maths outside autocast: its triangular solve has no half-precision kernel, and its state sums
+    a whole document's writes."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def wide(tensor: torch.Tensor) -> torch.Tensor:
@@ -166,7 +176,8 @@ class RANAssociativeMemory(nn.Module):
         start = None if cache is None else cache.binding_state
         if start is None:
             start = wide(query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim))
-        read, states = self.write_windows(query, keys, values, gates.transpose(1, 2), start, layout)
+        with without_autocast(query.device):
+            read, states = self.write_windows(query, keys, values, gates.transpose(1, 2), start, layout)
         if cache is not None:  # the state after each row's last window here, finished or not
             last, rows = (layout.num_windows - 1).clamp(min=0), torch.arange(layout.batch_size, device=start.device)
             written = (layout.num_windows > 0)[:, None, None, None]
@@ -213,10 +224,11 @@ class RANAssociativeMemory(nn.Module):
         state = cache.binding_state
         if self.decays:
             state = gates[..., 1, None, None].exp() * state
-        recalled = (key[:, :, None] @ state)[:, :, 0]  # what the key reads now: the delta rule replaces it
+        # (products and sums, not matmuls, which autocast would run in half precision)
+        recalled = (key[..., :, None] * state).sum(-2)  # what the key reads now: the delta rule replaces it
         state = state + (gates[..., 0, None] * key)[..., :, None] * (value - recalled)[..., None, :]
         cache.binding_state = state
-        read = (query[:, :, None] @ state)[:, :, 0] * self.read_scale[:, None]  # (B, H, d)
+        read = (query[..., :, None] * state).sum(-2) * self.read_scale[:, None]  # (B, H, d)
         return read.flatten(1).to(dtype)
 
     def convolved_key(self, keys: torch.Tensor, at: StepPositions) -> torch.Tensor:
