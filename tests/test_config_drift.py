@@ -207,18 +207,20 @@ def test_the_architecture_fields_are_fields():
 @pytest.mark.parametrize("is_causal", [False, True], ids=["encoder", "causal"])
 def test_a_config_json_of_older_code_loads(tmp_path, is_causal):
     """Written before the design was resolved when the config is made (design fields null or absent, keys of older
-    Transformers versions): it loads as it did, its design resolved by `is_causal`."""
+    Transformers versions) and before the associative memory existed: it loads as it did, its design resolved by
+    `is_causal`, with no memory."""
     model_class = RANForCausalLM if is_causal else RANForMaskedLM
-    model = model_class(RANConfig(**TINY, is_causal=is_causal)).eval()
+    model = model_class(RANConfig(**TINY, is_causal=is_causal, associative_memory=False)).eval()  # (none then)
     model.save_pretrained(tmp_path)
     config_file = tmp_path / "config.json"
     saved = json.loads(config_file.read_text())
-    for name in ("layer_design", *LAYER_DESIGN_FIELDS):
+    for name in ("layer_design", *LAYER_DESIGN_FIELDS, "associative_memory", "associative_key_conv"):
         saved.pop(name)
     saved |= {"finetuning_task": None, "tokenizer_class": None, "torchscript": False}
     config_file.write_text(json.dumps(saved))
     loaded = model_class.from_pretrained(tmp_path).eval()
     assert loaded.config.layer_design == ("learnable_memory" if is_causal else "official")
+    assert not loaded.config.associative_memory and not loaded.config.associative_key_conv
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens()).logits, model(tokens()).logits)
     saved["windowsize"] = 4  # a key that misspells a field is named

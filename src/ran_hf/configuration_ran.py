@@ -260,10 +260,11 @@ class RANConfig(PreTrainedConfig):
             given = {"associative_key_conv": None} | given
         config_dict = config_dict | given
         if "residual_stream" in config_dict:
-            added = ("cell_max_pool", "review_salience", "token_shift", "associative_memory")
-            config_dict = dict.fromkeys(added, False) | config_dict
-        if "residual_stream" in config_dict and config_dict.get("associative_key_conv", 0) is None:
-            config_dict["associative_key_conv"] = 0  # saved when None meant no convolution
+            config_dict = dict.fromkeys(("cell_max_pool", "review_salience", "token_shift"), False) | config_dict
+        if "transformers_version" in config_dict or "residual_stream" in config_dict:  # saved: the memory it had
+            config_dict = {"associative_memory": False} | config_dict
+            if config_dict.get("associative_key_conv", 0) is None:
+                config_dict["associative_key_conv"] = 0  # saved when None meant no convolution
         return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:
