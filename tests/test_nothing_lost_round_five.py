@@ -124,6 +124,11 @@ def test_a_causal_models_folder_does_not_load_as_a_masked_lm(tmp_path):
     # asked for, without the causal memory (and so without its key convolution): it reads both ways
     encoder = AutoModelForMaskedLM.from_pretrained(tmp_path, is_causal=False, associative_memory=False)
     assert not encoder.config.is_causal
+    # and the memory turned on at loading brings its convolution, as a new config's does
+    plain_folder = tmp_path / "without_memory"
+    RANForCausalLM(tiny_config(is_causal=True, associative_memory=False)).save_pretrained(plain_folder)
+    with_memory = RANForCausalLM.from_pretrained(plain_folder, associative_memory=True)
+    assert with_memory.config.associative_key_conv == 4
 
 
 @pytest.mark.parametrize("head", [RANForSequenceClassification, RANForQuestionAnswering, RANForTokenClassification])

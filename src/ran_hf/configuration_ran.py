@@ -255,16 +255,16 @@ class RANConfig(PreTrainedConfig):
     def from_dict(cls, config_dict: dict, **kwargs):
         # Fields given to `from_pretrained` are fields of the config made, checked with the others; a config naming
         # its design but not the fields added later (`cell_max_pool`, ...) was saved before they existed.
+        if "transformers_version" in config_dict or "residual_stream" in config_dict:  # saved: the memory it had
+            config_dict = {"associative_memory": False} | config_dict
+            if config_dict.get("associative_key_conv", 0) is None:
+                config_dict["associative_key_conv"] = 0  # saved when None meant no convolution
         given = {name: kwargs.pop(name) for name in cls.__dataclass_fields__ if name in kwargs}
         if "associative_memory" in given:  # the memory's convolution follows it, unless given too
             given = {"associative_key_conv": None} | given
         config_dict = config_dict | given
         if "residual_stream" in config_dict:
             config_dict = dict.fromkeys(("cell_max_pool", "review_salience", "token_shift"), False) | config_dict
-        if "transformers_version" in config_dict or "residual_stream" in config_dict:  # saved: the memory it had
-            config_dict = {"associative_memory": False} | config_dict
-            if config_dict.get("associative_key_conv", 0) is None:
-                config_dict["associative_key_conv"] = 0  # saved when None meant no convolution
         return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:
