@@ -217,7 +217,11 @@ class RANAssociativeMemory(nn.Module):
         """`forward`'s step branch: the new token writes its key and value by the token-by-token rule, then its query
         reads the state. The cache keeps the state."""
         dtype, computed = query.dtype, torch.promote_types(query.dtype, torch.float32)
-        key = keys[at.rows, at.slot] if self.key_conv_width is None else self.convolved_key(keys, at)
+        if self.key_conv_width is None:
+            key = keys[at.rows, at.slot]  # (B, H, d)
+        else:  # as `written_keys` convolves a window's: the slots before the token's (the lags `at` holds), weighed
+            earlier = keys[at.rows[:, None], at.key_lag_slots] * at.key_lag_in_window  # (B, c, H, d)
+            key = (earlier.to(computed) * self.key_conv[:, :, 0]).sum(1)
         query, key = unit_vectors(torch.stack([query.to(computed), key.to(computed)])).unbind(0)  # (B, H, d) each
         value = values[at.rows, at.slot].to(computed)  # (B, H, d)
         gates = self.write_gates(normed)  # (B, H, G)
@@ -226,14 +230,7 @@ class RANAssociativeMemory(nn.Module):
             state = gates[..., 1, None, None].exp() * state
         # (products and sums, not matmuls, which autocast would run in half precision)
         recalled = (key[..., :, None] * state).sum(-2)  # what the key reads now: the delta rule replaces it
-        state = state + (gates[..., 0, None] * key)[..., :, None] * (value - recalled)[..., None, :]
+        state = torch.addcmul(state, (gates[..., 0, None] * key)[..., :, None], (value - recalled)[..., None, :])
         cache.binding_state = state
         read = (query[..., :, None] * state).sum(-2) * self.read_scale[:, None]  # (B, H, d)
         return read.flatten(1).to(dtype)
-
-    def convolved_key(self, keys: torch.Tensor, at: StepPositions) -> torch.Tensor:
-        """The new token's key (B, H, d) from its window's slots (B, S, H, d), convolved with the slots before it as
-        `written_keys` convolves a window's."""
-        lags = at.slot[:, None] - torch.arange(self.key_conv_width, device=keys.device)  # (B, c)
-        earlier = keys[at.rows[:, None], lags.clamp(min=0)] * (lags >= 0)[..., None, None]  # (B, c, H, d)
-        return (earlier.to(torch.promote_types(earlier.dtype, torch.float32)) * self.key_conv[:, :, 0]).sum(1)

@@ -49,13 +49,17 @@ class StepSettings(NamedTuple):
     memory_review_cells: int | None
     review_initial_cell: bool
     attn_implementation: str  # window attention's function, looked up by this name in each step
+    key_conv: int  # the associative memory's key convolution width (0: none, or no memory)
+    hidden_size: int  # what a step's inputs are checked against
+    vocab_size: int
 
 
 def step_settings(config) -> StepSettings:
     return StepSettings(
         config.window_size, config.window_overlap, config.use_rotary, config.head_dim,
         config.rope_parameters["rope_theta"], config.memory_review_cells, config.review_initial_cell,
-        config._attn_implementation,
+        config._attn_implementation, config.associative_key_conv if config.associative_memory else 0,
+        config.hidden_size, config.vocab_size,
     )  # fmt: skip
 
 
@@ -77,6 +81,10 @@ class StepPositions(NamedTuple):
     first_readable: torch.Tensor | None  # (B, 1) the first cached cell the token's memory review reads (None: 0)
     readable: torch.Tensor  # (B, 1) the cells it reads end before this one (0: it reads none)
     reads_cells: torch.Tensor  # (B, 1) whether the token reviews any cell
+    # (B, c) the slots whose keys the associative memory's key convolution mixes into the token's: its own slot, then
+    # the c - 1 before it, clamped at slot 0; and (B, c, 1, 1) which of them are in the window. None: no convolution
+    key_lag_slots: torch.Tensor | None
+    key_lag_in_window: torch.Tensor | None
     compiled: bool  # inside `torch.compile`: nothing is read to the host, and no step memo is kept
     settings: StepSettings
 
@@ -117,6 +125,10 @@ def step_positions(
         reads_any = window > 0
         first_readable = torch.where(reads_any, (bound - window).clamp(min=0) + initial, 0)[:, None]
         readable = torch.where(reads_any, bound + initial, initial)[:, None]
+    key_lag_slots = key_lag_in_window = None
+    if settings.key_conv:
+        lags = slot[:, None] - torch.arange(settings.key_conv, device=device)
+        key_lag_slots, key_lag_in_window = lags.clamp(min=0), (lags >= 0)[..., None, None]
     return StepPositions(
         slot=slot,
         key_slot=key_slot,
@@ -133,6 +145,8 @@ def step_positions(
         first_readable=first_readable,
         readable=readable,
         reads_cells=readable > 0,
+        key_lag_slots=key_lag_slots,
+        key_lag_in_window=key_lag_in_window,
         compiled=compiled,
         settings=settings,
     )

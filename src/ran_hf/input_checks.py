@@ -284,7 +284,7 @@ def validate_ran_inputs(
 
 
 def check_step_inputs(
-    config: RANConfig, input_ids, inputs_embeds, shape: tuple, weights_dtype, compiling: bool
+    config: RANConfig, vocab_size: int, input_ids, inputs_embeds, shape: tuple, weights_dtype, compiling: bool
 ) -> None:
     """A decoding step's token ids or embeddings (of `input_batch_shape` `shape`), checked as a forward checks them
     (`validate_ran_inputs`, whose words name a bad value): read on the CPU, where a read waits for nothing; asserted
@@ -301,7 +301,7 @@ def check_step_inputs(
         return
     if input_ids is not None:
         low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read
-        if low >= 0 and high < config.vocab_size:
+        if low >= 0 and high < vocab_size:  # (the config's, read once per edit: `StepSettings`)
             return
     validate_ran_inputs(config, input_ids, None, inputs_embeds, 0, shape)[1].read_and_judge()
 

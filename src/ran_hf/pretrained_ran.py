@@ -169,7 +169,8 @@ class RANPreTrainedModel(PreTrainedModel):
         field the model was built from changed, naming the fix; validate the config; renew what modules hold a copy
         of (dropout rates, the embedding's padding index), so that such an edit takes effect at once."""
         config = self.config
-        checked = (id(config), config.__dict__.get("edits"))
+        # (its own dict, read past Transformers' `__getattribute__`, which runs two Python calls a read)
+        checked = (id(config), object.__getattribute__(config, "__dict__").get("edits"))
         if checked == self._checked_key:
             return
         for name, built in self._built_from.items():

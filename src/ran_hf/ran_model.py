@@ -228,12 +228,14 @@ class RANModel(RANPreTrainedModel):
             or self.pooler is not None
         ):
             return None
-        shape = input_batch_shape(input_ids, inputs_embeds, self.config.hidden_size)  # (no value read)
+        settings = self.step_settings  # (the config's fields, read once per edit: each read is three Python calls)
+        shape = input_batch_shape(input_ids, inputs_embeds, settings.hidden_size)  # (no value read)
         if shape[1] != 1:
             return None
         if shape[0] != past_key_values.lengths.shape[0]:
             past_key_values.past_lengths(shape[0], None)  # as many rows as the cache, or a clear error
-        check_step_inputs(self.config, input_ids, inputs_embeds, shape, self.embeddings.norm.weight.dtype, compiling)
+        weights_dtype = None if inputs_embeds is None else self.embeddings.norm.weight.dtype  # (what embeddings match)
+        check_step_inputs(self.config, settings.vocab_size, input_ids, inputs_embeds, shape, weights_dtype, compiling)
         if past_key_values.checked_by is not self.checked_config:  # handed over: checked once
             check_cache(past_key_values, self.config, self.embeddings.norm.weight.dtype)
             past_key_values.checked_by = self.checked_config
