@@ -4,6 +4,7 @@ id, never a local path), the datasets, and the evaluation metrics as a `model-in
 
 import json
 import math
+import re
 import string
 from importlib import resources
 from pathlib import Path
@@ -21,6 +22,8 @@ import ran_hf
 logger = logging.get_logger(__name__)
 
 MODEL_CARD_TEMPLATE = resources.files("ran_hf").joinpath("model_cards").joinpath("TEMPLATE.md")
+# What a causal model's card says of its associative memory, with the state-tracking table of the design.
+CAUSAL_MEMORY_WORDS = resources.files("ran_hf").joinpath("model_cards").joinpath("causal_memory.md")
 # What all_results.json holds besides metrics: how long, how fast.
 NOT_METRICS = ("_runtime", "_per_second", "_samples", "total_flos", "epoch")
 
@@ -52,6 +55,20 @@ base = {auto_class}.from_pretrained("{base}"{load_kwargs})
 model = PeftModel.from_pretrained(base, "{repo_id}")
 model = model.merge_and_unload()  # optional: a plain model, as fast as the base
 ```"""
+
+
+def design_words(config) -> str:
+    """What the card adds to the paper's description for the layer `config` builds: the official layer's origin, or
+    a causal model's associative memory (`causal_memory.md`, its figure markers left out); nothing otherwise."""
+    if config.layer_design == "official":
+        return (
+            " Its layers are the official implementation's (`layer_design=\"official\"`), those of `rannet`'s "
+            "checkpoints."
+        )
+    if config.is_causal and config.associative_memory:
+        words = re.sub(r"<!--.*?-->\n?", "", CAUSAL_MEMORY_WORDS.read_text(encoding="utf-8"), flags=re.DOTALL)
+        return "\n\n" + words.strip()
+    return ""
 
 
 def write_model_card(
@@ -150,6 +167,13 @@ def write_model_card(
         ),
         ("cell pooling, memory review", f"{config.cell_pooling}, {config.memory_review}"),
         ("causal", str(config.is_causal)),
+        ("layer design", config.layer_design),
+        (
+            "associative memory (key convolution, decay)",
+            f"{config.associative_memory} ({config.associative_key_conv}, {config.associative_decay})"
+            if config.associative_memory
+            else "False",
+        ),
         ("vocabulary", f"{config.vocab_size:,}"),
     ]
     repo_id = args.hub_model_id or output_dir.name  # a local folder by its name: its path is this machine's
@@ -172,6 +196,7 @@ def write_model_card(
         "front_matter": metadata.to_yaml(),
         "model_name": model_name,
         "task": task,
+        "design": design_words(config),
         "base": base_model_words(finetuned_from, on_hub),
         "adapter": adapter,
         "how_to_use": how_to_use,

@@ -1,7 +1,8 @@
 """A figure a page quotes from a result file agrees with the file, to the precision the page shows.
 
-The pages (README.md, docs/*.md, benchmarks/README.md and the README of each benchmarks/ folder) say where each
-checked figure comes from in an HTML comment beside it, which a rendered page does not show:
+The pages (README.md, docs/*.md, benchmarks/README.md, the README of each benchmarks/ folder, and the text a causal
+model's card takes from ran_hf/model_cards/causal_memory.md) say where each checked figure comes from in an HTML
+comment beside it, which a rendered page does not show:
 
 * one figure: `61 s<!-- figure: benchmarks/commands/run_pipeline.json: only(d["results"]["wall_seconds"])["median"] -->`.
   The figure is the last number before the comment on its line; the expression gives the value it shows, from `d`,
@@ -35,6 +36,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "benchmarks").glob("*/README.md"), ROOT / "benchmarks" / "README.md"])
 PAGES += sorted((ROOT / "docs").glob("*.md"))
+PAGES += [ROOT / "src" / "ran_hf" / "model_cards" / "causal_memory.md"]  # a causal model's card: the design's table
 NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
 FIGURE = re.compile(r"<!-- figure: (?P<path>\S+\.json): (?P<expression>.+?) -->")
 TABLE = re.compile(r"^<!-- table:\n(?P<body>.*?)^-->\n", re.MULTILINE | re.DOTALL)
@@ -49,6 +51,7 @@ CHECKED_AT_LEAST = {
     "benchmarks/memory_tasks/README.md": 35,  # issue 62's lever, grid-point, QA1 and LM tables
     "docs/architecture.md": 15,  # the memory tables: RAN beside its baselines, and the levers
     "docs/generation.md": 56,  # the per-call tables and the associative memory's step
+    "src/ran_hf/model_cards/causal_memory.md": 12,  # the state-tracking table of a causal model's card
 }
 
 

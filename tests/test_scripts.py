@@ -32,6 +32,7 @@ import transformers
 from checkpoints import missing_from_checkpoint, prepare_output_dir
 from data_loading import cut_for_tokenizer
 from huggingface_hub import ModelCard
+from model_cards import design_words
 from ran_trainer import parameter_checksum
 from remote_code import run_without_ran_hf
 from training_utils import RANTrainingArguments
@@ -406,6 +407,18 @@ def test_packing_with_an_option_it_contradicts_is_refused(script, extra, message
         )
 
 
+def test_a_card_describes_the_layer_its_model_was_built_with():
+    """A causal model's card describes its associative memory with the design's state-tracking table (the figure
+    markers left out); the official layer's card (the encoder's default) names its origin."""
+    causal = design_words(RANConfig(is_causal=True))
+    assert "associative memory" in causal and "| causal RAN of this design" in causal and "32K |" in causal
+    assert "<!--" not in causal and "$" not in causal
+    assert design_words(RANConfig(is_causal=True, associative_memory=False)) == ""
+    assert "`rannet`" in design_words(RANConfig()) and "`rannet`" in design_words(
+        RANConfig(is_causal=True, layer_design="official")
+    )
+
+
 @pytest.mark.slow
 def test_run_clm_then_perplexity_over_a_stream(topic_files, tokenizer_dir, tmp_path):
     """A causal model trains on blocks, and the streamed perplexity equals the one of a single forward pass."""
@@ -418,6 +431,8 @@ def test_run_clm_then_perplexity_over_a_stream(topic_files, tokenizer_dir, tmp_p
     )
     assert results["eval"]["perplexity"] > 1.0
     assert json.loads((output_dir / "config.json").read_text())["is_causal"] is True
+    card = (output_dir / "README.md").read_text()
+    assert "| associative memory (key convolution, decay) | True (4, False) |" in card and "<!--" not in card
 
     text_file = tmp_path / "text.txt"
     text_file.write_text("\n".join(json.loads(line)["text"][:300] for line in topic_files["test"].open()) + "\n")
