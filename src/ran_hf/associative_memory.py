@@ -163,9 +163,9 @@ class RANAssociativeMemory(nn.Module):
         (K, H, Q, d), keys and values (K, H, S, d) of every window slot before rotary and its normalised tokens
         (T, D); the cache (None without one) keeps the memory after the last token read.
 
-        A decoding step (`layout` is its `StepPositions`) hands each row's query (B, H, d), its window's slots
-        (B, S, H, d) with the new token's in, and the token's normalised state (B, D): returns what the query
-        recalls (B, H * d) (`step`)."""
+        A decoding step (`layout` is its `StepPositions`) hands each row's query (B, H, d), its window's slot keys
+        (B, S, H, d) with the new token's in, the token's value (B, H, d) and normalised state (B, D): returns what
+        the query recalls (B, H * d) (`step`)."""
         if type(layout) is StepPositions:
             return self.step(query, key, value, normed_tokens, cache, layout)
         # The tokens that write are the windows' query slots: new tokens, not the enrichment or cached tail that
@@ -213,7 +213,7 @@ class RANAssociativeMemory(nn.Module):
         read = read_after_writes(unit_vectors(wide(query)), before, keys, corrected, log_decays)
         return (read * self.read_scale[:, None, None]).transpose(1, 2).to(dtype), after
 
-    def step(self, query, keys, values, normed, cache: RANCacheLayer, at: StepPositions):
+    def step(self, query, keys, value, normed, cache: RANCacheLayer, at: StepPositions):
         """`forward`'s step branch: the new token writes its key and value by the token-by-token rule, then its query
         reads the state. The cache keeps the state."""
         dtype, computed = query.dtype, torch.promote_types(query.dtype, torch.float32)
@@ -223,7 +223,7 @@ class RANAssociativeMemory(nn.Module):
             earlier = keys[at.rows[:, None], at.key_lag_slots] * at.key_lag_in_window  # (B, c, H, d)
             key = (earlier.to(computed) * self.key_conv[:, :, 0]).sum(1)
         query, key = unit_vectors(torch.stack([query.to(computed), key.to(computed)])).unbind(0)  # (B, H, d) each
-        value = values[at.rows, at.slot].to(computed)  # (B, H, d)
+        value = value.to(computed)
         gates = self.write_gates(normed)  # (B, H, G)
         state = cache.binding_state
         if self.decays:

@@ -446,7 +446,7 @@ class RANLayer(GradientCheckpointingLayer):
         # 2. Token attention over the read cell (slot 0, not rotated) and the window's visible slots.
         attended, _ = self.window_attention(query[:, :, None], window_keys, window_values, None, None, at, False)
         if self.uses_associative_memory:  # the memory after the token's own write, read with the un-rotated query
-            attended = attended + self.associative_memory(qkv[:, 0], keys, values, normed, at, cache)
+            attended = attended + self.associative_memory(qkv[:, 0], keys, value, normed, at, cache)
         token = self.token_tail(states, attended, normed)  # (B, D)
 
         # 3. Where a row's token ends its window, the cell scan's step for that window. Before memory review, which
