@@ -67,19 +67,25 @@ model(input_ids=__import__("torch").ones(1, 5, dtype=__import__("torch").long))
 report["triton_ops_after_a_cpu_forward"] = [name for name in sys.modules if name.startswith("ran_hf.kernels.triton")]
 report["model"] = type(model) is ran_hf.RANForMaskedLM
 report["mapping"] = AutoModelForMaskedLM._model_mapping[type(config)] is ran_hf.RANForMaskedLM
-report["auto_class"] = ran_hf.RANForMaskedLM._auto_class
+report["remote_code"] = ran_hf.RANForMaskedLM.is_remote_code()  # installed, not remote code: the config ships it
 print(json.dumps(report))
 """
     )
     assert report["heavy"] == []
-    # (the config saves through `safe_writes`: the standard library and Transformers' logging)
-    modules = ["ran_hf", "ran_hf.configuration_ran", "ran_hf.safe_writes", "ran_hf.saved_code"]
+    # (the config saves through `files.safe_writes`: the standard library and Transformers' logging)
+    modules = [
+        "ran_hf",
+        "ran_hf.configuration_ran",
+        "ran_hf.files",
+        "ran_hf.files.safe_writes",
+        "ran_hf.files.saved_code",
+    ]
     assert report["ran_hf_modules"] == modules
     assert not report["triton_after_kernels"]
     assert report["triton_ops_after_a_cpu_forward"] == []
     assert report["pipeline"] == "ran_hf.integrations.question_answering.ExtractiveQuestionAnsweringPipeline"
     assert report["model"] and report["mapping"]
-    assert report["auto_class"] == "AutoModelForMaskedLM"
+    assert report["remote_code"] is False
 
 
 @pytest.mark.parametrize(

@@ -115,8 +115,10 @@ def test_save_pretrained_writes_a_remote_code_folder(saved_classifier):
         assert (folder / f"{reference.split('.')[0]}.py").is_file(), reference
 
     package = Path(ran_hf.__file__).parent
-    for name in ("configuration_ran.py", "modeling_ran.py"):
-        assert (folder / name).read_text() == (package / name).read_text()
+    for name in ("configuration_ran.py", "modeling_ran.py"):  # the package's, with the imports of `files/` made flat
+        assert (folder / name).read_text() == (package / name).read_text().replace("from .files.", "from .")
+    assert "from .safe_writes import" in (folder / "configuration_ran.py").read_text()
+    assert (folder / "safe_writes.py").read_text() == (package / "files" / "safe_writes.py").read_text()
 
 
 @pytest.mark.parametrize("model_class, auto_class", HEADS)

@@ -28,6 +28,8 @@ PACKAGE = Path(ran_hf.__file__).parent
 # `integrations` and `files` subpackages, which no folder carries either.
 NOT_MODEL_CODE = {"__init__"}
 SUBPACKAGE_CODE = {path.stem for folder in ("files", "integrations") for path in (PACKAGE / folder).glob("*.py")}
+# What every folder carries from `files/`, flat: the guarded writes and the shipped-code list, which the config imports.
+SHIPPED_FROM_FILES = {"safe_writes", "saved_code"}
 # The fused and Triton implementations: a folder's code takes them from an installed `ran_hf`, and never ships them.
 KERNEL_CODE = {path.read_text() for path in (PACKAGE / "kernels").rglob("*.py")}
 # Code that only the folder of one head carries: its pipeline, from `integrations/`, copied flat. Every folder carries
@@ -59,12 +61,13 @@ def test_a_saved_folder_carries_the_modeling_code_only(name, tmp_path):
     package = {path.stem for path in PACKAGE.glob("*.py")}
     own_code = HEAD_CODE.get(name, set())
     assert not shipped & NOT_MODEL_CODE
-    assert not shipped & (SUBPACKAGE_CODE - {"__init__"} - own_code)
+    assert not shipped & (SUBPACKAGE_CODE - {"__init__"} - own_code - SHIPPED_FROM_FILES)
     assert not (tmp_path / "files").exists() and not (tmp_path / "integrations").exists()
     assert not {path.read_text() for path in tmp_path.glob("*.py")} & KERNEL_CODE
     assert not [path for path in tmp_path.rglob("*") if path.is_dir()]  # flat: no folder of code at all
     assert {"building_blocks", "cell_scan", "kernel_hub", "scan_inputs"} <= shipped  # the plain implementations
-    assert shipped == package - NOT_MODEL_CODE | own_code
+    assert shipped == package - NOT_MODEL_CODE | own_code | SHIPPED_FROM_FILES
+    assert not [path for path in tmp_path.glob("*.py") if "from .files." in path.read_text()]  # imports made flat
     config = json.loads((tmp_path / "config.json").read_text())
     for reference in config["auto_map"].values():  # every class the config names is in the folder
         assert reference.split(".")[0] in shipped, reference

@@ -30,8 +30,8 @@ from ran_hf import (
 from ran_hf.files.folders import write_folder
 from ran_hf.files.paths import keeps_user_files
 from ran_hf.files.recovery import recover_interrupted
+from ran_hf.files.safe_writes import WriteStoppedError, write_into
 from ran_hf.integrations.sentence_embeddings import write_sentence_transformers_config
-from ran_hf.safe_writes import WriteStoppedError, write_into
 
 
 HEADS = {
@@ -229,7 +229,7 @@ SAVE_THEN = textwrap.dedent(
     import torch
     from ran_testing import tiny_config
     from ran_hf import RANForSequenceClassification
-    import ran_hf.safe_writes as safe_writes
+    import ran_hf.files.safe_writes as safe_writes
     import transformers.modeling_utils
     torch.manual_seed(1)
     model = RANForSequenceClassification(tiny_config(num_labels=3))

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from .configuration_ran import RANConfig
-from .saved_code import QUESTION_ANSWERING_TASK
+from .files.saved_code import QUESTION_ANSWERING_TASK
 
 
 __version__ = "0.1.0"
@@ -79,13 +79,12 @@ def __dir__():
 
 
 def _register_models(module) -> None:
-    """Put a model module's classes in the Auto classes (in place of their stand-ins) and mark them for remote code
-    (`save_pretrained` then ships their code)."""
+    """Put a model module's classes in the Auto classes, in place of their stand-ins. (Not `register_for_auto_class`:
+    the config's `save_pretrained` ships the code, flat, as files/saved_code.py says.)"""
     for auto_class, name in AUTO_CLASSES.items():
         model_class = module.__dict__.get(name)
         if model_class is not None:
             auto_class.register(RANConfig, model_class, exist_ok=True)
-            model_class.register_for_auto_class(auto_class.__name__)
 
 
 def _register_pipeline(_module=None) -> None:
@@ -197,7 +196,6 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 AutoConfig.register(RANConfig.model_type, RANConfig, exist_ok=True)
-RANConfig.register_for_auto_class()
 # The Auto classes get stand-ins now and the models when they are imported (by anyone): `import ran_hf` does not
 # import `transformers.modeling_utils`, which costs as much as Transformers itself.
 for _auto_class, _name in AUTO_CLASSES.items():

@@ -8,8 +8,8 @@ from typing import Literal
 from huggingface_hub.dataclasses import as_validated_field, strict
 from transformers import PreTrainedConfig
 
-from .safe_writes import hub_repo, write_into
-from .saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
+from .files.safe_writes import hub_repo, write_into
+from .files.saved_code import REMOTE_CODE_AUTO_MAP, kept_pipelines, save_code, served_pipelines
 
 
 # The layer's two designs, as the values they give nine fields (docs/memory.md): "official" is the paper's layer,

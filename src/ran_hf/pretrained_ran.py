@@ -23,9 +23,9 @@ from .building_blocks import RANTokenShift
 from .cache_ran import RANCache
 from .configuration_ran import RANConfig
 from .decode_step import decodes_in_steps, step_settings
+from .files.safe_writes import hub_repo, write_into
 from .memory_review import RANMemoryReview
 from .ran_layer import RANLayer, RANWindowAttention
-from .safe_writes import hub_repo, write_into
 
 
 # Weights saved while the cell's own GLU and norm were the layer's, `layers.N.cell_glu.*` and `layers.N.cell_norm.*`

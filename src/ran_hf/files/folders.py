@@ -13,14 +13,14 @@ Every script, the converter and the exporter write through this module:
 * `write_file` does the same for a file (an ONNX graph and its external data): refused unless it is a file of its
   kind (its suffix, and what an existing file holds), written beside it and moved into place.
 * Both lock the output meanwhile (folder_locks.py) and first clean up what a killed write left (recovery.py).
-* `ran_hf.safe_writes.write_into` (a flat module, because saved folders ship it) is the writer of the library's
+* `safe_writes.write_into` (which saved folders ship, flat) is the writer of the library's
   own saves into a folder that keeps its other entries (`save_pretrained` of a model or config, the model's code,
   sentence-transformers' files): written into a temporary folder inside it, then each entry renamed into place, so a
   name that links elsewhere is replaced, never written through. In a folder the writers here are making (a
   `write_folder` staging) the same happens, so every file the package writes goes through one of them.
 * A write stopped by the file-size limit (`ulimit -f`), a full disk or a quota raises a
-  `ran_hf.safe_writes.WriteStoppedError` naming the output, the file and the cause, the output left as it was.
-  (`ran_hf.safe_writes` is imported where needed: this module loads alone, without torch or Transformers.)
+  `safe_writes.WriteStoppedError` naming the output, the file and the cause, the output left as it was.
+  (`safe_writes` is imported where needed: this module loads alone, without torch or Transformers.)
 """
 
 import errno
@@ -171,7 +171,7 @@ def write_folder(target: str | os.PathLike, kind: str, carry_over: Callable[[str
         try:
             yield staging
         except BaseException as error:
-            from ..safe_writes import stopped_write
+            from .safe_writes import stopped_write
 
             stopped = stopped_write(error, target, staging)
             shutil.rmtree(staging, ignore_errors=True)
@@ -270,7 +270,7 @@ def write_file(
             for file in written:
                 os.replace(file, path.parent / file.name)
         except BaseException as error:
-            from ..safe_writes import stopped_write
+            from .safe_writes import stopped_write
 
             stopped = stopped_write(error, path.parent, staging)
             if stopped is not None:

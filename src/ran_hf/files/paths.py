@@ -152,7 +152,7 @@ def contents(folder: str | os.PathLike) -> list[str]:
 
 def move_entries(source: Path, destination: Path, replace: bool = True) -> None:
     """Move every entry of `source` into `destination`; with `replace=False`, not over an entry it already has."""
-    from ..safe_writes import move_entry  # here: loading this module alone stays cheap (and torch-free)
+    from .safe_writes import move_entry  # here: loading this module alone stays cheap (and torch-free)
 
     for entry in sorted(os.listdir(source)):
         if replace or not os.path.lexists(destination / entry):

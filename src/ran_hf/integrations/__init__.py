@@ -4,6 +4,6 @@ renaming of weights saved under an older layout (`rename_cell_weights`) and Tran
 question answering (`question_answering`).
 
 Not modeling code: no modeling module imports it. A saved question-answering model's folder carries the pipeline's
-module beside its own (saved_code.py), which imports torch and Transformers alone. Nothing is imported
+module beside its own (files/saved_code.py), which imports torch and Transformers alone. Nothing is imported
 here, so that importing one module (`from ran_hf.integrations.lora import ran_lora_config`) costs that module alone.
 """

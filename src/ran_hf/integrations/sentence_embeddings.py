@@ -32,7 +32,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
-from ..safe_writes import write_into
+from ..files.safe_writes import write_into
 
 
 __all__ = [

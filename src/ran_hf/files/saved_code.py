@@ -1,15 +1,25 @@
 """The code a saved RAN folder ships, so that it loads with any Auto class and `trust_remote_code=True` without
 `ran_hf`: the `auto_map` naming every head's class, the question-answering pipeline a folder serves, and the copying
-of the modules. Saved folders ship this module too (the config imports it), so it imports sibling modules only."""
+of the modules.
+
+A folder holds its code flat, as Transformers' remote-code loader reads it (it follows `from .module import` only):
+the model's modules, and the two of `files/` the config imports, this one and the guarded writes (`safe_writes.py`),
+copied beside them with the imports that name `files.` made flat. Both import each other only, so they run either way.
+"""
 
 import os
-import shutil
+import re
 from pathlib import Path
-
-from transformers.dynamic_module_utils import get_relative_import_files
 
 from .safe_writes import write_into
 
+
+_HERE = Path(__file__).parent
+# The model's modules: beside this one in a saved folder (which holds `configuration_ran.py`), above it in the package.
+MODEL_DIR = _HERE if (_HERE / "configuration_ran.py").is_file() else _HERE.parent
+# Where a module a folder ships may sit: with the model, in `files/` (these two), in `integrations/` (the pipeline).
+_PLACES = (MODEL_DIR, MODEL_DIR / "files", MODEL_DIR / "integrations")
+_RELATIVE_IMPORT = re.compile(r"^(\s*from\s+\.)(files\.)?(\w+)(\s+import)", flags=re.MULTILINE)
 
 _HEADS = ("CausalLM", "MaskedLM", "QuestionAnswering", "SequenceClassification", "TokenClassification")
 REMOTE_CODE_AUTO_MAP = {"AutoConfig": "configuration_ran.RANConfig", "AutoModel": "modeling_ran.RANModel"}
@@ -17,7 +27,7 @@ REMOTE_CODE_AUTO_MAP |= {f"AutoModelFor{head}": f"modeling_ran.RANFor{head}" for
 # The prefix LM is the model behind AutoModelForSeq2SeqLM, as `import ran_hf` registers it: a masked LM's folder, or a
 # converted checkpoint, loads as one (docs/seq2seq.md). A copy of this code loaded from a folder has prefix_lm.py only
 # if it ran it, and names only what it can ship.
-if Path(__file__).with_name("prefix_lm.py").is_file():
+if (MODEL_DIR / "prefix_lm.py").is_file():
     REMOTE_CODE_AUTO_MAP["AutoModelForSeq2SeqLM"] = "prefix_lm.RANForPrefixLM"
 # The pipeline a question-answering model's folder ships and names in `custom_pipelines`, so that
 # `pipeline(QUESTION_ANSWERING_TASK, model=folder, trust_remote_code=True)` runs without `ran_hf`.
@@ -30,13 +40,21 @@ QUESTION_ANSWERING_PIPELINE = {
 
 
 def _source(module: str) -> Path | None:
-    """The file of `module` that a saved folder ships: beside this one (the model's modules; in a copy loaded from a
-    saved folder, every module Transformers fetched) or in the package's `integrations/` (the pipeline, which has no
-    relative import and is copied flat). None where neither has it."""
-    for source in (Path(__file__).with_name(f"{module}.py"), Path(__file__).parent / "integrations" / f"{module}.py"):
-        if source.is_file():
-            return source
-    return None
+    """The file of `module` a saved folder ships (in a copy loaded from a folder: one Transformers fetched), or None."""
+    return next((place / f"{module}.py" for place in _PLACES if (place / f"{module}.py").is_file()), None)
+
+
+def flat_code(module: str) -> dict[str, str]:
+    """`module`'s source and that of every module it imports relatively, by file name, with the imports made flat."""
+    code, todo = {}, [module]
+    while todo:
+        name = todo.pop()
+        if f"{name}.py" in code or (source := _source(name)) is None:
+            continue
+        text = source.read_bytes().decode("utf-8")  # (bytes: line endings kept as they are)
+        todo += [match[2] for match in _RELATIVE_IMPORT.findall(text)]
+        code[f"{name}.py"] = _RELATIVE_IMPORT.sub(r"\1\3\4", text)
+    return code
 
 
 def kept_pipelines(config, pipelines: dict | None) -> dict:
@@ -54,13 +72,14 @@ def served_pipelines(config) -> dict:
 
 def save_code(config, save_directory: str | os.PathLike) -> None:
     """`RANConfig.save_pretrained`: with a model (`architectures` set), write the code of every module the config
-    names (the `auto_map`'s models, the pipeline of `custom_pipelines`) with the sibling modules each imports."""
+    names (the `auto_map`'s models, the pipeline of `custom_pipelines`) with the modules each imports, flat."""
     if not config.architectures or os.path.isfile(save_directory):
         return
     named = [reference for reference in config.auto_map.values() if isinstance(reference, str)]
     named += [info["impl"] for info in served_pipelines(config).values()]
+    code = {}
+    for module in sorted({reference.split("--")[-1].split(".")[0] for reference in named}):
+        code |= flat_code(module)  # a copy of this code loaded from a folder has only the modules it ran
     with write_into(save_directory) as staging:  # safe_writes.py: a module's name linked elsewhere is not followed
-        for module in sorted({reference.split("--")[-1].split(".")[0] for reference in named}):
-            if source := _source(module):  # a copy of this code loaded from a folder has only the modules it ran
-                for file in (source, *map(Path, get_relative_import_files(source))):
-                    shutil.copyfile(file, staging / file.name)
+        for file_name, text in code.items():
+            (staging / file_name).write_bytes(text.encode("utf-8"))
