@@ -193,7 +193,6 @@ class RANWindowLayout:
         # 2. Pack the windows of all sequences step-major: every sequence's first window, then every second one, ...
         # (in batch order within a step). When all sequences have the same number of windows, the scan's
         # step-major view of the windows is then the packed tensor itself: no copy either way.
-        torch.arange(num_packed, device=device)
         if bounded:  # room for `num_steps` windows per sequence; the ones it does not have stay empty
             grid = torch.zeros(batch_size, num_steps, dtype=torch.long, device=device)
             window_sequence = (grid + torch.arange(batch_size, device=device)[:, None]).flatten()  # (K,)
@@ -412,14 +411,6 @@ class RANWindowLayout:
             visible = visible & earlier[:, None]  # (K, 1, Q, 1 + S)
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
         return mask.masked_fill(~visible, torch.finfo(dtype).min)
-
-    def own_slot_mask(self, overlap: int) -> torch.Tensor:
-        """(K, S) the slots that hold a window's own tokens: every real slot, but the `overlap` enrichment tokens that
-        windows after a sequence's first read from the window before."""
-        absolute_window = self.first_window[self.window_sequence] + self.window_number  # (K,)
-        first_own = torch.where(absolute_window > 0, overlap, 0)[:, None]  # (K, 1)
-        slots = torch.arange(self.num_slots, device=first_own.device)
-        return self.slot_mask & (slots >= first_own)
 
     def last_cells(self, cells: torch.Tensor, start_cell: torch.Tensor) -> torch.Tensor:
         """(N, B, D) cells of the scan steps -> (B, D) each sequence's last one, which starts the next layer; a row of
