@@ -22,9 +22,10 @@ SOURCES = {
 SOURCES.pop("")  # ran_hf's own __init__: registrations, no modeling code
 MODULES = sorted(SOURCES)
 FLAT = [module for module in MODULES if SOURCES[module].parent == PACKAGE]  # the modeling modules a folder carries
-# The subpackage modules a modeling module may import: the guarded writes and the shipped-code list, which a saved
-# folder carries flat (files/saved_code.py makes their imports flat), and which import each other only.
-SHIPPED_FLAT = {"files.safe_writes", "files.saved_code"}
+# The subpackage modules a modeling module may import: the guarded writes, the shipped-code list and the weights
+# files' reader, which a saved folder carries flat (files/saved_code.py makes their imports flat), and which import
+# each other only.
+SHIPPED_FLAT = {"files.safe_writes", "files.saved_code", "files.weight_files"}
 
 
 def resolve(parts: list[str]) -> str | None:

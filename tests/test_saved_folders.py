@@ -28,8 +28,9 @@ PACKAGE = Path(ran_hf.__file__).parent
 # `integrations` and `files` subpackages, which no folder carries either.
 NOT_MODEL_CODE = {"__init__"}
 SUBPACKAGE_CODE = {path.stem for folder in ("files", "integrations") for path in (PACKAGE / folder).glob("*.py")}
-# What every folder carries from `files/`, flat: the guarded writes and the shipped-code list, which the config imports.
-SHIPPED_FROM_FILES = {"safe_writes", "saved_code"}
+# What every folder carries from `files/`, flat: the guarded writes, the shipped-code list and the weights files' reader,
+# which the config and the model base import.
+SHIPPED_FROM_FILES = {"safe_writes", "saved_code", "weight_files"}
 # The fused and Triton implementations: a folder's code takes them from an installed `ran_hf`, and never ships them.
 KERNEL_CODE = {path.read_text() for path in (PACKAGE / "kernels").rglob("*.py")}
 # Code that only the folder of one head carries: its pipeline, from `integrations/`, copied flat. Every folder carries

@@ -1,6 +1,6 @@
 """Rename a RAN folder's cell weights from an older layout to today's: `layers.N.cell_glu.*` and
 `layers.N.cell_norm.*` (saved while the cell's GLU and norm were the layer's) become `layers.N.cell_scan.cell_glu.*`
-and `layers.N.cell_scan.cell_norm.*`. Loading refuses the old names (`pretrained_ran.check_no_old_cell_weights`) and names
+and `layers.N.cell_scan.cell_norm.*`. Loading refuses the old names (`files.weight_files.check_no_old_cell_weights`) and names
 this conversion:
 
     python -m ran_hf.integrations.rename_cell_weights FOLDER
@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..files.folders import write_folder
-from ..pretrained_ran import OLD_CELL_WEIGHT, todays_cell_weight_name
+from ..files.weight_files import OLD_CELL_WEIGHT, todays_cell_weight_name
 
 
 INDEX = "model.safetensors.index.json"
