@@ -26,7 +26,7 @@ from ran_hf import (
 from ran_hf.files.data import load_records, read_records
 from ran_hf.files.folders import write_folder
 from ran_hf.files.labels import ClassificationLabels
-from ran_hf.files.seq2seq_features import truncated_ids
+from ran_hf.integrations.seq2seq_features import truncated_ids
 
 
 TINY = {

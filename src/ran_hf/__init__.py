@@ -55,7 +55,7 @@ _LAZY_NAMES = {
     "RANForSequenceClassification": "modeling_ran",
     "RANForTokenClassification": "modeling_ran",
     "RANForPrefixLM": "prefix_lm",
-    "prefix_lm_features": "files.seq2seq_features",
+    "prefix_lm_features": "integrations.seq2seq_features",
     "ExtractiveQuestionAnsweringPipeline": "integrations.question_answering",
     "export_onnx": "integrations.onnx_export",
     "RAN_LORA_TARGET_MODULES": "integrations.lora",
