@@ -171,11 +171,9 @@ def write_folder(target: str | os.PathLike, kind: str, carry_over: Callable[[str
         try:
             yield staging
         except BaseException as error:
-            from .safe_writes import stopped_write
+            from .safe_writes import discard_staging
 
-            stopped = stopped_write(error, target, staging)
-            shutil.rmtree(staging, ignore_errors=True)
-            if stopped is not None:
+            if (stopped := discard_staging(error, target, staging)) is not None:
                 raise stopped from error
             raise
         if not any(staging.iterdir()):

@@ -106,6 +106,14 @@ def stopped_write(error: BaseException, folder: Path, staging: Path) -> WriteSto
     )
 
 
+def discard_staging(error: BaseException, folder: Path, staging: Path) -> WriteStoppedError | None:
+    """`staging` removed after `error` stopped a write into it: what to raise instead of `error` (`stopped_write`),
+    None to raise `error` itself."""
+    stopped = stopped_write(error, folder, staging)
+    shutil.rmtree(staging, ignore_errors=True)
+    return stopped
+
+
 def superseded_weights(written: set[str], existing: Iterable[str]) -> set[str]:
     """The weight files of an earlier save that a save writing `written` leaves behind, which loading would read
     instead of (or beside) the new ones: shards named with the prefix of a weights file written (`model-00002-of-00002`
@@ -243,9 +251,7 @@ def write_into(
                         f"saved. Move it away, or save into another folder."
                     )
     except BaseException as error:
-        stopped = stopped_write(error, target, staging)
-        shutil.rmtree(staging, ignore_errors=True)
-        if stopped is not None:
+        if (stopped := discard_staging(error, target, staging)) is not None:
             raise stopped from error
         raise
     if not written:  # a rank that does not save, say
