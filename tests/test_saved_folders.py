@@ -250,3 +250,20 @@ def test_a_question_answering_folder_serves_its_pipeline_without_ran_hf(tmp_path
         (a["start"], a["end"], a["answer"]) for a in expected
     ]
     assert [a["score"] for a in report["answers"]] == pytest.approx([a["score"] for a in expected], abs=1e-6)
+
+
+LOAD_CONFIG = r"""
+import transformers
+
+config = transformers.AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)
+report["loaded"] = type(config).__name__
+report["hidden_size"] = config.hidden_size
+"""
+
+
+def test_a_config_saved_alone_carries_its_own_code_and_loads_without_ran_hf(tmp_path):
+    ran_hf.RANConfig(hidden_size=48, num_attention_heads=3, head_dim=16).save_pretrained(tmp_path / "config")
+    shipped = {path.name for path in (tmp_path / "config").glob("*.py")}
+    assert shipped == {"configuration_ran.py", "safe_writes.py", "saved_code.py"}  # its own, not the models'
+    report = run_without_ran_hf(LOAD_CONFIG, [tmp_path / "config"], tmp_path)
+    assert report["loaded"] == "RANConfig" and report["hidden_size"] == 48 and not report["ran_hf_imported"]

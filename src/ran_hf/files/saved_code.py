@@ -71,12 +71,15 @@ def served_pipelines(config) -> dict:
 
 
 def save_code(config, save_directory: str | os.PathLike) -> None:
-    """`RANConfig.save_pretrained`: with a model (`architectures` set), write the code of every module the config
-    names (the `auto_map`'s models, the pipeline of `custom_pipelines`) with the modules each imports, flat."""
-    if not config.architectures or os.path.isfile(save_directory):
+    """`RANConfig.save_pretrained`: write the code of every module the config names (with a model, `architectures`
+    set: the `auto_map`'s models and the pipeline of `custom_pipelines`; a config alone: its own, which AutoConfig
+    loads) with the modules each imports, flat."""
+    if os.path.isfile(save_directory):
         return
-    named = [reference for reference in config.auto_map.values() if isinstance(reference, str)]
-    named += [info["impl"] for info in served_pipelines(config).values()]
+    named = [config.auto_map["AutoConfig"]]
+    if config.architectures:
+        named += [reference for reference in config.auto_map.values() if isinstance(reference, str)]
+        named += [info["impl"] for info in served_pipelines(config).values()]
     code = {}
     for module in sorted({reference.split("--")[-1].split(".")[0] for reference in named}):
         code |= flat_code(module)  # a copy of this code loaded from a folder has only the modules it ran
