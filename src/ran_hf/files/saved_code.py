@@ -3,8 +3,9 @@
 of the modules.
 
 A folder holds its code flat, as Transformers' remote-code loader reads it (it follows `from .module import` only):
-the model's modules, and the two of `files/` the config imports, this one and the guarded writes (`safe_writes.py`),
-copied beside them with the imports that name `files.` made flat. Both import each other only, so they run either way.
+the model's modules, and the three of `files/` the model imports (this one, the guarded writes `safe_writes.py` and
+the weights files' reader `weight_files.py`), copied beside them with the imports that name `files.` made flat. They
+import each other only, so they run either way.
 """
 
 import os
@@ -17,7 +18,7 @@ from .safe_writes import write_into
 _HERE = Path(__file__).parent
 # The model's modules: beside this one in a saved folder (which holds `configuration_ran.py`), above it in the package.
 MODEL_DIR = _HERE if (_HERE / "configuration_ran.py").is_file() else _HERE.parent
-# Where a module a folder ships may sit: with the model, in `files/` (these two), in `integrations/` (the pipeline).
+# Where a module a folder ships may sit: with the model, in `files/` (those three), in `integrations/` (the pipeline).
 _PLACES = (MODEL_DIR, MODEL_DIR / "files", MODEL_DIR / "integrations")
 _RELATIVE_IMPORT = re.compile(r"^(\s*from\s+\.)(files\.)?(\w+)(\s+import)", flags=re.MULTILINE)
 
