@@ -166,3 +166,14 @@ def test_a_drifted_figure_is_caught(tmp_path, monkeypatch):
     checked = [(shown, value) for _, shown, value in figures(page)]
     assert checked == [("1,024", 1024), ("2.4", 2.34), ("2", 2), ("0.1", None)]
     assert [agrees(shown, value) for shown, value in checked] == [True, False, True, False]
+
+
+def test_every_memory_task_result_is_listed_with_its_command():
+    """The memory-tasks README's Files table names every result file of its folder (the command that wrote it beside
+    it), and every file it names is there."""
+    folder = ROOT / "benchmarks" / "memory_tasks"
+    files_table = (folder / "README.md").read_text().split("\n## Files\n", 1)[1]
+    listed = set(re.findall(r"\[`([\w.-]+?)\.(?:\{md,json,png\}|md|json)`\]", files_table))
+    results = {path.stem for path in folder.glob("*.json")}
+    assert not results - listed, f"result files missing from the Files table: {sorted(results - listed)}"
+    assert not listed - results, f"the Files table names files that are not there: {sorted(listed - results)}"
