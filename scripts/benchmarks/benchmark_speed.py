@@ -10,6 +10,8 @@ Models, all at the same width, depth and heads, random weights, dropout off:
   ran-fused      the same RAN with the fused cell scan (`scan_implementation="fused"`); not in the default list
   ran-triton     the same RAN with the Triton cell scan (`scan_implementation="triton"`; CUDA); not in the default list
   ran-small      ran_hf RAN, window `--small_window_size` (default 64)
+  ran-causal     the default causal RAN (`is_causal=True`: its associative memory and key convolution included),
+                 window `--window_size`; not in the default list
   ran-compiled   `torch.compile(RAN)`, compiled during the (untimed) warm-up at the measured shape; not in the
                  default list, as compiling takes minutes on a small CPU
   ceiling        RAN's per-token work without the recurrence: the same projections, GLUs, norms and memory review,
@@ -51,7 +53,7 @@ from ran_hf.cell_scan import RANScanInterface
 
 
 MODELS = ["ran", "ran-small", "ceiling", "longformer", "bigbird", "modernbert", "bert", "rannet"]
-OPTIONAL_MODELS = ["ran-fused", "ran-triton", "ran-compiled"]
+OPTIONAL_MODELS = ["ran-causal", "ran-fused", "ran-triton", "ran-compiled"]
 VOCAB_SIZE = 1000
 
 
@@ -99,14 +101,16 @@ def build_model(name: str, args, max_length: int) -> torch.nn.Module:
         "hidden_dropout_prob": 0.0,
         "attention_probs_dropout_prob": 0.0,
     }
-    if name in ("ran", "ran-fused", "ran-triton", "ran-small", "ceiling", "ran-compiled"):
+    if name in ("ran", "ran-fused", "ran-triton", "ran-small", "ceiling", "ran-compiled", "ran-causal"):
         from ran_hf import RANModel
 
         window = args.small_window_size if name == "ran-small" else args.window_size
-        scan = {"scan_implementation": WITHOUT_RECURRENCE} if name == "ceiling" else {}
+        fields = {"scan_implementation": WITHOUT_RECURRENCE} if name == "ceiling" else {}
         if name in ("ran-fused", "ran-triton"):
-            scan = {"scan_implementation": name.removeprefix("ran-")}
-        return RANModel(ran_config(args, window, **scan))
+            fields = {"scan_implementation": name.removeprefix("ran-")}
+        if name == "ran-causal":
+            fields = {"is_causal": True}
+        return RANModel(ran_config(args, window, **fields))
     if name == "longformer":
         config = transformers.LongformerConfig(
             **common, attention_window=args.window_size, max_position_embeddings=max_length + args.window_size + 2
