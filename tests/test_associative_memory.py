@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from ran_testing import CONFIG_ERROR, randomize_, tiny_config
 
-from ran_hf import RANCache, RANConfig, RANForCausalLM
+from ran_hf import RANCache, RANConfig, RANForCausalLM, associative_memory
 from ran_hf.associative_memory import delta_write, read_after_writes, unit_lower_inverse
 
 
@@ -86,6 +86,28 @@ def test_a_stored_binding_is_recalled_exactly():
 def memory_model(seed=0, **overrides):
     fields = {"is_causal": True, "associative_memory": True, **overrides}
     return randomize_(RANForCausalLM(tiny_config(**fields)), seed=seed).eval()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"associative_decay": True}, {"window_overlap": 2}], ids=str)
+def test_a_window_longer_than_a_write_chunk_is_written_chunk_after_chunk_exactly(monkeypatch, overrides):
+    """A window of more slots than `WRITE_CHUNK` is written in chunks (the last one shorter), each from the state the
+    one before left: the same logits and cache as one chunk per window, and as the decoding step's token-by-token
+    rule."""
+    model = memory_model(6, window_size=11, **overrides).double()
+    ids = torch.randint(1, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        whole = model(ids, use_cache=True)
+        monkeypatch.setattr(associative_memory, "WRITE_CHUNK", 4)  # windows of 11 (or 13) slots: 4 + 4 + 3 (or 5)
+        chunked = model(ids, use_cache=True)
+        cache, steps = None, []
+        for token in ids.split(1, dim=1):
+            outputs = model(token, past_key_values=cache, use_cache=True)
+            cache = outputs.past_key_values
+            steps.append(outputs.logits)
+    torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-10, rtol=0)
+    torch.testing.assert_close(torch.cat(steps, dim=1), chunked.logits, atol=1e-10, rtol=0)
+    for layer, chunked_layer in zip(whole.past_key_values.layers, chunked.past_key_values.layers):
+        torch.testing.assert_close(chunked_layer.binding_state, layer.binding_state, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize(

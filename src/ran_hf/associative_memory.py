@@ -24,7 +24,7 @@ will overwrite; the heads start at decay rates from 1e-4 to 1e-2 per token, some
 thousands of tokens, some over hundreds. The state is the same size at any length, so the cache stays flat, and a
 token's write depends only on its window and the state before it, so streaming equals one pass.
 
-A forward writes a window's new tokens at once in the delta rule's chunked form (DeltaNet, Yang et al. 2024): with
+A forward writes a window's new tokens in the delta rule's chunked form (DeltaNet, Yang et al. 2024), 64 at a time: with
 A = strictly-lower(diag(beta) K K^T), U = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta) K, the state after
 the window is S' = S + K^T (U - W S) and token i reads q_i^T S + sum over j <= i of (q_i . k_j) (U - W S)_j, which
 equals the token-by-token rule (`tests/test_associative_memory.py`); a decoding step writes its token by that rule.
@@ -46,6 +46,11 @@ from .cache_ran import RANCacheLayer
 from .configuration_ran import RANConfig
 from .decode_step import StepPositions
 from .window_layout import RANWindowLayout
+
+
+# The slots one triangular solve writes: a window of Q slots costs Q^2 in its solve and products, so a longer window
+# is written in chunks of this many, each from the state the chunk before left (exact: the rule is the same).
+WRITE_CHUNK = 64
 
 
 def without_autocast(device: torch.device):
@@ -154,9 +159,20 @@ class RANAssociativeMemory(nn.Module):
         log_decays = -F.softplus(wide(self.decay(normed_tokens) + self.decay_bias))
         return torch.stack([betas, log_decays], dim=-1)
 
-    def write(self, state, keys, values, gates) -> tuple[torch.Tensor, torch.Tensor]:
-        """`delta_write` with the write gates (B, H, Q, G) of `write_gates`, 0 for a slot that writes nothing."""
-        return delta_write(state, keys, values, gates[..., 0], gates[..., 1] if self.decays else None)
+    def write_and_read(self, state, queries, keys, values, gates) -> tuple[torch.Tensor, torch.Tensor]:
+        """One window per row: its slots write into `state` (B, H, d, d), in chunks of `WRITE_CHUNK` slots, and each
+        slot's query reads the state after its own write. queries (unit length), keys (unit length) and values
+        (B, H, Q, d); gates (B, H, Q, G) of `write_gates`, 0 for a slot that writes nothing. Returns the state after
+        the window and the reads (B, H, Q, d)."""
+        betas, log_decays = gates[..., 0], gates[..., 1] if self.decays else None
+        reads = []
+        for first in range(0, keys.shape[-2], WRITE_CHUNK):
+            part = slice(first, first + WRITE_CHUNK)
+            chunk_keys, chunk_decays = keys[..., part, :], None if log_decays is None else log_decays[..., part]
+            after, corrected = delta_write(state, chunk_keys, values[..., part, :], betas[..., part], chunk_decays)
+            reads.append(read_after_writes(queries[..., part, :], state, chunk_keys, corrected, chunk_decays))
+            state = after
+        return state, reads[0] if len(reads) == 1 else torch.cat(reads, dim=-2)
 
     def forward(self, query, key, value, normed_tokens, layout: RANWindowLayout | StepPositions, cache):
         """What every new token recalls from the memory after its own write, (T, H * d), given the layer's queries
@@ -177,41 +193,35 @@ class RANAssociativeMemory(nn.Module):
         if start is None:
             start = wide(query.new_zeros(layout.batch_size, self.num_heads, self.head_dim, self.head_dim))
         with without_autocast(query.device):
-            read, states = self.write_windows(query, keys, values, gates.transpose(1, 2), start, layout)
+            read, state = self.write_windows(query, keys, values, gates.transpose(1, 2), start, layout)
         if cache is not None:  # the state after each row's last window here, finished or not
-            last, rows = (layout.num_windows - 1).clamp(min=0), torch.arange(layout.batch_size, device=start.device)
-            written = (layout.num_windows > 0)[:, None, None, None]
-            cache.binding_state = torch.where(written, states[last, rows], start) if states.numel() else start
+            cache.binding_state = state
         return layout.from_windows(read.flatten(-2))
 
     def write_windows(self, query, keys, values, gates, start_state, layout: RANWindowLayout):
         """query (K, H, Q, d) before rotary; keys (unit length) and values (K, H, Q, d) the windows' new tokens
         write, gates (K, H, Q, G) theirs; start_state (B, H, d, d). Returns what the windows' queries read after
-        their own writes (K, Q, H, d) and the state after each scan step (N, B, H, d, d)."""
+        their own writes (K, Q, H, d) and each row's state after its last window (B, H, d, d)."""
         dtype = query.dtype
-        # Scan step j writes the window each sequence reads there; a sequence without one writes the empty row.
-        padded = [F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, 1)) for tensor in (keys, values, gates)]
+        # Scan step j writes the window each sequence reads there; a sequence without one writes the empty row, which
+        # leaves its state exactly as it was (no write, no decay): the state after the last step is every row's last.
+        windows = (unit_vectors(wide(query)), keys, values, gates)
+        padded = [F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, 1)) for tensor in windows]
         if torch.compiler.is_exporting():  # one `scan` operator: a loop would be unrolled for the example's windows
             from torch._higher_order_ops.scan import scan as scan_operator
 
-            def write_window(state, windows):
-                written, corrected = self.write(state, *(tensor[windows] for tensor in padded))
-                return written, (written.clone(), corrected)  # (the outputs may not alias the carried state)
+            def write_window(state, step_windows):
+                return self.write_and_read(state, *(tensor[step_windows] for tensor in padded))
 
-            after, corrected = scan_operator(write_window, wide(start_state), [layout.step_windows])[1]
+            state, reads = scan_operator(write_window, wide(start_state), [layout.step_windows])
         else:
-            state, after, corrected = wide(start_state), [], []
-            for windows in layout.step_windows:  # (B,) window index, or K for none
-                state, step_corrected = self.write(state, *(tensor[windows] for tensor in padded))
-                after.append(state)
-                corrected.append(step_corrected)
-            after, corrected = torch.stack(after), torch.stack(corrected)  # (N, B, H, d, d), (N, B, H, Q, d)
-        shape = (-1, self.num_heads, self.head_dim, self.head_dim)
-        before = layout.per_sequence(torch.cat([wide(start_state)[None], after[:-1]]).flatten(2)).view(shape)
-        corrected = layout.per_sequence(corrected.flatten(2)).view(keys.shape)
-        log_decays = gates[..., 1] if self.decays else None
-        read = read_after_writes(unit_vectors(wide(query)), before, keys, corrected, log_decays)
-        return (read * self.read_scale[:, None, None]).transpose(1, 2).to(dtype), after
+            state, reads = wide(start_state), []
+            for step_windows in layout.step_windows:  # (B,) window index, or K for none
+                state, read = self.write_and_read(state, *(tensor[step_windows] for tensor in padded))
+                reads.append(read)
+            reads = torch.stack(reads)  # (N, B, H, Q, d)
+        read = layout.per_sequence(reads.flatten(2)).view(keys.shape)  # (K, H, Q, d)
+        return (read * self.read_scale[:, None, None]).transpose(1, 2).to(dtype), state
 
     def step(self, query, keys, value, normed, cache: RANCacheLayer, at: StepPositions):
         """`forward`'s step branch: the new token writes its key and value by the token-by-token rule, then its query
