@@ -10,7 +10,7 @@ from ran_hf import RANConfig, RANForCausalLM, RANForSequenceClassification
 
 def logits_at(model, ids, window_size):
     """The same weights read with another `window_size` (no dropout: training mode computes as inference)."""
-    other = type(model)(model.config.__class__(**{**model.config.to_dict(), "training_window_sizes": None,
+    other = type(model)(model.config.__class__(**{**model.config.to_dict(), "training_window_sizes": [window_size],
                                                   "window_size": window_size}))  # fmt: skip
     other.load_state_dict(model.state_dict())
     return other.train()(ids).logits
@@ -48,3 +48,33 @@ def test_a_carried_cache_keeps_the_configs_window():
 def test_sizes_a_window_cannot_have_are_refused(sizes):
     with pytest.raises(CONFIG_ERROR, match="`training_window_sizes` must be window sizes above `min_window_size`"):
         RANConfig(is_causal=True, training_window_sizes=sizes)
+
+
+def test_the_causal_memory_trains_at_a_quarter_half_and_all_of_its_window_by_default():
+    """The default causal RAN's associative memory is trained across windows (benchmarks/memory_tasks/README.md):
+    its sizes follow the window fields and the memory, and a size given by hand is kept."""
+    config = RANConfig(is_causal=True)
+    assert config.training_window_sizes == [64, 128, 256]
+    config.window_size = 128
+    assert config.training_window_sizes == [32, 64, 128]
+    config.min_window_size = 40  # a quarter of the window is no window
+    assert config.training_window_sizes == [64, 128]
+    config.associative_memory = False
+    assert config.training_window_sizes is None
+    assert RANConfig().training_window_sizes is None  # the encoder, and the paper's causal layer, read at the window
+    assert RANConfig(is_causal=True, layer_design="official").training_window_sizes is None
+    given = RANConfig(is_causal=True, training_window_sizes=[256])  # the window alone
+    given.window_size = 512
+    assert given.training_window_sizes == [256]
+
+
+def test_a_saved_config_keeps_its_training_window_sizes(tmp_path):
+    """A folder saved when None meant the window alone keeps reading there; `associative_memory=False` given to
+    `from_pretrained` turns the sizes off with the memory; a folder saved now keeps the sizes it resolved."""
+    model = RANForCausalLM(tiny_config(is_causal=True, associative_memory=True))
+    model.save_pretrained(tmp_path)
+    saved = RANForCausalLM.from_pretrained(tmp_path).config
+    assert saved.training_window_sizes == model.config.training_window_sizes is not None
+    assert RANForCausalLM.from_pretrained(tmp_path, associative_memory=False).config.training_window_sizes is None
+    old = model.config.to_dict() | {"training_window_sizes": None}
+    assert RANConfig.from_dict(old).training_window_sizes == [model.config.window_size]

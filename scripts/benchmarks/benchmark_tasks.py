@@ -25,7 +25,8 @@ ran-bpie (window_overlap > 0), bilstm, srnn, bpie-bisrnn (baseline_models.py), l
 (Transformers' models, from scratch, BERT reading the first 512 tokens only); for lm: ran-causal,
 ran-causal-official, ran-causal-associative (ran-causal with `config.associative_memory`), ran-causal-key-conv (the
 same with `associative_key_conv=4`), ran-causal-long-memory (the associative memory, trained at drawn window sizes:
-`training_window_sizes` of a quarter, half and all of the window) and llama (Transformers' Llama of RAN's width, depth, heads and head size, its MLP sized to RAN's parameter
+`training_window_sizes` of a quarter, half and all of the window, as ran-causal now is), ran-causal-one-window
+(ran-causal trained at its window alone, the default before drawn sizes) and llama (Transformers' Llama of RAN's width, depth, heads and head size, its MLP sized to RAN's parameter
 count; no dropout).
 
 Runs execute in `--workers` fresh processes and are appended to `<output_name>_runs.jsonl` as they finish; an
@@ -92,6 +93,7 @@ LANGUAGE_MODELS = {
     "ran-causal-associative": {"associative_memory": True},
     "ran-causal-key-conv": {"associative_memory": True, "associative_key_conv": 4},
     "ran-causal-long-memory": {"associative_memory": True, "training_window_sizes": None},  # None: from the window
+    "ran-causal-one-window": {"training_window_sizes": None},  # the window alone (the default before drawn sizes)
     "llama": None,  # causal_baselines.py, matched to ran-causal
 }
 BERT_MAX_LENGTH = 512
@@ -490,7 +492,8 @@ def build_model(name: str, task_name: str, task: dict, args: BenchmarkArguments,
         fields = dict(LANGUAGE_MODELS[name])
         if "training_window_sizes" in fields:
             window = args.lm_window_size
-            fields["training_window_sizes"] = sorted({max(window // 4, 2), max(window // 2, 2), window})
+            drawn = sorted({max(window // 4, 2), max(window // 2, 2), window})
+            fields["training_window_sizes"] = [window] if name == "ran-causal-one-window" else drawn
         config = ran_config(args, task, "ran", args.lm_window_size, is_causal=True, **fields)
         model = RANForCausalLM(config)
         if official:

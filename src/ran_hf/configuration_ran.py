@@ -24,8 +24,10 @@ LAYER_DESIGNS = {
     },
 }
 # Fields left None follow the design (`to_dict` writes what they resolved to): the design fields, and the causal
-# learnable-memory layer's associative memory with its key convolution (docs/memory.md).
-FOLLOWING_FIELDS = ("layer_design", *LAYER_DESIGN_FIELDS, "associative_memory", "associative_key_conv")
+# learnable-memory layer's associative memory with its key convolution and training window sizes (docs/memory.md).
+FOLLOWING_FIELDS = ("layer_design", *LAYER_DESIGN_FIELDS, "associative_memory", "associative_key_conv",
+                    "training_window_sizes")  # fmt: skip
+_WINDOW_FIELDS = ("window_size", "min_window_size", "window_overlap")  # the training window sizes follow them
 MEMORY_KEY_CONV = 4
 _PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
@@ -160,6 +162,13 @@ class RANConfig(PreTrainedConfig):
             self.__dict__["associative_memory"] = self.is_causal and self.layer_design == "learnable_memory"
         if "associative_key_conv" in self._from_design:  # the memory's; 0: none
             self.__dict__["associative_key_conv"] = MEMORY_KEY_CONV if self.associative_memory else 0
+        if "training_window_sizes" in self._from_design:  # the memory's: a short text then spans several windows
+            self.__dict__["training_window_sizes"] = self._memory_window_sizes() if self.associative_memory else None
+
+    def _memory_window_sizes(self) -> list[int]:
+        """A quarter, half and all of the window, those a window can have."""
+        window, floor = self.window_size, max(1, self.min_window_size, self.window_overlap)
+        return sorted({size for size in (window // 4, window // 2) if size > floor} | {window})
 
     def __setattr__(self, name, value):
         if self.__dict__.get(name, self) is value:  # set to what it holds (Transformers sets `is_causal` per call)
@@ -174,7 +183,7 @@ class RANConfig(PreTrainedConfig):
             raise ValueError("`per_layer_config` is not supported: every RAN layer is built from the config's fields.")
         super().__setattr__(name, value)
         self.__dict__["edits"] = self.__dict__.get("edits", 0) + 1  # a model checks its config again after an edit
-        if self.__dict__.get("_from_design") is not None and name in ("is_causal", *FOLLOWING_FIELDS):
+        if self.__dict__.get("_from_design") is not None and name in ("is_causal", *_WINDOW_FIELDS, *FOLLOWING_FIELDS):
             # Set by hand, a design field no longer follows the design; set to None, it follows it again.
             self._from_design = [field for field in self._from_design if field != name] + [name] * (value is None)
             self._follow_design()
@@ -259,9 +268,11 @@ class RANConfig(PreTrainedConfig):
             config_dict = {"associative_memory": False} | config_dict
             if config_dict.get("associative_key_conv", 0) is None:
                 config_dict["associative_key_conv"] = 0  # saved when None meant no convolution
+            if config_dict.get("training_window_sizes", 0) is None and config_dict["associative_memory"]:
+                config_dict["training_window_sizes"] = [config_dict.get("window_size", 256)]  # None: the window alone
         given = {name: kwargs.pop(name) for name in cls.__dataclass_fields__ if name in kwargs}
-        if "associative_memory" in given:  # the memory's convolution follows it, unless given too
-            given = {"associative_key_conv": None} | given
+        if "associative_memory" in given:  # the memory's convolution and window sizes follow it, unless given too
+            given = {"associative_key_conv": None, "training_window_sizes": None} | given
         config_dict = config_dict | given
         if "residual_stream" in config_dict:
             config_dict = dict.fromkeys(("cell_max_pool", "review_salience", "token_shift"), False) | config_dict

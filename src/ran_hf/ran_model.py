@@ -272,10 +272,11 @@ class RANModel(RANPreTrainedModel):
         sequence of the training length then spans as many windows as longer ones do, so the cell and the memories
         learn to carry what they will carry there. None (the config's) where a cache is carried, whose windows must
         keep one size; inference does not ask."""
-        sizes = self.config.training_window_sizes
-        if not sizes or cache is not None or torch.compiler.is_compiling():
+        sizes, window = self.config.training_window_sizes, self.config.window_size
+        if sizes in (None, [window]) or cache is not None or torch.compiler.is_compiling():
             return None
-        return sizes[int(torch.randint(len(sizes), ()))]
+        size = sizes[int(torch.randint(len(sizes), ()))]
+        return None if size == window else size  # the config's: the layout inference builds
 
     @cache_transaction  # a forward that fails leaves `past_key_values` as it was
     @decoding_step_first
