@@ -165,6 +165,7 @@ def write_model_card(
             "window / minimum window / overlap",
             f"{config.window_size} / {config.min_window_size} / {config.window_overlap}",
         ),
+        ("windows drawn in training", ", ".join(map(str, config.training_window_sizes or [config.window_size]))),
         ("cell pooling, memory review", f"{config.cell_pooling}, {config.memory_review}"),
         ("causal", str(config.is_causal)),
         ("layer design", config.layer_design),
