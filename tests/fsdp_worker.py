@@ -50,6 +50,7 @@ def tiny_model(head: str) -> torch.nn.Module:
         attention_probs_dropout_prob=0.0,
         is_causal=head == "causal-lm",
         num_labels=3,
+        training_window_sizes=[8],  # one size: each rank would draw its own, the one-process reference another
     )
     torch.manual_seed(0)
     return HEADS[head](config)

@@ -132,7 +132,8 @@ def batch(args, head: str, device):
 
 def gradients(model, loss_fn, inputs, device, autocast: bool):
     model.zero_grad(set_to_none=True)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+    with torch.random.fork_rng(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        torch.manual_seed(0)  # both passes draw the same training window size (`training_window_sizes`)
         loss = loss_fn(*inputs)
     loss.backward()
     return {name: p.grad.detach().double().clone() for name, p in model.named_parameters() if p.grad is not None}
